@@ -1,0 +1,1 @@
+"""Input/output: tokenizers, Hugging Face import/export and checkpoints."""

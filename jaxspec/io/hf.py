@@ -1,0 +1,338 @@
+"""Hugging Face checkpoints: `config.json` + (sharded) `*.safetensors` ↔ jaxspec parameters.
+
+The on-disk names are the HF ones (`model.layers.{i}.self_attn.q_proj.weight`, per-expert
+`mlp.experts.{e}.gate_proj.weight`, ...). MTP layers are stored after the main layers in the
+DeepSeek-V3 layout, `model.layers.{num_hidden_layers + k}.{enorm,hnorm,eh_proj,shared_head.norm,
+self_attn.*,mlp.*}`. Every tensor the architecture needs must be present with the right shape;
+anything else is an error, named, never a silent fallback to random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jaxspec.config import ModelConfig
+from jaxspec.models import target as target_lib
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 2 * 1024 ** 3
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that is missing, truncated, incomplete or inconsistent with its config."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Name mapping
+# --------------------------------------------------------------------------------------------------
+
+# (hf suffix, jaxspec path inside the layer, kind). Kinds say how to reshape:
+#   "in_heads": HF [heads*D, H]  ↔ jaxspec kernel [H, heads, D]
+#   "out_heads": HF [H, heads*D] ↔ jaxspec kernel [heads, D, H]
+#   "bias_heads": HF [heads*D]   ↔ jaxspec [heads, D]
+#   "linear": HF [out, in] ↔ jaxspec [in, out];  "same": identical.
+Entry = tuple[str, tuple[str, ...], str]
+
+
+def _layer_entries(config: ModelConfig, moe: bool) -> list[Entry]:
+  e: list[Entry] = [
+      ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
+      ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "same"),
+      ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "in_heads"),
+      ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "in_heads"),
+      ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "in_heads"),
+      ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "out_heads"),
+  ]
+  if config.attention_bias:
+    e += [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), "bias_heads")
+          for p in ("q_proj", "k_proj", "v_proj")]
+  if config.attention_out_bias:
+    e.append(("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "same"))
+  if config.qk_norm:
+    e += [("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "same"),
+          ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "same")]
+  if not moe:
+    e += [(f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear")
+          for p in ("gate_proj", "up_proj", "down_proj")]
+    return e
+  e.append(("mlp.gate.weight", ("mlp", "router"), "linear"))
+  if config.router == "sigmoid":
+    e.append(("mlp.gate.e_score_correction_bias", ("mlp", "e_score_correction_bias"), "same"))
+  for x in range(config.num_experts):
+    e += [(f"mlp.experts.{x}.{p}.weight", ("mlp", p, f"#{x}"), "linear")
+          for p in ("gate_proj", "up_proj", "down_proj")]
+  if config.n_shared_experts:
+    e += [(f"mlp.shared_experts.{p}.weight", ("mlp", "shared_experts", p, "kernel"), "linear")
+          for p in ("gate_proj", "up_proj", "down_proj")]
+  return e
+
+
+def _mtp_entries(config: ModelConfig) -> list[Entry]:
+  e: list[Entry] = [
+      ("enorm.weight", ("enorm", "scale"), "same"),
+      ("hnorm.weight", ("hnorm", "scale"), "same"),
+      ("eh_proj.weight", ("eh_proj", "kernel"), "linear"),
+      ("shared_head.norm.weight", ("post_norm", "scale"), "same"),
+  ]
+  return e + [(hf, ("block", *path), kind) for hf, path, kind in
+              _layer_entries(config, config.mtp_is_moe)]
+
+
+def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, str]]:
+  """Yields (hf_name, param path, index into the stacked layer axis or None, kind)."""
+  yield "model.embed_tokens.weight", ("embed",), None, "same"
+  yield "model.norm.weight", ("norm", "scale"), None, "same"
+  if not config.tie_word_embeddings:
+    yield "lm_head.weight", ("lm_head", "kernel"), None, "linear"
+  for s, (first, n, moe) in enumerate(config.segments()):
+    entries = _layer_entries(config, moe)
+    for j in range(n):
+      for hf, path, kind in entries:
+        yield f"model.layers.{first + j}.{hf}", (f"layers_{s}", *path), j, kind
+  for k in range(config.num_mtp_layers):
+    for hf, path, kind in _mtp_entries(config):
+      yield f"model.layers.{config.num_layers + k}.{hf}", (f"mtp_{k}", *path), None, kind
+
+
+def _to_jax_layout(w: np.ndarray, kind: str, target_shape: tuple[int, ...]) -> np.ndarray:
+  if kind == "same":
+    return w
+  if kind == "linear":
+    return w.T
+  if kind == "in_heads":
+    return w.T.reshape(target_shape)
+  if kind == "out_heads":
+    return w.T.reshape(target_shape)
+  if kind == "bias_heads":
+    return w.reshape(target_shape)
+  raise AssertionError(kind)
+
+
+def _to_hf_layout(w: np.ndarray, kind: str) -> np.ndarray:
+  if kind == "same":
+    return w
+  if kind == "linear":
+    return w.T
+  if kind == "in_heads":  # [H, heads, D] → [heads*D, H]
+    return w.reshape(w.shape[0], -1).T
+  if kind == "out_heads":  # [heads, D, H] → [H, heads*D]
+    return w.reshape(-1, w.shape[-1]).T
+  if kind == "bias_heads":
+    return w.reshape(-1)
+  raise AssertionError(kind)
+
+
+def _hf_shape(target_shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
+  return tuple(_to_hf_layout(np.empty(target_shape, np.uint8), kind).shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+
+class _TensorSource:
+  """Lazy access to the tensors of one checkpoint directory (single file or sharded)."""
+
+  def __init__(self, model_dir: str):
+    single = os.path.join(model_dir, SINGLE_FILE)
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index):
+      with open(index) as f:
+        weight_map = json.load(f).get("weight_map", {})
+      self.file_of = {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+      missing = sorted({v for v in self.file_of.values() if not os.path.exists(v)})
+      if missing:
+        raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+    elif os.path.exists(single):
+      self.file_of = {k: single for k in self._keys(single)}
+    else:
+      raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+    self._handles: dict[str, Any] = {}
+
+  @staticmethod
+  def _open(path: str):
+    try:
+      return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError, ValueError) as e:
+      raise CheckpointError(f"cannot read safetensors file {path} (truncated or corrupt?): {e}")
+
+  def _keys(self, path: str) -> list[str]:
+    with self._open(path) as f:
+      return list(f.keys())
+
+  def keys(self) -> set[str]:
+    return set(self.file_of)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._handle(name).get_slice(name).get_shape())
+
+  def _handle(self, name: str):
+    path = self.file_of[name]
+    if path not in self._handles:
+      self._handles[path] = self._open(path).__enter__()
+    return self._handles[path]
+
+  def get(self, name: str) -> np.ndarray:
+    f = self._handle(name)
+    try:
+      if f.get_slice(name).get_dtype() == "BF16":
+        with safe_open(self.file_of[name], framework="flax") as fj:
+          return np.asarray(fj.get_tensor(name))
+      return f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError) as e:
+      raise CheckpointError(f"cannot read tensor {name} from {self.file_of[name]} "
+                            f"(truncated or corrupt?): {e}")
+
+  def close(self) -> None:
+    for h in self._handles.values():
+      h.__exit__(None, None, None)
+    self._handles.clear()
+
+
+def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  tree[path[-1]] = value
+
+
+def _get_path(tree: Any, path: tuple[str, ...]) -> Any:
+  for p in path:
+    tree = tree[p]
+  return tree
+
+
+def read_config(model_dir: str) -> dict:
+  path = os.path.join(model_dir, "config.json")
+  if not os.path.exists(path):
+    raise CheckpointError(f"no config.json in {model_dir}")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path} is not valid JSON: {e}")
+
+
+def load_params(model_dir: str, config: ModelConfig) -> Any:
+  """Reads the parameters of `config` from a HF checkpoint directory (numpy, param_dtype)."""
+  src = _TensorSource(model_dir)
+  shapes = target_lib.param_shapes(config)
+  dtype = np.dtype(ml_dtypes.bfloat16) if config.param_dtype == "bfloat16" else np.dtype(
+      config.param_dtype)
+  params: dict = {}
+  needed = list(tensor_map(config))
+  missing = [hf for hf, *_ in needed if hf not in src.file_of]
+  if missing:
+    src.close()
+    more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
+    raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the "
+                          f"config needs: {missing[:10]}{more}")
+  try:
+    for hf, path, layer_idx, kind in needed:
+      expert = None
+      if path[-1].startswith("#"):
+        expert, path = int(path[-1][1:]), path[:-1]
+      full = _get_path(shapes, path)
+      per_layer = full.shape[1:] if layer_idx is not None else full.shape
+      per_item = per_layer[1:] if expert is not None else per_layer
+      want = _hf_shape(per_item, kind)
+      got = src.shape(hf)
+      if got != want:
+        raise CheckpointError(f"tensor {hf} has shape {list(got)}, but the config implies "
+                              f"{list(want)}")
+      w = _to_jax_layout(src.get(hf), kind, per_item).astype(dtype)
+      try:
+        buf = _get_path(params, path)
+      except KeyError:
+        buf = np.zeros(full.shape, dtype)
+        _set_path(params, path, buf)
+      index = tuple(i for i in (layer_idx, expert) if i is not None)
+      buf[index] = w
+  finally:
+    src.close()
+  return params
+
+
+def load_model(model_dir: str, **config_overrides: Any) -> target_lib.TargetModel:
+  """Loads config.json, the safetensors weights and tokenizer.json (when present)."""
+  if not os.path.isdir(model_dir):
+    raise CheckpointError(f"model directory {model_dir!r} does not exist")
+  hf_config = read_config(model_dir)
+  config = ModelConfig.from_hf(hf_config, **config_overrides)
+  params = jax.tree_util.tree_map(jnp.asarray, load_params(model_dir, config))
+  tokenizer = None
+  if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+    from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+    tokenizer = tokenizer_lib.Tokenizer.from_dir(model_dir)
+  return target_lib.TargetModel(config, params, tokenizer, hf_config)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
+  """The HF-named tensors of a parameter tree."""
+  host = jax.tree_util.tree_map(np.asarray, params)
+  out: dict[str, np.ndarray] = {}
+  for hf, path, layer_idx, kind in tensor_map(config):
+    expert = None
+    if path[-1].startswith("#"):
+      expert, path = int(path[-1][1:]), path[:-1]
+    w = _get_path(host, path)
+    if layer_idx is not None:
+      w = w[layer_idx]
+    if expert is not None:
+      w = w[expert]
+    out[hf] = np.ascontiguousarray(_to_hf_layout(w, kind))
+  return out
+
+
+def _save_file(tensors: dict[str, np.ndarray], path: str) -> None:
+  if any(t.dtype == ml_dtypes.bfloat16 for t in tensors.values()):
+    from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
+    save_file({k: jnp.asarray(v) for k, v in tensors.items()}, path, metadata={"format": "pt"})
+  else:
+    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def save_hf(model: target_lib.TargetModel, out_dir: str,
+            max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+  """Writes config.json, model.safetensors (sharded with an index when large) and tokenizer."""
+  os.makedirs(out_dir, exist_ok=True)
+  hf_config = dict(model.hf_config or {})
+  hf_config.update(model.config.to_hf())
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)
+  tensors = export_tensors(model.config, model.params)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name in sorted(tensors):
+    nbytes = tensors[name].nbytes
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = tensors[name]
+    size += nbytes
+  if len(shards) == 1:
+    _save_file(shards[0], os.path.join(out_dir, SINGLE_FILE))
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      _save_file(shard, os.path.join(out_dir, fname))
+      weight_map.update({k: fname for k in shard})
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+      json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                 "weight_map": weight_map}, f, indent=2, sort_keys=True)
+  if model.tokenizer is not None and hasattr(model.tokenizer, "save"):
+    model.tokenizer.save(out_dir)

@@ -1,0 +1,183 @@
+"""The decoder: embed → scanned layer stacks → final norm → LM head; plus MTP layers.
+
+One forward serves prefill, decode and verification: a block of T new tokens per sequence is
+written into the KV cache at per-sequence slots `start[b]`, each token attends to the committed
+prefix (slots < start) and, inside the block, to what `block_mask` allows (causal by default; an
+ancestor mask for tree verification). RoPE positions default to start + t but can be given
+explicitly (tree nodes sit at start + depth).
+
+Layers are stacked with `nn.scan`, one scan per maximal run of same-kind layers (a dense first
+layer and MoE layers after it make two runs), so compile time does not grow with depth. The KV
+cache is carried through the scans whole and updated in place at the block's slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import ModelConfig
+from jaxspec.models.layers import (MLP, Attention, Dense, RMSNorm, dtype_of, normal_init,
+                                   rope_tables)
+from jaxspec.models.moe import MoE
+
+
+class DecoderOutput(NamedTuple):
+  """What a forward returns.
+
+  logits: [B, T, V] float32 (or [B, 1, V] with `last_only`).
+  cache_k, cache_v: the updated caches [L, B, S, K, D].
+  taps: [n_taps, B, T, H] outputs of the tapped layers (HF hidden_states[i + 1]), or None.
+  hidden: [B, T, H] output of the last layer before the final norm.
+  """
+
+  logits: jax.Array
+  cache_k: jax.Array
+  cache_v: jax.Array
+  taps: jax.Array | None
+  hidden: jax.Array
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm block: x + attn(norm(x)); x + ffn(norm(x)). The FFN is dense or MoE."""
+
+  config: ModelConfig
+  moe: bool
+
+  @nn.compact
+  def __call__(self, carry: tuple, cos: jax.Array, sin: jax.Array, start: jax.Array,
+               block_mask: jax.Array | None):
+    h, cache_k, cache_v, layer = carry
+    c = self.config
+    norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, name=name)
+    attn_out, cache_k, cache_v = Attention(c, name="self_attn")(
+        norm("input_layernorm")(h), cache_k, cache_v, layer, start, cos, sin, block_mask)
+    h = h + attn_out
+    x = norm("post_attention_layernorm")(h)
+    ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
+    h = h + ffn(x)
+    return (h, cache_k, cache_v, layer + 1), h
+
+
+def _stack(config: ModelConfig, moe: bool, length: int, name: str) -> nn.Module:
+  scanned = nn.scan(
+      DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=length,
+      metadata_params={nn.PARTITION_NAME: "layers"})
+  return scanned(config, moe, name=name)
+
+
+class MTPLayer(nn.Module):
+  """DeepSeek-V3-style multi-token-prediction module.
+
+  h' = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) → a full decoder block → post_norm; the
+  shared LM head turns it into logits for token i+2.
+  """
+
+  config: ModelConfig
+
+  def setup(self):
+    c = self.config
+    self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
+    self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
+    self.eh_proj = Dense((c.hidden_size,), ("mlp", "embed"), dtype=c.dtype,
+                         param_dtype=c.param_dtype)
+    self.block = DecoderLayer(c, c.mtp_is_moe)
+    self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
+
+  def __call__(self, emb: jax.Array, prev_hidden: jax.Array, cache_k: jax.Array,
+               cache_v: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array,
+               block_mask: jax.Array | None):
+    x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(prev_hidden)], axis=-1))
+    (h, cache_k, cache_v, _), _ = self.block((x, cache_k, cache_v, jnp.int32(0)), cos, sin, start,
+                                             block_mask)
+    return h, self.post_norm(h), cache_k, cache_v
+
+
+class Decoder(nn.Module):
+  """The target model. Parameters: embed, layers_{i} (scanned runs), norm, lm_head, mtp_{k}."""
+
+  config: ModelConfig
+
+  def setup(self):
+    c = self.config
+    self.embed = self.param(
+        "embed", nn.with_logical_partitioning(normal_init(), ("vocab", "embed")),
+        (c.vocab_size, c.hidden_size), dtype_of(c.param_dtype))
+    self.stacks = [_stack(c, moe, n, name=f"layers_{i}")
+                   for i, (_, n, moe) in enumerate(c.segments())]
+    self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
+    if not c.tie_word_embeddings:
+      self.lm_head = Dense((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype,
+                           param_dtype=c.param_dtype)
+    self.mtp = [MTPLayer(c, name=f"mtp_{k}") for k in range(c.num_mtp_layers)]
+
+  # -- pieces shared by the main stack and the MTP layers ------------------------------------------
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    return jnp.take(self.embed, tokens, axis=0).astype(dtype_of(self.config.dtype))
+
+  def head(self, h: jax.Array) -> jax.Array:
+    """Final-normed hidden → float32 logits with the (tied or untied) LM head."""
+    c = self.config
+    if c.tie_word_embeddings:
+      dt = dtype_of(c.dtype)
+      return jnp.einsum("bth,vh->btv", h.astype(dt), self.embed.astype(dt),
+                        preferred_element_type=jnp.float32)
+    return self.lm_head(h).astype(jnp.float32)
+
+  def _rope(self, positions: jax.Array):
+    c = self.config
+    return rope_tables(positions, c.rotary_dim, c.rope_theta)
+
+  # -- forwards ------------------------------------------------------------------------------------
+
+  def __call__(self, tokens: jax.Array, start: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+               positions: jax.Array | None = None, block_mask: jax.Array | None = None,
+               taps: tuple[int, ...] = (), last_only: bool = False) -> DecoderOutput:
+    """Runs a block of T tokens per sequence; see the module docstring."""
+    t = tokens.shape[1]
+    if positions is None:
+      positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cos, sin = self._rope(positions)
+    h = self.embed_tokens(tokens)
+    carry = (h, cache_k, cache_v, jnp.int32(0))
+    per_layer = []
+    for stack in self.stacks:
+      carry, hs = stack(carry, cos, sin, start, block_mask)
+      per_layer.append(hs)
+    h, cache_k, cache_v, _ = carry
+    tapped = None
+    if taps:
+      all_h = jnp.concatenate(per_layer, axis=0) if len(per_layer) > 1 else per_layer[0]
+      tapped = all_h[jnp.asarray(taps)]
+    out_h = h[:, -1:] if last_only else h
+    logits = self.head(self.norm(out_h))
+    return DecoderOutput(logits, cache_k, cache_v, tapped, h)
+
+  def mtp_forward(self, k: int, tokens: jax.Array, prev_hidden: jax.Array, start: jax.Array,
+                  cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array | None = None,
+                  block_mask: jax.Array | None = None):
+    """MTP layer k over a block: returns (logits, hidden for the next depth, cache_k, cache_v).
+
+    `tokens` are the tokens one step ahead of `prev_hidden` (token i+1 beside hidden i); the
+    layer's own KV cache is [1, B, S, K, D].
+    """
+    t = tokens.shape[1]
+    if positions is None:
+      positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cos, sin = self._rope(positions)
+    h, normed, cache_k, cache_v = self.mtp[k](self.embed_tokens(tokens), prev_hidden, cache_k,
+                                              cache_v, cos, sin, start, block_mask)
+    return self.head(normed), h, cache_k, cache_v
+
+  def init_all(self, tokens: jax.Array, start: jax.Array, cache_k: jax.Array,
+               cache_v: jax.Array) -> Any:
+    """Touches every parameter (main stack and MTP layers) so that `init` creates them all."""
+    out = self(tokens, start, cache_k, cache_v)
+    for k in range(self.config.num_mtp_layers):
+      self.mtp_forward(k, tokens, out.hidden, start, cache_k[:1], cache_v[:1])
+    return out.logits

@@ -1,0 +1,205 @@
+"""Transformer building blocks: RMSNorm, RoPE, dense projections, GQA attention, SwiGLU MLP.
+
+Every parameter carries logical axis names (see jaxspec/sharding.py); no module names a mesh axis.
+Norms, softmax and RoPE are computed in float32 whatever the activation dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import ModelConfig
+
+NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
+
+
+def dtype_of(name: str) -> jnp.dtype:
+  return jnp.dtype(name)
+
+
+def normal_init(stddev: float = 0.02):
+  return nn.initializers.normal(stddev)
+
+
+class RMSNorm(nn.Module):
+  """y = w · x / sqrt(mean(x²) + eps), computed in float32 (HF Qwen3/GLM semantics)."""
+
+  dim: int
+  eps: float
+  axis_name: str = "embed"
+  param_dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    w = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                   (self.dim,), dtype_of(self.param_dtype))
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+class Dense(nn.Module):
+  """x @ W (+ b) with W of shape [in, *out_shape] and logical axes (in_axis, *out_axes)."""
+
+  out_shape: Sequence[int]
+  axes: Sequence[str]
+  use_bias: bool = False
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  in_dims: int = 1  # contract the last `in_dims` axes of x
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    in_shape = x.shape[-self.in_dims:]
+    kernel = self.param(
+        "kernel", nn.with_logical_partitioning(normal_init(), tuple(self.axes)),
+        (*in_shape, *self.out_shape), dtype_of(self.param_dtype))
+    dt = dtype_of(self.dtype)
+    n = self.in_dims
+    y = jax.lax.dot_general(
+        x.astype(dt), kernel.astype(dt),
+        ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())),
+        preferred_element_type=jnp.float32 if dt == jnp.float32 else None)
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                               tuple(self.axes[n:])),
+                        tuple(self.out_shape), dtype_of(self.param_dtype))
+      y = y + bias.astype(y.dtype)
+    return y.astype(dt)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rotary position embedding
+# --------------------------------------------------------------------------------------------------
+
+def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos/sin tables [*positions.shape, rotary_dim] in float32 (HF 'default' RoPE)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotates the first rotary_dim features of x [B, T, H, D] (rotate-half convention).
+
+  cos/sin are [B, T, rotary_dim]; features past rotary_dim pass through (partial rotary).
+  """
+  rd = cos.shape[-1]
+  xf = x.astype(jnp.float32)
+  x_rot, x_pass = xf[..., :rd], xf[..., rd:]
+  x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  out = jnp.concatenate([x_rot * c + rotated * s, x_pass], axis=-1)
+  return out.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------------
+
+def block_visibility(start: jax.Array, block_len: int, cache_len: int,
+                     block_mask: jax.Array | None) -> jax.Array:
+  """Which cache slots each block query may read: bool [B, T, S].
+
+  A query of the block written at slots start..start+T-1 sees every slot before `start` (the
+  committed prefix) and, inside the block, slot start+j iff block_mask[t, j] (causal when None).
+  block_mask may be [T, T] or per-sequence [B, T, T].
+  """
+  rel = jnp.arange(cache_len)[None, :] - start[:, None]  # [B, S]
+  prefix = rel < 0
+  in_block = (rel >= 0) & (rel < block_len)
+  t = jnp.arange(block_len)
+  if block_mask is None:
+    inside = rel[:, None, :] <= t[None, :, None]
+  else:
+    if block_mask.ndim == 2:
+      block_mask = jnp.broadcast_to(block_mask, (start.shape[0], block_len, block_len))
+    idx = jnp.clip(rel, 0, block_len - 1)[:, None, :]
+    inside = jnp.take_along_axis(block_mask, jnp.broadcast_to(idx, (start.shape[0], block_len,
+                                                                    cache_len)), axis=2)
+  return prefix[:, None, :] | (in_block[:, None, :] & inside)
+
+
+def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                  scale: float) -> jax.Array:
+  """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], visible [B,T,S] → [B,T,H,D]."""
+  b, t, h, d = q.shape
+  kv_heads = k.shape[2]
+  qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(visible[:, None, None, :, :], scores, NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def write_block(cache: jax.Array, block: jax.Array, layer: jax.Array,
+                start: jax.Array) -> jax.Array:
+  """Writes block [B,T,K,D] into cache [L,B,S,K,D] at layer `layer`, slots start[b]..+T-1.
+
+  Slots past the end of the cache are dropped (callers check lengths before they get here).
+  """
+  b, t = block.shape[:2]
+  rows = jnp.arange(b)[:, None]
+  slots = start[:, None] + jnp.arange(t)[None, :]
+  return cache.at[layer, rows, slots].set(block.astype(cache.dtype), mode="drop")
+
+
+class Attention(nn.Module):
+  """GQA self-attention over [committed prefix in the KV cache; the new block]."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
+               start: jax.Array, cos: jax.Array, sin: jax.Array,
+               block_mask: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    c = self.config
+    dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
+    q = Dense((c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), c.attention_bias,
+              name="q_proj", **dense)(x)
+    k = Dense((c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.attention_bias,
+              name="k_proj", **dense)(x)
+    v = Dense((c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.attention_bias,
+              name="v_proj", **dense)(x)
+    if c.qk_norm:
+      q = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="q_norm")(q)
+      k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm")(k)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+
+    # Write the block's K/V at its slots (an in-place scatter into the stacked cache), then
+    # attend over the whole layer cache.
+    cache_k = write_block(cache_k, k, layer, start)
+    cache_v = write_block(cache_v, v, layer, start)
+    layer_k, layer_v = cache_k[layer], cache_v[layer]
+    visible = block_visibility(start, x.shape[1], cache_k.shape[2], block_mask)
+    out = gqa_attention(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), visible,
+                        c.head_dim ** -0.5)
+    out = Dense((c.hidden_size,), ("heads", "head_dim", "embed"), c.attention_out_bias,
+                name="o_proj",
+                in_dims=2, **dense)(out)
+    return out, cache_k, cache_v
+
+
+class MLP(nn.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) · up(x))."""
+
+  config: ModelConfig
+  intermediate_size: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
+    dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
+    gate = Dense((self.intermediate_size,), ("embed", "mlp"), name="gate_proj", **dense)(x)
+    up = Dense((self.intermediate_size,), ("embed", "mlp"), name="up_proj", **dense)(x)
+    return Dense((c.hidden_size,), ("mlp", "embed"), name="down_proj", **dense)(
+        jax.nn.silu(gate) * up)

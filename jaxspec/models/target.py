@@ -1,0 +1,127 @@
+"""`TargetModel`: a config, its parameters and (optionally) a tokenizer, with jitted forwards.
+
+The forward is a pure function of (params, tokens, start, cache); `TargetModel` only bundles what
+belongs together so that notebooks can write `model.logits(ids)` and launch scripts can pass
+`model.params` and `model.config` into jitted engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import CACHE_AXES, KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.models.decoder import Decoder, DecoderOutput
+
+
+class InputError(ValueError):
+  """Bad input to a model or engine call (ids outside the vocabulary, too long, ...)."""
+
+
+@functools.partial(jax.jit, static_argnames=("config", "taps", "last_only"),
+                   donate_argnames=("cache_k", "cache_v"))
+def forward(config: ModelConfig, params: Any, tokens: jax.Array, start: jax.Array,
+            cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array | None = None,
+            block_mask: jax.Array | None = None, taps: tuple[int, ...] = (),
+            last_only: bool = False) -> DecoderOutput:
+  """One block forward (prefill, decode or verify) with the caches donated."""
+  return Decoder(config).apply({"params": params}, tokens, start, cache_k, cache_v, positions,
+                               block_mask, taps, last_only)
+
+
+def apply_decoder(config: ModelConfig, params: Any, *args, **kwargs) -> DecoderOutput:
+  """The un-jitted forward, for use inside other jitted functions (engines, trainers)."""
+  return Decoder(config).apply({"params": params}, *args, **kwargs)
+
+
+def apply_mtp(config: ModelConfig, params: Any, *args, **kwargs):
+  """MTP layer forward (see Decoder.mtp_forward), un-jitted."""
+  return Decoder(config).apply({"params": params}, *args, method=Decoder.mtp_forward, **kwargs)
+
+
+def _init_args(config: ModelConfig):
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  start = jnp.zeros((1,), jnp.int32)
+  cache = KVCache.for_model(config, 1, 1)
+  return tokens, start, cache.k, cache.v
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> Any:
+  """Random parameters (normal(0.02) matrices, unit norms), unboxed."""
+  variables = jax.jit(lambda key: Decoder(config).init(key, *_init_args(config),
+                                                       method=Decoder.init_all))(
+                                                           jax.random.PRNGKey(seed))
+  return nn.meta.unbox(variables["params"])
+
+
+def logical_axes(config: ModelConfig) -> Any:
+  """Tree of logical PartitionSpecs matching the parameter tree."""
+  shapes = jax.eval_shape(lambda key: Decoder(config).init(key, *_init_args(config),
+                                                           method=Decoder.init_all),
+                          jax.random.PRNGKey(0))
+  return nn.get_partition_spec(shapes)["params"]
+
+
+def param_shapes(config: ModelConfig) -> Any:
+  """Tree of jax.ShapeDtypeStruct matching the parameter tree."""
+  shapes = jax.eval_shape(lambda key: Decoder(config).init(key, *_init_args(config),
+                                                           method=Decoder.init_all),
+                          jax.random.PRNGKey(0))
+  return nn.meta.unbox(shapes["params"])
+
+
+@dataclasses.dataclass
+class TargetModel:
+  """A loaded target model: config, parameters, tokenizer and the HF config it came from."""
+
+  config: ModelConfig
+  params: Any
+  tokenizer: Any = None
+  hf_config: dict | None = None
+
+  @classmethod
+  def random(cls, config: ModelConfig, seed: int = 0, tokenizer: Any = None) -> "TargetModel":
+    return cls(config, init_params(config, seed), tokenizer)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  def with_config(self, **changes: Any) -> "TargetModel":
+    """Same weights under a changed config (e.g. moe_backend='dense', dtype='bfloat16')."""
+    return dataclasses.replace(self, config=self.config.replace(**changes))
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    return KVCache.for_model(self.config, batch, max_len)
+
+  def check_tokens(self, tokens: Any) -> np.ndarray:
+    """Validates token ids: integer, 2-D, inside the vocabulary."""
+    arr = np.asarray(tokens)
+    if arr.ndim == 1:
+      arr = arr[None]
+    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+      raise InputError(f"token ids must be a [batch, length] integer array, got {arr.dtype} "
+                       f"{arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() >= self.config.vocab_size):
+      bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+      raise InputError(f"token ids outside the vocabulary [0, {self.config.vocab_size}): "
+                       f"{bad[:8].tolist()}")
+    return arr.astype(np.int32)
+
+  def logits(self, token_ids: Any) -> jax.Array:
+    """A full causal forward: [B, T] int → [B, T, V] float32 logits (for parity checks)."""
+    tokens = jnp.asarray(self.check_tokens(token_ids))
+    b, t = tokens.shape
+    cache = self.init_cache(b, t)
+    return forward(self.config, self.params, tokens, jnp.zeros((b,), jnp.int32), cache.k,
+                   cache.v).logits
+
+  def cache_axes(self) -> tuple[str, ...]:
+    return CACHE_AXES

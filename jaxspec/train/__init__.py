@@ -1,0 +1,1 @@
+"""Training: packed data from text corpora, losses and the resumable trainer."""
