@@ -121,6 +121,7 @@ def test_taps_are_hf_hidden_states(saved):
                            jnp.zeros((1,), jnp.int32), cache.k, cache.v, taps=taps)
   for j, layer in enumerate(taps):
     np.testing.assert_allclose(np.asarray(out.taps[j]), hs[layer + 1].numpy(), atol=1e-4)
+  np.testing.assert_allclose(np.asarray(out.hidden), hs[-1].numpy(), atol=1e-4)
 
 
 def test_block_mask_restricts_attention(saved):

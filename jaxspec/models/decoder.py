@@ -31,7 +31,8 @@ class DecoderOutput(NamedTuple):
   logits: [B, T, V] float32 (or [B, 1, V] with `last_only`).
   cache_k, cache_v: the updated caches [L, B, S, K, D].
   taps: [n_taps, B, T, H] outputs of the tapped layers (HF hidden_states[i + 1]), or None.
-  hidden: [B, T, H] output of the last layer before the final norm.
+  hidden: [B, T, H] final-normed output of the last layer (the LM head's input; what HF
+    reports as hidden_states[-1] and what MTP layers consume).
   """
 
   logits: jax.Array
@@ -64,7 +65,7 @@ class DecoderLayer(nn.Module):
 
 def _stack(config: ModelConfig, moe: bool, length: int, name: str) -> nn.Module:
   scanned = nn.scan(
-      DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+      DecoderLayer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=length,
       metadata_params={nn.PARTITION_NAME: "layers"})
   return scanned(config, moe, name=name)
@@ -154,9 +155,9 @@ class Decoder(nn.Module):
     if taps:
       all_h = jnp.concatenate(per_layer, axis=0) if len(per_layer) > 1 else per_layer[0]
       tapped = all_h[jnp.asarray(taps)]
-    out_h = h[:, -1:] if last_only else h
-    logits = self.head(self.norm(out_h))
-    return DecoderOutput(logits, cache_k, cache_v, tapped, h)
+    normed = self.norm(h)
+    logits = self.head(normed[:, -1:] if last_only else normed)
+    return DecoderOutput(logits, cache_k, cache_v, tapped, normed)
 
   def mtp_forward(self, k: int, tokens: jax.Array, prev_hidden: jax.Array, start: jax.Array,
                   cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array | None = None,

@@ -115,6 +115,13 @@ class MoE(nn.Module):
     # The router runs in float32 (HF keeps gate.weight and the bias in fp32 too).
     logits = xf.astype(jnp.float32) @ router
     weights, ids = route(c, logits, bias)
+    # Routing statistics for load balancing (no-ops unless 'intermediates' is mutable):
+    # the fraction of routed slots per expert, and the mean normalised router score.
+    self.sow("intermediates", "expert_load",
+             jnp.bincount(ids.reshape(-1), length=e).astype(jnp.float32) / ids.size)
+    scores = jax.nn.softmax(logits) if c.router == "softmax" else jax.nn.sigmoid(logits)
+    self.sow("intermediates", "router_score",
+             jnp.mean(scores / jnp.sum(scores, -1, keepdims=True), axis=0))
     dt = dtype_of(c.dtype)
     y = EXPERT_BACKENDS[c.moe_backend](xf.astype(dt), weights, ids, gate.astype(dt),
                                        up.astype(dt), down.astype(dt))
