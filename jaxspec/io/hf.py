@@ -334,5 +334,5 @@ def save_hf(model: target_lib.TargetModel, out_dir: str,
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
       json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
                  "weight_map": weight_map}, f, indent=2, sort_keys=True)
-  if model.tokenizer is not None and hasattr(model.tokenizer, "save"):
-    model.tokenizer.save(out_dir)
+  if model.tokenizer is not None:
+    model.tokenizer.save_hf(out_dir)

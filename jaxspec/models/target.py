@@ -53,28 +53,31 @@ def _init_args(config: ModelConfig):
   return tokens, start, cache.k, cache.v
 
 
+@functools.lru_cache(maxsize=64)
+def _init_fn(config: ModelConfig):
+  """A jitted initialiser per config (cached: re-tracing a model costs seconds on CPU)."""
+  return jax.jit(lambda key: Decoder(config).init(key, *_init_args(config),
+                                                  method=Decoder.init_all))
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_variables(config: ModelConfig) -> Any:
+  return jax.eval_shape(_init_fn(config), jax.random.PRNGKey(0))
+
+
 def init_params(config: ModelConfig, seed: int = 0) -> Any:
   """Random parameters (normal(0.02) matrices, unit norms), unboxed."""
-  variables = jax.jit(lambda key: Decoder(config).init(key, *_init_args(config),
-                                                       method=Decoder.init_all))(
-                                                           jax.random.PRNGKey(seed))
-  return nn.meta.unbox(variables["params"])
+  return nn.meta.unbox(_init_fn(config)(jax.random.PRNGKey(seed))["params"])
 
 
 def logical_axes(config: ModelConfig) -> Any:
   """Tree of logical PartitionSpecs matching the parameter tree."""
-  shapes = jax.eval_shape(lambda key: Decoder(config).init(key, *_init_args(config),
-                                                           method=Decoder.init_all),
-                          jax.random.PRNGKey(0))
-  return nn.get_partition_spec(shapes)["params"]
+  return nn.get_partition_spec(_abstract_variables(config))["params"]
 
 
 def param_shapes(config: ModelConfig) -> Any:
   """Tree of jax.ShapeDtypeStruct matching the parameter tree."""
-  shapes = jax.eval_shape(lambda key: Decoder(config).init(key, *_init_args(config),
-                                                           method=Decoder.init_all),
-                          jax.random.PRNGKey(0))
-  return nn.meta.unbox(shapes["params"])
+  return nn.meta.unbox(_abstract_variables(config)["params"])
 
 
 @dataclasses.dataclass

@@ -1,0 +1,1 @@
+"""Drafters: cheap proposers of draft tokens (draft model, n-gram, EAGLE-3, MTP, DFlash)."""

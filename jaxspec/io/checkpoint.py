@@ -1,0 +1,74 @@
+"""orbax checkpoints of model parameters, restorable onto any mesh.
+
+Layout of a checkpoint directory: `config.json` (the HF config, so the architecture travels with
+the weights), `params/` (an orbax StandardCheckpointer tree) and, when the model has one,
+`tokenizer.json`. Restoring takes the target shardings (from the logical axis names and a mesh),
+so a checkpoint written on one device layout loads onto another without a host gather.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxspec import sharding as sharding_lib
+from jaxspec.config import ModelConfig
+from jaxspec.io.hf import CheckpointError, read_config
+from jaxspec.models import target as target_lib
+
+PARAMS_DIR = "params"
+
+
+def save(model: target_lib.TargetModel, out_dir: str) -> None:
+  """Writes config.json, the parameters (orbax) and the tokenizer to out_dir."""
+  out_dir = os.path.abspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  hf_config = dict(model.hf_config or {})
+  hf_config.update(model.config.to_hf())
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.join(out_dir, PARAMS_DIR), model.params, force=True)
+  checkpointer.wait_until_finished()
+  if model.tokenizer is not None:
+    model.tokenizer.save_hf(out_dir)
+
+
+def abstract_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = None,
+                    rules: Any = None) -> Any:
+  """ShapeDtypeStructs of the parameter tree, with shardings on `mesh` when given."""
+  shapes = target_lib.param_shapes(config)
+  if mesh is None:
+    device = jax.devices()[0]
+    return jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                       sharding=jax.sharding.SingleDeviceSharding(device)),
+        shapes)
+  shardings = sharding_lib.shardings_for(shapes, target_lib.logical_axes(config), mesh, rules)
+  return jax.tree_util.tree_map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def restore(ckpt_dir: str, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
+            **config_overrides: Any) -> target_lib.TargetModel:
+  """Loads a checkpoint written by `save`, placing each parameter with its target sharding."""
+  ckpt_dir = os.path.abspath(ckpt_dir)
+  params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
+  if not os.path.isdir(params_dir):
+    raise CheckpointError(f"{ckpt_dir} is not a jaxspec orbax checkpoint (no {PARAMS_DIR}/)")
+  hf_config = read_config(ckpt_dir)
+  config = ModelConfig.from_hf(hf_config, **config_overrides)
+  checkpointer = ocp.StandardCheckpointer()
+  try:
+    params = checkpointer.restore(params_dir, abstract_params(config, mesh, rules))
+  except (ValueError, KeyError, FileNotFoundError) as e:
+    raise CheckpointError(f"cannot restore {params_dir} for {config.architecture}: {e}")
+  tokenizer = None
+  if os.path.exists(os.path.join(ckpt_dir, "tokenizer.json")):
+    from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+    tokenizer = tokenizer_lib.Tokenizer.from_dir(ckpt_dir)
+  return target_lib.TargetModel(config, params, tokenizer, hf_config)

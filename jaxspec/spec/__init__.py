@@ -1,0 +1,1 @@
+"""Speculative decoding core: sampling, verification, engine and metrics."""

@@ -1,0 +1,372 @@
+"""The speculative engine: one compiled draft → verify → accept → commit step, looped on device.
+
+`SpecState` holds everything a generation needs (token buffer, lengths, target KV cache, the
+drafter's state, rng key, stop flags, statistics) as one pytree. `step` is a pure function of
+it; `generate` runs `prefill` then a `lax.while_loop` of `step` until every sequence has hit its
+`max_new_tokens` or a stop token, with no host round trip. Shapes are static per engine (batch
+and max_len are fixed at construction, prompts are padded to power-of-two buckets), sampling
+parameters and budgets are arrays: twenty calls with different prompts, lengths and
+temperatures compile each function once.
+
+With `drafter=None` the same engine is plain decoding (one token per target pass): the baseline
+every speedup is measured against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, ProposeContext)
+from jaxspec.models import target as target_lib
+from jaxspec.models.target import InputError, TargetModel
+from jaxspec.spec import metrics, sampling, verify
+
+MAX_STOP_IDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static shape and method choices of an engine (one compilation per distinct config).
+
+  method: a label for reports ("plain", "draft_model", "ngram", ...); the drafter decides.
+  verify: "chain" (tree verification is a later extension).
+  max_len: tokens per sequence in the buffers and KV caches (prompt + generated + γ + 1).
+  batch_size: sequences per call; shorter calls are padded.
+  min_prompt_bucket: smallest prompt padding bucket (buckets are powers of two above it).
+  stop_ids: extra stop token ids (the model's eos ids are added unless use_eos is False).
+  stream_every: steps per host round trip in `stream`.
+  """
+
+  method: str = "auto"
+  verify: str = "chain"
+  max_len: int = 512
+  batch_size: int = 1
+  min_prompt_bucket: int = 16
+  stop_ids: tuple[int, ...] = ()
+  use_eos: bool = True
+  stream_every: int = 4
+  # Accepted for API stability; used by block and tree drafters.
+  block_size: int = 16
+  tree_budget: int = 22
+
+  def __post_init__(self):
+    if self.verify != "chain":
+      raise ValueError(f"verify={self.verify!r} is not supported yet (only 'chain')")
+    if self.max_len < 2 or self.batch_size < 1:
+      raise ValueError("max_len must be ≥ 2 and batch_size ≥ 1")
+
+
+@flax.struct.dataclass
+class SpecState:
+  """The whole generation state (a pytree; donated to the jitted step)."""
+
+  tokens: jax.Array         # [B, L] committed tokens; tokens[b, seq_len[b]-1] is the root
+  seq_len: jax.Array        # [B]
+  prompt_len: jax.Array     # [B]
+  max_new: jax.Array        # [B] generation budget per sequence
+  cache: KVCache            # target KV for tokens[:, :seq_len-1]
+  drafter_state: Any
+  key: jax.Array
+  done: jax.Array           # [B] bool
+  sampling: sampling.SamplingParams
+  stop_ids: jax.Array       # [MAX_STOP_IDS] int32, -1 padded
+  stats: metrics.SpecStats
+
+  @property
+  def num_generated(self) -> jax.Array:
+    return self.seq_len - self.prompt_len
+
+
+class GenerateOutput(NamedTuple):
+  texts: Optional[list[str]]
+  tokens: list[list[int]]
+  stats: Any
+
+
+@dataclasses.dataclass
+class GenerationStats:
+  """Host-side summary of one generate call (see spec.metrics.summarize for the fields)."""
+
+  acceptance_length: float
+  acceptance_rate_per_position: list[float]
+  target_passes: int
+  tokens_generated: int
+  tokens_per_second: float
+  time_to_first_token_s: float
+  decode_time_s: float
+  summary: dict
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure functions (jitted below)
+# --------------------------------------------------------------------------------------------------
+
+def _is_stop(tok: jax.Array, stop_ids: jax.Array) -> jax.Array:
+  return jnp.any(tok[..., None] == stop_ids, axis=-1)
+
+
+def prefill(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
+            drafter_params: Any, prompts: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
+            active: jax.Array, params: sampling.SamplingParams, key: jax.Array,
+            stop_ids: jax.Array, max_len: int) -> SpecState:
+  """Target prefill, first token, drafter prefill: the state before the first step."""
+  batch, bucket = prompts.shape
+  taps = drafter.taps if drafter is not None else ()
+  cache = KVCache.for_model(config, batch, max_len)
+  out = target_lib.apply_decoder(config, target_params, prompts, jnp.zeros_like(prompt_len),
+                                 cache.k, cache.v, taps=taps)
+  last_logits = jnp.take_along_axis(out.logits, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+  key, sub = jax.random.split(key)
+  first = sampling.sample(sub, last_logits, params)
+  rows = jnp.arange(batch)
+  tokens = jnp.zeros((batch, max_len), jnp.int32).at[:, :bucket].set(prompts)
+  tokens = tokens.at[rows, prompt_len].set(first)
+  cache = KVCache(out.cache_k, out.cache_v, prompt_len)
+  gamma = drafter.gamma if drafter is not None else 0
+  done = ~active | _is_stop(first, stop_ids) | (max_new <= 1)
+  drafter_state = ()
+  if drafter is not None:
+    drafter_state = drafter.init_state(drafter_params, batch, max_len)
+    drafter_state = drafter.prefill(drafter_params, drafter_state,
+                                    PrefillContext(tokens, prompt_len, out.taps, out.hidden))
+  return SpecState(tokens=tokens, seq_len=prompt_len + 1, prompt_len=prompt_len,
+                   max_new=max_new, cache=cache, drafter_state=drafter_state, key=key,
+                   done=done, sampling=params, stop_ids=stop_ids,
+                   stats=metrics.init_stats(batch, gamma))
+
+
+def step(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
+         drafter_params: Any, state: SpecState) -> SpecState:
+  """One draft → verify → accept → commit step for every sequence that is not done."""
+  batch, max_len = state.tokens.shape
+  rows = jnp.arange(batch)
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  root = state.tokens[rows, state.seq_len - 1]
+  start = state.seq_len - 1  # the root's slot: the cache holds everything before it
+
+  if drafter is None:
+    gamma = 0
+    block = root[:, None]
+    drafter_state = state.drafter_state
+  else:
+    gamma = drafter.gamma
+    proposal, drafter_state = drafter.propose(
+        drafter_params, state.drafter_state,
+        ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft))
+    block = jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1)
+
+  taps = drafter.taps if drafter is not None else ()
+  out = target_lib.apply_decoder(config, target_params, block, start, state.cache.k,
+                                 state.cache.v, taps=taps)
+  if gamma == 0:
+    num_accepted = jnp.zeros((batch,), jnp.int32)
+    next_token = sampling.sample(k_verify, out.logits[:, 0], state.sampling)
+  else:
+    num_accepted, next_token = verify.verify_chain(k_verify, proposal.tokens, proposal.probs,
+                                                   out.logits, state.sampling)
+
+  # New tokens: accepted drafts then the correction/bonus, cut at the budget and the first stop.
+  new = jnp.concatenate([block[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  new = new.at[rows, num_accepted].set(next_token)  # [B, γ+1]
+  j = jnp.arange(gamma + 1)[None, :]
+  budget = state.max_new - (state.seq_len - state.prompt_len)
+  keep = (j <= num_accepted[:, None]) & (j < budget[:, None])
+  stop_here = _is_stop(new, state.stop_ids) & keep
+  first_stop = jnp.argmax(stop_here, axis=1)
+  keep = keep & (~jnp.any(stop_here, axis=1)[:, None] | (j <= first_stop[:, None]))
+  active = ~state.done
+  keep = keep & active[:, None]
+  count = jnp.sum(keep, axis=1).astype(jnp.int32)
+
+  slots = jnp.where(keep, state.seq_len[:, None] + j, max_len)
+  tokens = state.tokens.at[rows[:, None], slots].set(new, mode="drop")
+  seq_len = state.seq_len + count
+  done = state.done | jnp.any(stop_here, axis=1) | (seq_len - state.prompt_len >= state.max_new)
+  cache = KVCache(out.cache_k, out.cache_v, seq_len - 1)
+  stats = metrics.update_stats(state.stats, num_accepted, active, count)
+
+  if drafter is not None:
+    drafter_state = drafter.commit(
+        drafter_params, drafter_state,
+        CommitContext(tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, out.taps,
+                      out.hidden))
+  return state.replace(tokens=tokens, seq_len=seq_len, cache=cache, drafter_state=drafter_state,
+                       key=key, done=done, stats=stats)
+
+
+def run_loop(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
+             drafter_params: Any, state: SpecState, max_steps: Optional[int] = None) -> SpecState:
+  """`step` in a while_loop until every sequence is done (or max_steps, for streaming)."""
+  def cond(carry):
+    s, i = carry
+    go = ~jnp.all(s.done)
+    return go if max_steps is None else go & (i < max_steps)
+
+  def body(carry):
+    s, i = carry
+    return step(config, drafter, target_params, drafter_params, s), i + 1
+
+  state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+  return state
+
+
+# --------------------------------------------------------------------------------------------------
+# Host API
+# --------------------------------------------------------------------------------------------------
+
+def _bucket(n: int, minimum: int, cap: int) -> int:
+  b = minimum
+  while b < n:
+    b *= 2
+  return min(b, cap)
+
+
+class SpecEngine:
+  """Speculative (or, with drafter=None, plain) generation for one target and drafter."""
+
+  def __init__(self, target: TargetModel, drafter: Optional[Drafter] = None,
+               config: EngineConfig = EngineConfig()):
+    self.target = target
+    self.drafter = drafter
+    self.config = config
+    if drafter is not None and drafter.vocab_size not in (None, target.config.vocab_size):
+      raise InputError(f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
+                       f"({target.config.vocab_size})")
+    stops = list(config.stop_ids)
+    if config.use_eos:
+      stops += list(target.config.eos_token_ids)
+    stops = list(dict.fromkeys(stops))
+    if len(stops) > MAX_STOP_IDS:
+      raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {stops}")
+    self.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+    self.stop_ids[:len(stops)] = stops
+    self.gamma = drafter.gamma if drafter is not None else 0
+    cfg, dr = target.config, drafter
+    self._prefill = jax.jit(functools.partial(prefill, cfg, dr), static_argnames=("max_len",))
+    self._loop = jax.jit(functools.partial(run_loop, cfg, dr), donate_argnums=(2,),
+                         static_argnames=("max_steps",))
+    self._step = jax.jit(functools.partial(step, cfg, dr), donate_argnums=(2,))
+
+  @property
+  def drafter_params(self) -> Any:
+    return self.drafter.params if self.drafter is not None else None
+
+  # -- input handling --------------------------------------------------------------------------
+
+  def _encode(self, prompts: Sequence[Any]) -> list[list[int]]:
+    out = []
+    for p in prompts:
+      if isinstance(p, str):
+        if self.target.tokenizer is None:
+          raise InputError("text prompts need a model with a tokenizer; pass token ids instead")
+        ids = self.target.tokenizer.encode(p)
+      else:
+        ids = [int(t) for t in np.asarray(p).reshape(-1)]
+      if not ids:
+        raise InputError("empty prompt: a prompt needs at least one token")
+      self.target.check_tokens(np.asarray([ids]))
+      out.append(ids)
+    return out
+
+  def init_state(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 128,
+                 temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+                 seed: int = 0) -> SpecState:
+    """Validates and pads the inputs and runs the prefill (jitted once per prompt bucket)."""
+    ids = self._encode(prompts)
+    b, cfg = self.config.batch_size, self.config
+    if not 1 <= len(ids) <= b:
+      raise InputError(f"got {len(ids)} prompts; this engine runs 1..{b} per call "
+                       f"(EngineConfig.batch_size)")
+    max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (len(ids),))
+    if np.any(max_new < 1):
+      raise InputError(f"max_new_tokens must be ≥ 1, got {max_new.tolist()}")
+    for i, (p, m) in enumerate(zip(ids, max_new)):
+      need = len(p) + int(m) + self.gamma + 1
+      if need > cfg.max_len:
+        raise InputError(
+            f"prompt {i} has {len(p)} tokens; with max_new_tokens={int(m)} and {self.gamma} "
+            f"draft tokens per step it needs {need} slots, more than max_len={cfg.max_len}")
+    bucket = _bucket(max(len(p) for p in ids), cfg.min_prompt_bucket, cfg.max_len)
+    prompts_arr = np.zeros((b, bucket), np.int32)
+    lens = np.ones((b,), np.int32)
+    budgets = np.ones((b,), np.int32)
+    for i, p in enumerate(ids):
+      prompts_arr[i, :len(p)] = p
+      lens[i], budgets[i] = len(p), max_new[i]
+    active = np.arange(b) < len(ids)
+    pad = lambda x, fill: np.concatenate([np.asarray(x).reshape(-1)[:len(ids)] if np.ndim(x)
+                                          else np.full(len(ids), x), np.full(b - len(ids), fill)])
+    params = sampling.make_sampling_params(b, pad(temperature, 0.0), pad(top_k, 0),
+                                           pad(top_p, 1.0))
+    return self._prefill(self.target.params, self.drafter_params, jnp.asarray(prompts_arr),
+                         jnp.asarray(lens), jnp.asarray(budgets), jnp.asarray(active), params,
+                         jax.random.PRNGKey(seed), jnp.asarray(self.stop_ids),
+                         max_len=cfg.max_len)
+
+  def _outputs(self, state: SpecState, n: int) -> list[list[int]]:
+    tokens = np.asarray(state.tokens)
+    seq, prompt = np.asarray(state.seq_len), np.asarray(state.prompt_len)
+    return [tokens[i, prompt[i]:seq[i]].tolist() for i in range(n)]
+
+  def _texts(self, token_lists: list[list[int]]) -> Optional[list[str]]:
+    tok = self.target.tokenizer
+    return None if tok is None else [tok.decode(t, skip_special_tokens=True) for t in token_lists]
+
+  # -- generation --------------------------------------------------------------------------------
+
+  def generate(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 128,
+               temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+               seed: int = 0) -> GenerateOutput:
+    """Generates for up to batch_size prompts (text or token ids); returns texts, tokens, stats."""
+    t0 = time.perf_counter()
+    state = self.init_state(prompts, max_new_tokens, temperature, top_k, top_p, seed)
+    jax.block_until_ready(state.tokens)
+    t1 = time.perf_counter()
+    state = self._loop(self.target.params, self.drafter_params, state)
+    jax.block_until_ready(state.tokens)
+    t2 = time.perf_counter()
+    tokens = self._outputs(state, len(prompts))
+    return GenerateOutput(self._texts(tokens), tokens, self._stats(state, t1 - t0, t2 - t1,
+                                                                   len(prompts)))
+
+  def stream(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 128,
+             temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+             seed: int = 0) -> Iterator[list[list[int]]]:
+    """Yields each sequence's newly committed tokens every `stream_every` steps."""
+    state = self.init_state(prompts, max_new_tokens, temperature, top_k, top_p, seed)
+    n = len(prompts)
+    sent = [0] * n
+    while True:
+      toks = self._outputs(state, n)
+      yield [t[s:] for t, s in zip(toks, sent)]
+      sent = [len(t) for t in toks]
+      if bool(np.all(np.asarray(state.done))):
+        return
+      state = self._loop(self.target.params, self.drafter_params, state,
+                         max_steps=self.config.stream_every)
+
+  def _stats(self, state: SpecState, ttft: float, decode: float, n: int) -> GenerationStats:
+    s = jax.tree_util.tree_map(lambda x: x[:n], state.stats)
+    summary = metrics.summarize(s, decode, ttft)
+    generated = int(np.sum(np.asarray(state.seq_len - state.prompt_len)[:n]))
+    return GenerationStats(
+        acceptance_length=summary["acceptance_length"],
+        acceptance_rate_per_position=summary["acceptance_rate_per_position"],
+        target_passes=summary["target_passes"], tokens_generated=generated,
+        tokens_per_second=generated / max(decode + ttft, 1e-9), time_to_first_token_s=ttft,
+        decode_time_s=decode, summary=summary)
+
+  def compile_counts(self) -> dict[str, int]:
+    """How many programs each jitted function holds (one per shape bucket)."""
+    return {"prefill": self._prefill._cache_size(), "loop": self._loop._cache_size(),
+            "step": self._step._cache_size()}
