@@ -172,3 +172,14 @@ def test_orbax_checkpoint_round_trip_single_device(tmp_path):
   shutil.rmtree(tmp_path / "ckpt" / "params")
   with pytest.raises(jaxspec.CheckpointError, match="not a jaxspec orbax checkpoint"):
     checkpoint.restore(str(tmp_path / "ckpt"))
+
+
+def test_convert_script_round_trip(tmp_path):
+  from launch import convert  # pylint: disable=import-outside-toplevel
+  model = target_lib.TargetModel.random(_glm_with_mtp(), seed=5)
+  jaxspec.save_hf(model, str(tmp_path / "hf"))
+  convert.convert(str(tmp_path / "hf"), str(tmp_path / "orbax"), "orbax")
+  convert.convert(str(tmp_path / "orbax"), str(tmp_path / "hf2"), "hf")
+  back = jaxspec.load_model(str(tmp_path / "hf2"))
+  for a, b in zip(_leaves(model.params), _leaves(back.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -33,10 +33,13 @@ class Proposal:
   tokens: [B, γ] int32 draft chain (for tree drafters: the top-1 chain).
   probs: [B, γ, V] float32 warped draft probabilities q the tokens were sampled from, or None
     for a deterministic drafter (q is one-hot at the token).
+  logprobs: [B, γ, V] float32 per-position draft log-probabilities (position i predicts the
+    token at depth i+1), for the tree builder; None when the drafter gives no distribution.
   """
 
   tokens: jax.Array
   probs: Optional[jax.Array] = None
+  logprobs: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass

@@ -28,7 +28,7 @@ from jaxspec.models.moe import MoE
 class DecoderOutput(NamedTuple):
   """What a forward returns.
 
-  logits: [B, T, V] float32 (or [B, 1, V] with `last_only`).
+  logits: [B, T, V] float32 (or [B, 1, V] with `last_only` or `logits_index`).
   cache_k, cache_v: the updated caches [L, B, S, K, D].
   taps: [n_taps, B, T, H] outputs of the tapped layers (HF hidden_states[i + 1]), or None.
   hidden: [B, T, H] final-normed output of the last layer (the LM head's input; what HF
@@ -138,8 +138,14 @@ class Decoder(nn.Module):
 
   def __call__(self, tokens: jax.Array, start: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                positions: jax.Array | None = None, block_mask: jax.Array | None = None,
-               taps: tuple[int, ...] = (), last_only: bool = False) -> DecoderOutput:
-    """Runs a block of T tokens per sequence; see the module docstring."""
+               taps: tuple[int, ...] = (), last_only: bool = False,
+               logits_index: jax.Array | None = None) -> DecoderOutput:
+    """Runs a block of T tokens per sequence; see the module docstring.
+
+    Logits are computed for every block position, only the last (`last_only`), or only at
+    per-sequence index `logits_index` [B] (e.g. each padded prompt's last token): the LM head
+    is the largest matmul of a small model, so prefill should not pay it for every position.
+    """
     t = tokens.shape[1]
     if positions is None:
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -156,7 +162,11 @@ class Decoder(nn.Module):
       all_h = jnp.concatenate(per_layer, axis=0) if len(per_layer) > 1 else per_layer[0]
       tapped = all_h[jnp.asarray(taps)]
     normed = self.norm(h)
-    logits = self.head(normed[:, -1:] if last_only else normed)
+    if logits_index is not None:
+      picked = jnp.take_along_axis(normed, logits_index[:, None, None], axis=1)
+    else:
+      picked = normed[:, -1:] if last_only else normed
+    logits = self.head(picked)
     return DecoderOutput(logits, cache_k, cache_v, tapped, normed)
 
   def mtp_forward(self, k: int, tokens: jax.Array, prev_hidden: jax.Array, start: jax.Array,

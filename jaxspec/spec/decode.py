@@ -35,8 +35,8 @@ def prefill(config: ModelConfig, params: Any, prompts: jax.Array, prompt_lens: j
   no later query can see (they are at or past the committed length until overwritten).
   """
   out = target_lib.apply_decoder(config, params, prompts, jnp.zeros_like(prompt_lens), cache.k,
-                                 cache.v, taps=taps)
-  last = jnp.take_along_axis(out.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+                                 cache.v, taps=taps, logits_index=prompt_lens - 1)
+  last = out.logits[:, 0]
   cache = KVCache(out.cache_k, out.cache_v, prompt_lens.astype(jnp.int32))
   return last, cache, out.taps, out.hidden
 
