@@ -10,6 +10,8 @@ to it explicitly; its caches live in a `state` pytree that the engine threads th
   propose(params, state, ctx)  → (Proposal, state): γ chain tokens with their draft
                                probabilities, or per-position log-probs for the tree builder
   commit(params, state, ctx)   absorb what the target accepted this step
+  for_tree()                   the drafter configured for tree verification: its proposals
+                               carry per-position `logprobs` (default: itself)
 
 Sequence bookkeeping shared by all of them: `tokens[b, :seq_len[b]]` is the committed text; its
 last token (the root of the next draft) is sampled but not yet in the target's KV cache.
@@ -80,6 +82,8 @@ class CommitContext:
   taps: [n_taps, B, γ+1, H] target features of the verified block (slot j ↔ block token j;
     slots 0..n are committed) or None.
   hidden: [B, γ+1, H] final-normed target hidden states of the block.
+  After a tree step the block is the accepted root→leaf path: taps and hidden are gathered
+  along it, so slot j still holds the j-th token in committed order.
   """
 
   tokens: jax.Array
@@ -113,6 +117,15 @@ class Drafter:
   def vocab_size(self) -> Optional[int]:
     """Vocabulary the drafter proposes in (None = any, e.g. n-grams)."""
     return None
+
+  def for_tree(self) -> "Drafter":
+    """This drafter set up for tree verification (`EngineConfig(verify="tree")`).
+
+    Tree verification builds its tree from `Proposal.logprobs`; a drafter that fills them only
+    on request (a draft model following its argmax chain) returns a reconfigured copy here.
+    Afterwards its commit receives the accepted path, which may leave its own chain.
+    """
+    return self
 
   def init_state(self, params: Any, batch: int, max_len: int) -> Any:
     del params, batch, max_len

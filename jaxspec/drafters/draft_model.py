@@ -1,13 +1,19 @@
 """Classic speculative sampling's drafter: an independent small LM with its own KV cache.
 
-Each step it runs γ autoregressive forwards inside the jitted step (a `lax.scan`), sampling every
-draft token from its warped distribution q (same temperature/top-k/top-p as the target) and
-returning q for lossless verification.
+Each step it runs γ autoregressive forwards inside the jitted step (a `lax.scan`). For chain
+verification it samples every draft token from its warped distribution q (same
+temperature/top-k/top-p as the target) and returns q for lossless verification. For tree
+verification (`tree=True`, what `for_tree()` returns) it follows its own argmax chain and returns
+the per-step log-probabilities along it (`Proposal.logprobs`, temperature-scaled, no top-k/top-p)
+from which the engine's tree builder expands the top-K tokens of every step.
 
-Cache bookkeeping needs no state beyond the cache itself: every propose re-runs the last two
-committed tokens (slots seq_len-2, seq_len-1). After any verify outcome, the draft KV of every
-slot before seq_len-2 belongs to committed tokens: the drafts it wrote for accepted tokens are
-those tokens, and at most the correction and one accepted draft (after a full accept) are new.
+Cache bookkeeping: the state is the draft KV cache, whose `lengths` count the slots whose draft
+KV is known to belong to the committed text, plus the chain fed during the last propose. A
+propose writes the root and the first γ-1 chain tokens at slots seq_len-1..seq_len+γ-2; at commit
+the chain slots stay valid as far as the committed tokens agree with the chain (always the
+accepted drafts after a chain step; after a tree step the accepted path may leave the chain at
+any depth). The next propose re-processes the pending committed tokens (slots lengths..seq_len-1,
+at least the new root) as one fixed-size padded block: 2 slots suffice for chains, γ+1 for trees.
 """
 
 from __future__ import annotations
@@ -15,14 +21,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.base import Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, Proposal,
+                                   ProposeContext)
 from jaxspec.models import target as target_lib
 from jaxspec.spec import sampling
+from jaxspec.spec.verify import leading_true_count
+
+
+@flax.struct.dataclass
+class DraftModelState:
+  """cache.lengths[b]: leading slots of valid draft KV; chain: the tokens fed last propose."""
+
+  cache: KVCache
+  chain: jax.Array  # [B, γ] int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +48,7 @@ class DraftModelDrafter(Drafter):
 
   config: ModelConfig = None  # type: ignore[assignment]
   gamma: int = 4
+  tree: bool = False
 
   def __post_init__(self):
     if self.config is None:
@@ -39,37 +57,57 @@ class DraftModelDrafter(Drafter):
       raise ValueError(f"DraftModelDrafter needs gamma >= 1, got {self.gamma}")
 
   @classmethod
-  def from_model(cls, model: target_lib.TargetModel, gamma: int = 4) -> "DraftModelDrafter":
-    return cls(gamma=gamma, params=model.params, config=model.config)
+  def from_model(cls, model: target_lib.TargetModel, gamma: int = 4,
+                 tree: bool = False) -> "DraftModelDrafter":
+    return cls(gamma=gamma, params=model.params, config=model.config, tree=tree)
+
+  def for_tree(self) -> "DraftModelDrafter":
+    return dataclasses.replace(self, tree=True)
 
   @property
   def vocab_size(self) -> int:
     return self.config.vocab_size
 
-  def init_state(self, params: Any, batch: int, max_len: int) -> KVCache:
+  @property
+  def pending_block(self) -> int:
+    """Committed tokens a propose may have to (re-)process: 2 after chains, γ+1 after trees."""
+    return self.gamma + 1 if self.tree else 2
+
+  def init_state(self, params: Any, batch: int, max_len: int) -> DraftModelState:
     del params
-    return KVCache.for_model(self.config, batch, max_len)
+    return DraftModelState(KVCache.for_model(self.config, batch, max_len),
+                           jnp.zeros((batch, self.gamma), jnp.int32))
 
-  def prefill(self, params: Any, state: KVCache, ctx: PrefillContext) -> KVCache:
+  def prefill(self, params: Any, state: DraftModelState, ctx: PrefillContext) -> DraftModelState:
     prompts = ctx.tokens[:, :ctx.hidden.shape[1]]
+    cache = state.cache
     out = target_lib.apply_decoder(self.config, params, prompts, jnp.zeros_like(ctx.prompt_lens),
-                                   state.k, state.v, last_only=True)
-    return KVCache(out.cache_k, out.cache_v, ctx.prompt_lens)
+                                   cache.k, cache.v, last_only=True)
+    return state.replace(cache=KVCache(out.cache_k, out.cache_v, ctx.prompt_lens))
 
-  def propose(self, params: Any, state: KVCache,
-              ctx: ProposeContext) -> tuple[Proposal, KVCache]:
-    rows = jnp.arange(ctx.tokens.shape[0])
-    start = ctx.seq_len - 2
-    last_two = jnp.stack([ctx.tokens[rows, start], ctx.tokens[rows, start + 1]], axis=1)
-    out = target_lib.apply_decoder(self.config, params, last_two, start, state.k, state.v,
-                                   last_only=True)
+  def propose(self, params: Any, state: DraftModelState,
+              ctx: ProposeContext) -> tuple[Proposal, DraftModelState]:
+    batch, max_len = ctx.tokens.shape
+    rows = jnp.arange(batch)
+    # Pending committed tokens: slots valid..seq_len-1 (≥ 1: the root), padded to a fixed block.
+    width = self.pending_block
+    valid = jnp.clip(state.cache.lengths, ctx.seq_len - width, ctx.seq_len - 1)
+    slots = jnp.minimum(valid[:, None] + jnp.arange(width)[None, :], max_len - 1)
+    pending = jnp.take_along_axis(ctx.tokens, slots, axis=1)
+    out = target_lib.apply_decoder(self.config, params, pending, valid, state.cache.k,
+                                   state.cache.v)
+    first_logits = out.logits[rows, ctx.seq_len - 1 - valid]  # at the root
     keys = jax.random.split(ctx.key, self.gamma)
+    temp = jnp.where(sampling.is_greedy(ctx.sampling), 1.0, ctx.sampling.temperature)
 
     def draw(logits, key):
+      if self.tree:  # argmax chain; per-step log-probs for the tree builder
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp[:, None], axis=-1)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), lp
       q = sampling.warped_probs(logits, ctx.sampling)
       return sampling.sample_from_probs(key, q), q
 
-    tok, q = draw(out.logits[:, 0], keys[0])
+    tok, q = draw(first_logits, keys[0])
 
     def step(carry, key):
       cache_k, cache_v, prev, pos = carry
@@ -80,5 +118,18 @@ class DraftModelDrafter(Drafter):
     (cache_k, cache_v, _, _), (toks, qs) = jax.lax.scan(
         step, (out.cache_k, out.cache_v, tok, ctx.seq_len), keys[1:])
     tokens = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
-    probs = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-    return Proposal(tokens, probs), KVCache(cache_k, cache_v, ctx.seq_len - 1)
+    dists = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    proposal = Proposal(tokens, logprobs=dists) if self.tree else Proposal(tokens, dists)
+    # Valid now: everything up to the root; the chain slots are judged at commit.
+    return proposal, DraftModelState(KVCache(cache_k, cache_v, ctx.seq_len), tokens)
+
+  def commit(self, params: Any, state: DraftModelState, ctx: CommitContext) -> DraftModelState:
+    del params
+    batch, max_len = ctx.tokens.shape
+    # Chain token i was fed at slot old_seq_len + i (i < γ-1); its KV stays valid while the
+    # committed tokens agree with the chain up to it. Keep at least the new root pending.
+    slots = jnp.minimum(ctx.old_seq_len[:, None] + jnp.arange(self.gamma)[None, :], max_len - 1)
+    agree = leading_true_count(jnp.take_along_axis(ctx.tokens, slots, axis=1) == state.chain)
+    fed = jnp.minimum(agree, self.gamma - 1)
+    valid = jnp.minimum(ctx.old_seq_len + fed, ctx.seq_len - 1)
+    return state.replace(cache=state.cache.replace(lengths=valid))

@@ -8,6 +8,10 @@ and max_len are fixed at construction, prompts are padded to power-of-two bucket
 parameters and budgets are arrays: twenty calls with different prompts, lengths and
 temperatures compile each function once.
 
+With `EngineConfig(verify="tree")` the step is `tree_step` (DDTree: a best-first draft tree from
+the drafter's per-position distributions, verified in one target pass under an ancestor mask,
+the accepted path gathered into place in the KV cache; see docs/tree.md).
+
 With `drafter=None` the same engine is plain decoding (one token per target pass): the baseline
 every speedup is measured against.
 """
@@ -29,7 +33,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, ProposeContext)
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.spec import metrics, sampling, verify
+from jaxspec.spec import metrics, sampling, tree as tree_lib, tree_verify, verify
 
 MAX_STOP_IDS = 8
 
@@ -39,12 +43,21 @@ class EngineConfig:
   """Static shape and method choices of an engine (one compilation per distinct config).
 
   method: a label for reports ("plain", "draft_model", "ngram", ...); the drafter decides.
-  verify: "chain" (tree verification is a later extension).
-  max_len: tokens per sequence in the buffers and KV caches (prompt + generated + γ + 1).
+  verify: "chain" (γ drafts checked in order) or "tree" (DDTree: a best-first draft tree of
+    `tree_budget` nodes built from the drafter's per-position distributions, verified in one
+    pass under an ancestor mask; see docs/tree.md).
+  max_len: tokens per sequence in the buffers and KV caches (prompt + generated + lookahead,
+    where the lookahead is γ + 1 for chains and max(γ, tree_budget) + 1 for trees).
   batch_size: sequences per call; shorter calls are padded.
   min_prompt_bucket: smallest prompt padding bucket (buckets are powers of two above it).
   stop_ids: extra stop token ids (the model's eos ids are added unless use_eos is False).
   stream_every: steps per host round trip in `stream`.
+  block_size: block drafters' block length (DFlash).
+  tree_budget: draft nodes per tree, the root excluded (the target verifies budget + 1 tokens).
+  tree_topk: tokens kept per draft position when building the tree; 0 = min(budget, 8).
+  tree_chain_seed: insert the drafter's full top-1 chain before best-first expansion.
+  tree_rule: "ddtree" (sample the target at each node, follow the match) or "eagle2" (the
+    deterministic-top-k residual rule); both are lossless.
   """
 
   method: str = "auto"
@@ -55,15 +68,40 @@ class EngineConfig:
   stop_ids: tuple[int, ...] = ()
   use_eos: bool = True
   stream_every: int = 4
-  # Accepted for API stability; used by block and tree drafters.
   block_size: int = 16
   tree_budget: int = 22
+  tree_topk: int = 0
+  tree_chain_seed: bool = False
+  tree_rule: str = "ddtree"
 
   def __post_init__(self):
-    if self.verify != "chain":
-      raise ValueError(f"verify={self.verify!r} is not supported yet (only 'chain')")
+    if self.verify not in ("chain", "tree"):
+      raise ValueError(f"verify={self.verify!r} is not supported (use 'chain' or 'tree')")
     if self.max_len < 2 or self.batch_size < 1:
       raise ValueError("max_len must be ≥ 2 and batch_size ≥ 1")
+    if self.verify == "tree":
+      if self.tree_budget < 1:
+        raise ValueError(f"tree_budget must be ≥ 1 draft node, got {self.tree_budget}")
+      if self.tree_topk < 0:
+        raise ValueError(f"tree_topk must be ≥ 0 (0 = min(budget, 8)), got {self.tree_topk}")
+      if self.tree_rule not in tree_verify.RULES:
+        raise ValueError(f"tree_rule={self.tree_rule!r}; expected one of {tree_verify.RULES}")
+
+  @property
+  def tree_options(self) -> Optional["TreeOptions"]:
+    if self.verify != "tree":
+      return None
+    return TreeOptions(self.tree_budget, self.tree_topk, self.tree_chain_seed, self.tree_rule)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeOptions:
+  """The static tree-verification choices `tree_step` is compiled for."""
+
+  budget: int = 22
+  topk: int = 0
+  chain_seed: bool = False
+  rule: str = "ddtree"
 
 
 @flax.struct.dataclass
@@ -145,10 +183,38 @@ def prefill(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
                    stats=metrics.init_stats(batch, gamma))
 
 
+def _commit_tokens(state: SpecState, drafts: jax.Array, num_accepted: jax.Array,
+                   next_token: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Writes accepted drafts [B, D] (first num_accepted) then next_token into the buffer.
+
+  The new tokens are cut at each sequence's budget and after its first stop token; finished
+  sequences commit nothing. Returns (tokens, seq_len, done, count committed).
+  """
+  batch, max_len = state.tokens.shape
+  rows = jnp.arange(batch)
+  depth = drafts.shape[1]
+  new = jnp.concatenate([drafts.astype(jnp.int32), jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  new = new.at[rows, num_accepted].set(next_token)  # [B, D+1]
+  j = jnp.arange(depth + 1)[None, :]
+  budget = state.max_new - (state.seq_len - state.prompt_len)
+  keep = (j <= num_accepted[:, None]) & (j < budget[:, None])
+  stop_here = _is_stop(new, state.stop_ids) & keep
+  first_stop = jnp.argmax(stop_here, axis=1)
+  keep = keep & (~jnp.any(stop_here, axis=1)[:, None] | (j <= first_stop[:, None]))
+  keep = keep & ~state.done[:, None]
+  count = jnp.sum(keep, axis=1).astype(jnp.int32)
+
+  slots = jnp.where(keep, state.seq_len[:, None] + j, max_len)
+  tokens = state.tokens.at[rows[:, None], slots].set(new, mode="drop")
+  seq_len = state.seq_len + count
+  done = state.done | jnp.any(stop_here, axis=1) | (seq_len - state.prompt_len >= state.max_new)
+  return tokens, seq_len, done, count
+
+
 def step(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
          drafter_params: Any, state: SpecState) -> SpecState:
   """One draft → verify → accept → commit step for every sequence that is not done."""
-  batch, max_len = state.tokens.shape
+  batch = state.tokens.shape[0]
   rows = jnp.arange(batch)
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   root = state.tokens[rows, state.seq_len - 1]
@@ -175,25 +241,9 @@ def step(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
     num_accepted, next_token = verify.verify_chain(k_verify, proposal.tokens, proposal.probs,
                                                    out.logits, state.sampling)
 
-  # New tokens: accepted drafts then the correction/bonus, cut at the budget and the first stop.
-  new = jnp.concatenate([block[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
-  new = new.at[rows, num_accepted].set(next_token)  # [B, γ+1]
-  j = jnp.arange(gamma + 1)[None, :]
-  budget = state.max_new - (state.seq_len - state.prompt_len)
-  keep = (j <= num_accepted[:, None]) & (j < budget[:, None])
-  stop_here = _is_stop(new, state.stop_ids) & keep
-  first_stop = jnp.argmax(stop_here, axis=1)
-  keep = keep & (~jnp.any(stop_here, axis=1)[:, None] | (j <= first_stop[:, None]))
-  active = ~state.done
-  keep = keep & active[:, None]
-  count = jnp.sum(keep, axis=1).astype(jnp.int32)
-
-  slots = jnp.where(keep, state.seq_len[:, None] + j, max_len)
-  tokens = state.tokens.at[rows[:, None], slots].set(new, mode="drop")
-  seq_len = state.seq_len + count
-  done = state.done | jnp.any(stop_here, axis=1) | (seq_len - state.prompt_len >= state.max_new)
+  tokens, seq_len, done, count = _commit_tokens(state, block[:, 1:], num_accepted, next_token)
   cache = KVCache(out.cache_k, out.cache_v, seq_len - 1)
-  stats = metrics.update_stats(state.stats, num_accepted, active, count)
+  stats = metrics.update_stats(state.stats, num_accepted, ~state.done, count)
 
   if drafter is not None:
     drafter_state = drafter.commit(
@@ -204,9 +254,64 @@ def step(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
                        key=key, done=done, stats=stats)
 
 
+def tree_step(config: ModelConfig, drafter: Drafter, opts: TreeOptions, target_params: Any,
+              drafter_params: Any, state: SpecState) -> SpecState:
+  """One DDTree step: propose → build tree → verify the tree in one pass → walk → commit.
+
+  The drafter's per-position log-probs give a best-first tree of `opts.budget` nodes; the
+  target runs once over [root, nodes] at positions start + depth under the ancestor mask
+  (slots start..start+N of its cache); the walk picks the accepted path; its K/V entries are
+  gathered to slots start..start+a (the rest of the tree is scratch past the new length, so
+  tree nodes never leak into later steps) and its features are handed to the drafter in
+  committed order.
+  """
+  batch = state.tokens.shape[0]
+  rows = jnp.arange(batch)
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  root = state.tokens[rows, state.seq_len - 1]
+  start = state.seq_len - 1  # the root's slot: the cache holds everything before it
+
+  proposal, drafter_state = drafter.propose(
+      drafter_params, state.drafter_state,
+      ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft))
+  if proposal.logprobs is None:
+    raise ValueError(f"{drafter.name} gives no per-position distributions (Proposal.logprobs); "
+                     "tree verification needs them — use verify='chain' with this drafter")
+  depth = proposal.logprobs.shape[1]
+  if depth != drafter.gamma:
+    raise ValueError(f"{drafter.name}: logprobs cover {depth} positions, expected γ="
+                     f"{drafter.gamma}")
+  tree = tree_lib.build_tree(root, proposal.logprobs, opts.budget, opts.topk, opts.chain_seed)
+
+  taps = drafter.taps
+  out = target_lib.apply_decoder(config, target_params, tree.tokens, start, state.cache.k,
+                                 state.cache.v, positions=tree.positions(start),
+                                 block_mask=tree.mask, taps=taps)
+  path, num_accepted, next_token = tree_verify.verify_tree(
+      k_verify, tree, out.logits, state.sampling, depth, opts.rule)
+
+  tokens, seq_len, done, count = _commit_tokens(state, tree_verify.path_tokens(tree, path),
+                                                num_accepted, next_token)
+  # Accepted path (root first) → contiguous slots start.., then the committed length.
+  cache = KVCache(out.cache_k, out.cache_v, start).gather_block(path)
+  cache = cache.replace(lengths=seq_len - 1)
+  stats = metrics.update_stats(state.stats, num_accepted, ~state.done, count)
+
+  path_taps = None if out.taps is None else out.taps[:, rows[:, None], path]
+  path_hidden = out.hidden[rows[:, None], path]
+  drafter_state = drafter.commit(
+      drafter_params, drafter_state,
+      CommitContext(tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, path_taps,
+                    path_hidden))
+  return state.replace(tokens=tokens, seq_len=seq_len, cache=cache, drafter_state=drafter_state,
+                       key=key, done=done, stats=stats)
+
+
 def run_loop(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
-             drafter_params: Any, state: SpecState, max_steps: Optional[int] = None) -> SpecState:
-  """`step` in a while_loop until every sequence is done (or max_steps, for streaming)."""
+             drafter_params: Any, state: SpecState, max_steps: Optional[int] = None,
+             tree: Optional[TreeOptions] = None) -> SpecState:
+  """`step` (or `tree_step` when `tree` is given) in a while_loop until every sequence is done
+  (or max_steps, for streaming)."""
   def cond(carry):
     s, i = carry
     go = ~jnp.all(s.done)
@@ -214,6 +319,8 @@ def run_loop(config: ModelConfig, drafter: Optional[Drafter], target_params: Any
 
   def body(carry):
     s, i = carry
+    if tree is not None:
+      return tree_step(config, drafter, tree, target_params, drafter_params, s), i + 1
     return step(config, drafter, target_params, drafter_params, s), i + 1
 
   state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
@@ -237,8 +344,13 @@ class SpecEngine:
   def __init__(self, target: TargetModel, drafter: Optional[Drafter] = None,
                config: EngineConfig = EngineConfig()):
     self.target = target
-    self.drafter = drafter
     self.config = config
+    self.tree = config.tree_options
+    if self.tree is not None:
+      if drafter is None:
+        raise ValueError("verify='tree' needs a drafter that gives per-position distributions")
+      drafter = drafter.for_tree()
+    self.drafter = drafter
     if drafter is not None and drafter.vocab_size not in (None, target.config.vocab_size):
       raise InputError(f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
                        f"({target.config.vocab_size})")
@@ -251,11 +363,15 @@ class SpecEngine:
     self.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
     self.stop_ids[:len(stops)] = stops
     self.gamma = drafter.gamma if drafter is not None else 0
+    # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
+    self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
     cfg, dr = target.config, drafter
     self._prefill = jax.jit(functools.partial(prefill, cfg, dr), static_argnames=("max_len",))
-    self._loop = jax.jit(functools.partial(run_loop, cfg, dr), donate_argnums=(2,),
-                         static_argnames=("max_steps",))
-    self._step = jax.jit(functools.partial(step, cfg, dr), donate_argnums=(2,))
+    self._loop = jax.jit(functools.partial(run_loop, cfg, dr, tree=self.tree),
+                         donate_argnums=(2,), static_argnames=("max_steps",))
+    one_step = (functools.partial(step, cfg, dr) if self.tree is None else
+                functools.partial(tree_step, cfg, dr, self.tree))
+    self._step = jax.jit(one_step, donate_argnums=(2,))
 
   @property
   def drafter_params(self) -> Any:
@@ -291,11 +407,13 @@ class SpecEngine:
     if np.any(max_new < 1):
       raise InputError(f"max_new_tokens must be ≥ 1, got {max_new.tolist()}")
     for i, (p, m) in enumerate(zip(ids, max_new)):
-      need = len(p) + int(m) + self.gamma + 1
+      need = len(p) + int(m) + self.lookahead + 1
       if need > cfg.max_len:
+        what = (f"{self.gamma} draft tokens" if self.tree is None else
+                f"a tree of {self.tree.budget} draft nodes (depth ≤ {self.gamma})")
         raise InputError(
-            f"prompt {i} has {len(p)} tokens; with max_new_tokens={int(m)} and {self.gamma} "
-            f"draft tokens per step it needs {need} slots, more than max_len={cfg.max_len}")
+            f"prompt {i} has {len(p)} tokens; with max_new_tokens={int(m)} and {what} per step "
+            f"it needs {need} slots, more than max_len={cfg.max_len}")
     bucket = _bucket(max(len(p) for p in ids), cfg.min_prompt_bucket, cfg.max_len)
     prompts_arr = np.zeros((b, bucket), np.int32)
     lens = np.ones((b,), np.int32)

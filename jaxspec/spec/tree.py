@@ -1,0 +1,179 @@
+"""DDTree construction: the best draft tree under a node budget, built on device.
+
+Input: the drafter's per-position log-probabilities `logprobs [B, D, V]` (position i predicts
+the token at depth i+1; D is the drafter's γ). Each position keeps its top-K tokens. A node at
+depth d with rank r (the r-th most likely token of position d-1) scores the sum of the
+log-probs along its rank path: the product of the drafter's marginals, DDTree's surrogate for
+"this node will be accepted".
+
+Best-first construction (DDTree `build_ddtree_tree`): start with (depth 1, rank 0); repeatedly
+pop the best frontier entry, make it the next node, push its next sibling (same parent, rank+1)
+and its first child (depth+1, rank 0); stop after `budget` nodes. A child never outscores its
+parent and a sibling never outscores its elder sibling, so pop order is topological (parents have
+smaller indices) and siblings appear in rank order.
+
+Everything is fixed-size: the "heap" is an append-only frontier array of 2·budget+1 entries
+(each pop appends two, at known slots) and each of the `budget` iterations of a `lax.fori_loop`
+takes a masked argmax over it. No host work; budget and K are static.
+
+Outputs (`Tree`) use the flattened verify block layout: slot 0 is the root (the last committed
+token, not in the target's KV cache yet), slots 1..N are the draft nodes in pop order.
+  tokens  [B, N+1]   root token, then node tokens
+  parents [B, N+1]   -1 for the root, else a slot index < own index
+  depths  [B, N+1]   0 for the root; RoPE positions are start + depth
+  valid   [B, N+1]   False for slots the budget could not fill (frontier ran dry)
+  mask    [B, N+1, N+1]  ancestor-or-self: mask[i, j] iff slot j is on the root→i path
+The budget counts draft nodes, excluding the root: budget N verifies N+1 tokens in one pass.
+
+Option `chain_seed` (Lucebox): the drafter's full top-1 chain is inserted first (nodes 1..D, or
+1..N when the budget is shorter), then best-first continues from the frontier those pops left
+(the rank-1 sibling at every chain depth, the first child of the last chain node). The tree then
+contains the chain, so (greedy) it never accepts fewer tokens than chain verification would.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+DEFAULT_MAX_TOPK = 8
+
+
+@flax.struct.dataclass
+class Tree:
+  """A draft tree in the flattened verify-block layout (see the module docstring)."""
+
+  tokens: jax.Array   # [B, N+1] int32
+  parents: jax.Array  # [B, N+1] int32
+  depths: jax.Array   # [B, N+1] int32
+  valid: jax.Array    # [B, N+1] bool
+  mask: jax.Array     # [B, N+1, N+1] bool, ancestor-or-self
+  scores: jax.Array   # [B, N+1] float32 surrogate log-score (0 for the root, -inf if invalid)
+
+  @property
+  def size(self) -> int:
+    """Slots in the verify block: budget + 1."""
+    return self.tokens.shape[1]
+
+  def positions(self, start: jax.Array) -> jax.Array:
+    """[B, N+1] RoPE positions of the block written at slots start..: start + depth."""
+    return start[:, None] + self.depths
+
+
+def default_topk(budget: int, vocab: int, topk: int = 0) -> int:
+  """K for a budget: `topk` if given, else min(budget, 8); never above budget or vocab."""
+  k = topk if topk > 0 else min(budget, DEFAULT_MAX_TOPK)
+  return max(1, min(k, budget, vocab))
+
+
+def _build_one(root: jax.Array, top_lp: jax.Array, top_ids: jax.Array, budget: int,
+               chain_seed: bool) -> Tree:
+  """One sequence: root [], top_lp/top_ids [D, K] (log-probs sorted descending) → Tree."""
+  depth_max, k = top_lp.shape
+  n = budget + 1
+  f = 2 * budget + 1
+  # Frontier entries: position d (0-based, depth d+1), rank r, parent slot, score, live flag.
+  f_pos = jnp.zeros((f,), jnp.int32)
+  f_rank = jnp.zeros((f,), jnp.int32)
+  f_parent = jnp.zeros((f,), jnp.int32)
+  f_score = jnp.full((f,), NEG_INF, jnp.float32).at[0].set(top_lp[0, 0])
+  f_live = jnp.zeros((f,), bool).at[0].set(top_lp[0, 0] > NEG_INF)
+
+  tokens = jnp.zeros((n,), jnp.int32).at[0].set(root.astype(jnp.int32))
+  parents = jnp.full((n,), -1, jnp.int32)
+  depths = jnp.zeros((n,), jnp.int32)
+  valid = jnp.zeros((n,), bool).at[0].set(True)
+  scores = jnp.full((n,), NEG_INF, jnp.float32).at[0].set(0.0)
+  mask = jnp.eye(n, dtype=bool)
+
+  def body(i, carry):
+    (f_pos, f_rank, f_parent, f_score, f_live, tokens, parents, depths, valid, scores, mask,
+     seeding) = carry
+    best = jnp.argmax(jnp.where(f_live, f_score, NEG_INF)).astype(jnp.int32)
+    if chain_seed:
+      # While seeding, pop i is the chain's next node: the first child pushed by pop i-1, which
+      # sits at slot 2i (slot 0 for i = 0). Seeding ends at depth D or if the chain runs dry.
+      seeding = seeding & (i < depth_max) & f_live[2 * i]
+      best = jnp.where(seeding, 2 * i, best)
+    ok = f_live[best]
+    d, r, par, sc = f_pos[best], f_rank[best], f_parent[best], f_score[best]
+    node = i + 1
+    tokens = tokens.at[node].set(jnp.where(ok, top_ids[d, r], 0))
+    parents = parents.at[node].set(jnp.where(ok, par, -1))
+    depths = depths.at[node].set(jnp.where(ok, d + 1, 0))
+    valid = valid.at[node].set(ok)
+    scores = scores.at[node].set(jnp.where(ok, sc, NEG_INF))
+    mask = mask.at[node].set(jnp.where(ok, mask[par], False).at[node].set(True))
+    f_live = f_live.at[best].set(False)
+    # Next sibling (slot 2i+1) and first child (slot 2i+2).
+    r1 = jnp.minimum(r + 1, k - 1)
+    sib_score = scores[jnp.maximum(par, 0)] + top_lp[d, r1]
+    sib_ok = ok & (r + 1 < k) & (top_lp[d, r1] > NEG_INF)
+    d1 = jnp.minimum(d + 1, depth_max - 1)
+    child_score = sc + top_lp[d1, 0]
+    child_ok = ok & (d + 1 < depth_max) & (top_lp[d1, 0] > NEG_INF)
+    s, c = 2 * i + 1, 2 * i + 2
+    f_pos = f_pos.at[s].set(d).at[c].set(d1)
+    f_rank = f_rank.at[s].set(r1).at[c].set(0)
+    f_parent = f_parent.at[s].set(par).at[c].set(node)
+    f_score = f_score.at[s].set(sib_score).at[c].set(child_score)
+    f_live = f_live.at[s].set(sib_ok).at[c].set(child_ok)
+    return (f_pos, f_rank, f_parent, f_score, f_live, tokens, parents, depths, valid, scores,
+            mask, seeding)
+
+  carry = (f_pos, f_rank, f_parent, f_score, f_live, tokens, parents, depths, valid, scores, mask,
+           jnp.bool_(chain_seed))
+  carry = jax.lax.fori_loop(0, budget, body, carry)
+  tokens, parents, depths, valid, scores, mask = carry[5:11]
+  return Tree(tokens, parents, depths, valid, mask, scores)
+
+
+def build_tree(root: jax.Array, logprobs: jax.Array, budget: int, topk: int = 0,
+               chain_seed: bool = False) -> Tree:
+  """Builds the best-first draft tree for every sequence (jit-able; budget/topk static).
+
+  Args:
+    root: [B] int the root token (the last committed token) of each sequence.
+    logprobs: [B, D, V] per-position draft log-probabilities (position i → depth i+1);
+      -inf entries (tokens the drafter rules out) never become nodes.
+    budget: N, the number of draft nodes (the root excluded); ≥ 1.
+    topk: tokens kept per position; 0 means `default_topk` (min(budget, 8)).
+    chain_seed: insert the top-1 chain first (see the module docstring).
+
+  Returns:
+    A `Tree` of N+1 slots per sequence.
+  """
+  if budget < 1:
+    raise ValueError(f"tree budget must be ≥ 1 draft node, got {budget}")
+  if logprobs.ndim != 3:
+    raise ValueError(f"logprobs must be [B, D, V], got shape {logprobs.shape}")
+  k = default_topk(budget, logprobs.shape[-1], topk)
+  top_lp, top_ids = jax.lax.top_k(logprobs.astype(jnp.float32), k)
+  build = lambda r, lp, ids: _build_one(r, lp, ids, budget, chain_seed)
+  return jax.vmap(build)(root, top_lp, top_ids.astype(jnp.int32))
+
+
+def ancestor_mask(parents: jax.Array, valid: Optional[jax.Array] = None) -> jax.Array:
+  """[..., N, N] ancestor-or-self mask from parents [..., N] (-1 = root), any topology.
+
+  `log2(N)` pointer-doubling rounds; the reference that `build_tree`'s incremental mask is
+  checked against, and a helper for trees built elsewhere.
+  """
+  n = parents.shape[-1]
+  eye = jnp.eye(n, dtype=bool)
+  par_oh = (parents[..., :, None] == jnp.arange(n)) & (parents[..., :, None] >= 0)
+  anc = eye | par_oh  # paths of length ≤ 1
+  hop = par_oh
+  steps = max(1, (n - 1).bit_length())
+  for _ in range(steps):
+    # anc(i) ∪= anc(2^s-th ancestor of i); hop = hop∘hop.
+    hop_f = hop.astype(jnp.float32)
+    anc = anc | (jnp.einsum("...ij,...jk->...ik", hop_f, anc.astype(jnp.float32)) > 0)
+    hop = jnp.einsum("...ij,...jk->...ik", hop_f, hop_f) > 0
+  if valid is not None:
+    anc = jnp.where(valid[..., :, None], anc, eye)
+  return anc
