@@ -8,15 +8,18 @@ from jaxspec.cache import KVCache
 from jaxspec.drafters.base import Drafter
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.dflash import DFlashConfig, DFlashDrafter
+from jaxspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from jaxspec.drafters.mtp import MTPDrafter
-from jaxspec.drafters.registry import load_drafter, make_drafter
+from jaxspec.drafters.registry import load_drafter, make_drafter, save_drafter
 from jaxspec.config import ConfigError, MeshConfig, ModelConfig
 from jaxspec.io.hf import CheckpointError, load_model, save_hf
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.spec.engine import EngineConfig, SpecEngine
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DraftModelDrafter", "Drafter", "EngineConfig",
-    "InputError", "KVCache", "MTPDrafter", "MeshConfig", "ModelConfig", "NgramDrafter",
-    "SpecEngine", "TargetModel", "load_drafter", "load_model", "make_drafter", "save_hf",
+    "CheckpointError", "ConfigError", "DFlashConfig", "DFlashDrafter", "DraftModelDrafter",
+    "Drafter", "Eagle3Config", "Eagle3Drafter", "EngineConfig", "InputError", "KVCache",
+    "MTPDrafter", "MeshConfig", "ModelConfig", "NgramDrafter", "SpecEngine", "TargetModel",
+    "load_drafter", "load_model", "make_drafter", "save_drafter", "save_hf",
 ]

@@ -52,7 +52,7 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   n_shared_experts: int = 0
   layer_is_moe: tuple[bool, ...] = ()
-  moe_backend: str = "ragged"  # "dense" (every expert on every token, the oracle) or "ragged"
+  moe_backend: str = "auto"  # "dense" (the oracle), "ragged", "gather" or "auto" (see moe.py)
   # Multi-token-prediction layers stored after the main layers (DeepSeek-V3 layout).
   num_mtp_layers: int = 0
   # Special tokens.
@@ -115,7 +115,8 @@ class ModelConfig:
          f"rotary dim {self.rotary_dim} (head_dim × partial_rotary_factor) must be even and in "
          f"(0, head_dim]")
     need(len(self.layer_is_moe) == self.num_layers, "layer_is_moe must have one entry per layer")
-    need(self.moe_backend in ("dense", "ragged"), f"unknown moe_backend {self.moe_backend!r}")
+    need(self.moe_backend in ("auto", "dense", "ragged", "gather"),
+         f"unknown moe_backend {self.moe_backend!r}")
     need(self.dtype in ("float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}")
     if self.is_moe:
       need(0 < self.num_experts_per_tok <= self.num_experts,

@@ -43,9 +43,13 @@ def test_moe_backends_agree_and_differ_from_wrong_routing(saved):
   _, path = saved["glm4moe_grouped_shared_partial"]
   model = jaxspec.load_model(path)
   ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (3, 9))
-  ragged = np.asarray(model.logits(ids))
+  ragged = np.asarray(model.with_config(moe_backend="ragged").logits(ids))
   dense = np.asarray(model.with_config(moe_backend="dense").logits(ids))
+  gather = np.asarray(model.with_config(moe_backend="gather").logits(ids))
+  auto = np.asarray(model.logits(ids))
   np.testing.assert_allclose(ragged, dense, atol=1e-5)
+  np.testing.assert_allclose(gather, dense, atol=1e-5)
+  np.testing.assert_allclose(auto, dense, atol=1e-5)
   # The oracle must notice a routing mistake: ignoring the groups changes the logits.
   ungrouped = np.asarray(model.with_config(n_group=1, topk_group=1).logits(ids))
   assert np.abs(ungrouped - ragged).max() > 1e-3

@@ -88,15 +88,14 @@ class DraftModelDrafter(Drafter):
   def propose(self, params: Any, state: DraftModelState,
               ctx: ProposeContext) -> tuple[Proposal, DraftModelState]:
     batch, max_len = ctx.tokens.shape
-    rows = jnp.arange(batch)
     # Pending committed tokens: slots valid..seq_len-1 (≥ 1: the root), padded to a fixed block.
     width = self.pending_block
     valid = jnp.clip(state.cache.lengths, ctx.seq_len - width, ctx.seq_len - 1)
     slots = jnp.minimum(valid[:, None] + jnp.arange(width)[None, :], max_len - 1)
     pending = jnp.take_along_axis(ctx.tokens, slots, axis=1)
     out = target_lib.apply_decoder(self.config, params, pending, valid, state.cache.k,
-                                   state.cache.v)
-    first_logits = out.logits[rows, ctx.seq_len - 1 - valid]  # at the root
+                                   state.cache.v, logits_index=ctx.seq_len - 1 - valid)
+    first_logits = out.logits[:, 0]  # at the root
     keys = jax.random.split(ctx.key, self.gamma)
     temp = jnp.where(sampling.is_greedy(ctx.sampling), 1.0, ctx.sampling.temperature)
 

@@ -10,6 +10,8 @@ Expert backends (same numbers, different cost):
   * dense: every expert on every token, combined with a sparse weight matrix. The oracle.
   * ragged: the N·k (token, expert) pairs sorted by expert and run as grouped matmuls with
     `jax.lax.ragged_dot`; FLOPs proportional to k, not to the number of experts.
+  * gather: each token reads only its k experts' weights (decode and short verify blocks).
+  * auto (default): gather for few tokens, else ragged (dense on CPU); see pick_backend.
 """
 
 from __future__ import annotations
@@ -83,7 +85,32 @@ def experts_ragged(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.A
   return jnp.zeros((n, x.shape[1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
 
 
-EXPERT_BACKENDS = {"dense": experts_dense, "ragged": experts_ragged}
+def experts_gather(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array,
+                   up: jax.Array, down: jax.Array) -> jax.Array:
+  """Reads only the selected experts' weights per token: the decode path.
+
+  With N·k (token, expert) pairs below the number of experts this touches fewer weight bytes
+  than any grouped matmul (decode is memory bound), and it needs no sort.
+  """
+  g = jnp.einsum("nh,nkhi->nki", x, gate[ids], preferred_element_type=jnp.float32)
+  u = jnp.einsum("nh,nkhi->nki", x, up[ids], preferred_element_type=jnp.float32)
+  hmid = (jax.nn.silu(g) * u).astype(x.dtype)
+  y = jnp.einsum("nki,nkih->nkh", hmid, down[ids], preferred_element_type=jnp.float32)
+  return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
+
+
+EXPERT_BACKENDS = {"dense": experts_dense, "ragged": experts_ragged, "gather": experts_gather}
+
+
+def pick_backend(name: str, num_pairs: int, num_experts: int) -> str:
+  """Resolves "auto": gather when the N·k pairs need fewer expert reads than there are experts
+  (decode, short verify blocks); otherwise grouped matmuls on accelerators and the dense oracle
+  on CPU, where XLA lowers ragged_dot to a masked dense product anyway."""
+  if name != "auto":
+    return name
+  if num_pairs <= num_experts:
+    return "gather"
+  return "dense" if jax.default_backend() == "cpu" else "ragged"
 
 
 class MoE(nn.Module):
@@ -123,8 +150,9 @@ class MoE(nn.Module):
     self.sow("intermediates", "router_score",
              jnp.mean(scores / jnp.sum(scores, -1, keepdims=True), axis=0))
     dt = dtype_of(c.dtype)
-    y = EXPERT_BACKENDS[c.moe_backend](xf.astype(dt), weights, ids, gate.astype(dt),
-                                       up.astype(dt), down.astype(dt))
+    backend = pick_backend(c.moe_backend, ids.size, e)
+    y = EXPERT_BACKENDS[backend](xf.astype(dt), weights, ids, gate.astype(dt), up.astype(dt),
+                                 down.astype(dt))
     y = y.reshape(*lead, h)
     if c.n_shared_experts:
       y = y + MLP(c, c.shared_intermediate_size, name="shared_experts")(x)

@@ -162,8 +162,8 @@ def prefill(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
   taps = drafter.taps if drafter is not None else ()
   cache = KVCache.for_model(config, batch, max_len)
   out = target_lib.apply_decoder(config, target_params, prompts, jnp.zeros_like(prompt_len),
-                                 cache.k, cache.v, taps=taps)
-  last_logits = jnp.take_along_axis(out.logits, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+                                 cache.k, cache.v, taps=taps, logits_index=prompt_len - 1)
+  last_logits = out.logits[:, 0]
   key, sub = jax.random.split(key)
   first = sampling.sample(sub, last_logits, params)
   rows = jnp.arange(batch)

@@ -1,0 +1,167 @@
+"""DeepSeek-style multi-token prediction (MTP) as a drafter: the target drafts for itself.
+
+The target's MTP layer reads the target's final-normed hidden h_i beside the embedding of token
+t_{i+1} ([enorm(emb); hnorm(h)] → eh_proj → one full decoder block → shared_head.norm → the
+target's LM head) and predicts t_{i+2}. Its own KV cache holds one entry per position i, written
+at RoPE position i (the convention of `jaxspec.train.losses`, which trained it).
+
+Drafting γ tokens chains the layer (DeepSeek-V3 / vLLM reuse of the single released MTP layer):
+step 0 reads (h_{n-1}, root) at position n-1, where n = seq_len - 1 is the root's slot; step j
+reads the layer's own previous output hidden beside draft j at position n-1+j.
+
+State: the layer's KV cache [1, B, L, K, D] and the target hidden of the slot just before the
+root. Cache invariant between steps: entries at positions < n-1 hold (target hidden h_i, true
+token t_{i+1}); propose writes n-1 (exact) and scratch after it; commit rewrites the entries of
+the newly committed positions from the verify pass's hidden states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import KVCache
+from jaxspec.config import ConfigError, ModelConfig
+from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, Proposal,
+                                   ProposeContext)
+from jaxspec.models import target as target_lib
+from jaxspec.spec import sampling
+
+
+@flax.struct.dataclass
+class MTPState:
+  cache_k: jax.Array      # [1, B, L, K, D] the MTP layer's own KV cache
+  cache_v: jax.Array
+  last_hidden: jax.Array  # [B, H] target final-normed hidden at slot seq_len - 2
+
+
+def tree_logprobs(logits: jax.Array, params: sampling.SamplingParams) -> jax.Array:
+  """Per-position draft log-probabilities for the tree builder: log_softmax(logits / T), with
+  T = 1 for greedy rows and no top-k / top-p (the draft model's convention)."""
+  temp = jnp.where(sampling.is_greedy(params), 1.0, params.temperature).astype(jnp.float32)
+  temp = temp.reshape(temp.shape + (1,) * (logits.ndim - 1))
+  return jax.nn.log_softmax(logits.astype(jnp.float32) / temp, axis=-1)
+
+
+def draw(key: jax.Array, logits: jax.Array, params: sampling.SamplingParams,
+         sample: bool) -> tuple[jax.Array, jax.Array | None]:
+  """One draft token per row from logits [B, V]: (token, warped q) or (argmax, None)."""
+  if not sample:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+  q = sampling.warped_probs(logits, params)
+  return sampling.sample_from_probs(key, q), q
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPDrafter(Drafter):
+  """Chains the target's MTP layer `layer` for γ steps.
+
+  config: the target's ModelConfig (the MTP block has the target's architecture).
+  sample_drafts: at T > 0 draw each draft from the warped MTP distribution q (returned for
+    lossless verification); False drafts the argmax (q one-hot), as greedy drafters do.
+  Every proposal carries per-position `logprobs` (see `tree_logprobs`); for tree verification
+  (`for_tree`) the chain follows the argmax, so depth i's distribution is conditioned on the
+  tree's top-1 branch.
+  """
+
+  config: ModelConfig = None  # type: ignore[assignment]
+  gamma: int = 2
+  layer: int = 0
+  sample_drafts: bool = True
+
+  def __post_init__(self):
+    if self.config is None:
+      raise ValueError("MTPDrafter needs the target's ModelConfig")
+    if self.config.num_mtp_layers < 1:
+      raise ConfigError(f"{self.config.architecture}: the target has no MTP layers "
+                        f"(num_nextn_predict_layers = 0); the MTP drafter needs at least one")
+    if not 0 <= self.layer < self.config.num_mtp_layers:
+      raise ValueError(f"MTP layer {self.layer} out of range: the target has "
+                       f"{self.config.num_mtp_layers}")
+    if self.gamma < 1:
+      raise ValueError(f"MTPDrafter needs gamma >= 1, got {self.gamma}")
+
+  @classmethod
+  def from_target(cls, target: target_lib.TargetModel, gamma: int = 2, layer: int = 0,
+                  sample_drafts: bool = True) -> "MTPDrafter":
+    """Shares the target's arrays (embedding, LM head, MTP layer): nothing is copied."""
+    cfg = target.config
+    if cfg.num_mtp_layers < 1:
+      raise ConfigError(f"{cfg.architecture}: the target has no MTP layers "
+                        f"(num_nextn_predict_layers = 0); the MTP drafter needs at least one")
+    keys = ["embed", f"mtp_{layer}"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
+    missing = [k for k in keys if k not in target.params]
+    if missing:
+      raise ConfigError(f"target parameters lack {missing} needed by the MTP drafter")
+    params = {k: target.params[k] for k in keys}
+    return cls(gamma=gamma, params=params, config=cfg, layer=layer, sample_drafts=sample_drafts)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  def for_tree(self) -> "MTPDrafter":
+    return dataclasses.replace(self, sample_drafts=False)
+
+  def _mtp(self, params, tokens, hidden, start, cache_k, cache_v):
+    return target_lib.apply_mtp(self.config, params, self.layer, tokens, hidden, start, cache_k,
+                                cache_v)
+
+  def init_state(self, params: Any, batch: int, max_len: int) -> MTPState:
+    del params
+    cache = KVCache.for_model(self.config, batch, max_len, num_layers=1)
+    hidden = jnp.zeros((batch, self.config.hidden_size), jnp.dtype(self.config.dtype))
+    return MTPState(cache.k, cache.v, hidden)
+
+  def prefill(self, params: Any, state: MTPState, ctx: PrefillContext) -> MTPState:
+    b, p = ctx.hidden.shape[:2]
+    rows = jnp.arange(b)
+    # Entry i reads (h_i, t_{i+1}); t_P is the first sampled token (already in the buffer).
+    tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1:p + 1]
+    _, _, ck, cv = self._mtp(params, tokens, ctx.hidden, jnp.zeros((b,), jnp.int32),
+                             state.cache_k, state.cache_v)
+    last = ctx.hidden[rows, ctx.prompt_lens - 1]
+    return MTPState(ck, cv, last.astype(state.last_hidden.dtype))
+
+  def propose(self, params: Any, state: MTPState,
+              ctx: ProposeContext) -> tuple[Proposal, MTPState]:
+    rows = jnp.arange(ctx.tokens.shape[0])
+    root = ctx.tokens[rows, ctx.seq_len - 1]
+    keys = jax.random.split(ctx.key, self.gamma)
+
+    def step(carry, key):
+      ck, cv, tok, hidden, pos = carry
+      logits, h_out, ck, cv = self._mtp(params, tok[:, None], hidden[:, None], pos, ck, cv)
+      logits = logits[:, 0].astype(jnp.float32)
+      nxt, q = draw(key, logits, ctx.sampling, self.sample_drafts)
+      out = (nxt, tree_logprobs(logits, ctx.sampling)) + ((q,) if q is not None else ())
+      return (ck, cv, nxt, h_out[:, 0].astype(hidden.dtype), pos + 1), out
+
+    init = (state.cache_k, state.cache_v, root, state.last_hidden, ctx.seq_len - 2)
+    (ck, cv, _, _, _), outs = jax.lax.scan(step, init, keys)
+    tokens = jnp.moveaxis(outs[0], 0, 1)
+    logprobs = jnp.moveaxis(outs[1], 0, 1)
+    probs = jnp.moveaxis(outs[2], 0, 1) if self.sample_drafts else None
+    return Proposal(tokens, probs, logprobs), state.replace(cache_k=ck, cache_v=cv)
+
+  def commit(self, params: Any, state: MTPState, ctx: CommitContext) -> MTPState:
+    b, max_len = ctx.tokens.shape
+    rows = jnp.arange(b)
+    start = ctx.old_seq_len - 1  # the verified block's root slot
+    # Entries start..start+γ-1 read (h of block slot j, committed token at start+j+1); only the
+    # first num_accepted are exact, the rest lie past the committed prefix and are rewritten.
+    idx = jnp.minimum(start[:, None] + 1 + jnp.arange(self.gamma)[None, :], max_len - 1)
+    tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)
+    _, _, ck, cv = self._mtp(params, tokens, ctx.hidden[:, :self.gamma], start, state.cache_k,
+                             state.cache_v)
+    # The hidden just before the new root: block slot (new seq_len - old seq_len - 1), which is
+    # num_accepted unless the budget or a stop cut the block; rows that committed nothing (done)
+    # keep theirs.
+    count = ctx.seq_len - ctx.old_seq_len
+    last = ctx.hidden[rows, jnp.maximum(count - 1, 0)].astype(state.last_hidden.dtype)
+    last = jnp.where((count > 0)[:, None], last, state.last_hidden)
+    return MTPState(ck, cv, last)

@@ -1,0 +1,220 @@
+"""Training objectives of the feature drafters (pure functions; the target is frozen).
+
+Conventions: `tokens` [B, S] is a training sequence, `taps` [n_taps, B, S, H] the target's
+features at every position (the drafter's `taps` layers, from one frozen target forward),
+`loss_mask` [B, S] marks the tokens that are supervised targets (e.g. the assistant's reply).
+
+- DFlash (SpecForge `OnlineDFlashModel`, the paper's Eq. 4): up to `num_anchors` random anchor
+  positions per sequence, among positions whose token and next token are both supervised; each
+  opens a block [x_anchor, MASK × (B−1)] at positions anchor..anchor+B−1 that sees the context
+  strictly before its anchor and itself bidirectionally, and nothing of other blocks; slot k
+  predicts x[anchor + k] (same position), slots 1..B−1 only, with weights exp(−(k−1)/γ), γ = 7.
+- EAGLE-3 (training-time test, SafeAILab `traineagle3`): the drafter is unrolled `steps` = 7
+  times over every position, feeding back its own hidden states; step j at position i predicts
+  t_{i+j+2} and is matched (soft cross-entropy) to the target's distribution at i+j+1,
+  restricted to the draft vocabulary; step losses are weighted 0.8^j. As in the reference,
+  positions whose target argmax lies outside the draft vocabulary are skipped.
+- MTP (DeepSeek-V3): depth k reads the depth-(k−1) hidden (the target's final-normed hidden for
+  k = 0) beside t_{i+k+1} and predicts t_{i+k+2}; cross-entropy per depth.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import ModelConfig
+from jaxspec.drafters.dflash import DFlashDrafter, target_head
+from jaxspec.drafters.eagle3 import Eagle3Drafter
+from jaxspec.models import target as target_lib
+
+
+def _token_ce(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Per-position cross-entropy (nats) of float logits [..., V] against labels [...]."""
+  logits = logits.astype(jnp.float32)
+  picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+# --------------------------------------------------------------------------------------------------
+# DFlash
+# --------------------------------------------------------------------------------------------------
+
+def sample_anchors(key: jax.Array, loss_mask: jax.Array,
+                   num_anchors: int = 512) -> tuple[jax.Array, jax.Array]:
+  """Random block anchors: (anchors [B, N] int32 ascending, keep [B, N] bool).
+
+  Candidates are positions a < S−1 with loss_mask[a] and loss_mask[a+1]; each sequence gets
+  min(num_anchors, #candidates) distinct ones, drawn uniformly without replacement. N =
+  min(num_anchors, S−1) is static; unused slots have keep False and anchor 0.
+  """
+  b, s = loss_mask.shape
+  n = min(num_anchors, s - 1)
+  m = loss_mask.astype(bool)
+  valid = m[:, :-1] & m[:, 1:]
+  u = jnp.where(valid, jax.random.uniform(key, valid.shape), 2.0)
+  picked = jnp.argsort(u, axis=1)[:, :n].astype(jnp.int32)
+  count = jnp.minimum(jnp.sum(valid, axis=1), n)
+  keep = jnp.arange(n)[None] < count[:, None]
+  anchors = jnp.sort(jnp.where(keep, picked, s), axis=1)
+  keep = anchors < s
+  return jnp.where(keep, anchors, 0).astype(jnp.int32), keep
+
+
+def dflash_attention_mask(anchors: jax.Array, keep: jax.Array, seq_len: int, block_size: int,
+                          window: int = 0) -> jax.Array:
+  """The DFlash training mask as one dense bool array [B, N·bs, S + N·bs].
+
+  Query row n·bs + t is slot t of block n; key columns are the S context features, then the
+  N·bs block tokens. Visible: context column c iff c < anchor_n (and, with a sliding window W,
+  anchor_n + t − c < W); block column m·bs + u iff m == n. Rows of unused blocks see nothing.
+  `DFlashDrafter.train_hidden` applies exactly this rule block by block.
+  """
+  b, n = anchors.shape
+  t = jnp.arange(block_size)
+  q_pos = anchors[:, :, None] + t                                     # [B, N, bs]
+  c = jnp.arange(seq_len)
+  ctx = c[None, None, None, :] < anchors[:, :, None, None]             # [B, N, 1, S]
+  ctx = jnp.broadcast_to(ctx, (b, n, block_size, seq_len))
+  if window:
+    ctx = ctx & (q_pos[..., None] - c < window)
+  blk = jnp.eye(n, dtype=bool)[None, :, None, :, None]                 # [1, N, 1, N, 1]
+  blk = jnp.broadcast_to(blk, (b, n, block_size, n, block_size)).reshape(b, n, block_size,
+                                                                        n * block_size)
+  mask = jnp.concatenate([ctx, blk], axis=-1) & keep[:, :, None, None]
+  return mask.reshape(b, n * block_size, seq_len + n * block_size)
+
+
+def dflash_slot_weights(block_size: int, gamma: float = 7.0) -> jax.Array:
+  """[bs] loss weight of each block slot: 0 for the anchor slot, exp(−(k−1)/γ) for k ≥ 1."""
+  k = jnp.arange(block_size, dtype=jnp.float32)
+  w = jnp.exp(-(k - 1.0) / gamma) if gamma else jnp.ones_like(k)
+  return jnp.where(k >= 1, w, 0.0)
+
+
+def dflash_loss(drafter: DFlashDrafter, params: Any, tokens: jax.Array, taps: jax.Array,
+                loss_mask: jax.Array, key: jax.Array, *, num_anchors: int = 512,
+                gamma: float = 7.0, block_size: Optional[int] = None,
+                anchors: Optional[tuple[jax.Array, jax.Array]] = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """DFlash's block objective on one batch: (weighted mean cross-entropy, metrics).
+
+  `anchors` = (anchors, keep) overrides the random draw (for tests and evaluation).
+  Metrics: "loss", "accuracy" (argmax = label over weighted slots), "accept_len" (mean length
+  of each block's correct greedy prefix, slots 1..bs−1: an estimate of τ − 1).
+  """
+  bs = block_size or drafter.config.block_size
+  b, s = tokens.shape
+  if anchors is None:
+    anchors = sample_anchors(key, loss_mask, num_anchors)
+  anchor, keep = anchors
+  hidden = drafter.train_hidden(params, tokens, taps, anchor, bs)     # [B, N, bs, H]
+  logits = target_head(params, hidden, drafter.config.dtype)           # [B, N, bs, V]
+  idx = anchor[..., None] + jnp.arange(bs)
+  in_range = idx < s
+  idx = jnp.minimum(idx, s - 1)
+  labels = jnp.take_along_axis(tokens[:, None, :], idx, axis=2)
+  supervised = jnp.take_along_axis(loss_mask.astype(bool)[:, None, :], idx, axis=2)
+  valid = keep[..., None] & in_range & supervised & (jnp.arange(bs) >= 1)
+  weights = valid * dflash_slot_weights(bs, gamma)
+  ce = _token_ce(logits, labels)
+  loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
+  correct = (jnp.argmax(logits, axis=-1) == labels)
+  accuracy = jnp.sum(correct * valid) / jnp.maximum(jnp.sum(valid), 1)
+  prefix = jnp.cumprod(jnp.where(valid[..., 1:], correct[..., 1:], True), axis=-1) * valid[..., 1:]
+  accept_len = jnp.sum(jnp.sum(prefix, -1) * keep) / jnp.maximum(jnp.sum(keep), 1)
+  return loss, {"loss": loss, "accuracy": accuracy, "accept_len": accept_len}
+
+
+# --------------------------------------------------------------------------------------------------
+# EAGLE-3
+# --------------------------------------------------------------------------------------------------
+
+def eagle3_ttt_loss(drafter: Eagle3Drafter, params: Any, tokens: jax.Array, taps: jax.Array,
+                    target_logits: jax.Array, loss_mask: jax.Array, *, steps: int = 7,
+                    decay: float = 0.8) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """EAGLE-3's training-time-test objective: Σ_j decay^j · soft-CE_j.
+
+  target_logits [B, S, V]: the frozen target's logits (position s predicts token s+1).
+  Step j at position i is supervised iff i+j+2 < S and loss_mask[i+j+2]; its target is
+  softmax of target_logits[i+j+1] over the draft vocabulary. Each step's loss is averaged over
+  its supervised positions; those whose target argmax has no draft id contribute zero.
+  """
+  c = drafter.config
+  b, s = tokens.shape
+  logits = drafter.ttt_logits(params, tokens, taps, steps)            # [steps, B, S, V_d]
+  draft_ids = jnp.arange(c.draft_vocab_size)
+  if c.reduced_vocab:
+    draft_ids = draft_ids + params["d2t"]
+  in_draft = jnp.zeros((c.vocab_size,), bool).at[draft_ids].set(True)
+  mask = loss_mask.astype(bool)
+  total = jnp.float32(0.0)
+  metrics: dict[str, jax.Array] = {}
+  for j in range(steps):
+    shift = j + 1
+    tl = jnp.pad(target_logits.astype(jnp.float32), ((0, 0), (0, shift), (0, 0)))[:, shift:]
+    sup = jnp.pad(mask, ((0, 0), (0, shift + 1)))[:, shift + 1:]      # loss_mask[i+j+2]
+    sup = sup & (jnp.arange(s)[None] + shift + 1 < s)
+    top = jnp.argmax(tl, axis=-1)
+    use = sup & in_draft[top]
+    p = jax.nn.softmax(jnp.take(tl, draft_ids, axis=-1), axis=-1)
+    logq = jax.nn.log_softmax(logits[j].astype(jnp.float32), axis=-1)
+    ce = -jnp.sum(p * logq, axis=-1)
+    denom = jnp.maximum(jnp.sum(sup), 1)
+    loss_j = jnp.sum(jnp.where(use, ce, 0.0)) / denom
+    pred = jnp.take(draft_ids, jnp.argmax(logq, axis=-1))
+    metrics[f"loss_{j}"] = loss_j
+    metrics[f"accuracy_{j}"] = jnp.sum((pred == top) & sup) / denom
+    total = total + decay ** j * loss_j
+  metrics["loss"] = total
+  return total, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# MTP
+# --------------------------------------------------------------------------------------------------
+
+def mtp_loss(config: ModelConfig, params: Any, tokens: jax.Array, hidden: jax.Array,
+             loss_mask: Optional[jax.Array] = None, *, num_depths: Optional[int] = None,
+             reuse_layer: Optional[int] = None,
+             weights: Optional[tuple[float, ...]] = None) -> tuple[jax.Array, dict[str, Any]]:
+  """Cross-entropy of the target's MTP layers at depths 0..num_depths−1 (target frozen).
+
+  hidden [B, S, H]: the target's final-normed hidden states of `tokens` [B, S]. Depth k reads
+  the depth-(k−1) output h_i (the target hidden for k = 0) beside t_{i+k+1} at RoPE position i
+  and predicts t_{i+k+2}; it uses MTP layer k (DeepSeek-V3's sequential modules), or layer
+  `reuse_layer` at every depth (the chained reuse of one layer that the MTP drafter runs).
+  Returns (Σ_k weights[k] · CE_k, {"mtp_loss_k": CE_k, "loss"}); weights default to 1/depths.
+  """
+  depths = num_depths or config.num_mtp_layers
+  if depths < 1:
+    raise ValueError("mtp_loss needs at least one depth")
+  if reuse_layer is None and depths > config.num_mtp_layers:
+    raise ValueError(f"{depths} depths but the model has {config.num_mtp_layers} MTP layers; "
+                     f"pass reuse_layer to chain one layer")
+  weights = weights or (1.0 / depths,) * depths
+  b, s = tokens.shape
+  start = jnp.zeros((b,), jnp.int32)
+  total = jnp.float32(0.0)
+  metrics: dict[str, Any] = {}
+  h = hidden
+  for k in range(depths):
+    n = s - 2 - k
+    if n < 1:
+      raise ValueError(f"sequences of {s} tokens are too short for MTP depth {k}")
+    layer = k if reuse_layer is None else reuse_layer
+    cache = jnp.zeros((1, b, n, config.num_kv_heads, config.head_dim), jnp.dtype(config.dtype))
+    logits, h, _, _ = target_lib.apply_mtp(config, params, layer, tokens[:, k + 1:k + 1 + n],
+                                           h[:, :n], start, cache, cache)
+    ce = _token_ce(logits, tokens[:, k + 2:k + 2 + n])
+    if loss_mask is None:
+      ce_k = jnp.mean(ce)
+    else:
+      m = loss_mask[:, k + 2:k + 2 + n].astype(jnp.float32)
+      ce_k = jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
+    metrics[f"mtp_loss_{k}"] = ce_k
+    total = total + weights[k] * ce_k
+  metrics["loss"] = total
+  return total, metrics

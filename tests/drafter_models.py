@@ -1,0 +1,124 @@
+"""Helpers shared by the feature-drafter tests (MTP, DFlash, EAGLE-3, drafter losses).
+
+Small random targets with sharp logits, an exact sequence-distribution check for sampled
+output, a greedy-equality harness, and float64 numpy RMSNorm/RoPE for explicit
+re-computations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import stats as scipy_stats
+
+from jaxspec.config import ModelConfig
+from jaxspec.models import target as target_lib
+from jaxspec.models.target import TargetModel
+from jaxspec.spec.engine import EngineConfig, SpecEngine
+
+
+def rms(x, w, eps=1e-6):
+  """float64 RMSNorm."""
+  return w * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def rope(x, pos, theta):
+  """float64 rotate-half RoPE over the whole head; x [T, H, D], pos [T]."""
+  d = x.shape[-1]
+  f = np.asarray(pos, np.float64)[:, None] / theta ** (np.arange(0, d, 2) / d)
+  emb = np.concatenate([f, f], -1)
+  cos, sin = np.cos(emb)[:, None], np.sin(emb)[:, None]
+  return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+
+def random_params(shapes, seed: int, factor: float = 4.0):
+  """Normal(0.02 × factor) matrices, unit norm scales: numpy draws, no init compilation."""
+  rng = np.random.default_rng(seed)
+
+  def make(path, x):
+    if "scale" in jax.tree_util.keystr(path):
+      return jnp.ones(x.shape, x.dtype)
+    return jnp.asarray(rng.normal(0.0, 0.02 * factor, x.shape), x.dtype)
+
+  return jax.tree_util.tree_map_with_path(make, shapes)
+
+
+def small_target(vocab: int = 64, num_layers: int = 2, num_mtp_layers: int = 0, seed: int = 0,
+                 factor: float = 4.0, tie: bool = False) -> TargetModel:
+  """A random Qwen3 target with sharp logits (scaled-up weights)."""
+  cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=vocab, hidden_size=32,
+                    num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                    intermediate_size=48, num_mtp_layers=num_mtp_layers,
+                    tie_word_embeddings=tie)
+  return TargetModel(cfg, random_params(target_lib.param_shapes(cfg), seed, factor))
+
+
+def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  lens = [5, 11, 3, 8][:batch]
+  return [list(rng.integers(3, vocab, n // 2 + 1)) * 2 for n in lens]
+
+
+def exact_sequence_probs(target: TargetModel, prompt: list[int], length: int) -> tuple:
+  """All continuations of `length` tokens and their exact probabilities at temperature 1."""
+  vocab = target.config.vocab_size
+  outcomes = list(itertools.product(range(vocab), repeat=length))
+  seqs = np.asarray([prompt + list(o) for o in outcomes], np.int32)
+  logits = np.asarray(target.logits(seqs[:, :-1]), np.float64)
+  logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                keepdims=True)) - logits.max(-1, keepdims=True)
+  m = len(prompt)
+  probs = np.ones(len(outcomes))
+  for k in range(length):
+    probs *= np.exp(logp[np.arange(len(outcomes)), m - 1 + k, seqs[:, m + k]])
+  return outcomes, probs
+
+
+def sampled_pvalue(engine: SpecEngine, prompt: list[int], length: int, calls: int,
+                   outcomes, probs) -> float:
+  """Chi-square p-value of engine samples (T=1) against exact probabilities (pooled bins)."""
+  batch = engine.config.batch_size
+  index = {o: i for i, o in enumerate(outcomes)}
+  counts = np.zeros(len(outcomes))
+  for s in range(calls):
+    out = engine.generate([prompt] * batch, max_new_tokens=length, temperature=1.0, seed=s)
+    for t in out.tokens:
+      counts[index[tuple(t)]] += 1
+  n = counts.sum()
+  expected = probs * n
+  big = expected >= 5
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  if exp[-1] == 0:
+    obs, exp = obs[:-1], exp[:-1]
+  return float(scipy_stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+class GreedyCheck:
+  """Plain and speculative engines (batch 2) for one target: greedy outputs must agree."""
+
+  def __init__(self, target: TargetModel, drafter, max_len: int = 80):
+    self.target = target
+    self.drafter = drafter
+    self.cfg = EngineConfig(max_len=max_len, batch_size=2, use_eos=False)
+    self.plain = SpecEngine(target, None, self.cfg)
+    self.spec = SpecEngine(target, drafter, self.cfg)
+
+  def check(self, batch: int, new: int = 24, tree_budget: int = 0):
+    """Greedy outputs agree (chain verification, or DDTree with `tree_budget` nodes)."""
+    ps = prompts(batch, self.target.config.vocab_size)
+    plain = self.plain.generate(ps, max_new_tokens=new)
+    engine = self.spec
+    if tree_budget:
+      engine = SpecEngine(self.target, self.drafter, dataclasses.replace(
+          self.cfg, verify="tree", tree_budget=tree_budget))
+    spec = engine.generate(ps, max_new_tokens=new)
+    assert spec.tokens == plain.tokens
+    assert all(len(t) == new for t in spec.tokens)
+    return plain, spec
+
+
