@@ -14,9 +14,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
 
-import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec.io import checkpoint  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -28,27 +26,9 @@ flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                   "Cast parameters (default: keep).")
 
 
-def convert(src: str, dst: str, to: str, dtype: str | None = None) -> jaxspec.TargetModel:
-  """Loads src in whichever format it is and writes dst in format `to`."""
-  if os.path.isdir(os.path.join(src, checkpoint.PARAMS_DIR)):
-    model = checkpoint.restore(src)
-  else:
-    model = jaxspec.load_model(src)
-  if dtype is not None:
-    model = jaxspec.TargetModel(
-        model.config.replace(param_dtype=dtype),
-        jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), model.params),
-        model.tokenizer, model.hf_config)
-  if to == "hf":
-    jaxspec.save_hf(model, dst)
-  else:
-    checkpoint.save(model, dst)
-  return model
-
-
 def main(argv):
   del argv
-  model = convert(FLAGS.input, FLAGS.output, FLAGS.to, FLAGS.dtype)
+  model = checkpoint.convert(FLAGS.input, FLAGS.output, FLAGS.to, FLAGS.dtype)
   n = sum(x.size for x in jax.tree_util.tree_leaves(model.params))
   print(f"wrote {FLAGS.to} checkpoint of {model.config.architecture} ({n:,} parameters) to "
         f"{FLAGS.output}")

@@ -175,11 +175,11 @@ def test_orbax_checkpoint_round_trip_single_device(tmp_path):
 
 
 def test_convert_script_round_trip(tmp_path):
-  from launch import convert  # pylint: disable=import-outside-toplevel
+  from jaxspec.io.checkpoint import convert  # pylint: disable=import-outside-toplevel
   model = target_lib.TargetModel.random(_glm_with_mtp(), seed=5)
   jaxspec.save_hf(model, str(tmp_path / "hf"))
-  convert.convert(str(tmp_path / "hf"), str(tmp_path / "orbax"), "orbax")
-  convert.convert(str(tmp_path / "orbax"), str(tmp_path / "hf2"), "hf")
+  convert(str(tmp_path / "hf"), str(tmp_path / "orbax"), "orbax")
+  convert(str(tmp_path / "orbax"), str(tmp_path / "hf2"), "hf")
   back = jaxspec.load_model(str(tmp_path / "hf2"))
   for a, b in zip(_leaves(model.params), _leaves(back.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -13,11 +13,12 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxspec import sharding as sharding_lib
 from jaxspec.config import ModelConfig
-from jaxspec.io.hf import CheckpointError, read_config
+from jaxspec.io.hf import CheckpointError, load_model, read_config, save_hf
 from jaxspec.models import target as target_lib
 
 PARAMS_DIR = "params"
@@ -72,3 +73,23 @@ def restore(ckpt_dir: str, mesh: jax.sharding.Mesh | None = None, rules: Any = N
     from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
     tokenizer = tokenizer_lib.Tokenizer.from_dir(ckpt_dir)
   return target_lib.TargetModel(config, params, tokenizer, hf_config)
+
+
+def convert(src: str, dst: str, to: str, dtype: str | None = None) -> target_lib.TargetModel:
+  """Loads src in whichever format it is and writes dst in format `to`."""
+  if os.path.isdir(os.path.join(src, PARAMS_DIR)):
+    model = restore(src)
+  else:
+    model = load_model(src)
+  if dtype is not None:
+    model = target_lib.TargetModel(
+        model.config.replace(param_dtype=dtype),
+        jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), model.params),
+        model.tokenizer, model.hf_config)
+  if to == "hf":
+    save_hf(model, dst)
+  elif to == "orbax":
+    save(model, dst)
+  else:
+    raise ValueError(f"unknown checkpoint format {to!r}; expected 'hf' or 'orbax'")
+  return model
