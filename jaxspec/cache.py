@@ -31,18 +31,36 @@ class KVCache:
     return self.k.shape[1]
 
   @classmethod
-  def create(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-             dtype: jnp.dtype = jnp.float32) -> "KVCache":
+  def create(
+    cls,
+    num_layers: int,
+    batch: int,
+    max_len: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype = jnp.float32,
+  ) -> "KVCache":
     shape = (num_layers, batch, max_len, kv_heads, head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
   @classmethod
-  def for_model(cls, config, batch: int, max_len: int, num_layers: int | None = None,
-                dtype: jnp.dtype | None = None) -> "KVCache":
+  def for_model(
+    cls,
+    config,
+    batch: int,
+    max_len: int,
+    num_layers: int | None = None,
+    dtype: jnp.dtype | None = None,
+  ) -> "KVCache":
     """A zero cache shaped for a ModelConfig (num_layers defaults to the main stack)."""
-    return cls.create(config.num_layers if num_layers is None else num_layers, batch, max_len,
-                      config.num_kv_heads, config.head_dim,
-                      jnp.dtype(config.dtype) if dtype is None else dtype)
+    return cls.create(
+      config.num_layers if num_layers is None else num_layers,
+      batch,
+      max_len,
+      config.num_kv_heads,
+      config.head_dim,
+      jnp.dtype(config.dtype) if dtype is None else dtype,
+    )
 
   def commit(self, num_new: jax.Array) -> "KVCache":
     """Advances each sequence's committed length by num_new [B]."""

@@ -104,30 +104,49 @@ class ModelConfig:
       if not cond:
         raise ConfigError(f"{self.architecture}: {msg}")
 
-    need(self.architecture in SUPPORTED_ARCHITECTURES,
-         f"unsupported architecture; jaxspec supports {', '.join(SUPPORTED_ARCHITECTURES)}")
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+    need(
+      self.architecture in SUPPORTED_ARCHITECTURES,
+      f"unsupported architecture; jaxspec supports {', '.join(SUPPORTED_ARCHITECTURES)}",
+    )
+    for name in (
+      "vocab_size",
+      "hidden_size",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+    ):
       need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
-    need(self.num_heads % self.num_kv_heads == 0,
-         f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-         f"({self.num_kv_heads})")
-    need(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
-         f"rotary dim {self.rotary_dim} (head_dim × partial_rotary_factor) must be even and in "
-         f"(0, head_dim]")
+    need(
+      self.num_heads % self.num_kv_heads == 0,
+      f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+      f"({self.num_kv_heads})",
+    )
+    need(
+      self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
+      f"rotary dim {self.rotary_dim} (head_dim × partial_rotary_factor) must be even and in "
+      f"(0, head_dim]",
+    )
     need(len(self.layer_is_moe) == self.num_layers, "layer_is_moe must have one entry per layer")
-    need(self.moe_backend in ("auto", "dense", "ragged", "gather"),
-         f"unknown moe_backend {self.moe_backend!r}")
+    need(
+      self.moe_backend in ("auto", "dense", "ragged", "gather"),
+      f"unknown moe_backend {self.moe_backend!r}",
+    )
     need(self.dtype in ("float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}")
     if self.is_moe:
-      need(0 < self.num_experts_per_tok <= self.num_experts,
-           f"num_experts_per_tok must be in [1, num_experts={self.num_experts}]")
+      need(
+        0 < self.num_experts_per_tok <= self.num_experts,
+        f"num_experts_per_tok must be in [1, num_experts={self.num_experts}]",
+      )
       need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive")
       need(self.router in ("softmax", "sigmoid"), f"unknown router {self.router!r}")
       need(self.num_experts % self.n_group == 0, "n_routed_experts must divide into n_group groups")
       need(1 <= self.topk_group <= self.n_group, "topk_group must be in [1, n_group]")
       if self.router == "sigmoid" and self.n_group > 1:
-        need(self.num_experts // self.n_group >= 2,
-             "grouped routing scores each group by its top-2 experts: need ≥ 2 experts per group")
+        need(
+          self.num_experts // self.n_group >= 2,
+          "grouped routing scores each group by its top-2 experts: need ≥ 2 experts per group",
+        )
     else:
       need(not any(self.layer_is_moe), "layer_is_moe set on a model without experts")
 
@@ -141,8 +160,9 @@ class ModelConfig:
     archs = hf.get("architectures") or []
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
       raise ConfigError(
-          f"unsupported architectures {archs!r} in config.json; jaxspec supports exactly one of "
-          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        f"unsupported architectures {archs!r} in config.json; jaxspec supports exactly one of "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+      )
     arch = archs[0]
 
     def get(key: str, default: Any = None) -> Any:
@@ -160,7 +180,8 @@ class ModelConfig:
     heads = int(hf["num_attention_heads"])
     num_layers = int(hf["num_hidden_layers"])
     if get("use_sliding_window", False) or any(
-        t != "full_attention" for t in (get("layer_types", None) or [])):
+      t != "full_attention" for t in (get("layer_types", None) or [])
+    ):
       raise ConfigError(f"{arch}: sliding-window attention layers are not supported")
     if get("hidden_act", "silu") != "silu":
       raise ConfigError(f"{arch}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
@@ -168,23 +189,23 @@ class ModelConfig:
     eos = get("eos_token_id", None)
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     kw: dict[str, Any] = dict(
-        architecture=arch,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads", heads)),
-        head_dim=int(get("head_dim", hidden // heads)),
-        intermediate_size=int(get("intermediate_size", 0)),
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        partial_rotary_factor=float(partial),
-        attention_bias=bool(get("attention_bias", False)),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        max_position_embeddings=int(get("max_position_embeddings", 32768)),
-        eos_token_ids=eos_ids,
-        pad_token_id=get("pad_token_id", None),
-        bos_token_id=get("bos_token_id", None),
+      architecture=arch,
+      vocab_size=int(hf["vocab_size"]),
+      hidden_size=hidden,
+      num_layers=num_layers,
+      num_heads=heads,
+      num_kv_heads=int(get("num_key_value_heads", heads)),
+      head_dim=int(get("head_dim", hidden // heads)),
+      intermediate_size=int(get("intermediate_size", 0)),
+      rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+      rope_theta=float(rope_theta),
+      partial_rotary_factor=float(partial),
+      attention_bias=bool(get("attention_bias", False)),
+      tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+      max_position_embeddings=int(get("max_position_embeddings", 32768)),
+      eos_token_ids=eos_ids,
+      pad_token_id=get("pad_token_id", None),
+      bos_token_id=get("bos_token_id", None),
     )
     if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
       kw.update(attention_out_bias=kw["attention_bias"], partial_rotary_factor=1.0)
@@ -195,24 +216,32 @@ class ModelConfig:
       sparse_step = int(get("decoder_sparse_step", 1))
       mlp_only = set(get("mlp_only_layers", []) or [])
       kw.update(
-          qk_norm=True, num_experts=experts, num_experts_per_tok=int(get("num_experts_per_tok", 0)),
-          moe_intermediate_size=int(get("moe_intermediate_size", 0)), router="softmax",
-          norm_topk_prob=bool(get("norm_topk_prob", False)),
-          layer_is_moe=tuple(
-              (i not in mlp_only) and experts > 0 and (i + 1) % sparse_step == 0
-              for i in range(num_layers)))
+        qk_norm=True,
+        num_experts=experts,
+        num_experts_per_tok=int(get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(get("moe_intermediate_size", 0)),
+        router="softmax",
+        norm_topk_prob=bool(get("norm_topk_prob", False)),
+        layer_is_moe=tuple(
+          (i not in mlp_only) and experts > 0 and (i + 1) % sparse_step == 0
+          for i in range(num_layers)
+        ),
+      )
     else:  # Glm4MoeForCausalLM
       first_dense = int(get("first_k_dense_replace", 1))
       kw.update(
-          qk_norm=bool(get("use_qk_norm", False)),
-          num_experts=int(get("n_routed_experts", get("num_local_experts", 0))),
-          num_experts_per_tok=int(get("num_experts_per_tok", 0)),
-          moe_intermediate_size=int(get("moe_intermediate_size", 0)), router="sigmoid",
-          norm_topk_prob=bool(get("norm_topk_prob", True)), n_group=int(get("n_group", 1)),
-          topk_group=int(get("topk_group", 1)),
-          routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
-          n_shared_experts=int(get("n_shared_experts", 0)),
-          layer_is_moe=tuple(i >= first_dense for i in range(num_layers)))
+        qk_norm=bool(get("use_qk_norm", False)),
+        num_experts=int(get("n_routed_experts", get("num_local_experts", 0))),
+        num_experts_per_tok=int(get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(get("moe_intermediate_size", 0)),
+        router="sigmoid",
+        norm_topk_prob=bool(get("norm_topk_prob", True)),
+        n_group=int(get("n_group", 1)),
+        topk_group=int(get("topk_group", 1)),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(get("n_shared_experts", 0)),
+        layer_is_moe=tuple(i >= first_dense for i in range(num_layers)),
+      )
     kw["num_mtp_layers"] = int(get("num_nextn_predict_layers", get("num_mtp_layers", 0)))
     kw.update(overrides)
     return cls(**kw)
@@ -220,28 +249,32 @@ class ModelConfig:
   def to_hf(self) -> dict[str, Any]:
     """The HF `config.json` dict that describes this architecture (inverse of from_hf)."""
     hf: dict[str, Any] = dict(
-        architectures=[self.architecture],
-        vocab_size=self.vocab_size,
-        hidden_size=self.hidden_size,
-        num_hidden_layers=self.num_layers,
-        num_attention_heads=self.num_heads,
-        num_key_value_heads=self.num_kv_heads,
-        head_dim=self.head_dim,
-        intermediate_size=self.intermediate_size,
-        rms_norm_eps=self.rms_norm_eps,
-        hidden_act="silu",
-        attention_bias=self.attention_bias,
-        tie_word_embeddings=self.tie_word_embeddings,
-        max_position_embeddings=self.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
-                         "partial_rotary_factor": self.partial_rotary_factor},
-        rope_theta=self.rope_theta,
-        partial_rotary_factor=self.partial_rotary_factor,
-        torch_dtype=self.param_dtype,
+      architectures=[self.architecture],
+      vocab_size=self.vocab_size,
+      hidden_size=self.hidden_size,
+      num_hidden_layers=self.num_layers,
+      num_attention_heads=self.num_heads,
+      num_key_value_heads=self.num_kv_heads,
+      head_dim=self.head_dim,
+      intermediate_size=self.intermediate_size,
+      rms_norm_eps=self.rms_norm_eps,
+      hidden_act="silu",
+      attention_bias=self.attention_bias,
+      tie_word_embeddings=self.tie_word_embeddings,
+      max_position_embeddings=self.max_position_embeddings,
+      rope_parameters={
+        "rope_type": "default",
+        "rope_theta": self.rope_theta,
+        "partial_rotary_factor": self.partial_rotary_factor,
+      },
+      rope_theta=self.rope_theta,
+      partial_rotary_factor=self.partial_rotary_factor,
+      torch_dtype=self.param_dtype,
     )
     if self.eos_token_ids:
-      hf["eos_token_id"] = (self.eos_token_ids[0] if len(self.eos_token_ids) == 1
-                            else list(self.eos_token_ids))
+      hf["eos_token_id"] = (
+        self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+      )
     if self.pad_token_id is not None:
       hf["pad_token_id"] = self.pad_token_id
     if self.bos_token_id is not None:
@@ -250,22 +283,33 @@ class ModelConfig:
       hf["model_type"] = "qwen3"
     elif self.architecture == "Qwen3MoeForCausalLM":
       moe_layers = [i for i, m in enumerate(self.layer_is_moe) if m]
-      hf.update(model_type="qwen3_moe", num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
-                mlp_only_layers=[i for i in range(self.num_layers) if i not in moe_layers])
+      hf.update(
+        model_type="qwen3_moe",
+        num_experts=self.num_experts,
+        num_experts_per_tok=self.num_experts_per_tok,
+        moe_intermediate_size=self.moe_intermediate_size,
+        norm_topk_prob=self.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(self.num_layers) if i not in moe_layers],
+      )
     else:
       first_dense = self.layer_is_moe.index(True) if any(self.layer_is_moe) else self.num_layers
       if self.layer_is_moe != tuple(i >= first_dense for i in range(self.num_layers)):
         raise ConfigError("Glm4Moe layout needs dense layers first, then MoE layers")
-      hf.update(model_type="glm4_moe", use_qk_norm=self.qk_norm,
-                n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob, n_group=self.n_group,
-                topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
-                n_shared_experts=self.n_shared_experts, first_k_dense_replace=first_dense,
-                num_nextn_predict_layers=self.num_mtp_layers)
+      hf.update(
+        model_type="glm4_moe",
+        use_qk_norm=self.qk_norm,
+        n_routed_experts=self.num_experts,
+        num_experts_per_tok=self.num_experts_per_tok,
+        moe_intermediate_size=self.moe_intermediate_size,
+        norm_topk_prob=self.norm_topk_prob,
+        n_group=self.n_group,
+        topk_group=self.topk_group,
+        routed_scaling_factor=self.routed_scaling_factor,
+        n_shared_experts=self.n_shared_experts,
+        first_k_dense_replace=first_dense,
+        num_nextn_predict_layers=self.num_mtp_layers,
+      )
     if self.num_mtp_layers and self.architecture != "Glm4MoeForCausalLM":
       hf["num_nextn_predict_layers"] = self.num_mtp_layers
     return hf

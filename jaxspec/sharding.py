@@ -64,7 +64,17 @@ EXPERT = "expert"
 VOCAB = "vocab"
 LAYERS = "layers"
 LOGICAL_AXES: tuple[str, ...] = (
-    BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERT, VOCAB, LAYERS)
+  BATCH,
+  LENGTH,
+  EMBED,
+  HEADS,
+  KV_HEADS,
+  HEAD_DIM,
+  MLP,
+  EXPERT,
+  VOCAB,
+  LAYERS,
+)
 
 MeshAxes = Union[str, tuple[str, ...], None]
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -73,16 +83,16 @@ LogicalAxes = Union[PartitionSpec, Sequence[Optional[str]], None]
 # Rules in priority order: the first rule whose mesh axes are still free (and
 # divide the dimension, when shapes are known) wins, as in Flax and MaxText.
 DEFAULT_RULES: Rules = (
-    (BATCH, DATA),
-    (HEADS, TENSOR),
-    (KV_HEADS, TENSOR),
-    (MLP, TENSOR),
-    (EXPERT, EXPERT_AXIS),
-    (VOCAB, TENSOR),
-    (EMBED, None),
-    (LAYERS, None),
-    (LENGTH, None),
-    (HEAD_DIM, None),
+  (BATCH, DATA),
+  (HEADS, TENSOR),
+  (KV_HEADS, TENSOR),
+  (MLP, TENSOR),
+  (EXPERT, EXPERT_AXIS),
+  (VOCAB, TENSOR),
+  (EMBED, None),
+  (LAYERS, None),
+  (LENGTH, None),
+  (HEAD_DIM, None),
 )
 
 
@@ -94,9 +104,7 @@ def _as_mesh_axes(value: Any) -> MeshAxes:
     return value
   if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
     return tuple(value)
-  raise ValueError(
-      f"a rule's mesh axes must be None, a name or a tuple of names; got "
-      f"{value!r}")
+  raise ValueError(f"a rule's mesh axes must be None, a name or a tuple of names; got {value!r}")
 
 
 def rules_from(config: Any = None) -> Rules:
@@ -124,11 +132,8 @@ def rules_from(config: Any = None) -> Rules:
     return DEFAULT_RULES
   out = []
   for rule in rules:
-    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and
-            isinstance(rule[0], str)):
-      raise ValueError(
-          f"each sharding rule must be a (logical_name, mesh_axes) pair; got "
-          f"{rule!r}")
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ValueError(f"each sharding rule must be a (logical_name, mesh_axes) pair; got {rule!r}")
     out.append((rule[0], _as_mesh_axes(rule[1])))
   return tuple(out)
 
@@ -145,8 +150,7 @@ def mesh_shape(config: Any) -> dict[str, int]:
   if isinstance(config, Mapping):
     unknown = sorted(set(config) - set(MESH_AXES) - {"rules"})
     if unknown:
-      raise ValueError(
-          f"unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}")
+      raise ValueError(f"unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}")
     shape = {a: config.get(a, 1) for a in MESH_AXES}
   else:
     shape = {a: getattr(config, a, 1) for a in MESH_AXES}
@@ -155,8 +159,8 @@ def mesh_shape(config: Any) -> dict[str, int]:
       raise ValueError(f"mesh axis {axis!r} must be an int; got {size!r}")
     if size < 1 and size != -1:
       raise ValueError(
-          f"mesh axis {axis!r} must be >= 1 (or -1 for 'all remaining "
-          f"devices'); got {size}")
+        f"mesh axis {axis!r} must be >= 1 (or -1 for 'all remaining devices'); got {size}"
+      )
   return {a: int(s) for a, s in shape.items()}
 
 
@@ -188,8 +192,9 @@ def make_mesh(shape: Any, devices: Optional[Sequence[Any]] = None) -> Mesh:
     rest = math.prod(s for s in sizes.values() if s != -1)
     if n % rest:
       raise ValueError(
-          f"cannot fill mesh axis {fill[0]!r}: {n} devices are not divisible "
-          f"by the other axes' product {rest} ({sizes})")
+        f"cannot fill mesh axis {fill[0]!r}: {n} devices are not divisible "
+        f"by the other axes' product {rest} ({sizes})"
+      )
     sizes[fill[0]] = n // rest
   total = math.prod(sizes.values())
   if total != n:
@@ -197,16 +202,19 @@ def make_mesh(shape: Any, devices: Optional[Sequence[Any]] = None) -> Mesh:
     platform = devices[0].platform if devices else "none"
     hint = ""
     if platform == "cpu":
-      hint = (f" On CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
-              f"{total} before jax is imported to get {total} virtual devices.")
+      hint = (
+        f" On CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{total} before jax is imported to get {total} virtual devices."
+      )
     raise ValueError(
-        f"mesh {desc} needs {total} devices but {n} {platform} device(s) are "
-        f"available; the product of the mesh axes must equal the device "
-        f"count.{hint}")
+      f"mesh {desc} needs {total} devices but {n} {platform} device(s) are "
+      f"available; the product of the mesh axes must equal the device "
+      f"count.{hint}"
+    )
   axis_shape = tuple(sizes[a] for a in MESH_AXES)
   return jax.make_mesh(
-      axis_shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-      devices=devices)
+    axis_shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+  )
 
 
 def _axis_sizes(mesh: Any) -> dict[str, int]:
@@ -222,18 +230,21 @@ def _check_rules_against_mesh(rules: Rules, sizes: Mapping[str, int]) -> None:
     missing = [a for a in names if a not in sizes]
     if missing:
       raise ValueError(
-          f"sharding rule ({logical!r}, {axes!r}) names mesh axes {missing} "
-          f"that the mesh does not have (mesh axes: {list(sizes)})")
+        f"sharding rule ({logical!r}, {axes!r}) names mesh axes {missing} "
+        f"that the mesh does not have (mesh axes: {list(sizes)})"
+      )
 
 
 # --- Logical -> physical ---------------------------------------------------
 
 
-def logical_to_spec(logical_axes: LogicalAxes,
-                    rules: Optional[Rules] = None,
-                    *,
-                    shape: Optional[Sequence[int]] = None,
-                    mesh: Any = None) -> PartitionSpec:
+def logical_to_spec(
+  logical_axes: LogicalAxes,
+  rules: Optional[Rules] = None,
+  *,
+  shape: Optional[Sequence[int]] = None,
+  mesh: Any = None,
+) -> PartitionSpec:
   """Maps one array's logical axis names to a mesh ``PartitionSpec``.
 
   Rules apply in order; a rule assigns its mesh axes to the array dimension
@@ -261,8 +272,9 @@ def logical_to_spec(logical_axes: LogicalAxes,
   names = tuple(logical_axes)
   if shape is not None and len(names) > len(shape):
     raise ValueError(
-        f"logical axes {names} have {len(names)} entries but the array has "
-        f"rank {len(shape)} (shape {tuple(shape)})")
+      f"logical axes {names} have {len(names)} entries but the array has "
+      f"rank {len(shape)} (shape {tuple(shape)})"
+    )
   dups = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
   if dups:
     raise ValueError(f"logical axis names {dups} occur more than once in {names}")
@@ -318,9 +330,11 @@ def _resolve_rules(rules: Optional[Rules]) -> Rules:
 
 
 def _is_logical_leaf(x: Any) -> bool:
-  return (x is None or isinstance(x, PartitionSpec) or
-          (isinstance(x, tuple) and
-           all(n is None or isinstance(n, str) for n in x)))
+  return (
+    x is None
+    or isinstance(x, PartitionSpec)
+    or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+  )
 
 
 def _is_box(x: Any) -> bool:
@@ -347,12 +361,13 @@ def _normalize_logical_tree(logical_tree: Any) -> Any:
   if _has_boxes(logical_tree):
     logical_tree = nn.get_partition_spec(logical_tree)
   return jax.tree_util.tree_map(
-      lambda x: PartitionSpec() if x is None else PartitionSpec(*x),
-      logical_tree, is_leaf=_is_logical_leaf)
+    lambda x: PartitionSpec() if x is None else PartitionSpec(*x),
+    logical_tree,
+    is_leaf=_is_logical_leaf,
+  )
 
 
-def logical_to_sharding(logical_tree: Any, mesh: Mesh,
-                        rules: Optional[Rules] = None) -> Any:
+def logical_to_sharding(logical_tree: Any, mesh: Mesh, rules: Optional[Rules] = None) -> Any:
   """Maps a tree of logical specs to a tree of ``NamedSharding``s.
 
   Shapes are not known here, so no divisibility fallback is applied; use
@@ -373,8 +388,9 @@ def logical_to_sharding(logical_tree: Any, mesh: Mesh,
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
-def shardings_for(shapes_tree: Any, logical_tree: Any, mesh: Mesh,
-                  rules: Optional[Rules] = None) -> Any:
+def shardings_for(
+  shapes_tree: Any, logical_tree: Any, mesh: Mesh, rules: Optional[Rules] = None
+) -> Any:
   """``NamedSharding`` per leaf, replicating dimensions that do not divide.
 
   Args:
@@ -394,8 +410,9 @@ def shardings_for(shapes_tree: Any, logical_tree: Any, mesh: Mesh,
   if logical_tree is None:
     if not _has_boxes(shapes_tree):
       raise ValueError(
-          "logical_tree is None but shapes_tree has no nn.Partitioned boxes "
-          "to read logical axis names from")
+        "logical_tree is None but shapes_tree has no nn.Partitioned boxes "
+        "to read logical axis names from"
+      )
     logical_tree = nn.get_partition_spec(shapes_tree)
   shapes_tree = meta.unbox(shapes_tree)
   specs = _normalize_logical_tree(logical_tree)
@@ -409,22 +426,20 @@ def shardings_for(shapes_tree: Any, logical_tree: Any, mesh: Mesh,
     return NamedSharding(mesh, mesh_spec)
 
   return jax.tree_util.tree_map_with_path(
-      one, specs, shapes_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    one, specs, shapes_tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+  )
 
 
 def _put(x: Any, sharding: NamedSharding) -> jax.Array:
   """device_put that also works when the sharding spans several hosts."""
-  if sharding.is_fully_addressable or (
-      isinstance(x, jax.Array) and not x.is_fully_addressable):
+  if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
     return jax.device_put(x, sharding)
   # Multi-host: every process holds the full value; each builds its shards.
   host = np.asarray(x)
-  return jax.make_array_from_callback(host.shape, sharding,
-                                      lambda idx: host[idx])
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def shard_tree(tree: Any, logical_tree: Any, mesh: Mesh,
-               rules: Optional[Rules] = None) -> Any:
+def shard_tree(tree: Any, logical_tree: Any, mesh: Mesh, rules: Optional[Rules] = None) -> Any:
   """Places every array of ``tree`` on ``mesh`` according to its logical axes.
 
   Args:
@@ -462,8 +477,7 @@ def with_logical_constraint(x: jax.Array, logical_axes: LogicalAxes) -> jax.Arra
   mesh = _active_mesh()
   if not active_rules or mesh is None or logical_axes is None:
     return x
-  spec = logical_to_spec(logical_axes, rules_from(active_rules),
-                         shape=x.shape, mesh=mesh)
+  spec = logical_to_spec(logical_axes, rules_from(active_rules), shape=x.shape, mesh=mesh)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -480,17 +494,38 @@ def use_mesh(mesh: Mesh, rules: Optional[Rules] = None) -> Iterator[Mesh]:
     yield mesh
 
 
-def mesh_and_rules(config: Any,
-                   devices: Optional[Sequence[Any]] = None) -> tuple[Mesh, Rules]:
+def mesh_and_rules(config: Any, devices: Optional[Sequence[Any]] = None) -> tuple[Mesh, Rules]:
   """``(make_mesh(config), rules_from(config))`` for a ``MeshConfig``/dict."""
   return make_mesh(config, devices), rules_from(config)
 
 
 __all__ = [
-    "BATCH", "DATA", "DEFAULT_RULES", "EMBED", "EXPERT", "EXPERT_AXIS",
-    "HEADS", "HEAD_DIM", "KV_HEADS", "LAYERS", "LENGTH", "LOGICAL_AXES",
-    "MESH_AXES", "MLP", "Rules", "TENSOR", "VOCAB", "logical_specs",
-    "logical_to_sharding", "logical_to_spec", "make_mesh", "mesh_and_rules",
-    "mesh_shape", "rules_from", "shard_tree", "shardings_for", "use_mesh",
-    "with_logical_constraint",
+  "BATCH",
+  "DATA",
+  "DEFAULT_RULES",
+  "EMBED",
+  "EXPERT",
+  "EXPERT_AXIS",
+  "HEADS",
+  "HEAD_DIM",
+  "KV_HEADS",
+  "LAYERS",
+  "LENGTH",
+  "LOGICAL_AXES",
+  "MESH_AXES",
+  "MLP",
+  "Rules",
+  "TENSOR",
+  "VOCAB",
+  "logical_specs",
+  "logical_to_sharding",
+  "logical_to_spec",
+  "make_mesh",
+  "mesh_and_rules",
+  "mesh_shape",
+  "rules_from",
+  "shard_tree",
+  "shardings_for",
+  "use_mesh",
+  "with_logical_constraint",
 ]

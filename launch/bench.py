@@ -52,26 +52,48 @@ flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS do
 flags.DEFINE_integer("gamma", 4, "Draft tokens per step (jaxspec and transformers alike).")
 flags.DEFINE_integer("ngram_n", 3, "Longest n-gram matched by prompt lookup.")
 flags.DEFINE_bool("hf", True, "Also run the transformers peers.")
-flags.DEFINE_string("out", None, "JSON output path (default: ./bench_results.json, or /tmp if "
-                    "the working directory is not writable).")
+flags.DEFINE_string(
+  "out",
+  None,
+  "JSON output path (default: ./bench_results.json, or /tmp if "
+  "the working directory is not writable).",
+)
 flags.DEFINE_integer("seed", 0, "Prompt selection and sampling seed.")
-flags.DEFINE_integer("repeats", 1, "Runs of each (runner, prompt); the fastest counts (robust to "
-                     "bursts of load from other processes; outputs are identical across repeats).")
-flags.DEFINE_integer("max_len", 0, "Engine cache length; 0 = the smallest multiple of 64 that fits.")
-flags.DEFINE_integer("torch_threads", 0,
-                     "torch intra-op threads; 0 = auto: the faster of 1 and all usable cores, "
-                     "timed on a short generate (on a loaded machine OpenMP's spinning barriers "
-                     "can make all-cores torch many times slower than one thread).")
+flags.DEFINE_integer(
+  "repeats",
+  1,
+  "Runs of each (runner, prompt); the fastest counts (robust to "
+  "bursts of load from other processes; outputs are identical across repeats).",
+)
+flags.DEFINE_integer(
+  "max_len", 0, "Engine cache length; 0 = the smallest multiple of 64 that fits."
+)
+flags.DEFINE_integer(
+  "torch_threads",
+  0,
+  "torch intra-op threads; 0 = auto: the faster of 1 and all usable cores, "
+  "timed on a short generate (on a loaded machine OpenMP's spinning barriers "
+  "can make all-cores torch many times slower than one thread).",
+)
 flags.DEFINE_bool("profile", True, "Also time single target/draft forwards (a cost model).")
-flags.DEFINE_enum("random", None, ["tiny", "small"],
-                  "Benchmark random models of this size instead (no trained assets needed).")
-flags.DEFINE_enum("random_draft", "truncated", ["truncated", "qwen3"],
-                  "With --random: the draft is the target's first layer, or a random Qwen3.")
+flags.DEFINE_enum(
+  "random",
+  None,
+  ["tiny", "small"],
+  "Benchmark random models of this size instead (no trained assets needed).",
+)
+flags.DEFINE_enum(
+  "random_draft",
+  "truncated",
+  ["truncated", "qwen3"],
+  "With --random: the draft is the target's first layer, or a random Qwen3.",
+)
 
 
 # --------------------------------------------------------------------------------------------------
 # Settings and random models
 # --------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class BenchConfig:
@@ -97,23 +119,54 @@ class BenchConfig:
 
 
 RANDOM_SIZES = {
-    # name → (GLM-4-MoE target kwargs, Qwen3 draft kwargs); vocab = the bundled 8192.
-    "tiny": (dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                  n_routed_experts=4),
-             dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)),
-    # The bundled models' shapes (configs/tiny_code.py).
-    "small": (dict(hidden_size=192, intermediate_size=512, moe_intermediate_size=128,
-                   num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
-                   n_routed_experts=8),
-              dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-                   num_attention_heads=3, num_key_value_heads=1, head_dim=32)),
+  # name → (GLM-4-MoE target kwargs, Qwen3 draft kwargs); vocab = the bundled 8192.
+  "tiny": (
+    dict(
+      hidden_size=32,
+      intermediate_size=64,
+      moe_intermediate_size=16,
+      num_hidden_layers=2,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      head_dim=16,
+      n_routed_experts=4,
+    ),
+    dict(
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      head_dim=16,
+    ),
+  ),
+  # The bundled models' shapes (configs/tiny_code.py).
+  "small": (
+    dict(
+      hidden_size=192,
+      intermediate_size=512,
+      moe_intermediate_size=128,
+      num_hidden_layers=6,
+      num_attention_heads=6,
+      num_key_value_heads=2,
+      head_dim=32,
+      n_routed_experts=8,
+    ),
+    dict(
+      hidden_size=96,
+      intermediate_size=256,
+      num_hidden_layers=2,
+      num_attention_heads=3,
+      num_key_value_heads=1,
+      head_dim=32,
+    ),
+  ),
 }
 
 
-def write_random_models(out_dir: str, size: str = "tiny", seed: int = 0,
-                        draft: str = "truncated", damping: float = 0.15) -> tuple[str, str]:
+def write_random_models(
+  out_dir: str, size: str = "tiny", seed: int = 0, draft: str = "truncated", damping: float = 0.15
+) -> tuple[str, str]:
   """Writes a random GLM-4-MoE target and a draft model (HF layout, bundled tokenizer).
 
   Args:
@@ -133,12 +186,22 @@ def write_random_models(out_dir: str, size: str = "tiny", seed: int = 0,
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   from jaxspec.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+
   target_kw, draft_kw = RANDOM_SIZES[size]
-  common = dict(vocab_size=8192, eos_token_id=0, pad_token_id=1, bos_token_id=None,
-                tie_word_embeddings=True)
-  glm = dict(num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-             first_k_dense_replace=1, norm_topk_prob=True, partial_rotary_factor=0.5,
-             num_nextn_predict_layers=0, **common)
+  common = dict(
+    vocab_size=8192, eos_token_id=0, pad_token_id=1, bos_token_id=None, tie_word_embeddings=True
+  )
+  glm = dict(
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    partial_rotary_factor=0.5,
+    num_nextn_predict_layers=0,
+    **common,
+  )
 
   def randomize(model: Any, seed_: int, damp_layers_from: Optional[int]) -> None:
     gen = torch.Generator().manual_seed(seed_)
@@ -149,14 +212,18 @@ def write_random_models(out_dir: str, size: str = "tiny", seed: int = 0,
         else:
           p.copy_(0.3 * torch.randn(p.shape, generator=gen))
         parts = pname.split(".")
-        if (damp_layers_from is not None and "layers" in parts
-            and int(parts[parts.index("layers") + 1]) >= damp_layers_from
-            and ("o_proj" in pname or "down_proj" in pname)):
+        if (
+          damp_layers_from is not None
+          and "layers" in parts
+          and int(parts[parts.index("layers") + 1]) >= damp_layers_from
+          and ("o_proj" in pname or "down_proj" in pname)
+        ):
           p.mul_(damping)
 
   torch.manual_seed(seed)
-  target = transformers.Glm4MoeForCausalLM(
-      transformers.Glm4MoeConfig(**target_kw, **glm)).float().eval()
+  target = (
+    transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**target_kw, **glm)).float().eval()
+  )
   randomize(target, seed + 1, 1 if draft == "truncated" else None)
   if draft == "truncated":
     kw = dict(target_kw, num_hidden_layers=1)
@@ -179,39 +246,46 @@ def write_random_models(out_dir: str, size: str = "tiny", seed: int = 0,
   return dirs[0], dirs[1]
 
 
-def machine_facts(torch_threads: Optional[int],
-                  load_at_start: Optional[list[float]] = None) -> dict[str, Any]:
+def machine_facts(
+  torch_threads: Optional[int], load_at_start: Optional[list[float]] = None
+) -> dict[str, Any]:
   """Cores, library versions and thread settings: what the numbers were measured on."""
   facts = {
-      "platform": platform.platform(),
-      "processor": platform.processor() or platform.machine(),
-      "cpu_count": os.cpu_count(),
-      "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-      "load_average_at_start": load_at_start,
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "jax_backend": jax.default_backend(),
-      "jax_devices": [str(d) for d in jax.devices()],
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "numpy": np.__version__,
+    "platform": platform.platform(),
+    "processor": platform.processor() or platform.machine(),
+    "cpu_count": os.cpu_count(),
+    "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    "load_average_at_start": load_at_start,
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "jax_backend": jax.default_backend(),
+    "jax_devices": [str(d) for d in jax.devices()],
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "numpy": np.__version__,
   }
   try:
     import flax  # pylint: disable=import-outside-toplevel
+
     facts["flax"] = flax.__version__
   except ImportError:
     pass
   if torch_threads is not None:
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
-    facts.update(torch=torch.__version__, transformers=transformers.__version__,
-                 torch_threads=torch.get_num_threads(),
-                 torch_interop_threads=torch.get_num_interop_threads())
+
+    facts.update(
+      torch=torch.__version__,
+      transformers=transformers.__version__,
+      torch_threads=torch.get_num_threads(),
+      torch_interop_threads=torch.get_num_interop_threads(),
+    )
   return facts
 
 
 # --------------------------------------------------------------------------------------------------
 # Runners: one generate call per prompt, timed from token ids in to token ids out
 # --------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Run:
@@ -232,8 +306,10 @@ class JaxspecRunner:
   def __init__(self, method: str, target: jaxspec.TargetModel, drafter: Any, max_len: int):
     self.name, self.method = f"jaxspec/{method}", method
     self.engine = jaxspec.SpecEngine(
-        target, drafter, jaxspec.EngineConfig(method=method, max_len=max_len, batch_size=1,
-                                              use_eos=False))
+      target,
+      drafter,
+      jaxspec.EngineConfig(method=method, max_len=max_len, batch_size=1, use_eos=False),
+    )
 
   def warmup(self, prompts: Sequence[list[int]]) -> None:
     """Compiles prefill (one per prompt bucket) and the loop, outside the timed runs."""
@@ -248,23 +324,33 @@ class JaxspecRunner:
   def compile_counts(self) -> dict[str, int]:
     return self.engine.compile_counts()
 
-  def __call__(self, prompt: list[int], max_new_tokens: int, temperature: float,
-               seed: int) -> Run:
+  def __call__(self, prompt: list[int], max_new_tokens: int, temperature: float, seed: int) -> Run:
     t0 = time.perf_counter()
-    out = self.engine.generate([prompt], max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_k=0, top_p=1.0, seed=seed)
+    out = self.engine.generate(
+      [prompt],
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_k=0,
+      top_p=1.0,
+      seed=seed,
+    )
     seconds = time.perf_counter() - t0
     st = out.stats
-    return Run(tokens=out.tokens[0], seconds=seconds, target_passes=st.target_passes + 1,
-               acceptance_length=st.acceptance_length, accept_hist=st.summary["accept_hist"],
-               ttft_s=st.time_to_first_token_s, decode_s=st.decode_time_s)
+    return Run(
+      tokens=out.tokens[0],
+      seconds=seconds,
+      target_passes=st.target_passes + 1,
+      acceptance_length=st.acceptance_length,
+      accept_hist=st.summary["accept_hist"],
+      ttft_s=st.time_to_first_token_s,
+      decode_s=st.decode_time_s,
+    )
 
 
 class HFRunner:
   """transformers `generate` in one of three modes, with its target forwards counted."""
 
-  def __init__(self, mode: str, model: Any, assistant: Any, gamma: int, ngram_n: int,
-               pad_id: int):
+  def __init__(self, mode: str, model: Any, assistant: Any, gamma: int, ngram_n: int, pad_id: int):
     self.name, self.mode = f"transformers/{mode}", mode
     self.model, self.passes = model, 0
     self.kwargs: dict[str, Any] = dict(eos_token_id=None, pad_token_id=pad_id)
@@ -288,33 +374,43 @@ class HFRunner:
     for t in (0.0, 1.0):
       self(prompts[0], 4, t, 0)
 
-  def __call__(self, prompt: list[int], max_new_tokens: int, temperature: float,
-               seed: int) -> Run:
+  def __call__(self, prompt: list[int], max_new_tokens: int, temperature: float, seed: int) -> Run:
     import torch  # pylint: disable=import-outside-toplevel
+
     ids = torch.tensor([prompt], dtype=torch.long)
-    sampling = (dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
-                if temperature > 0 else dict(do_sample=False))
+    sampling = (
+      dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
+      if temperature > 0
+      else dict(do_sample=False)
+    )
     torch.manual_seed(seed)
     self.passes = 0
     hook = self.model.register_forward_hook(self._count)
     try:
       with torch.inference_mode():
         t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                  max_new_tokens=max_new_tokens, **sampling, **self.kwargs)
+        out = self.model.generate(
+          ids,
+          attention_mask=torch.ones_like(ids),
+          max_new_tokens=max_new_tokens,
+          **sampling,
+          **self.kwargs,
+        )
         seconds = time.perf_counter() - t0
     finally:
       hook.remove()
-    return Run(tokens=out[0, len(prompt):].tolist(), seconds=seconds, target_passes=self.passes)
+    return Run(tokens=out[0, len(prompt) :].tolist(), seconds=seconds, target_passes=self.passes)
 
 
-def choose_torch_threads(model: Any, prompt: list[int], new_tokens: int = 16,
-                         repeats: int = 3) -> tuple[int, dict[int, float]]:
+def choose_torch_threads(
+  model: Any, prompt: list[int], new_tokens: int = 16, repeats: int = 3
+) -> tuple[int, dict[int, float]]:
   """The faster torch thread count for `model.generate`, of 1 and all usable cores.
 
   Returns the count and the best ms/token measured for each candidate (interleaved).
   """
   import torch  # pylint: disable=import-outside-toplevel
+
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   candidates = sorted({1, cores or 1})
   ids = torch.tensor([prompt], dtype=torch.long)
@@ -324,8 +420,14 @@ def choose_torch_threads(model: Any, prompt: list[int], new_tokens: int = 16,
       torch.set_num_threads(n)
       with torch.inference_mode():
         t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate(
+          ids,
+          attention_mask=torch.ones_like(ids),
+          max_new_tokens=new_tokens,
+          do_sample=False,
+          eos_token_id=None,
+          pad_token_id=0,
+        )
         best[n] = min(best[n], 1e3 * (time.perf_counter() - t0) / new_tokens)
   chosen = min(candidates, key=lambda n: best[n])
   return chosen, {n: round(v, 3) for n, v in best.items()}
@@ -334,6 +436,7 @@ def choose_torch_threads(model: Any, prompt: list[int], new_tokens: int = 16,
 # --------------------------------------------------------------------------------------------------
 # Aggregation
 # --------------------------------------------------------------------------------------------------
+
 
 def _rates(hist: np.ndarray) -> list[float]:
   """P(draft i accepted | drafts < i accepted) from a histogram of accepted counts 0..γ."""
@@ -348,27 +451,28 @@ def summarize_runs(runs: Sequence[Run], max_new_tokens: int) -> dict[str, Any]:
   seconds = sum(r.seconds for r in runs)
   passes = sum(r.target_passes for r in runs)
   out: dict[str, Any] = {
-      "tokens_generated": tokens,
-      "all_full_length": all(len(r.tokens) == max_new_tokens for r in runs),
-      "wall_s": seconds,
-      "tokens_per_second": tokens / seconds if seconds > 0 else float("nan"),
-      "target_passes": passes,
-      "tokens_per_target_pass": tokens / passes if passes else float("nan"),
-      "seconds_per_prompt": [r.seconds for r in runs],
+    "tokens_generated": tokens,
+    "all_full_length": all(len(r.tokens) == max_new_tokens for r in runs),
+    "wall_s": seconds,
+    "tokens_per_second": tokens / seconds if seconds > 0 else float("nan"),
+    "target_passes": passes,
+    "tokens_per_target_pass": tokens / passes if passes else float("nan"),
+    "seconds_per_prompt": [r.seconds for r in runs],
   }
   if runs and runs[0].accept_hist is not None:
     hist = np.sum([np.asarray(r.accept_hist) for r in runs], axis=0)
     verify_passes = passes - len(runs)
     out.update(
-        acceptance_length=float(np.nanmean([r.acceptance_length for r in runs])),
-        acceptance_length_pooled=(tokens - len(runs)) / verify_passes if verify_passes else
-        float("nan"),
-        acceptance_length_per_prompt=[r.acceptance_length for r in runs],
-        acceptance_rate_per_position=_rates(hist),
-        accept_hist=hist.tolist(),
-        ttft_s_mean=float(np.mean([r.ttft_s for r in runs])),
-        decode_s=float(sum(r.decode_s for r in runs)),
-        seconds_per_target_pass=float(sum(r.decode_s for r in runs)) / max(verify_passes, 1),
+      acceptance_length=float(np.nanmean([r.acceptance_length for r in runs])),
+      acceptance_length_pooled=(tokens - len(runs)) / verify_passes
+      if verify_passes
+      else float("nan"),
+      acceptance_length_per_prompt=[r.acceptance_length for r in runs],
+      acceptance_rate_per_position=_rates(hist),
+      accept_hist=hist.tolist(),
+      ttft_s_mean=float(np.mean([r.ttft_s for r in runs])),
+      decode_s=float(sum(r.decode_s for r in runs)),
+      seconds_per_target_pass=float(sum(r.decode_s for r in runs)) / max(verify_passes, 1),
     )
   return out
 
@@ -386,17 +490,19 @@ def greedy_check(tokens: dict[str, list[list[int]]], reference: str) -> dict[str
       if len(a) != len(b) and not diff:
         diff = [min(len(a), len(b))]
       first.append(diff[0] if diff else None)
-    report[name] = {"mismatched_prompts": sum(f is not None for f in first),
-                    "first_mismatch_position": first}
+    report[name] = {
+      "mismatched_prompts": sum(f is not None for f in first),
+      "first_mismatch_position": first,
+    }
   return {"reference": reference, "vs": report}
 
 
 # Issue 4's performance targets (bundled models, CPU, greedy, 128 new tokens): (name, the runner
 # or ratio key measured at temperature 0, the bound).
 TARGETS = (
-    ("draft-model speculation ≥ 1.5× jaxspec plain", ("speedup", "jaxspec/draft_model"), 1.5),
-    ("jaxspec plain ≥ 2× transformers generate", ("ratio", "plain/generate"), 2.0),
-    ("jaxspec draft_model ≥ 2× transformers assisted", ("ratio", "draft_model/assisted"), 2.0),
+  ("draft-model speculation ≥ 1.5× jaxspec plain", ("speedup", "jaxspec/draft_model"), 1.5),
+  ("jaxspec plain ≥ 2× transformers generate", ("ratio", "plain/generate"), 2.0),
+  ("jaxspec draft_model ≥ 2× transformers assisted", ("ratio", "draft_model/assisted"), 2.0),
 )
 
 
@@ -420,6 +526,7 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 # Cost model: single forwards timed in isolation
 # --------------------------------------------------------------------------------------------------
 
+
 def _time_call(fn: Callable[[], Any], repeats: int) -> float:
   jax.block_until_ready(fn())
   best = float("inf")
@@ -431,8 +538,13 @@ def _time_call(fn: Callable[[], Any], repeats: int) -> float:
   return best
 
 
-def profile_forwards(target: jaxspec.TargetModel, draft: Optional[jaxspec.TargetModel],
-                     gamma: int, max_len: int, repeats: int = 20) -> dict[str, float]:
+def profile_forwards(
+  target: jaxspec.TargetModel,
+  draft: Optional[jaxspec.TargetModel],
+  gamma: int,
+  max_len: int,
+  repeats: int = 20,
+) -> dict[str, float]:
   """Seconds per jitted forward at position max_len/2: target on 1 and γ+1 tokens, draft on 1.
 
   The floor of one engine step: plain ≈ t_target(1); draft-model speculation ≈
@@ -448,19 +560,25 @@ def profile_forwards(target: jaxspec.TargetModel, draft: Optional[jaxspec.Target
     start = np.full((1,), max_len // 2, np.int32)
     return _time_call(lambda: fn(model.params, toks, start, cache.k, cache.v), repeats)
 
-  out = {"target_1_token_s": forward_s(target, 1),
-         f"target_{gamma + 1}_tokens_s": forward_s(target, gamma + 1)}
+  out = {
+    "target_1_token_s": forward_s(target, 1),
+    f"target_{gamma + 1}_tokens_s": forward_s(target, gamma + 1),
+  }
   if draft is not None:
     out["draft_1_token_s"] = forward_s(draft, 1)
     out["draft_2_tokens_s"] = forward_s(draft, 2)
-    out["draft_step_floor_s"] = (out[f"target_{gamma + 1}_tokens_s"] + (gamma - 1) *
-                                 out["draft_1_token_s"] + out["draft_2_tokens_s"])
+    out["draft_step_floor_s"] = (
+      out[f"target_{gamma + 1}_tokens_s"]
+      + (gamma - 1) * out["draft_1_token_s"]
+      + out["draft_2_tokens_s"]
+    )
   return out
 
 
 # --------------------------------------------------------------------------------------------------
 # The benchmark
 # --------------------------------------------------------------------------------------------------
+
 
 def _log(cfg: BenchConfig, msg: str) -> None:
   if cfg.verbose:
@@ -469,8 +587,9 @@ def _log(cfg: BenchConfig, msg: str) -> None:
 
 def load_prompts(cfg: BenchConfig) -> list[str]:
   if cfg.prompts is not None:
-    return list(cfg.prompts)[:cfg.num_prompts]
+    return list(cfg.prompts)[: cfg.num_prompts]
   from jaxspec.train import data  # pylint: disable=import-outside-toplevel
+
   return data.function_prompts(split="validation", n=cfg.num_prompts, seed=cfg.seed)
 
 
@@ -502,9 +621,11 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   if cfg.hf:
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
+
     transformers.logging.set_verbosity_error()
     load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(
-        d, dtype=torch.float32).eval()
+      d, dtype=torch.float32
+    ).eval()
     hf_models = (load(cfg.model), load(cfg.draft_model) if draft is not None else None)
     thread_timings = {}
     if cfg.torch_threads:
@@ -525,11 +646,13 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   if hf_models is not None:
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     for m in methods:
-      runners.append(HFRunner(HF_PEERS[m], hf_models[0], hf_models[1], cfg.gamma, cfg.ngram_n,
-                              pad))
+      runners.append(HFRunner(HF_PEERS[m], hf_models[0], hf_models[1], cfg.gamma, cfg.ngram_n, pad))
 
-  _log(cfg, f"{len(prompts)} prompts ({min(map(len, prompts))}–{max(map(len, prompts))} tokens), "
-       f"max_len={max_len}; warming up {len(runners)} runners …")
+  _log(
+    cfg,
+    f"{len(prompts)} prompts ({min(map(len, prompts))}–{max(map(len, prompts))} tokens), "
+    f"max_len={max_len}; warming up {len(runners)} runners …",
+  )
   t0 = time.perf_counter()
   for r in runners:
     r.warmup(prompts)
@@ -541,8 +664,9 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     runs: dict[str, list[Run]] = {r.name: [] for r in runners}
     for i, p in enumerate(prompts):
       for r in runners:  # interleaved: load drifts hit every runner alike
-        tries = [r(p, cfg.max_new_tokens, float(temp), cfg.seed + i)
-                 for _ in range(max(cfg.repeats, 1))]
+        tries = [
+          r(p, cfg.max_new_tokens, float(temp), cfg.seed + i) for _ in range(max(cfg.repeats, 1))
+        ]
         runs[r.name].append(min(tries, key=lambda run: run.seconds))
       _log(cfg, f"  T={temp:g}: prompt {i + 1}/{len(prompts)} done")
     res = {name: summarize_runs(rs, cfg.max_new_tokens) for name, rs in runs.items()}
@@ -554,38 +678,50 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     ratios = {}
     if hf_models is not None:
       for m in methods:
-        ratios[f"{m}/{HF_PEERS[m]}"] = (res[f"jaxspec/{m}"]["tokens_per_second"] /
-                                        res[f"transformers/{HF_PEERS[m]}"]["tokens_per_second"])
-    entry: dict[str, Any] = {"runners": res, "jaxspec_over_transformers": ratios,
-                             "tokens": {n: [r.tokens for r in rs] for n, rs in runs.items()}}
+        ratios[f"{m}/{HF_PEERS[m]}"] = (
+          res[f"jaxspec/{m}"]["tokens_per_second"]
+          / res[f"transformers/{HF_PEERS[m]}"]["tokens_per_second"]
+        )
+    entry: dict[str, Any] = {
+      "runners": res,
+      "jaxspec_over_transformers": ratios,
+      "tokens": {n: [r.tokens for r in rs] for n, rs in runs.items()},
+    }
     if temp == 0:
       entry["greedy_check"] = greedy_check(entry["tokens"], "jaxspec/plain")
     results[f"{float(temp):g}"] = entry
 
-  recompiled = {r.name: r.compile_counts() != counts_before[r.name]
-                for r in runners if isinstance(r, JaxspecRunner)}
+  recompiled = {
+    r.name: r.compile_counts() != counts_before[r.name]
+    for r in runners
+    if isinstance(r, JaxspecRunner)
+  }
   report: dict[str, Any] = {
-      "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "verbose"},
-      "max_len": max_len,
-      "tokens_per_second_definition": "generated tokens / wall seconds of the whole generate "
-                                      "call (prefill included), token ids in → token ids out, "
-                                      "summed over prompts, batch 1 (with repeats > 1: the "
-                                      "fastest repeat of each prompt)",
-      "machine": machine_facts(torch_threads, load_at_start),
-      "models": {"target": cfg.model, "target_architecture": target.config.architecture,
-                 "draft": cfg.draft_model if draft is not None else None,
-                 "draft_architecture": draft.config.architecture if draft is not None else None},
-      "prompts": [{"text": t, "num_tokens": len(p)} for t, p in zip(texts, prompts)],
-      "recompiled_during_timing": recompiled,
-      "results": results,
+    "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "verbose"},
+    "max_len": max_len,
+    "tokens_per_second_definition": "generated tokens / wall seconds of the whole generate "
+    "call (prefill included), token ids in → token ids out, "
+    "summed over prompts, batch 1 (with repeats > 1: the "
+    "fastest repeat of each prompt)",
+    "machine": machine_facts(torch_threads, load_at_start),
+    "models": {
+      "target": cfg.model,
+      "target_architecture": target.config.architecture,
+      "draft": cfg.draft_model if draft is not None else None,
+      "draft_architecture": draft.config.architecture if draft is not None else None,
+    },
+    "prompts": [{"text": t, "num_tokens": len(p)} for t, p in zip(texts, prompts)],
+    "recompiled_during_timing": recompiled,
+    "results": results,
   }
   report["targets"] = check_targets(results)
   if cfg.profile:
     report["profile"] = profile_forwards(target, draft, cfg.gamma, max_len)
   if cfg.hf:
     report["machine"]["torch_thread_calibration_ms_per_token"] = thread_timings
-  report["machine"]["load_average_at_end"] = (list(os.getloadavg()) if hasattr(os, "getloadavg")
-                                              else None)
+  report["machine"]["load_average_at_end"] = (
+    list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+  )
   report["table"] = format_table(report)
   if cfg.out:
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
@@ -599,6 +735,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
 # Output
 # --------------------------------------------------------------------------------------------------
 
+
 def _f(x: Any, fmt: str = ".2f", suffix: str = "") -> str:
   if x is None or (isinstance(x, float) and np.isnan(x)):
     return "-"
@@ -610,28 +747,35 @@ def format_table(report: dict[str, Any]) -> str:
   cfg, m = report["config"], report["machine"]
   machine = f"machine: {m['usable_cores']} usable cores, jax {m['jax']} ({m['jax_backend']})"
   if "torch" in m:
-    machine += (f", torch {m['torch']} ({m['torch_threads']} threads), "
-                f"transformers {m['transformers']}")
+    machine += (
+      f", torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}"
+    )
   if m.get("load_average_at_start"):
-    machine += (f", load avg {m['load_average_at_start'][0]:.1f} → "
-                f"{m['load_average_at_end'][0]:.1f}")
+    machine += f", load avg {m['load_average_at_start'][0]:.1f} → {m['load_average_at_end'][0]:.1f}"
   lines = [
-      f"target: {report['models']['target']} ({report['models']['target_architecture']})",
-      f"draft:  {report['models']['draft']} ({report['models']['draft_architecture']})"
-      if report["models"]["draft"] else "draft:  none",
-      f"{len(report['prompts'])} prompts, {cfg['max_new_tokens']} new tokens each (EOS ignored), "
-      f"batch 1, γ={cfg['gamma']}, n-gram n={cfg['ngram_n']}, float32, max_len={report['max_len']}",
-      machine,
-      "tok/s = generated tokens / wall time of whole generate calls (prefill included); "
-      "speedup = tok/s over the same engine's plain decoding; acc.len = tokens per verify pass "
-      "(bonus included, mean over prompts); tok/pass = tokens / target forwards incl. prefill; "
-      "acc.rate@i = P(draft i accepted | reached)",
+    f"target: {report['models']['target']} ({report['models']['target_architecture']})",
+    f"draft:  {report['models']['draft']} ({report['models']['draft_architecture']})"
+    if report["models"]["draft"]
+    else "draft:  none",
+    f"{len(report['prompts'])} prompts, {cfg['max_new_tokens']} new tokens each (EOS ignored), "
+    f"batch 1, γ={cfg['gamma']}, n-gram n={cfg['ngram_n']}, float32, max_len={report['max_len']}",
+    machine,
+    "tok/s = generated tokens / wall time of whole generate calls (prefill included); "
+    "speedup = tok/s over the same engine's plain decoding; acc.len = tokens per verify pass "
+    "(bonus included, mean over prompts); tok/pass = tokens / target forwards incl. prefill; "
+    "acc.rate@i = P(draft i accepted | reached)",
   ]
-  header = (f"{'runner':<28}{'tok/s':>9}{'speedup':>9}{'acc.len':>9}{'tok/pass':>10}"
-            f"{'ms/pass':>9}  {'acc.rate@1..γ':<28}{'jaxspec/peer':>13}")
+  header = (
+    f"{'runner':<28}{'tok/s':>9}{'speedup':>9}{'acc.len':>9}{'tok/pass':>10}"
+    f"{'ms/pass':>9}  {'acc.rate@1..γ':<28}{'jaxspec/peer':>13}"
+  )
   for temp, entry in report["results"].items():
-    lines += ["", f"temperature {temp}" + (" (greedy)" if float(temp) == 0 else " (sampling)"),
-              header, "-" * len(header)]
+    lines += [
+      "",
+      f"temperature {temp}" + (" (greedy)" if float(temp) == 0 else " (sampling)"),
+      header,
+      "-" * len(header),
+    ]
     ratios = entry["jaxspec_over_transformers"]
     for name, s in entry["runners"].items():
       side, method = name.split("/")
@@ -642,22 +786,28 @@ def format_table(report: dict[str, Any]) -> str:
       rate_s = " ".join(_f(r, ".2f") for r in rates) if rates and len(rates) else ""
       ms = s.get("seconds_per_target_pass")
       lines.append(
-          f"{name:<28}{_f(s['tokens_per_second'], '.1f'):>9}"
-          f"{_f(s.get('speedup_vs_plain'), '.2f', '×'):>9}{_f(s.get('acceptance_length')):>9}"
-          f"{_f(s['tokens_per_target_pass']):>10}{_f(ms and 1e3 * ms, '.2f'):>9}  "
-          f"{rate_s:<28}{ratio:>13}")
+        f"{name:<28}{_f(s['tokens_per_second'], '.1f'):>9}"
+        f"{_f(s.get('speedup_vs_plain'), '.2f', '×'):>9}{_f(s.get('acceptance_length')):>9}"
+        f"{_f(s['tokens_per_target_pass']):>10}{_f(ms and 1e3 * ms, '.2f'):>9}  "
+        f"{rate_s:<28}{ratio:>13}"
+      )
     if "greedy_check" in entry:
       g = entry["greedy_check"]
       parts = [f"{n}: {v['mismatched_prompts']}" for n, v in g["vs"].items()]
       lines.append(f"greedy outputs differing from {g['reference']} (prompts): " + ", ".join(parts))
   if report.get("targets"):
     lines += ["", "performance targets (greedy; meaningful for the bundled models):"]
-    lines += [f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['value']:.2f}×"
-              for t in report["targets"]]
+    lines += [
+      f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['value']:.2f}×"
+      for t in report["targets"]
+    ]
   if "profile" in report:
     p = report["profile"]
-    lines += ["", "single forwards (ms, jitted, at position max_len/2): " +
-              ", ".join(f"{k[:-2]}={1e3 * v:.2f}" for k, v in p.items())]
+    lines += [
+      "",
+      "single forwards (ms, jitted, at position max_len/2): "
+      + ", ".join(f"{k[:-2]}={1e3 * v:.2f}" for k, v in p.items()),
+    ]
   if any(report["recompiled_during_timing"].values()):
     lines.append(f"WARNING: recompiled during timing: {report['recompiled_during_timing']}")
   return "\n".join(lines)
@@ -665,8 +815,11 @@ def format_table(report: dict[str, Any]) -> str:
 
 def _default_out() -> str:
   cwd = os.getcwd()
-  return (os.path.join(cwd, "bench_results.json") if os.access(cwd, os.W_OK)
-          else os.path.join(tempfile.gettempdir(), "bench_results.json"))
+  return (
+    os.path.join(cwd, "bench_results.json")
+    if os.access(cwd, os.W_OK)
+    else os.path.join(tempfile.gettempdir(), "bench_results.json")
+  )
 
 
 def main(argv: Sequence[str]) -> None:
@@ -684,16 +837,29 @@ def _main(model: Optional[str], draft: Optional[str]) -> None:
     if draft is None:
       draft = os.path.join(ASSETS, "draft")
     if not os.path.exists(os.path.join(model, "config.json")):
-      raise app.UsageError(f"no bundled target at {model}: pass --model (and --draft_model), "
-                           "or --random=tiny|small for random models")
+      raise app.UsageError(
+        f"no bundled target at {model}: pass --model (and --draft_model), "
+        "or --random=tiny|small for random models"
+      )
   if "draft_model" in FLAGS.methods and (draft is None or not os.path.isdir(draft)):
     raise app.UsageError(f"method draft_model needs a draft model directory (got {draft!r})")
   cfg = BenchConfig(
-      model=model, draft_model=draft, methods=tuple(FLAGS.methods),
-      temperatures=tuple(float(t) for t in FLAGS.temperatures), num_prompts=FLAGS.num_prompts,
-      max_new_tokens=FLAGS.max_new_tokens, gamma=FLAGS.gamma, ngram_n=FLAGS.ngram_n,
-      hf=FLAGS.hf, out=FLAGS.out or _default_out(), seed=FLAGS.seed, repeats=FLAGS.repeats,
-      max_len=FLAGS.max_len, torch_threads=FLAGS.torch_threads, profile=FLAGS.profile)
+    model=model,
+    draft_model=draft,
+    methods=tuple(FLAGS.methods),
+    temperatures=tuple(float(t) for t in FLAGS.temperatures),
+    num_prompts=FLAGS.num_prompts,
+    max_new_tokens=FLAGS.max_new_tokens,
+    gamma=FLAGS.gamma,
+    ngram_n=FLAGS.ngram_n,
+    hf=FLAGS.hf,
+    out=FLAGS.out or _default_out(),
+    seed=FLAGS.seed,
+    repeats=FLAGS.repeats,
+    max_len=FLAGS.max_len,
+    torch_threads=FLAGS.torch_threads,
+    profile=FLAGS.profile,
+  )
   report = run_benchmark(cfg)
   print()
   print(report["table"])

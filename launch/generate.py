@@ -26,8 +26,12 @@ from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
-flags.DEFINE_enum("method", "auto", ("auto",) + registry.METHODS,
-                  "Drafting method; auto = the best one available for the model.")
+flags.DEFINE_enum(
+  "method",
+  "auto",
+  ("auto",) + registry.METHODS,
+  "Drafting method; auto = the best one available for the model.",
+)
 flags.DEFINE_string("draft_model", None, "Draft model directory (default: the bundled draft).")
 flags.DEFINE_integer("gamma", 4, "Draft tokens per step.")
 flags.DEFINE_string("prompt", "def fib(n):", "The prompt.")
@@ -54,14 +58,25 @@ def _parse_mesh(spec: str) -> dict[str, int]:
 def _tiny_random() -> jaxspec.TargetModel:
   import configs  # pylint: disable=import-outside-toplevel
   from jaxspec.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+
   c = configs.get("tiny_random")
   cfg = jaxspec.ModelConfig(
-      architecture=c.architecture, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-      num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-      head_dim=c.head_dim, intermediate_size=c.intermediate_size, num_experts=c.num_experts,
-      num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
-      norm_topk_prob=c.norm_topk_prob, rope_theta=c.rope_theta, eos_token_ids=(c.eos_token_id,),
-      pad_token_id=c.pad_token_id)
+    architecture=c.architecture,
+    vocab_size=c.vocab_size,
+    hidden_size=c.hidden_size,
+    num_layers=c.num_layers,
+    num_heads=c.num_heads,
+    num_kv_heads=c.num_kv_heads,
+    head_dim=c.head_dim,
+    intermediate_size=c.intermediate_size,
+    num_experts=c.num_experts,
+    num_experts_per_tok=c.num_experts_per_tok,
+    moe_intermediate_size=c.moe_intermediate_size,
+    norm_topk_prob=c.norm_topk_prob,
+    rope_theta=c.rope_theta,
+    eos_token_ids=(c.eos_token_id,),
+    pad_token_id=c.pad_token_id,
+  )
   return target_lib.TargetModel.random(cfg, seed=c.seed, tokenizer=Tokenizer.bundled())
 
 
@@ -97,15 +112,25 @@ def main(argv):
   if n_dev > 1:
     mesh = sharding.make_mesh(mesh_shape)
     target = jaxspec.TargetModel(
-        target.config, sharding.shard_tree(target.params, target_lib.logical_axes(target.config),
-                                           mesh), target.tokenizer, target.hf_config)
+      target.config,
+      sharding.shard_tree(target.params, target_lib.logical_axes(target.config), mesh),
+      target.tokenizer,
+      target.hf_config,
+    )
   method, draft_dir = choose_method(FLAGS.model is not None)
   drafter = registry.make_drafter(method, target, gamma=FLAGS.gamma, draft_dir=draft_dir)
   cfg = jaxspec.EngineConfig(method=method, max_len=FLAGS.max_len)
-  print(f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
-        f"method: {method}; devices: {jax.device_count()} ({jax.default_backend()})")
-  sample = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
+  print(
+    f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
+    f"method: {method}; devices: {jax.device_count()} ({jax.default_backend()})"
+  )
+  sample = dict(
+    max_new_tokens=FLAGS.max_new_tokens,
+    temperature=FLAGS.temperature,
+    top_k=FLAGS.top_k,
+    top_p=FLAGS.top_p,
+    seed=FLAGS.seed,
+  )
   prompt = [FLAGS.prompt] if target.tokenizer is not None else [[1, 2, 3]]
 
   spec_engine = jaxspec.SpecEngine(target, drafter, cfg)
@@ -116,16 +141,19 @@ def main(argv):
   print(FLAGS.prompt + text)
   print("-" * 72)
   st = out.stats
-  print(f"{method}: {st.tokens_generated} tokens, acceptance length {st.acceptance_length:.2f}, "
-        f"{st.tokens_per_second:.1f} tok/s")
+  print(
+    f"{method}: {st.tokens_generated} tokens, acceptance length {st.acceptance_length:.2f}, "
+    f"{st.tokens_per_second:.1f} tok/s"
+  )
   if FLAGS.compare_plain and drafter is not None:
     plain_engine = jaxspec.SpecEngine(target, None, cfg)
     plain_engine.generate(prompt, **sample)
     plain = plain_engine.generate(prompt, **sample)
     speedup = st.tokens_per_second / max(plain.stats.tokens_per_second, 1e-9)
     same = "identical" if plain.tokens == out.tokens else "different (sampled)"
-    print(f"plain: {plain.stats.tokens_per_second:.1f} tok/s → speedup {speedup:.2f}× "
-          f"(outputs {same})")
+    print(
+      f"plain: {plain.stats.tokens_per_second:.1f} tok/s → speedup {speedup:.2f}× (outputs {same})"
+    )
 
 
 if __name__ == "__main__":

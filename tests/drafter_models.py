@@ -32,7 +32,7 @@ def rope(x, pos, theta):
   f = np.asarray(pos, np.float64)[:, None] / theta ** (np.arange(0, d, 2) / d)
   emb = np.concatenate([f, f], -1)
   cos, sin = np.cos(emb)[:, None], np.sin(emb)[:, None]
-  return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+  return x * cos + np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
 
 def random_params(shapes, seed: int, factor: float = 4.0):
@@ -47,13 +47,27 @@ def random_params(shapes, seed: int, factor: float = 4.0):
   return jax.tree_util.tree_map_with_path(make, shapes)
 
 
-def small_target(vocab: int = 64, num_layers: int = 2, num_mtp_layers: int = 0, seed: int = 0,
-                 factor: float = 4.0, tie: bool = False) -> TargetModel:
+def small_target(
+  vocab: int = 64,
+  num_layers: int = 2,
+  num_mtp_layers: int = 0,
+  seed: int = 0,
+  factor: float = 4.0,
+  tie: bool = False,
+) -> TargetModel:
   """A random Qwen3 target with sharp logits (scaled-up weights)."""
-  cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=vocab, hidden_size=32,
-                    num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8,
-                    intermediate_size=48, num_mtp_layers=num_mtp_layers,
-                    tie_word_embeddings=tie)
+  cfg = ModelConfig(
+    architecture="Qwen3ForCausalLM",
+    vocab_size=vocab,
+    hidden_size=32,
+    num_layers=num_layers,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    num_mtp_layers=num_mtp_layers,
+    tie_word_embeddings=tie,
+  )
   return TargetModel(cfg, random_params(target_lib.param_shapes(cfg), seed, factor))
 
 
@@ -69,8 +83,11 @@ def exact_sequence_probs(target: TargetModel, prompt: list[int], length: int) ->
   outcomes = list(itertools.product(range(vocab), repeat=length))
   seqs = np.asarray([prompt + list(o) for o in outcomes], np.int32)
   logits = np.asarray(target.logits(seqs[:, :-1]), np.float64)
-  logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
-                                keepdims=True)) - logits.max(-1, keepdims=True)
+  logp = (
+    logits
+    - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True))
+    - logits.max(-1, keepdims=True)
+  )
   m = len(prompt)
   probs = np.ones(len(outcomes))
   for k in range(length):
@@ -78,8 +95,9 @@ def exact_sequence_probs(target: TargetModel, prompt: list[int], length: int) ->
   return outcomes, probs
 
 
-def sampled_pvalue(engine: SpecEngine, prompt: list[int], length: int, calls: int,
-                   outcomes, probs) -> float:
+def sampled_pvalue(
+  engine: SpecEngine, prompt: list[int], length: int, calls: int, outcomes, probs
+) -> float:
   """Chi-square p-value of engine samples (T=1) against exact probabilities (pooled bins)."""
   batch = engine.config.batch_size
   index = {o: i for i, o in enumerate(outcomes)}
@@ -114,11 +132,12 @@ class GreedyCheck:
     plain = self.plain.generate(ps, max_new_tokens=new)
     engine = self.spec
     if tree_budget:
-      engine = SpecEngine(self.target, self.drafter, dataclasses.replace(
-          self.cfg, verify="tree", tree_budget=tree_budget))
+      engine = SpecEngine(
+        self.target,
+        self.drafter,
+        dataclasses.replace(self.cfg, verify="tree", tree_budget=tree_budget),
+      )
     spec = engine.generate(ps, max_new_tokens=new)
     assert spec.tokens == plain.tokens
     assert all(len(t) == new for t in spec.tokens)
     return plain, spec
-
-

@@ -14,35 +14,67 @@ from jaxspec.models.target import TargetModel
 
 
 def random_target(vocab: int = 96, seed: int = 0) -> TargetModel:
-  cfg = ModelConfig(architecture="Glm4MoeForCausalLM", vocab_size=vocab, hidden_size=32,
-                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
-                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    router="sigmoid", n_shared_experts=1, layer_is_moe=(False, True),
-                    partial_rotary_factor=0.5)
+  cfg = ModelConfig(
+    architecture="Glm4MoeForCausalLM",
+    vocab_size=vocab,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    router="sigmoid",
+    n_shared_experts=1,
+    layer_is_moe=(False, True),
+    partial_rotary_factor=0.5,
+  )
   return _scaled(TargetModel.random(cfg, seed=seed), 4.0)
 
 
 def random_draft(vocab: int = 96, seed: int = 1) -> TargetModel:
-  cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=vocab, hidden_size=16,
-                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32)
+  cfg = ModelConfig(
+    architecture="Qwen3ForCausalLM",
+    vocab_size=vocab,
+    hidden_size=16,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    intermediate_size=32,
+  )
   return _scaled(TargetModel.random(cfg, seed=seed), 4.0)
 
 
 def _scaled(model: TargetModel, factor: float) -> TargetModel:
   """Sharper logits (fewer near-ties, more repetition) from scaled-up init weights."""
   import jax  # pylint: disable=import-outside-toplevel
+
   params = jax.tree_util.tree_map_with_path(
-      lambda p, x: x if "scale" in jax.tree_util.keystr(p) else x * factor, model.params)
+    lambda p, x: x if "scale" in jax.tree_util.keystr(p) else x * factor, model.params
+  )
   return TargetModel(model.config, params)
 
 
 def bigram_model(table: np.ndarray) -> TargetModel:
   """A TargetModel whose next-token distribution is table[prev] (rows sum to 1)."""
   vocab = table.shape[0]
-  cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=vocab, hidden_size=vocab,
-                    num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=2,
-                    rms_norm_eps=1e-12, tie_word_embeddings=False)
+  cfg = ModelConfig(
+    architecture="Qwen3ForCausalLM",
+    vocab_size=vocab,
+    hidden_size=vocab,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=2,
+    intermediate_size=2,
+    rms_norm_eps=1e-12,
+    tie_word_embeddings=False,
+  )
   import jax  # pylint: disable=import-outside-toplevel
+
   params = jax.tree_util.tree_map(np.array, TargetModel.random(cfg).params)
   params["embed"] = np.eye(vocab, dtype=np.float32)
   params["norm"]["scale"] = np.full((vocab,), 1.0 / np.sqrt(vocab), np.float32)

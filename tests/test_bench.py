@@ -19,15 +19,30 @@ def model_dirs(tmp_path_factory):
 
 def _config(model_dirs, out, **kw) -> bench.BenchConfig:
   target, draft = model_dirs
-  args = dict(model=target, draft_model=draft, num_prompts=1, max_new_tokens=8,
-              temperatures=(0.0,), out=out, profile=False, verbose=False)
+  args = dict(
+    model=target,
+    draft_model=draft,
+    num_prompts=1,
+    max_new_tokens=8,
+    temperatures=(0.0,),
+    out=out,
+    profile=False,
+    verbose=False,
+  )
   args.update(kw)
   return bench.BenchConfig(**args)
 
 
 def _check_runner(s: dict, speculative: bool) -> None:
-  for key in ("tokens_generated", "wall_s", "tokens_per_second", "target_passes",
-              "tokens_per_target_pass", "seconds_per_prompt", "speedup_vs_plain"):
+  for key in (
+    "tokens_generated",
+    "wall_s",
+    "tokens_per_second",
+    "target_passes",
+    "tokens_per_target_pass",
+    "seconds_per_prompt",
+    "speedup_vs_plain",
+  ):
     assert key in s, key
   assert s["tokens_generated"] == 8 and s["all_full_length"]
   assert s["tokens_per_second"] > 0
@@ -42,20 +57,36 @@ def test_bench_with_transformers_peers(model_dirs, tmp_path):
   with open(out, encoding="utf-8") as f:
     saved = json.load(f)
   assert saved["table"] == report["table"]
-  for key in ("config", "machine", "models", "prompts", "results", "max_len",
-              "tokens_per_second_definition", "recompiled_during_timing"):
+  for key in (
+    "config",
+    "machine",
+    "models",
+    "prompts",
+    "results",
+    "max_len",
+    "tokens_per_second_definition",
+    "recompiled_during_timing",
+  ):
     assert key in saved, key
   assert saved["machine"]["torch_threads"] == 1 and "jax" in saved["machine"]
   assert len(saved["prompts"]) == 1 and saved["prompts"][0]["text"].startswith("def ")
   entry = saved["results"]["0"]
   runners = entry["runners"]
-  assert set(runners) == {"jaxspec/plain", "jaxspec/draft_model", "jaxspec/ngram",
-                          "transformers/generate", "transformers/assisted",
-                          "transformers/prompt_lookup"}
+  assert set(runners) == {
+    "jaxspec/plain",
+    "jaxspec/draft_model",
+    "jaxspec/ngram",
+    "transformers/generate",
+    "transformers/assisted",
+    "transformers/prompt_lookup",
+  }
   for name, s in runners.items():
     _check_runner(s, name in ("jaxspec/draft_model", "jaxspec/ngram"))
   assert set(entry["jaxspec_over_transformers"]) == {
-      "plain/generate", "draft_model/assisted", "ngram/prompt_lookup"}
+    "plain/generate",
+    "draft_model/assisted",
+    "ngram/prompt_lookup",
+  }
   # Lossless: greedy speculation reproduces plain decoding exactly (same engine, float32).
   tokens = entry["tokens"]
   assert tokens["jaxspec/draft_model"] == tokens["jaxspec/plain"]
@@ -69,8 +100,9 @@ def test_bench_with_transformers_peers(model_dirs, tmp_path):
 
 def test_bench_jaxspec_only(model_dirs, tmp_path):
   prompt = "def add(a, b):\n    return a + b\n"
-  report = bench.run_benchmark(_config(model_dirs, None, hf=False, methods=("plain", "ngram"),
-                                       prompts=[prompt]))
+  report = bench.run_benchmark(
+    _config(model_dirs, None, hf=False, methods=("plain", "ngram"), prompts=[prompt])
+  )
   assert "torch" not in report["machine"]
   entry = report["results"]["0"]
   assert set(entry["runners"]) == {"jaxspec/plain", "jaxspec/ngram"}
@@ -84,6 +116,11 @@ def test_profile_forwards(model_dirs):
   target = bench.jaxspec.load_model(model_dirs[0])
   draft = bench.jaxspec.load_model(model_dirs[1])
   prof = bench.profile_forwards(target, draft, gamma=2, max_len=32, repeats=1)
-  assert set(prof) == {"target_1_token_s", "target_3_tokens_s", "draft_1_token_s",
-                       "draft_2_tokens_s", "draft_step_floor_s"}
+  assert set(prof) == {
+    "target_1_token_s",
+    "target_3_tokens_s",
+    "draft_1_token_s",
+    "draft_2_tokens_s",
+    "draft_step_floor_s",
+  }
   assert all(v > 0 for v in prof.values())

@@ -22,7 +22,8 @@ FIX = "run `python tools/update_build.py` and commit the new BUILD"
 
 def _load_generator():
   spec = importlib.util.spec_from_file_location(
-      "update_build", os.path.join(ROOT, "tools", "update_build.py"))
+    "update_build", os.path.join(ROOT, "tools", "update_build.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -36,16 +37,17 @@ def _parse_build(text: str) -> dict[str, dict]:
     def record(name, **attrs):
       assert name not in targets, f"duplicate target {name!r} in BUILD"
       targets[name] = {"kind": kind, **attrs}
+
     return record
 
   env = {
-      "load": lambda *args: None,
-      "package": lambda **kw: None,
-      "glob": lambda patterns, **kw: [],
-      "requirement": lambda name: f"@pypi//{name}",
-      "True": True,
-      "False": False,
-      "__builtins__": {},
+    "load": lambda *args: None,
+    "package": lambda **kw: None,
+    "glob": lambda patterns, **kw: [],
+    "requirement": lambda name: f"@pypi//{name}",
+    "True": True,
+    "False": False,
+    "__builtins__": {},
   }
   for kind in ("py_library", "py_binary", "py_test", "filegroup"):
     env[kind] = rule(kind)
@@ -66,16 +68,19 @@ def targets(build_text) -> dict[str, dict]:
 
 def _repo_files(root: str, pattern: str) -> list[str]:
   paths = glob.glob(os.path.join(root, pattern), recursive=True)
-  return sorted(os.path.relpath(p, root).replace(os.sep, "/") for p in paths
-                if "__pycache__" not in p)
+  return sorted(
+    os.path.relpath(p, root).replace(os.sep, "/") for p in paths if "__pycache__" not in p
+  )
 
 
 def _unlisted_modules(targets: dict[str, dict], root: str) -> list[str]:
   """Library modules on disk that no py_library names in its srcs."""
-  named = {src for t in targets.values() if t["kind"] == "py_library"
-           for src in t.get("srcs", [])}
-  modules = [m for top in ("jaxspec", "pallas_kernels", "configs")
-             for m in _repo_files(root, f"{top}/**/*.py")]
+  named = {src for t in targets.values() if t["kind"] == "py_library" for src in t.get("srcs", [])}
+  modules = [
+    m
+    for top in ("jaxspec", "pallas_kernels", "configs")
+    for m in _repo_files(root, f"{top}/**/*.py")
+  ]
   return [m for m in modules if m not in named]
 
 
@@ -86,10 +91,8 @@ def test_every_library_module_is_in_a_py_library(targets):
 
 
 def test_every_test_module_has_a_py_test(targets):
-  tests = {t["main"]: name for name, t in targets.items()
-           if t["kind"] == "py_test"}
-  missing = [p for p in _repo_files(ROOT, "tests/**/test_*.py")
-             if p not in tests]
+  tests = {t["main"]: name for name, t in targets.items() if t["kind"] == "py_test"}
+  missing = [p for p in _repo_files(ROOT, "tests/**/test_*.py") if p not in tests]
   assert not missing, f"test modules without a py_test: {missing}; {FIX}"
 
 
@@ -97,7 +100,8 @@ def test_srcs_exist_and_deps_resolve(targets):
   for name, t in targets.items():
     for src in t.get("srcs", []):
       assert os.path.isfile(os.path.join(ROOT, src)), (
-          f"{name} lists {src}, which does not exist; {FIX}")
+        f"{name} lists {src}, which does not exist; {FIX}"
+      )
     for dep in t.get("deps", []) + t.get("data", []):
       if dep.startswith(":"):
         assert dep[1:] in targets, f"{name} depends on undefined {dep}"
@@ -117,36 +121,35 @@ def test_generator_sees_new_modules(tmp_path):
   (tmp_path / "jaxspec" / "core.py").write_text("import numpy as np\n")
   (pkg / "__init__.py").write_text("")
   (pkg / "thing.py").write_text(
-      "import os\nfrom .. import core\nfrom jaxspec.newpkg import other\n"
-      "import jax.numpy as jnp\n")
+    "import os\nfrom .. import core\nfrom jaxspec.newpkg import other\nimport jax.numpy as jnp\n"
+  )
   (pkg / "other.py").write_text("from absl import flags\n")
   (tmp_path / "tests").mkdir()
-  (tmp_path / "tests" / "test_thing.py").write_text(
-      "from jaxspec.newpkg import thing\n")
+  (tmp_path / "tests" / "test_thing.py").write_text("from jaxspec.newpkg import thing\n")
   targets = _parse_build(gen.render(str(tmp_path)))
   lib = targets["jaxspec_newpkg"]
-  assert lib["srcs"] == ["jaxspec/newpkg/__init__.py", "jaxspec/newpkg/other.py",
-                         "jaxspec/newpkg/thing.py"]
+  assert lib["srcs"] == [
+    "jaxspec/newpkg/__init__.py",
+    "jaxspec/newpkg/other.py",
+    "jaxspec/newpkg/thing.py",
+  ]
   assert lib["deps"] == [":jaxspec_core", "@pypi//absl-py", "@pypi//jax"]
   assert targets["jaxspec"]["deps"] == [":jaxspec_core"]
   assert targets["test_thing"]["deps"] == [":jaxspec_newpkg", "@pypi//pytest"]
   assert not _unlisted_modules(targets, str(tmp_path))
   # A BUILD that lacks the module fails the coverage check.
   stale = gen.render(str(tmp_path)).replace('"jaxspec/newpkg/thing.py",', "")
-  assert _unlisted_modules(_parse_build(stale), str(tmp_path)) == [
-      "jaxspec/newpkg/thing.py"]
+  assert _unlisted_modules(_parse_build(stale), str(tmp_path)) == ["jaxspec/newpkg/thing.py"]
 
 
 def test_generator_merges_import_cycles(tmp_path):
   gen = _load_generator()
-  for name, body in (("a", "from jaxspec.b import x\n"),
-                     ("b", "from jaxspec.a import y\n")):
+  for name, body in (("a", "from jaxspec.b import x\n"), ("b", "from jaxspec.a import y\n")):
     d = tmp_path / "jaxspec" / name
     d.mkdir(parents=True)
     (d / "__init__.py").write_text(body)
   text = gen.render(str(tmp_path))
   targets = _parse_build(text)
   assert "jaxspec_b" not in targets
-  assert targets["jaxspec_a"]["srcs"] == ["jaxspec/a/__init__.py",
-                                         "jaxspec/b/__init__.py"]
+  assert targets["jaxspec_a"]["srcs"] == ["jaxspec/a/__init__.py", "jaxspec/b/__init__.py"]
   assert "import cycle" in text

@@ -19,26 +19,43 @@ from tests import hf_models
 
 
 def _glm_with_mtp() -> ModelConfig:
-  return ModelConfig(architecture="Glm4MoeForCausalLM", vocab_size=80, hidden_size=32,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                     intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                     moe_intermediate_size=16, router="sigmoid", n_shared_experts=1,
-                     norm_topk_prob=True, layer_is_moe=(False, True), num_mtp_layers=1,
-                     partial_rotary_factor=0.5, routed_scaling_factor=1.5)
+  return ModelConfig(
+    architecture="Glm4MoeForCausalLM",
+    vocab_size=80,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    router="sigmoid",
+    n_shared_experts=1,
+    norm_topk_prob=True,
+    layer_is_moe=(False, True),
+    num_mtp_layers=1,
+    partial_rotary_factor=0.5,
+    routed_scaling_factor=1.5,
+  )
 
 
-@pytest.mark.parametrize("name", ["glm4moe_grouped_shared_partial", "qwen3moe_norm_mlponly",
-                                  "qwen3_mha_tied"])
+@pytest.mark.parametrize(
+  "name", ["glm4moe_grouped_shared_partial", "qwen3moe_norm_mlponly", "qwen3_mha_tied"]
+)
 def test_save_hf_loads_in_transformers_with_same_logits(tmp_path, name):
   hf_model = hf_models.save_hf_model(name, str(tmp_path / "in"))
   model = jaxspec.load_model(str(tmp_path / "in"))
   jaxspec.save_hf(model, str(tmp_path / "out"))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float()
   ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 8))
-  np.testing.assert_allclose(hf_models.hf_logits(reloaded, ids), hf_models.hf_logits(hf_model, ids),
-                             atol=1e-5)
-  np.testing.assert_allclose(np.asarray(model.logits(ids)), hf_models.hf_logits(reloaded, ids),
-                             atol=1e-4)
+  np.testing.assert_allclose(
+    hf_models.hf_logits(reloaded, ids), hf_models.hf_logits(hf_model, ids), atol=1e-5
+  )
+  np.testing.assert_allclose(
+    np.asarray(model.logits(ids)), hf_models.hf_logits(reloaded, ids), atol=1e-4
+  )
 
 
 def test_mtp_layers_round_trip_in_deepseek_layout(tmp_path):
@@ -47,19 +64,28 @@ def test_mtp_layers_round_trip_in_deepseek_layout(tmp_path):
   config = json.load(open(tmp_path / "config.json"))
   assert config["num_nextn_predict_layers"] == 1
   names = hf_io._TensorSource(str(tmp_path)).keys()
-  for suffix in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                 "self_attn.q_proj.weight", "mlp.experts.3.down_proj.weight",
-                 "mlp.gate.e_score_correction_bias"):
+  for suffix in (
+    "enorm.weight",
+    "hnorm.weight",
+    "eh_proj.weight",
+    "shared_head.norm.weight",
+    "self_attn.q_proj.weight",
+    "mlp.experts.3.down_proj.weight",
+    "mlp.gate.e_score_correction_bias",
+  ):
     assert f"model.layers.2.{suffix}" in names, suffix
   loaded = jaxspec.load_model(str(tmp_path))
   assert loaded.config.num_mtp_layers == 1
-  same = [np.array_equal(a, b) for a, b in zip(
-      *(map(np.asarray, _leaves(m.params)) for m in (model, loaded)))]
+  same = [
+    np.array_equal(a, b)
+    for a, b in zip(*(map(np.asarray, _leaves(m.params)) for m in (model, loaded)))
+  ]
   assert all(same) and len(same) > 20
 
 
 def _leaves(tree):
   import jax  # pylint: disable=import-outside-toplevel
+
   return jax.tree_util.tree_leaves(tree)
 
 
@@ -112,6 +138,7 @@ def test_truncated_safetensors(small_ckpt):
 
 def test_missing_tensor_is_listed(small_ckpt):
   from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
+
   tensors = load_file(str(small_ckpt / "model.safetensors"))
   del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
   save_file(tensors, str(small_ckpt / "model.safetensors"))
@@ -121,6 +148,7 @@ def test_missing_tensor_is_listed(small_ckpt):
 
 def test_wrong_shape_is_reported(small_ckpt):
   from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
+
   tensors = load_file(str(small_ckpt / "model.safetensors"))
   tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 32), np.float32)
   save_file(tensors, str(small_ckpt / "model.safetensors"))
@@ -163,6 +191,7 @@ def test_bad_config_values_are_named():
 
 def test_orbax_checkpoint_round_trip_single_device(tmp_path):
   from jaxspec.io import checkpoint  # pylint: disable=import-outside-toplevel
+
   model = target_lib.TargetModel.random(_glm_with_mtp(), seed=4)
   checkpoint.save(model, str(tmp_path / "ckpt"))
   restored = checkpoint.restore(str(tmp_path / "ckpt"))
@@ -176,6 +205,7 @@ def test_orbax_checkpoint_round_trip_single_device(tmp_path):
 
 def test_convert_script_round_trip(tmp_path):
   from jaxspec.io.checkpoint import convert  # pylint: disable=import-outside-toplevel
+
   model = target_lib.TargetModel.random(_glm_with_mtp(), seed=5)
   jaxspec.save_hf(model, str(tmp_path / "hf"))
   convert(str(tmp_path / "hf"), str(tmp_path / "orbax"), "orbax")

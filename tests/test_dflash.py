@@ -20,8 +20,13 @@ from jaxspec.models import target as target_lib
 from jaxspec.spec.engine import EngineConfig, SpecEngine
 
 from tests.drafter_models import rms as _rms, rope as _rope
-from tests.drafter_models import (GreedyCheck, exact_sequence_probs, prompts, sampled_pvalue,
-                                    small_target)
+from tests.drafter_models import (
+  GreedyCheck,
+  exact_sequence_probs,
+  prompts,
+  sampled_pvalue,
+  small_target,
+)
 
 MASK = 2
 
@@ -33,8 +38,15 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter(target):
-  return DFlashDrafter.random(target, mask_token_id=MASK, num_layers=2, block_size=4,
-                              target_layer_ids=(0, 2), stddev=0.2, seed=1)
+  return DFlashDrafter.random(
+    target,
+    mask_token_id=MASK,
+    num_layers=2,
+    block_size=4,
+    target_layer_ids=(0, 2),
+    stddev=0.2,
+    seed=1,
+  )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +57,6 @@ def greedy(target, drafter):
 # ------------------------------------------------------------------------------------------------
 # An explicit float64 re-computation: plain attention over [context; block]
 # ------------------------------------------------------------------------------------------------
-
 
 
 def reference_logits(drafter, target, taps, block, start, windows):
@@ -65,10 +76,16 @@ def reference_logits(drafter, target, taps, block, start, windows):
     a = lp["self_attn"]
     hn = _rms(x, lp["input_layernorm"]["scale"])
     kv_in = np.concatenate([ctx, hn])
-    q = _rope(_rms(np.einsum("th,hnd->tnd", hn, a["q_proj"]["kernel"]), a["q_norm"]["scale"]),
-              qpos, c.rope_theta)
-    k = _rope(_rms(np.einsum("th,hnd->tnd", kv_in, a["k_proj"]["kernel"]), a["k_norm"]["scale"]),
-              kpos, c.rope_theta)
+    q = _rope(
+      _rms(np.einsum("th,hnd->tnd", hn, a["q_proj"]["kernel"]), a["q_norm"]["scale"]),
+      qpos,
+      c.rope_theta,
+    )
+    k = _rope(
+      _rms(np.einsum("th,hnd->tnd", kv_in, a["k_proj"]["kernel"]), a["k_norm"]["scale"]),
+      kpos,
+      c.rope_theta,
+    )
     v = np.einsum("th,hnd->tnd", kv_in, a["v_proj"]["kernel"])
     k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
     scores = np.einsum("qnd,knd->nqk", q, k) / np.sqrt(c.head_dim)
@@ -95,17 +112,27 @@ def _check_final_state(target, drafter, engine, windows):
   tokens, seq = np.asarray(state.tokens), np.asarray(state.seq_len)
   length = tokens.shape[1]  # the whole buffer: one compilation; causal, so the tail is harmless
   cache = target.init_cache(2, length)
-  full = target_lib.forward(target.config, target.params, jnp.asarray(tokens),
-                            jnp.zeros((2,), jnp.int32), cache.k, cache.v, taps=drafter.taps)
+  full = target_lib.forward(
+    target.config,
+    target.params,
+    jnp.asarray(tokens),
+    jnp.zeros((2,), jnp.int32),
+    cache.k,
+    cache.v,
+    taps=drafter.taps,
+  )
   start = jnp.asarray(seq - 1)
-  block = np.concatenate([tokens[np.arange(2), seq - 1][:, None],
-                          np.full((2, drafter.gamma), MASK)], axis=1)
-  got = np.asarray(drafter.block_logits(drafter.params, state.drafter_state, jnp.asarray(block),
-                                        start))
+  block = np.concatenate(
+    [tokens[np.arange(2), seq - 1][:, None], np.full((2, drafter.gamma), MASK)], axis=1
+  )
+  got = np.asarray(
+    drafter.block_logits(drafter.params, state.drafter_state, jnp.asarray(block), start)
+  )
   for b in range(2):
     n = int(seq[b]) - 1
-    want = reference_logits(drafter, target, np.asarray(full.taps[:, b, :n], np.float64),
-                            block[b], n, windows)
+    want = reference_logits(
+      drafter, target, np.asarray(full.taps[:, b, :n], np.float64), block[b], n, windows
+    )
     np.testing.assert_allclose(got[b], want, atol=2e-4, rtol=2e-4)
 
 
@@ -127,14 +154,17 @@ def test_logits_equal_explicit_recomputation(target, drafter, greedy):
 
 def test_sliding_windows_and_context_ring(target, drafter, greedy):
   """A 6-slot ring of context features (wrapped many times) and a 5-wide layer window."""
-  windowed = dataclasses.replace(drafter, config=drafter.config.replace(layer_windows=(0, 5)),
-                                 context_window=6)
+  windowed = dataclasses.replace(
+    drafter, config=drafter.config.replace(layer_windows=(0, 5)), context_window=6
+  )
   cfg = EngineConfig(max_len=80, batch_size=2, use_eos=False)
   engine = SpecEngine(target, windowed, cfg)
   assert windowed.init_state(None, 2, 80).ctx_k.shape[2] == 6
   ps = prompts(2, 64)
-  assert engine.generate(ps, max_new_tokens=24).tokens == greedy.plain.generate(
-      ps, max_new_tokens=24).tokens
+  assert (
+    engine.generate(ps, max_new_tokens=24).tokens
+    == greedy.plain.generate(ps, max_new_tokens=24).tokens
+  )
   _check_final_state(target, windowed, engine, windows=(6, 5))
 
 
@@ -146,24 +176,44 @@ def test_matches_transformers_dflash_model(target, drafter):
     pytest.skip("this transformers has no DFlash-architecture model")
   c = drafter.config
   hf_cfg = transformers.MuseGlimmerAssistantConfig(
-      hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-      rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-      layer_types=["full_attention"] * c.num_layers, block_size=c.block_size,
-      mask_token_id=MASK, target_layer_ids=list(c.target_layer_ids), bos_token_id=None,
-      eos_token_id=None, pad_token_id=None)
+    hidden_size=c.hidden_size,
+    intermediate_size=c.intermediate_size,
+    num_hidden_layers=c.num_layers,
+    num_attention_heads=c.num_heads,
+    num_key_value_heads=c.num_kv_heads,
+    head_dim=c.head_dim,
+    rms_norm_eps=c.rms_norm_eps,
+    rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+    layer_types=["full_attention"] * c.num_layers,
+    block_size=c.block_size,
+    mask_token_id=MASK,
+    target_layer_ids=list(c.target_layer_ids),
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+  )
   model = transformers.MuseGlimmerAssistantModel(hf_cfg).float().eval()
-  rename = {"fc.weight": "encoder.fc.weight",
-            "hidden_norm.weight": "encoder.output_norm_enc.weight"}
-  state = {rename.get(k, k): torch.from_numpy(np.array(v, np.float32))
-           for k, v in dflash_tensors(drafter).items()}
+  rename = {
+    "fc.weight": "encoder.fc.weight",
+    "hidden_norm.weight": "encoder.output_norm_enc.weight",
+  }
+  state = {
+    rename.get(k, k): torch.from_numpy(np.array(v, np.float32))
+    for k, v in dflash_tensors(drafter).items()
+  }
   model.load_state_dict(state, strict=True)
   toks = np.asarray(prompts(1, 64)[0], np.int32)
   n = len(toks)
   cache = target.init_cache(1, n)
-  out = target_lib.forward(target.config, target.params, jnp.asarray(toks[None]),
-                           jnp.zeros((1,), jnp.int32), cache.k, cache.v, taps=drafter.taps)
+  out = target_lib.forward(
+    target.config,
+    target.params,
+    jnp.asarray(toks[None]),
+    jnp.zeros((1,), jnp.int32),
+    cache.k,
+    cache.v,
+    taps=drafter.taps,
+  )
   block = np.array([toks[-1]] + [MASK] * drafter.gamma)
   with torch.no_grad():
     ctx = torch.from_numpy(np.concatenate(list(np.asarray(out.taps[:, 0])), -1)[None])
@@ -172,8 +222,11 @@ def test_matches_transformers_dflash_model(target, drafter):
     h = model(noise_embeds=emb, context_hidden_states=ctx, position_ids=pos).last_hidden_state
   want = h[0].numpy() @ np.asarray(target.params["lm_head"]["kernel"])
   st = drafter.init_state(drafter.params, 1, 32)
-  st = drafter.prefill(drafter.params, st, PrefillContext(
-      jnp.asarray(toks[None]), jnp.array([n]), out.taps, out.hidden))
+  st = drafter.prefill(
+    drafter.params,
+    st,
+    PrefillContext(jnp.asarray(toks[None]), jnp.array([n]), out.taps, out.hidden),
+  )
   got = drafter.block_logits(drafter.params, st, jnp.asarray(block[None]), jnp.array([n]))
   np.testing.assert_allclose(np.asarray(got[0]), want, atol=2e-4, rtol=2e-4)
 
@@ -182,24 +235,36 @@ def test_sampled_sequences_follow_the_target_distribution():
   target = small_target(vocab=6, num_layers=2, seed=3, factor=2.0)
   prompt, length = [1, 4, 2], 3
   outcomes, probs = exact_sequence_probs(target, prompt, length)
-  drafter = DFlashDrafter.random(target, mask_token_id=MASK, num_layers=1, block_size=3,
-                                 target_layer_ids=(0, 1), stddev=0.3, sample_drafts=True)
+  drafter = DFlashDrafter.random(
+    target,
+    mask_token_id=MASK,
+    num_layers=1,
+    block_size=3,
+    target_layer_ids=(0, 1),
+    stddev=0.3,
+    sample_drafts=True,
+  )
   cfg = EngineConfig(max_len=16, batch_size=512, use_eos=False, min_prompt_bucket=4)
-  assert sampled_pvalue(SpecEngine(target, drafter, cfg), prompt, length, 12, outcomes,
-                        probs) > 1e-4
+  assert (
+    sampled_pvalue(SpecEngine(target, drafter, cfg), prompt, length, 12, outcomes, probs) > 1e-4
+  )
 
 
 # ------------------------------------------------------------------------------------------------
 # Checkpoints in the published layout
 # ------------------------------------------------------------------------------------------------
 
+
 def _published(drafter, dtype=np.float32) -> tuple[dict, dict]:
   """The drafter's weights written out by hand under z-lab's names (independent of the
   library's tensor map), with a config.json like the released ones."""
   c = drafter.config
   p = jax.tree_util.tree_map(np.asarray, drafter.params["draft"])
-  t = {"fc.weight": p["fc"]["kernel"].T, "hidden_norm.weight": p["hidden_norm"]["scale"],
-       "norm.weight": p["norm"]["scale"]}
+  t = {
+    "fc.weight": p["fc"]["kernel"].T,
+    "hidden_norm.weight": p["hidden_norm"]["scale"],
+    "norm.weight": p["norm"]["scale"],
+  }
   for i in range(c.num_layers):
     lp, pre = p[f"layers_{i}"], f"layers.{i}."
     a = lp["self_attn"]
@@ -214,20 +279,37 @@ def _published(drafter, dtype=np.float32) -> tuple[dict, dict]:
       t[pre + f"mlp.{name}.weight"] = lp["mlp"][name]["kernel"].T
   t = {k: np.ascontiguousarray(v).astype(dtype) for k, v in t.items()}
   config = {
-      "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-      "attention_bias": False, "attention_dropout": 0.0, "block_size": c.block_size,
-      "bos_token_id": 151643, "dflash_config": {"mask_token_id": MASK,
-                                                "target_layer_ids": list(c.target_layer_ids)},
-      "dtype": "bfloat16" if dtype != np.float32 else "float32", "eos_token_id": 151645,
-      "head_dim": c.head_dim, "hidden_act": "silu", "hidden_size": c.hidden_size,
-      "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
-      "layer_types": ["full_attention"] * c.num_layers, "max_position_embeddings": 40960,
-      "max_window_layers": c.num_layers, "model_type": "qwen3",
-      "num_attention_heads": c.num_heads, "num_hidden_layers": c.num_layers,
-      "num_key_value_heads": c.num_kv_heads, "num_target_layers": 3, "rms_norm_eps": 1e-6,
-      "rope_scaling": None, "rope_theta": c.rope_theta, "sliding_window": None,
-      "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False,
-      "vocab_size": c.vocab_size}
+    "architectures": ["DFlashDraftModel"],
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "block_size": c.block_size,
+    "bos_token_id": 151643,
+    "dflash_config": {"mask_token_id": MASK, "target_layer_ids": list(c.target_layer_ids)},
+    "dtype": "bfloat16" if dtype != np.float32 else "float32",
+    "eos_token_id": 151645,
+    "head_dim": c.head_dim,
+    "hidden_act": "silu",
+    "hidden_size": c.hidden_size,
+    "initializer_range": 0.02,
+    "intermediate_size": c.intermediate_size,
+    "layer_types": ["full_attention"] * c.num_layers,
+    "max_position_embeddings": 40960,
+    "max_window_layers": c.num_layers,
+    "model_type": "qwen3",
+    "num_attention_heads": c.num_heads,
+    "num_hidden_layers": c.num_layers,
+    "num_key_value_heads": c.num_kv_heads,
+    "num_target_layers": 3,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": c.rope_theta,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": c.vocab_size,
+  }
   return t, config
 
 
@@ -246,23 +328,28 @@ def test_import_export_round_trip_is_exact(tmp_path, target, drafter, dtype):
     _write(src, tensors, config)
   else:  # safetensors.numpy cannot write bfloat16; go through the flax writer
     from safetensors.flax import save_file as save_flax  # pylint: disable=import-outside-toplevel
+
     os.makedirs(src)
-    save_flax({k: jnp.asarray(v) for k, v in tensors.items()},
-              os.path.join(src, "model.safetensors"))
+    save_flax(
+      {k: jnp.asarray(v) for k, v in tensors.items()}, os.path.join(src, "model.safetensors")
+    )
     with open(os.path.join(src, "config.json"), "w") as f:
       json.dump(config, f)
   loaded = jaxspec.load_drafter(src, target)
   assert isinstance(loaded, DFlashDrafter) and loaded.gamma == drafter.config.block_size - 1
   assert loaded.taps == drafter.taps and loaded.config.mask_token_id == MASK
   if dtype == np.float32:
-    for a, b in zip(jax.tree_util.tree_leaves(loaded.params["draft"]),
-                    jax.tree_util.tree_leaves(drafter.params["draft"])):
+    for a, b in zip(
+      jax.tree_util.tree_leaves(loaded.params["draft"]),
+      jax.tree_util.tree_leaves(drafter.params["draft"]),
+    ):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   jaxspec.save_drafter(loaded, dst)
   if dtype == np.float32:
     back = load_file(os.path.join(dst, "model.safetensors"))
   else:
     from safetensors.flax import load_file as load_flax  # pylint: disable=import-outside-toplevel
+
     back = {k: np.asarray(v) for k, v in load_flax(os.path.join(dst, "model.safetensors")).items()}
   assert sorted(back) == sorted(tensors)
   for k, v in tensors.items():
@@ -299,8 +386,7 @@ def test_mismatched_targets_are_refused(target, drafter):
   with pytest.raises(jaxspec.InputError, match="vocabulary"):
     DFlashDrafter.for_target(target, c.replace(vocab_size=50), draft)
   with pytest.raises(jaxspec.InputError, match="taps target layers"):
-    DFlashDrafter.for_target(target, c.replace(target_layer_ids=(0, 5), num_target_layers=0),
-                             draft)
+    DFlashDrafter.for_target(target, c.replace(target_layer_ids=(0, 5), num_target_layers=0), draft)
   with pytest.raises(jaxspec.InputError, match="mask_token_id"):
     DFlashDrafter.for_target(target, c.replace(mask_token_id=64, vocab_size=0), draft)
   with pytest.raises(ValueError, match="context_window"):

@@ -30,6 +30,7 @@ def _loss_mask(rng, b, s):
 # DFlash
 # ------------------------------------------------------------------------------------------------
 
+
 def test_anchor_sampling():
   rng = np.random.default_rng(0)
   mask = _loss_mask(rng, 3, 40)
@@ -44,7 +45,7 @@ def test_anchor_sampling():
       got = anchors[b][keep[b]]
       assert len(got) == min(8, len(cand)) and len(set(got)) == len(got)
       assert set(got) <= set(cand) and np.all(np.diff(got) > 0)
-      assert np.all(anchors[b][~keep[b]] == 0) and np.all(keep[b][:len(got)])
+      assert np.all(anchors[b][~keep[b]] == 0) and np.all(keep[b][: len(got)])
       if b == 0:
         seen |= set(got.tolist())
   cand0 = {a for a in range(39) if mask[0, a] and mask[0, a + 1]}
@@ -84,14 +85,28 @@ def test_training_mask_equals_the_rule(window):
 @pytest.fixture(scope="module")
 def dflash_setup():
   target = small_target(num_layers=3)
-  drafter = DFlashDrafter.random(target, mask_token_id=MASK, num_layers=2, block_size=4,
-                                 target_layer_ids=(0, 2), stddev=0.2, seed=1)
+  drafter = DFlashDrafter.random(
+    target,
+    mask_token_id=MASK,
+    num_layers=2,
+    block_size=4,
+    target_layer_ids=(0, 2),
+    stddev=0.2,
+    seed=1,
+  )
   rng = np.random.default_rng(2)
   s = 20
   tokens = rng.integers(3, 64, (2, s)).astype(np.int32)
   cache = target.init_cache(2, s)
-  out = target_lib.forward(target.config, target.params, jnp.asarray(tokens),
-                           jnp.zeros((2,), jnp.int32), cache.k, cache.v, taps=drafter.taps)
+  out = target_lib.forward(
+    target.config,
+    target.params,
+    jnp.asarray(tokens),
+    jnp.zeros((2,), jnp.int32),
+    cache.k,
+    cache.v,
+    taps=drafter.taps,
+  )
   mask = _loss_mask(rng, 2, s)
   anchors = dl.sample_anchors(jax.random.PRNGKey(7), mask, 5)
   return target, drafter, tokens, out.taps, mask, anchors
@@ -120,10 +135,16 @@ def _dense_reference(drafter, target, tokens, taps, anchors, keep, mask):
       a = lp["self_attn"]
       hn = _rms(x, lp["input_layernorm"]["scale"])
       kv_in = np.concatenate([ctx, hn])
-      q = _rope(_rms(np.einsum("th,hnd->tnd", hn, a["q_proj"]["kernel"]), a["q_norm"]["scale"]),
-                qpos, c.rope_theta)
-      k = _rope(_rms(np.einsum("th,hnd->tnd", kv_in, a["k_proj"]["kernel"]),
-                     a["k_norm"]["scale"]), kpos, c.rope_theta)
+      q = _rope(
+        _rms(np.einsum("th,hnd->tnd", hn, a["q_proj"]["kernel"]), a["q_norm"]["scale"]),
+        qpos,
+        c.rope_theta,
+      )
+      k = _rope(
+        _rms(np.einsum("th,hnd->tnd", kv_in, a["k_proj"]["kernel"]), a["k_norm"]["scale"]),
+        kpos,
+        c.rope_theta,
+      )
       v = np.einsum("th,hnd->tnd", kv_in, a["v_proj"]["kernel"])
       k, v = np.repeat(k, groups, 1), np.repeat(v, groups, 1)
       sc = np.einsum("qnd,knd->nqk", q, k) / np.sqrt(c.head_dim)
@@ -145,15 +166,25 @@ def test_training_forward_applies_the_mask_and_matches_inference(dflash_setup):
   hidden = drafter.train_hidden(drafter.params, jnp.asarray(tokens), taps, anchors)
   got = np.asarray(target_head(drafter.params, hidden, "float32"))
   mask = np.asarray(dl.dflash_attention_mask(anchors, keep, s, bs))
-  want = _dense_reference(drafter, target, tokens, np.asarray(taps, np.float64),
-                          np.asarray(anchors), np.asarray(keep), mask)
+  want = _dense_reference(
+    drafter,
+    target,
+    tokens,
+    np.asarray(taps, np.float64),
+    np.asarray(anchors),
+    np.asarray(keep),
+    mask,
+  )
   k = np.asarray(keep)
   np.testing.assert_allclose(got[k], want[k], atol=2e-4, rtol=2e-4)
   # One block against the inference path: context = the target features before its anchor.
   a = int(anchors[0, 1])
   st = drafter.init_state(drafter.params, 1, s)
-  st = drafter.prefill(drafter.params, st, PrefillContext(
-      jnp.asarray(tokens[:1]), jnp.array([a]), taps[:, :1, :a], taps[0, :1, :a]))
+  st = drafter.prefill(
+    drafter.params,
+    st,
+    PrefillContext(jnp.asarray(tokens[:1]), jnp.array([a]), taps[:, :1, :a], taps[0, :1, :a]),
+  )
   block = jnp.asarray([[tokens[0, a]] + [MASK] * (bs - 1)])
   inf = np.asarray(drafter.block_logits(drafter.params, st, block, jnp.array([a])))
   np.testing.assert_allclose(inf[0], got[0, 1], atol=2e-4, rtol=2e-4)
@@ -163,13 +194,21 @@ def test_dflash_loss_weights_slots_and_masks(dflash_setup):
   target, drafter, tokens, taps, mask, (anchors, keep) = dflash_setup
   del target
   s, bs = tokens.shape[1], drafter.config.block_size
+
   def objective(params):
-    return dl.dflash_loss(drafter, params, jnp.asarray(tokens), taps, jnp.asarray(mask), None,
-                          anchors=(anchors, keep))
+    return dl.dflash_loss(
+      drafter, params, jnp.asarray(tokens), taps, jnp.asarray(mask), None, anchors=(anchors, keep)
+    )
 
   (loss, metrics), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(drafter.params)
-  logits = np.asarray(target_head(drafter.params, drafter.train_hidden(
-      drafter.params, jnp.asarray(tokens), taps, anchors), "float32"), np.float64)
+  logits = np.asarray(
+    target_head(
+      drafter.params,
+      drafter.train_hidden(drafter.params, jnp.asarray(tokens), taps, anchors),
+      "float32",
+    ),
+    np.float64,
+  )
   num = den = 0.0
   a_np, k_np = np.asarray(anchors), np.asarray(keep)
   for b in range(tokens.shape[0]):
@@ -184,8 +223,9 @@ def test_dflash_loss_weights_slots_and_masks(dflash_setup):
         num, den = num + w * ce, den + w
   assert float(loss) == pytest.approx(num / den, rel=1e-5)
   assert 0.0 <= float(metrics["accuracy"]) <= 1.0
-  np.testing.assert_allclose(np.asarray(dl.dflash_slot_weights(4)),
-                             [0.0, 1.0, np.exp(-1 / 7), np.exp(-2 / 7)], rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(dl.dflash_slot_weights(4)), [0.0, 1.0, np.exp(-1 / 7), np.exp(-2 / 7)], rtol=1e-6
+  )
   # Gradients reach the drafter's own weights.
   assert float(jnp.abs(grads["draft"]["fc"]["kernel"]).sum()) > 0
 
@@ -194,22 +234,37 @@ def test_dflash_loss_weights_slots_and_masks(dflash_setup):
 # EAGLE-3
 # ------------------------------------------------------------------------------------------------
 
+
 def test_eagle3_ttt_loss_matches_a_manual_unroll():
   target = small_target(num_layers=4)
   rng = np.random.default_rng(4)
   vocab = rng.choice(64, 40, replace=False)
-  drafter = Eagle3Drafter.random(target, draft_vocab=vocab, target_layer_ids=(0, 2, 3),
-                                 stddev=0.2)
+  drafter = Eagle3Drafter.random(target, draft_vocab=vocab, target_layer_ids=(0, 2, 3), stddev=0.2)
   b, s, steps = 2, 12, 3
   tokens = rng.integers(3, 64, (b, s)).astype(np.int32)
   cache = target.init_cache(b, s)
-  out = target_lib.forward(target.config, target.params, jnp.asarray(tokens),
-                           jnp.zeros((b,), jnp.int32), cache.k, cache.v, taps=drafter.taps)
+  out = target_lib.forward(
+    target.config,
+    target.params,
+    jnp.asarray(tokens),
+    jnp.zeros((b,), jnp.int32),
+    cache.k,
+    cache.v,
+    taps=drafter.taps,
+  )
   mask = _loss_mask(rng, b, s)
-  loss, metrics = dl.eagle3_ttt_loss(drafter, drafter.params, jnp.asarray(tokens), out.taps,
-                                     out.logits, jnp.asarray(mask), steps=steps)
-  ttt = np.asarray(drafter.ttt_logits(drafter.params, jnp.asarray(tokens), out.taps, steps),
-                   np.float64)
+  loss, metrics = dl.eagle3_ttt_loss(
+    drafter,
+    drafter.params,
+    jnp.asarray(tokens),
+    out.taps,
+    out.logits,
+    jnp.asarray(mask),
+    steps=steps,
+  )
+  ttt = np.asarray(
+    drafter.ttt_logits(drafter.params, jnp.asarray(tokens), out.taps, steps), np.float64
+  )
   tl = np.asarray(out.logits, np.float64)
   ids = np.arange(40) + np.asarray(drafter.params["d2t"])
   total = 0.0
@@ -229,13 +284,14 @@ def test_eagle3_ttt_loss_matches_a_manual_unroll():
         lq -= np.log(np.exp(lq).sum())
         num -= np.sum(p * lq)
     assert float(metrics[f"loss_{j}"]) == pytest.approx(num / max(den, 1), rel=1e-4)
-    total += 0.8 ** j * num / max(den, 1)
+    total += 0.8**j * num / max(den, 1)
   assert float(loss) == pytest.approx(total, rel=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------
 # MTP
 # ------------------------------------------------------------------------------------------------
+
 
 def test_mtp_loss_per_depth():
   target = small_target(num_mtp_layers=2)
@@ -244,19 +300,21 @@ def test_mtp_loss_per_depth():
   batch = jnp.asarray(rng.integers(0, 64, (2, 14)).astype(np.int32))
   _, ref = target_losses.lm_losses(cfg, params, batch, mtp_weight=1.0)
   cache = target.init_cache(2, 14)
-  hidden = target_lib.forward(cfg, params, batch, jnp.zeros((2,), jnp.int32), cache.k,
-                              cache.v).hidden
+  hidden = target_lib.forward(
+    cfg, params, batch, jnp.zeros((2,), jnp.int32), cache.k, cache.v
+  ).hidden
   loss, metrics = dl.mtp_loss(cfg, params, batch, hidden)
   for k in range(2):
-    assert float(metrics[f"mtp_loss_{k}"]) == pytest.approx(float(ref[f"mtp_loss_{k}"]),
-                                                            rel=1e-5)
-  assert float(loss) == pytest.approx(0.5 * sum(float(ref[f"mtp_loss_{k}"]) for k in range(2)),
-                                      rel=1e-5)
+    assert float(metrics[f"mtp_loss_{k}"]) == pytest.approx(float(ref[f"mtp_loss_{k}"]), rel=1e-5)
+  assert float(loss) == pytest.approx(
+    0.5 * sum(float(ref[f"mtp_loss_{k}"]) for k in range(2)), rel=1e-5
+  )
   # Chained reuse of layer 0 at depth 1 (what the MTP drafter runs), with a loss mask.
   mask = np.ones((2, 14), bool)
   mask[:, :6] = False
-  _, chained = dl.mtp_loss(cfg, params, batch, hidden, jnp.asarray(mask), num_depths=2,
-                           reuse_layer=0)
+  _, chained = dl.mtp_loss(
+    cfg, params, batch, hidden, jnp.asarray(mask), num_depths=2, reuse_layer=0
+  )
   z = jnp.zeros((2,), jnp.int32)
   c0 = jnp.zeros((1, 2, 12, cfg.num_kv_heads, cfg.head_dim))
   _, h1, _, _ = target_lib.apply_mtp(cfg, params, 0, batch[:, 1:13], hidden[:, :12], z, c0, c0)
@@ -264,7 +322,10 @@ def test_mtp_loss_per_depth():
   lg, _, _, _ = target_lib.apply_mtp(cfg, params, 0, batch[:, 2:13], h1[:, :11], z, c1, c1)
   lg = np.asarray(lg, np.float64)
   labels = np.asarray(batch[:, 3:14])
-  ce = (np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1)) + lg.max(-1)
-        - np.take_along_axis(lg, labels[..., None], -1)[..., 0])
+  ce = (
+    np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1))
+    + lg.max(-1)
+    - np.take_along_axis(lg, labels[..., None], -1)[..., 0]
+  )
   m = mask[:, 3:14]
   assert float(chained["mtp_loss_1"]) == pytest.approx(float((ce * m).sum() / m.sum()), rel=1e-5)

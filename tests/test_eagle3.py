@@ -22,8 +22,13 @@ from jaxspec.spec import sampling
 from jaxspec.spec.engine import EngineConfig, SpecEngine
 
 from tests.drafter_models import rms as _rms, rope as _rope
-from tests.drafter_models import (GreedyCheck, exact_sequence_probs, prompts, sampled_pvalue,
-                                    small_target)
+from tests.drafter_models import (
+  GreedyCheck,
+  exact_sequence_probs,
+  prompts,
+  sampled_pvalue,
+  small_target,
+)
 
 GAMMA = 3
 
@@ -36,15 +41,14 @@ def target():
 @pytest.fixture(scope="module")
 def drafter(target):
   vocab = np.random.default_rng(0).choice(64, 40, replace=False)
-  return Eagle3Drafter.random(target, draft_vocab=vocab, target_layer_ids=(0, 2, 3),
-                              stddev=0.2, gamma=GAMMA, seed=2)
+  return Eagle3Drafter.random(
+    target, draft_vocab=vocab, target_layer_ids=(0, 2, 3), stddev=0.2, gamma=GAMMA, seed=2
+  )
 
 
 @pytest.fixture(scope="module")
 def greedy(target, drafter):
   return GreedyCheck(target, drafter)
-
-
 
 
 def reference_chain(drafter, target, taps, tokens, drafts):
@@ -62,32 +66,37 @@ def reference_chain(drafter, target, taps, tokens, drafts):
   groups = c.num_heads // c.num_kv_heads
 
   def attn_in(tok, hid):
-    return np.concatenate([_rms(embed[tok], m["input_layernorm"]["scale"]),
-                           _rms(hid, m["hidden_norm"]["scale"])], -1)
+    return np.concatenate(
+      [_rms(embed[tok], m["input_layernorm"]["scale"]), _rms(hid, m["hidden_norm"]["scale"])], -1
+    )
 
-  ctx_in = attn_in(np.asarray(tokens[1:n]), f[:n - 1])  # entries 0..n−2
-  keys = _rope(np.einsum("th,hnd->tnd", ctx_in, a["k_proj"]["kernel"]), np.arange(n - 1),
-               c.rope_theta)
+  ctx_in = attn_in(np.asarray(tokens[1:n]), f[: n - 1])  # entries 0..n−2
+  keys = _rope(
+    np.einsum("th,hnd->tnd", ctx_in, a["k_proj"]["kernel"]), np.arange(n - 1), c.rope_theta
+  )
   vals = np.einsum("th,hnd->tnd", ctx_in, a["v_proj"]["kernel"])
   hid, tok = f[n - 1], tokens[n]
   out = []
   for j in range(len(drafts)):
     x = attn_in(np.asarray([tok]), hid[None])
     pos = np.asarray([n - 1 + j])
-    keys = np.concatenate([keys, _rope(np.einsum("th,hnd->tnd", x, a["k_proj"]["kernel"]), pos,
-                                       c.rope_theta)])
+    keys = np.concatenate(
+      [keys, _rope(np.einsum("th,hnd->tnd", x, a["k_proj"]["kernel"]), pos, c.rope_theta)]
+    )
     vals = np.concatenate([vals, np.einsum("th,hnd->tnd", x, a["v_proj"]["kernel"])])
     q = _rope(np.einsum("th,hnd->tnd", x, a["q_proj"]["kernel"]), pos, c.rope_theta)
     k, v = np.repeat(keys, groups, 1), np.repeat(vals, groups, 1)
     s = np.einsum("qnd,knd->nqk", q, k) / np.sqrt(c.head_dim)
     w = np.exp(s - s.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
-    h = hid[None] + np.einsum("qnd,ndh->qh", np.einsum("nqk,knd->qnd", w, v),
-                              a["o_proj"]["kernel"])
+    h = hid[None] + np.einsum("qnd,ndh->qh", np.einsum("nqk,knd->qnd", w, v), a["o_proj"]["kernel"])
     hm = _rms(h, m["post_attention_layernorm"]["scale"])
     g = hm @ m["mlp"]["gate_proj"]["kernel"]
-    h = h + ((g / (1 + np.exp(-g))) * (hm @ m["mlp"]["up_proj"]["kernel"])) @ \
-        m["mlp"]["down_proj"]["kernel"]
+    h = (
+      h
+      + ((g / (1 + np.exp(-g))) * (hm @ m["mlp"]["up_proj"]["kernel"]))
+      @ m["mlp"]["down_proj"]["kernel"]
+    )
     logits = _rms(h, p["norm"]["scale"]) @ p["lm_head"]["kernel"]
     lp = logits[0] - logits.max() - np.log(np.sum(np.exp(logits[0] - logits.max())))
     full = np.full((c.vocab_size,), -np.inf)
@@ -99,21 +108,33 @@ def reference_chain(drafter, target, taps, tokens, drafts):
 
 def _finite_close(got, want):
   assert np.array_equal(np.isfinite(got), np.isfinite(want))
-  np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=2e-4,
-                             rtol=2e-4)
+  np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=2e-4, rtol=2e-4)
 
 
 def _propose_after_prefill(target, drafter, toks):
   n = len(toks) - 1  # toks[n] is the root
   cache = target.init_cache(1, n)
-  out = target_lib.forward(target.config, target.params, jnp.asarray(toks[None, :n]),
-                           jnp.zeros((1,), jnp.int32), cache.k, cache.v, taps=drafter.taps)
+  out = target_lib.forward(
+    target.config,
+    target.params,
+    jnp.asarray(toks[None, :n]),
+    jnp.zeros((1,), jnp.int32),
+    cache.k,
+    cache.v,
+    taps=drafter.taps,
+  )
   buf = jnp.asarray(np.pad(toks, (0, 16))[None])
   st = drafter.init_state(drafter.params, 1, 32)
-  st = drafter.prefill(drafter.params, st, PrefillContext(buf, jnp.array([n]), out.taps,
-                                                           out.hidden))
-  prop, _ = drafter.propose(drafter.params, st, ProposeContext(
-      buf, jnp.array([n + 1]), sampling.make_sampling_params(1), jax.random.PRNGKey(0)))
+  st = drafter.prefill(
+    drafter.params, st, PrefillContext(buf, jnp.array([n]), out.taps, out.hidden)
+  )
+  prop, _ = drafter.propose(
+    drafter.params,
+    st,
+    ProposeContext(
+      buf, jnp.array([n + 1]), sampling.make_sampling_params(1), jax.random.PRNGKey(0)
+    ),
+  )
   return out, prop
 
 
@@ -130,10 +151,18 @@ def test_chain_equals_explicit_recomputation_and_training_unroll(target, drafter
   # exactly what the chain saw.
   seq = np.concatenate([toks, drafts]).astype(np.int32)
   cache = target.init_cache(1, len(seq))
-  full = target_lib.forward(target.config, target.params, jnp.asarray(seq[None]),
-                            jnp.zeros((1,), jnp.int32), cache.k, cache.v, taps=drafter.taps)
-  ttt = np.asarray(drafter.ttt_logits(drafter.params, jnp.asarray(seq[None]), full.taps,
-                                      steps=GAMMA))
+  full = target_lib.forward(
+    target.config,
+    target.params,
+    jnp.asarray(seq[None]),
+    jnp.zeros((1,), jnp.int32),
+    cache.k,
+    cache.v,
+    taps=drafter.taps,
+  )
+  ttt = np.asarray(
+    drafter.ttt_logits(drafter.params, jnp.asarray(seq[None]), full.taps, steps=GAMMA)
+  )
   lp = jax.nn.log_softmax(jnp.asarray(ttt[:, 0, n - 1]), axis=-1)
   _finite_close(np.asarray(drafter.to_target_vocab(drafter.params, lp, -jnp.inf)), got)
 
@@ -156,29 +185,41 @@ def test_cache_holds_exact_entries_after_generation(target, drafter, greedy):
   length = tokens.shape[1] - 1
   zeros = jnp.zeros((2,), jnp.int32)
   cache = target.init_cache(2, length)
-  full = target_lib.forward(target.config, target.params, tokens[:, :length], zeros, cache.k,
-                            cache.v, taps=drafter.taps)
+  full = target_lib.forward(
+    target.config, target.params, tokens[:, :length], zeros, cache.k, cache.v, taps=drafter.taps
+  )
   feats = drafter.fuse(drafter.params, full.taps)
   fresh = drafter.init_state(drafter.params, 2, length)
-  _, _, ck, _ = drafter.forward(drafter.params, tokens[:, 1:length + 1], feats, zeros,
-                                fresh.cache_k, fresh.cache_v)
+  _, _, ck, _ = drafter.forward(
+    drafter.params, tokens[:, 1 : length + 1], feats, zeros, fresh.cache_k, fresh.cache_v
+  )
   for b in range(2):
     n = int(seq[b]) - 1
-    np.testing.assert_allclose(np.asarray(state.drafter_state.cache_k[0, b, :n - 1]),
-                               np.asarray(ck[0, b, :n - 1]), atol=2e-4, rtol=2e-4)
-    np.testing.assert_allclose(np.asarray(state.drafter_state.last_feature[b]),
-                               np.asarray(feats[b, n - 1]), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(
+      np.asarray(state.drafter_state.cache_k[0, b, : n - 1]),
+      np.asarray(ck[0, b, : n - 1]),
+      atol=2e-4,
+      rtol=2e-4,
+    )
+    np.testing.assert_allclose(
+      np.asarray(state.drafter_state.last_feature[b]),
+      np.asarray(feats[b, n - 1]),
+      atol=2e-4,
+      rtol=2e-4,
+    )
 
 
 def test_sampled_sequences_follow_the_target_distribution():
   target = small_target(vocab=6, num_layers=4, seed=3, factor=2.0)
   prompt, length = [1, 4, 2], 3
   outcomes, probs = exact_sequence_probs(target, prompt, length)
-  drafter = Eagle3Drafter.random(target, draft_vocab=[0, 2, 3, 5], target_layer_ids=(0, 1, 3),
-                                 stddev=0.3, gamma=2)
+  drafter = Eagle3Drafter.random(
+    target, draft_vocab=[0, 2, 3, 5], target_layer_ids=(0, 1, 3), stddev=0.3, gamma=2
+  )
   cfg = EngineConfig(max_len=16, batch_size=512, use_eos=False, min_prompt_bucket=4)
-  assert sampled_pvalue(SpecEngine(target, drafter, cfg), prompt, length, 12, outcomes,
-                        probs) > 1e-4
+  assert (
+    sampled_pvalue(SpecEngine(target, drafter, cfg), prompt, length, 12, outcomes, probs) > 1e-4
+  )
 
 
 def test_default_taps_and_vocab_maps():
@@ -194,20 +235,26 @@ def test_default_taps_and_vocab_maps():
 # Checkpoints in the published (SpecForge / SafeAILab) layout
 # ------------------------------------------------------------------------------------------------
 
+
 def _published(drafter, with_embed=False):
   c = drafter.config
   p = jax.tree_util.tree_map(np.asarray, drafter.params["draft"])
   m = p["midlayer"]
-  t = {"fc.weight": p["fc"]["kernel"].T, "norm.weight": p["norm"]["scale"],
-       "lm_head.weight": p["lm_head"]["kernel"].T,
-       "midlayer.hidden_norm.weight": m["hidden_norm"]["scale"],
-       "midlayer.input_layernorm.weight": m["input_layernorm"]["scale"],
-       "midlayer.post_attention_layernorm.weight": m["post_attention_layernorm"]["scale"],
-       "midlayer.self_attn.o_proj.weight": m["self_attn"]["o_proj"]["kernel"].reshape(
-           -1, c.hidden_size).T}
+  t = {
+    "fc.weight": p["fc"]["kernel"].T,
+    "norm.weight": p["norm"]["scale"],
+    "lm_head.weight": p["lm_head"]["kernel"].T,
+    "midlayer.hidden_norm.weight": m["hidden_norm"]["scale"],
+    "midlayer.input_layernorm.weight": m["input_layernorm"]["scale"],
+    "midlayer.post_attention_layernorm.weight": m["post_attention_layernorm"]["scale"],
+    "midlayer.self_attn.o_proj.weight": m["self_attn"]["o_proj"]["kernel"]
+    .reshape(-1, c.hidden_size)
+    .T,
+  }
   for name in ("q_proj", "k_proj", "v_proj"):
-    t[f"midlayer.self_attn.{name}.weight"] = m["self_attn"][name]["kernel"].reshape(
-        2 * c.hidden_size, -1).T
+    t[f"midlayer.self_attn.{name}.weight"] = (
+      m["self_attn"][name]["kernel"].reshape(2 * c.hidden_size, -1).T
+    )
   for name in ("gate_proj", "up_proj", "down_proj"):
     t[f"midlayer.mlp.{name}.weight"] = m["mlp"][name]["kernel"].T
   if c.reduced_vocab:
@@ -216,20 +263,35 @@ def _published(drafter, with_embed=False):
     t["t2d"] = np.zeros((c.vocab_size,), bool)
     t["t2d"][np.arange(len(d2t)) + d2t] = True
   if with_embed:
-    t["embed_tokens.weight"] = np.random.default_rng(5).normal(
-        0, 0.02, (c.vocab_size, c.hidden_size)).astype(np.float32)
+    t["embed_tokens.weight"] = (
+      np.random.default_rng(5).normal(0, 0.02, (c.vocab_size, c.hidden_size)).astype(np.float32)
+    )
   t = {k: np.ascontiguousarray(v) for k, v in t.items()}
-  config = {"architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False,
-            "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
-            "head_dim": c.head_dim, "hidden_act": "silu", "hidden_size": c.hidden_size,
-            "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
-            "max_position_embeddings": 40960, "model_type": "llama",
-            "num_attention_heads": c.num_heads, "num_hidden_layers": 1,
-            "num_key_value_heads": c.num_kv_heads, "rms_norm_eps": 1e-6, "rope_scaling": None,
-            "rope_theta": c.rope_theta, "tie_word_embeddings": False,
-            "torch_dtype": "float32", "vocab_size": c.vocab_size,
-            "draft_vocab_size": c.draft_vocab_size,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids)}}
+  config = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": c.head_dim,
+    "hidden_act": "silu",
+    "hidden_size": c.hidden_size,
+    "initializer_range": 0.02,
+    "intermediate_size": c.intermediate_size,
+    "max_position_embeddings": 40960,
+    "model_type": "llama",
+    "num_attention_heads": c.num_heads,
+    "num_hidden_layers": 1,
+    "num_key_value_heads": c.num_kv_heads,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": c.rope_theta,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "vocab_size": c.vocab_size,
+    "draft_vocab_size": c.draft_vocab_size,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids)},
+  }
   return t, config
 
 
@@ -281,13 +343,13 @@ def test_checkpoint_and_target_errors_are_named(tmp_path, target, drafter):
   _write(path, tensors, {**config, "vocab_size": 80})
   with pytest.raises((jaxspec.CheckpointError, jaxspec.InputError), match="80|shape"):
     jaxspec.load_drafter(path, target)
-  _write(path, tensors, {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids":
-                                                    [0, 2, 9]}})
+  _write(path, tensors, {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 9]}})
   with pytest.raises(jaxspec.InputError, match="taps target layers"):
     jaxspec.load_drafter(path, target)
   wide = target.with_config(hidden_size=48)
   with pytest.raises(jaxspec.InputError, match="hidden size|features of size"):
-    Eagle3Drafter.for_target(wide, drafter.config, drafter.params["draft"],
-                             d2t=np.asarray(drafter.params["d2t"]))
+    Eagle3Drafter.for_target(
+      wide, drafter.config, drafter.params["draft"], d2t=np.asarray(drafter.params["d2t"])
+    )
   with pytest.raises(jaxspec.InputError, match="d2t"):
     Eagle3Drafter.for_target(target, drafter.config, drafter.params["draft"])

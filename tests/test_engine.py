@@ -35,9 +35,11 @@ def _prompts(batch, vocab=96, seed=0):
 def test_greedy_speculation_equals_plain(models, batch, kind):
   target, draft = models
   cfg = EngineConfig(max_len=96, batch_size=batch, use_eos=False)
-  drafter = {"small_draft": lambda: DraftModelDrafter.from_model(draft, gamma=4),
-             "self_draft": lambda: DraftModelDrafter.from_model(target, gamma=4),
-             "ngram": lambda: NgramDrafter(gamma=3, n=2)}[kind]()
+  drafter = {
+    "small_draft": lambda: DraftModelDrafter.from_model(draft, gamma=4),
+    "self_draft": lambda: DraftModelDrafter.from_model(target, gamma=4),
+    "ngram": lambda: NgramDrafter(gamma=3, n=2),
+  }[kind]()
   prompts = _prompts(batch)
   plain = SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=40)
   spec = SpecEngine(target, drafter, cfg).generate(prompts, max_new_tokens=40)
@@ -57,13 +59,21 @@ def test_plain_engine_matches_reference_decode_loop(models):
   target, _ = models
   prompts = _prompts(1)
   out = SpecEngine(target, None, EngineConfig(max_len=64, use_eos=False)).generate(
-      prompts, max_new_tokens=20)
+    prompts, max_new_tokens=20
+  )
   p = np.asarray(prompts[0], np.int32)[None]
-  ref = decode.generate_plain(target.config, target.params, jnp.asarray(p),
-                              jnp.array([p.shape[1]], jnp.int32), target.init_cache(1, 64), 20,
-                              sampling.make_sampling_params(1), jnp.zeros((2,), jnp.uint32),
-                              jnp.array([-1], jnp.int32))
-  assert out.tokens[0] == np.asarray(ref.tokens[0, p.shape[1]:p.shape[1] + 20]).tolist()
+  ref = decode.generate_plain(
+    target.config,
+    target.params,
+    jnp.asarray(p),
+    jnp.array([p.shape[1]], jnp.int32),
+    target.init_cache(1, 64),
+    20,
+    sampling.make_sampling_params(1),
+    jnp.zeros((2,), jnp.uint32),
+    jnp.array([-1], jnp.int32),
+  )
+  assert out.tokens[0] == np.asarray(ref.tokens[0, p.shape[1] : p.shape[1] + 20]).tolist()
 
 
 def test_stop_token_ends_sequence_and_nothing_follows(models):
@@ -76,22 +86,26 @@ def test_stop_token_ends_sequence_and_nothing_follows(models):
   for drafter in (None, DraftModelDrafter.from_model(draft, gamma=4)):
     out = SpecEngine(target, drafter, cut).generate(prompts, max_new_tokens=30).tokens
     for ref, got in zip(free, out):
-      expected = ref[:ref.index(stop) + 1] if stop in ref else ref
+      expected = ref[: ref.index(stop) + 1] if stop in ref else ref
       assert got == expected
 
 
 def test_per_sequence_budgets(models):
   target, draft = models
-  eng = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=4),
-                   EngineConfig(max_len=96, batch_size=2, use_eos=False))
+  eng = SpecEngine(
+    target,
+    DraftModelDrafter.from_model(draft, gamma=4),
+    EngineConfig(max_len=96, batch_size=2, use_eos=False),
+  )
   out = eng.generate(_prompts(2), max_new_tokens=[7, 13])
   assert [len(t) for t in out.tokens] == [7, 13]
 
 
 def test_clear_errors_before_compiling(models):
   target, draft = models
-  eng = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=4),
-                   EngineConfig(max_len=32, batch_size=2))
+  eng = SpecEngine(
+    target, DraftModelDrafter.from_model(draft, gamma=4), EngineConfig(max_len=32, batch_size=2)
+  )
   with pytest.raises(jaxspec.InputError, match="more than max_len=32"):
     eng.generate([[5] * 20], max_new_tokens=10)
   with pytest.raises(jaxspec.InputError, match="outside the vocabulary"):
@@ -108,16 +122,22 @@ def test_clear_errors_before_compiling(models):
 
 def test_one_compile_for_twenty_calls_and_seeded_repeats(models):
   target, draft = models
-  eng = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=3),
-                   EngineConfig(max_len=64, batch_size=2, use_eos=False))
+  eng = SpecEngine(
+    target,
+    DraftModelDrafter.from_model(draft, gamma=3),
+    EngineConfig(max_len=64, batch_size=2, use_eos=False),
+  )
   rng = np.random.default_rng(7)
   for i in range(20):
     n = int(rng.integers(1, 16))
-    prompts = [list(rng.integers(0, 96, n)), list(rng.integers(0, 96, max(1, n - 3)))][:1 + i % 2]
-    eng.generate(prompts, max_new_tokens=int(rng.integers(2, 30)),
-                 temperature=float(rng.choice([0.0, 0.7, 1.0])), top_p=float(rng.choice([1.0,
-                                                                                         0.9])),
-                 seed=i)
+    prompts = [list(rng.integers(0, 96, n)), list(rng.integers(0, 96, max(1, n - 3)))][: 1 + i % 2]
+    eng.generate(
+      prompts,
+      max_new_tokens=int(rng.integers(2, 30)),
+      temperature=float(rng.choice([0.0, 0.7, 1.0])),
+      top_p=float(rng.choice([1.0, 0.9])),
+      seed=i,
+    )
   assert eng.compile_counts() == {"prefill": 1, "loop": 1, "step": 0}
   a = eng.generate([[1, 2, 3]], max_new_tokens=20, temperature=1.0, seed=5).tokens
   b = eng.generate([[1, 2, 3]], max_new_tokens=20, temperature=1.0, seed=5).tokens
@@ -127,8 +147,11 @@ def test_one_compile_for_twenty_calls_and_seeded_repeats(models):
 
 def test_stream_yields_the_same_tokens(models):
   target, draft = models
-  eng = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=3),
-                   EngineConfig(max_len=64, batch_size=2, use_eos=False, stream_every=2))
+  eng = SpecEngine(
+    target,
+    DraftModelDrafter.from_model(draft, gamma=3),
+    EngineConfig(max_len=64, batch_size=2, use_eos=False, stream_every=2),
+  )
   prompts = _prompts(2)
   full = eng.generate(prompts, max_new_tokens=17).tokens
   pieces = [[], []]
@@ -141,6 +164,7 @@ def test_stream_yields_the_same_tokens(models):
 # ------------------------------------------------------------------------------------------------
 # Sampled losslessness on exact bigram models
 # ------------------------------------------------------------------------------------------------
+
 
 def _random_table(rng, vocab, alpha=1.0):
   return rng.dirichlet(np.full(vocab, alpha), size=vocab).astype(np.float64)
@@ -181,9 +205,11 @@ def test_sampled_sequences_follow_the_target_distribution(gamma):
   p_table, q_table = _random_table(rng, 3), _random_table(rng, 3)
   target, draft = engine_models.bigram_model(p_table), engine_models.bigram_model(q_table)
   batch = 512
-  eng = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=gamma),
-                   EngineConfig(max_len=16, batch_size=batch, use_eos=False,
-                                min_prompt_bucket=1))
+  eng = SpecEngine(
+    target,
+    DraftModelDrafter.from_model(draft, gamma=gamma),
+    EngineConfig(max_len=16, batch_size=batch, use_eos=False, min_prompt_bucket=1),
+  )
   counts = _sequence_distribution(eng, 0, 4, calls=24, batch=batch)
   outcomes, probs = _exact_probs(p_table, 0, 4)
   assert _chi2_pvalue(counts, outcomes, probs) > 1e-4
@@ -201,8 +227,11 @@ def test_acceptance_length_matches_closed_form():
   draft = engine_models.bigram_model(np.tile(q, (vocab, 1)))
   alpha = float(np.minimum(p, q).sum())
   expected = (1 - alpha ** (gamma + 1)) / (1 - alpha)
-  eng = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=gamma),
-                   EngineConfig(max_len=80, batch_size=256, use_eos=False, min_prompt_bucket=1))
+  eng = SpecEngine(
+    target,
+    DraftModelDrafter.from_model(draft, gamma=gamma),
+    EngineConfig(max_len=80, batch_size=256, use_eos=False, min_prompt_bucket=1),
+  )
   hist = np.zeros(gamma + 1)
   for s in range(4):
     out = eng.generate([[0]] * 256, max_new_tokens=60, temperature=1.0, seed=s)

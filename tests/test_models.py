@@ -55,22 +55,36 @@ def test_moe_backends_agree_and_differ_from_wrong_routing(saved):
   assert np.abs(ungrouped - ragged).max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["qwen3_gqa_bias_headdim", "qwen3moe_norm_mlponly",
-                                  "glm4moe_grouped_shared_partial"])
+@pytest.mark.parametrize(
+  "name", ["qwen3_gqa_bias_headdim", "qwen3moe_norm_mlponly", "glm4moe_grouped_shared_partial"]
+)
 def test_greedy_decode_matches_transformers_generate(saved, name):
   hf_model, path = saved[name]
   model = jaxspec.load_model(path)
   prompt = np.random.default_rng(2).integers(0, model.config.vocab_size, (1, 6))
   with torch.no_grad():
-    ref = hf_model.generate(torch.as_tensor(prompt), max_new_tokens=32, do_sample=False,
-                            min_new_tokens=32, pad_token_id=0, eos_token_id=None)
+    ref = hf_model.generate(
+      torch.as_tensor(prompt),
+      max_new_tokens=32,
+      do_sample=False,
+      min_new_tokens=32,
+      pad_token_id=0,
+      eos_token_id=None,
+    )
   ref_new = ref[0, 6:].numpy()
   cache = model.init_cache(1, 64)
-  res = decode.generate_plain(model.config, model.params, jnp.asarray(prompt, jnp.int32),
-                              jnp.array([6], jnp.int32), cache, 32,
-                              sampling.make_sampling_params(1), jax.random.PRNGKey(0),
-                              jnp.array([-1], jnp.int32))
-  ours = np.asarray(res.tokens[0, 6:6 + 32])
+  res = decode.generate_plain(
+    model.config,
+    model.params,
+    jnp.asarray(prompt, jnp.int32),
+    jnp.array([6], jnp.int32),
+    cache,
+    32,
+    sampling.make_sampling_params(1),
+    jax.random.PRNGKey(0),
+    jnp.array([-1], jnp.int32),
+  )
+  ours = np.asarray(res.tokens[0, 6 : 6 + 32])
   np.testing.assert_array_equal(ours, ref_new)
 
 
@@ -84,8 +98,14 @@ def test_block_by_block_equals_full_forward(saved):
   k, v = cache.k, cache.v
   pieces, pos = [], 0
   for size in (4, 1, 3, 1, 4):
-    out = target_lib.forward(model.config, model.params, jnp.asarray(ids[:, pos:pos + size]),
-                             jnp.full((b,), pos, jnp.int32), k, v)
+    out = target_lib.forward(
+      model.config,
+      model.params,
+      jnp.asarray(ids[:, pos : pos + size]),
+      jnp.full((b,), pos, jnp.int32),
+      k,
+      v,
+    )
     k, v = out.cache_k, out.cache_v
     pieces.append(np.asarray(out.logits))
     pos += size
@@ -104,11 +124,13 @@ def test_per_sequence_start_positions(saved):
   prompts = np.zeros((2, 6), np.int32)
   prompts[0], prompts[1, :2] = a[0, :6], c[0, :2]
   cache = model.init_cache(2, 16)
-  _, cache, _, _ = decode.prefill(model.config, model.params, jnp.asarray(prompts),
-                                  jnp.array([6, 2], jnp.int32), cache)
+  _, cache, _, _ = decode.prefill(
+    model.config, model.params, jnp.asarray(prompts), jnp.array([6, 2], jnp.int32), cache
+  )
   block = np.stack([a[0, 6:9], c[0, 2:5]])
-  out = target_lib.forward(model.config, model.params, jnp.asarray(block), cache.lengths,
-                           cache.k, cache.v)
+  out = target_lib.forward(
+    model.config, model.params, jnp.asarray(block), cache.lengths, cache.k, cache.v
+  )
   np.testing.assert_allclose(np.asarray(out.logits[0]), ref_a[0, 6:9], atol=1e-4)
   np.testing.assert_allclose(np.asarray(out.logits[1]), ref_c[0, 2:5], atol=1e-4)
 
@@ -121,8 +143,15 @@ def test_taps_are_hf_hidden_states(saved):
     hs = hf_model(torch.as_tensor(ids), output_hidden_states=True).hidden_states
   cache = model.init_cache(1, 7)
   taps = (0, 1)  # inner layers; HF replaces its last entry by the final-normed state
-  out = target_lib.forward(model.config, model.params, jnp.asarray(ids, jnp.int32),
-                           jnp.zeros((1,), jnp.int32), cache.k, cache.v, taps=taps)
+  out = target_lib.forward(
+    model.config,
+    model.params,
+    jnp.asarray(ids, jnp.int32),
+    jnp.zeros((1,), jnp.int32),
+    cache.k,
+    cache.v,
+    taps=taps,
+  )
   for j, layer in enumerate(taps):
     np.testing.assert_allclose(np.asarray(out.taps[j]), hs[layer + 1].numpy(), atol=1e-4)
   np.testing.assert_allclose(np.asarray(out.hidden), hs[-1].numpy(), atol=1e-4)
@@ -137,16 +166,30 @@ def test_block_mask_restricts_attention(saved):
   mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
   positions = np.array([[3, 4, 4]], np.int32)
   cache = model.init_cache(1, 8)
-  out = target_lib.forward(model.config, model.params, jnp.asarray(ids[:, :3], jnp.int32),
-                           jnp.zeros((1,), jnp.int32), cache.k, cache.v)
-  out = target_lib.forward(model.config, model.params, jnp.asarray(ids[:, 3:6], jnp.int32),
-                           jnp.full((1,), 3, jnp.int32), out.cache_k, out.cache_v,
-                           positions=jnp.asarray(positions), block_mask=jnp.asarray(mask))
+  out = target_lib.forward(
+    model.config,
+    model.params,
+    jnp.asarray(ids[:, :3], jnp.int32),
+    jnp.zeros((1,), jnp.int32),
+    cache.k,
+    cache.v,
+  )
+  out = target_lib.forward(
+    model.config,
+    model.params,
+    jnp.asarray(ids[:, 3:6], jnp.int32),
+    jnp.full((1,), 3, jnp.int32),
+    out.cache_k,
+    out.cache_v,
+    positions=jnp.asarray(positions),
+    block_mask=jnp.asarray(mask),
+  )
   path_ids = np.concatenate([ids[:, :4], ids[:, 5:6]], axis=1)
   ref = np.asarray(model.logits(path_ids))
   np.testing.assert_allclose(np.asarray(out.logits[0, 2]), ref[0, 4], atol=1e-4)
-  np.testing.assert_allclose(np.asarray(out.logits[0, 1]), np.asarray(model.logits(ids[:, :5]))[0, 4],
-                             atol=1e-4)
+  np.testing.assert_allclose(
+    np.asarray(out.logits[0, 1]), np.asarray(model.logits(ids[:, :5]))[0, 4], atol=1e-4
+  )
 
 
 def test_cache_gather_block_moves_entries():

@@ -1,6 +1,4 @@
-"""The MTP drafter: greedy equality, exact sampled distribution, cache bookkeeping, errors.
-
-"""
+"""The MTP drafter: greedy equality, exact sampled distribution, cache bookkeeping, errors."""
 
 from __future__ import annotations
 
@@ -17,12 +15,20 @@ from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
 from jaxspec.spec.engine import EngineConfig, SpecEngine
 
-from tests.drafter_models import (random_params, small_target, prompts, exact_sequence_probs, sampled_pvalue, GreedyCheck)
+from tests.drafter_models import (
+  random_params,
+  small_target,
+  prompts,
+  exact_sequence_probs,
+  sampled_pvalue,
+  GreedyCheck,
+)
 
 
 # ------------------------------------------------------------------------------------------------
 # MTP
 # ------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def target():
@@ -45,11 +51,24 @@ def test_tree_verification_greedy_equals_plain(greedy):
 
 def test_greedy_with_a_moe_target_and_moe_mtp_block():
   """The bundled target's shape: GLM-4 MoE with partial RoPE and a routed-expert MTP block."""
-  cfg = ModelConfig(architecture="Glm4MoeForCausalLM", vocab_size=64, hidden_size=32,
-                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
-                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    router="sigmoid", n_shared_experts=1, layer_is_moe=(False, True),
-                    partial_rotary_factor=0.5, num_mtp_layers=1)
+  cfg = ModelConfig(
+    architecture="Glm4MoeForCausalLM",
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    router="sigmoid",
+    n_shared_experts=1,
+    layer_is_moe=(False, True),
+    partial_rotary_factor=0.5,
+    num_mtp_layers=1,
+  )
   target = TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 0))
   GreedyCheck(target, MTPDrafter.from_target(target, gamma=2)).check(2)
 
@@ -63,17 +82,30 @@ def test_cache_holds_exact_entries_after_steps(target, greedy):
   length = int(seq.max())
   zeros = jnp.zeros((2,), jnp.int32)
   cache = target.init_cache(2, length)
-  full = target_lib.forward(target.config, target.params, tokens[:, :length], zeros, cache.k,
-                            cache.v)
+  full = target_lib.forward(
+    target.config, target.params, tokens[:, :length], zeros, cache.k, cache.v
+  )
   mcache = jaxspec.KVCache.for_model(target.config, 2, length, num_layers=1)
-  _, _, ck, _ = target_lib.apply_mtp(target.config, target.params, 0, tokens[:, 1:length + 1],
-                                     full.hidden, zeros, mcache.k, mcache.v)
+  _, _, ck, _ = target_lib.apply_mtp(
+    target.config,
+    target.params,
+    0,
+    tokens[:, 1 : length + 1],
+    full.hidden,
+    zeros,
+    mcache.k,
+    mcache.v,
+  )
   for b in range(2):
     n = int(seq[b]) - 1  # root slot; cache entries below n - 1 are committed
-    got = np.asarray(state.drafter_state.cache_k[0, b, :n - 1])
-    np.testing.assert_allclose(got, np.asarray(ck[0, b, :n - 1]), atol=2e-4, rtol=2e-4)
-    np.testing.assert_allclose(np.asarray(state.drafter_state.last_hidden[b]),
-                               np.asarray(full.hidden[b, n - 1]), atol=2e-4, rtol=2e-4)
+    got = np.asarray(state.drafter_state.cache_k[0, b, : n - 1])
+    np.testing.assert_allclose(got, np.asarray(ck[0, b, : n - 1]), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(
+      np.asarray(state.drafter_state.last_hidden[b]),
+      np.asarray(full.hidden[b, n - 1]),
+      atol=2e-4,
+      rtol=2e-4,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +125,7 @@ def test_sampled_sequences_follow_the_target_distribution():
   good = SpecEngine(target, MTPDrafter.from_target(target, gamma=2), cfg)
   assert sampled_pvalue(good, prompt, length, 12, outcomes, probs) > 1e-4
   base = MTPDrafter.from_target(target, gamma=2)
-  bad = SpecEngine(target, _ArgmaxButReportsQ(gamma=2, params=base.params, config=base.config),
-                   cfg)
+  bad = SpecEngine(target, _ArgmaxButReportsQ(gamma=2, params=base.params, config=base.config), cfg)
   assert sampled_pvalue(bad, prompt, length, 12, outcomes, probs) < 1e-6
 
 

@@ -79,10 +79,21 @@ SCRIPT = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def result():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
-                        cwd=REPO, timeout=600, check=False)
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", SCRIPT],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO,
+    timeout=600,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

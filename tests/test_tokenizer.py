@@ -14,158 +14,167 @@ from jaxspec.io.tokenizer import EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, Tokenizer
 from jaxspec.train import data
 
 TRICKY = [
-    "",
-    " ",
-    "\n",
-    "    ",
-    "\t\tindented\twith tabs\n",
-    "def f(x):\n    return x  \n\n\n",
-    "trailing spaces   \n   leading",
-    "windows\r\nline\r\nends\r\n",
-    "mixed \r old mac \r",
-    "héllo wörld, naïve café, Ångström",
-    "日本語のテキスト 中文 한국어",
-    "emoji 🎉🐍👩‍💻 flags 🇫🇷",
-    "combining e\u0301 vs \u00e9, zero\u200bwidth, bom \ufeff",
-    "rtl: שלום مرحبا",
-    "control \x00 \x01 \x7f \x1b[31m",
-    "byte-level alphabet chars: Ġ Ċ ĉ Ā",
-    "specials inline: <|endoftext|> <|pad|><|mask|> <|unknown|>",
-    "<|endoftext|>",
-    "s = '''\n  doc\n'''  # comment with ''' and \"\"\"\n",
-    "x" * 5000,
-    " " * 1000 + "\n" * 100,
-    "\u2028line sep\u2029para sep\x0b\x0c",
-    "math: ∀x∈ℝ, x² ≥ 0; ≠ ≤ ∞",
+  "",
+  " ",
+  "\n",
+  "    ",
+  "\t\tindented\twith tabs\n",
+  "def f(x):\n    return x  \n\n\n",
+  "trailing spaces   \n   leading",
+  "windows\r\nline\r\nends\r\n",
+  "mixed \r old mac \r",
+  "héllo wörld, naïve café, Ångström",
+  "日本語のテキスト 中文 한국어",
+  "emoji 🎉🐍👩‍💻 flags 🇫🇷",
+  "combining e\u0301 vs \u00e9, zero\u200bwidth, bom \ufeff",
+  "rtl: שלום مرحبا",
+  "control \x00 \x01 \x7f \x1b[31m",
+  "byte-level alphabet chars: Ġ Ċ ĉ Ā",
+  "specials inline: <|endoftext|> <|pad|><|mask|> <|unknown|>",
+  "<|endoftext|>",
+  "s = '''\n  doc\n'''  # comment with ''' and \"\"\"\n",
+  "x" * 5000,
+  " " * 1000 + "\n" * 100,
+  "\u2028line sep\u2029para sep\x0b\x0c",
+  "math: ∀x∈ℝ, x² ≥ 0; ≠ ≤ ∞",
 ]
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.bundled()
+  return Tokenizer.bundled()
 
 
 def test_bundled_asset_small_and_sized(tok):
-    path = tok_lib.bundled_tokenizer_path()
-    assert os.path.isfile(path)
-    assert os.path.getsize(path) < 1_000_000
-    assert tok.vocab_size == 8192
+  path = tok_lib.bundled_tokenizer_path()
+  assert os.path.isfile(path)
+  assert os.path.getsize(path) < 1_000_000
+  assert tok.vocab_size == 8192
 
 
 def test_special_ids_exist_and_distinct(tok):
-    ids = [tok.eos_id, tok.pad_id, tok.mask_id]
-    assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
-    assert len(set(ids)) == 3
-    assert tok.special_ids == {EOS_TOKEN: tok.eos_id, PAD_TOKEN: tok.pad_id,
-                               MASK_TOKEN: tok.mask_id}
-    for s, i in tok.special_ids.items():
-        assert tok.decode([i]) == s
-        assert tok.decode([i], skip_special_tokens=True) == ""
-        assert tok.encode(s) == [i]
+  ids = [tok.eos_id, tok.pad_id, tok.mask_id]
+  assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
+  assert len(set(ids)) == 3
+  assert tok.special_ids == {EOS_TOKEN: tok.eos_id, PAD_TOKEN: tok.pad_id, MASK_TOKEN: tok.mask_id}
+  for s, i in tok.special_ids.items():
+    assert tok.decode([i]) == s
+    assert tok.decode([i], skip_special_tokens=True) == ""
+    assert tok.encode(s) == [i]
 
 
 @pytest.mark.parametrize("text", TRICKY, ids=range(len(TRICKY)))
 def test_round_trip_tricky(tok, text):
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.decode(tok.encode(text, split_special_tokens=True)) == text
+  assert tok.decode(tok.encode(text)) == text
+  assert tok.decode(tok.encode(text, split_special_tokens=True)) == text
 
 
 def test_split_special_tokens(tok):
-    text = "a<|endoftext|>b<|mask|>"
-    assert tok.eos_id in tok.encode(text)
-    split = tok.encode(text, split_special_tokens=True)
-    assert not set(split) & set(tok.special_ids.values())
-    assert tok.encode(text) == tok.encode(text)  # The flag is restored afterwards.
+  text = "a<|endoftext|>b<|mask|>"
+  assert tok.eos_id in tok.encode(text)
+  split = tok.encode(text, split_special_tokens=True)
+  assert not set(split) & set(tok.special_ids.values())
+  assert tok.encode(text) == tok.encode(text)  # The flag is restored afterwards.
 
 
 def test_round_trip_validation_files(tok):
-    files = data.corpus_files("validation")[:6]
-    docs = data.read_documents(files)
-    assert sum(map(len, docs)) > 10_000
-    for doc, ids in zip(docs, tok.encode_batch(docs), strict=True):
-        assert tok.decode(ids) == doc
-        assert len(ids) < len(doc)  # It compresses.
+  files = data.corpus_files("validation")[:6]
+  docs = data.read_documents(files)
+  assert sum(map(len, docs)) > 10_000
+  for doc, ids in zip(docs, tok.encode_batch(docs), strict=True):
+    assert tok.decode(ids) == doc
+    assert len(ids) < len(doc)  # It compresses.
 
 
 def test_encode_batch_matches_encode(tok):
-    texts = TRICKY[:8]
-    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
-    assert tok.decode_batch(tok.encode_batch(texts)) == texts
+  texts = TRICKY[:8]
+  assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+  assert tok.decode_batch(tok.encode_batch(texts)) == texts
 
 
 def test_eos_separates_documents(tok):
-    stream = data.tokenize_documents(tok, ["first doc\n", "second doc\n"]).tolist()
-    eos = tok.eos_id
-    cut = stream.index(eos)
-    assert tok.decode(stream[:cut]) == "first doc\n"
-    assert tok.decode(stream[cut + 1:-1]) == "second doc\n"
-    assert stream[-1] == eos
-    assert tok.decode(stream, skip_special_tokens=True) == "first doc\nsecond doc\n"
+  stream = data.tokenize_documents(tok, ["first doc\n", "second doc\n"]).tolist()
+  eos = tok.eos_id
+  cut = stream.index(eos)
+  assert tok.decode(stream[:cut]) == "first doc\n"
+  assert tok.decode(stream[cut + 1 : -1]) == "second doc\n"
+  assert stream[-1] == eos
+  assert tok.decode(stream, skip_special_tokens=True) == "first doc\nsecond doc\n"
 
 
 def test_fingerprint_stable(tok):
-    again = Tokenizer.from_file(tok_lib.bundled_tokenizer_path())
-    assert again.fingerprint == tok.fingerprint and len(tok.fingerprint) == 64
+  again = Tokenizer.from_file(tok_lib.bundled_tokenizer_path())
+  assert again.fingerprint == tok.fingerprint and len(tok.fingerprint) == 64
 
 
 def test_errors(tmp_path, tok):
-    with pytest.raises(FileNotFoundError, match="not found"):
-        Tokenizer.from_file(tmp_path / "missing.json")
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        Tokenizer.from_dir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="not found"):
-        Tokenizer.from_dir(tmp_path / "nodir")
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(ValueError, match="could not parse"):
-        Tokenizer.from_file(bad)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        tok.decode([0, tok.vocab_size])
-    with pytest.raises(TypeError):
-        tok.encode(b"bytes")  # type: ignore[arg-type]
+  with pytest.raises(FileNotFoundError, match="not found"):
+    Tokenizer.from_file(tmp_path / "missing.json")
+  with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    Tokenizer.from_dir(tmp_path)
+  with pytest.raises(FileNotFoundError, match="not found"):
+    Tokenizer.from_dir(tmp_path / "nodir")
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match="could not parse"):
+    Tokenizer.from_file(bad)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    tok.decode([0, tok.vocab_size])
+  with pytest.raises(TypeError):
+    tok.encode(b"bytes")  # type: ignore[arg-type]
 
 
 def test_from_dir_and_save(tmp_path, tok):
-    tok.save(tmp_path)
-    loaded = Tokenizer.from_dir(tmp_path)
-    assert loaded.fingerprint == tok.fingerprint
-    assert Tokenizer.from_file(tmp_path).vocab_size == tok.vocab_size
+  tok.save(tmp_path)
+  loaded = Tokenizer.from_dir(tmp_path)
+  assert loaded.fingerprint == tok.fingerprint
+  assert Tokenizer.from_file(tmp_path).vocab_size == tok.vocab_size
 
 
 def test_missing_special_tokens_are_none():
-    plain = Tokenizer(tokenizers.Tokenizer(tk_models.BPE()))
-    assert plain.eos_id is None and plain.pad_id is None and plain.mask_id is None
-    assert plain.special_ids == {}
+  plain = Tokenizer(tokenizers.Tokenizer(tk_models.BPE()))
+  assert plain.eos_id is None and plain.pad_id is None and plain.mask_id is None
+  assert plain.special_ids == {}
 
 
 def test_train_tokenizer_small_corpus():
-    from launch import train_tokenizer  # pylint: disable=g-import-not-at-top
-    docs = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
-    t = Tokenizer(train_tokenizer.build_tokenizer(docs, vocab_size=300))
-    assert (t.eos_id, t.pad_id, t.mask_id) == (0, 1, 2)
-    assert t.vocab_size <= 300
-    for text in TRICKY:
-        assert t.decode(t.encode(text)) == text
+  from launch import train_tokenizer  # pylint: disable=g-import-not-at-top
+
+  docs = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
+  t = Tokenizer(train_tokenizer.build_tokenizer(docs, vocab_size=300))
+  assert (t.eos_id, t.pad_id, t.mask_id) == (0, 1, 2)
+  assert t.vocab_size <= 300
+  for text in TRICKY:
+    assert t.decode(t.encode(text)) == text
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                    reason="transformers not installed")
+@pytest.mark.skipif(
+  importlib.util.find_spec("transformers") is None, reason="transformers not installed"
+)
 def test_hugging_face_compat(tmp_path, tok):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # pylint: disable=g-import-not-at-top
-    text = "def f(x):\n    return 'héllo' 🎉\n"
-    hf = tok.to_hf()
-    assert hf.encode(text) == tok.encode(text)
-    assert (hf.eos_token_id, hf.pad_token_id, hf.mask_token_id) == (
-        tok.eos_id, tok.pad_id, tok.mask_id)
-    assert hf.decode(hf.encode(text)) == text
-    tok.save_hf(tmp_path)
-    auto = AutoTokenizer.from_pretrained(str(tmp_path))
-    assert (auto.eos_token_id, auto.pad_token_id, auto.mask_token_id) == (
-        tok.eos_id, tok.pad_id, tok.mask_id)
-    assert auto.encode(text) == tok.encode(text)
-    direct = PreTrainedTokenizerFast(tokenizer_file=tok_lib.bundled_tokenizer_path(),
-                                     **{k: v for k, v in tok.hf_tokenizer_config().items()
-                                        if k.endswith("_token")})
-    assert direct.mask_token_id == tok.mask_id
-    ids = direct.encode("a" + EOS_TOKEN + "b")
-    assert direct.decode(ids, skip_special_tokens=True) == "ab"
+  from transformers import AutoTokenizer, PreTrainedTokenizerFast  # pylint: disable=g-import-not-at-top
+
+  text = "def f(x):\n    return 'héllo' 🎉\n"
+  hf = tok.to_hf()
+  assert hf.encode(text) == tok.encode(text)
+  assert (hf.eos_token_id, hf.pad_token_id, hf.mask_token_id) == (
+    tok.eos_id,
+    tok.pad_id,
+    tok.mask_id,
+  )
+  assert hf.decode(hf.encode(text)) == text
+  tok.save_hf(tmp_path)
+  auto = AutoTokenizer.from_pretrained(str(tmp_path))
+  assert (auto.eos_token_id, auto.pad_token_id, auto.mask_token_id) == (
+    tok.eos_id,
+    tok.pad_id,
+    tok.mask_id,
+  )
+  assert auto.encode(text) == tok.encode(text)
+  direct = PreTrainedTokenizerFast(
+    tokenizer_file=tok_lib.bundled_tokenizer_path(),
+    **{k: v for k, v in tok.hf_tokenizer_config().items() if k.endswith("_token")},
+  )
+  assert direct.mask_token_id == tok.mask_id
+  ids = direct.encode("a" + EOS_TOKEN + "b")
+  assert direct.decode(ids, skip_special_tokens=True) == "ab"

@@ -34,6 +34,7 @@ FAIL_P = 1e-6
 # Construction
 # ------------------------------------------------------------------------------------------------
 
+
 def _ref_build(lp: np.ndarray, budget: int, k: int, chain_seed: bool):
   """Host reference (DDTree's heap): returns lists tokens, parents, depths (root excluded)."""
   depth_max = lp.shape[0]
@@ -85,11 +86,18 @@ def _ancestor_oracle(parents: np.ndarray) -> np.ndarray:
   return out
 
 
-@pytest.mark.parametrize("budget, depth, topk, chain_seed", [
-    (1, 4, 0, False), (7, 3, 0, False), (22, 6, 0, False), (22, 6, 0, True), (9, 4, 3, True),
+@pytest.mark.parametrize(
+  "budget, depth, topk, chain_seed",
+  [
+    (1, 4, 0, False),
+    (7, 3, 0, False),
+    (22, 6, 0, False),
+    (22, 6, 0, True),
+    (9, 4, 3, True),
     (30, 2, 4, False),  # more budget than the 4 + 16 possible nodes: the rest is invalid
-    (3, 6, 0, True),    # budget shorter than the chain
-])
+    (3, 6, 0, True),  # budget shorter than the chain
+  ],
+)
 def test_build_matches_heap_reference(budget, depth, topk, chain_seed):
   rng = np.random.default_rng(budget * 10 + depth)
   batch, vocab = 3, 40
@@ -105,9 +113,9 @@ def test_build_matches_heap_reference(budget, depth, topk, chain_seed):
     n = len(tok)
     got_valid = np.asarray(tree.valid[b])
     assert got_valid.tolist() == [True] * (n + 1) + [False] * (budget - n)
-    assert np.asarray(tree.tokens[b, 1:n + 1]).tolist() == tok
-    assert np.asarray(tree.parents[b, 1:n + 1]).tolist() == par
-    assert np.asarray(tree.depths[b, 1:n + 1]).tolist() == dep
+    assert np.asarray(tree.tokens[b, 1 : n + 1]).tolist() == tok
+    assert np.asarray(tree.parents[b, 1 : n + 1]).tolist() == par
+    assert np.asarray(tree.depths[b, 1 : n + 1]).tolist() == dep
     assert int(tree.tokens[b, 0]) == roots[b] and int(tree.parents[b, 0]) == -1
     parents = np.asarray(tree.parents[b])
     assert all(parents[i] < i for i in range(1, budget + 1))
@@ -116,10 +124,11 @@ def test_build_matches_heap_reference(budget, depth, topk, chain_seed):
     want[~got_valid] = np.eye(budget + 1, dtype=bool)[~got_valid]
     np.testing.assert_array_equal(mask, want)
     np.testing.assert_array_equal(
-        np.asarray(tree_lib.ancestor_mask(tree.parents[b], tree.valid[b])), want)
+      np.asarray(tree_lib.ancestor_mask(tree.parents[b], tree.valid[b])), want
+    )
     if chain_seed:
-      chain = np.argmax(lp[b], axis=-1)[:min(depth, budget)]
-      assert np.asarray(tree.tokens[b, 1:len(chain) + 1]).tolist() == chain.tolist()
+      chain = np.argmax(lp[b], axis=-1)[: min(depth, budget)]
+      assert np.asarray(tree.tokens[b, 1 : len(chain) + 1]).tolist() == chain.tolist()
 
 
 def test_build_skips_impossible_tokens_and_is_jittable():
@@ -146,8 +155,10 @@ def test_build_rejects_bad_budget():
 # Tree-mask oracle: node logits == causal forward over prefix + path
 # ------------------------------------------------------------------------------------------------
 
+
 def test_tree_mask_oracle_every_node_matches_causal_forward():
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
+
   model = engine_models.random_target()
   cfg = model.config
   rng = np.random.default_rng(3)
@@ -155,15 +166,25 @@ def test_tree_mask_oracle_every_node_matches_causal_forward():
   prefix_lens = np.array([5, 9])
   ids = rng.integers(0, cfg.vocab_size, (batch, 12)).astype(np.int32)
   cache = model.init_cache(batch, max_len)
-  out = target_lib.forward(cfg, model.params, jnp.asarray(ids), jnp.zeros((batch,), jnp.int32),
-                           cache.k, cache.v)  # slots ≥ prefix_len are overwritten below
+  out = target_lib.forward(
+    cfg, model.params, jnp.asarray(ids), jnp.zeros((batch,), jnp.int32), cache.k, cache.v
+  )  # slots ≥ prefix_len are overwritten below
   start = jnp.asarray(prefix_lens, jnp.int32)
   roots = ids[np.arange(batch), prefix_lens]
-  lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(batch, depth, cfg.vocab_size)) * 2,
-                                      jnp.float32), axis=-1)
+  lp = jax.nn.log_softmax(
+    jnp.asarray(rng.normal(size=(batch, depth, cfg.vocab_size)) * 2, jnp.float32), axis=-1
+  )
   tree = build_tree(jnp.asarray(roots), lp, budget, 3)
-  got = target_lib.forward(cfg, model.params, tree.tokens, start, out.cache_k, out.cache_v,
-                           positions=tree.positions(start), block_mask=tree.mask).logits
+  got = target_lib.forward(
+    cfg,
+    model.params,
+    tree.tokens,
+    start,
+    out.cache_k,
+    out.cache_v,
+    positions=tree.positions(start),
+    block_mask=tree.mask,
+  ).logits
   # Reference: one padded causal batch holding prefix + path of every node.
   seqs, where = [], []
   tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
@@ -173,22 +194,24 @@ def test_tree_mask_oracle_every_node_matches_causal_forward():
       while j >= 0:
         path.append(tokens[b, j])
         j = parents[b, j]
-      seq = list(ids[b, :prefix_lens[b]]) + path[::-1]
+      seq = list(ids[b, : prefix_lens[b]]) + path[::-1]
       seqs.append(seq)
       where.append((b, i, len(seq) - 1))
   width = max(map(len, seqs))
   padded = np.zeros((len(seqs), width), np.int32)
   for r, s in enumerate(seqs):
-    padded[r, :len(s)] = s
+    padded[r, : len(s)] = s
   ref = np.asarray(model.logits(padded))
   for r, (b, i, pos) in enumerate(where):
-    np.testing.assert_allclose(np.asarray(got[b, i]), ref[r, pos], atol=1e-4, rtol=1e-4,
-                               err_msg=f"sequence {b}, node {i}")
+    np.testing.assert_allclose(
+      np.asarray(got[b, i]), ref[r, pos], atol=1e-4, rtol=1e-4, err_msg=f"sequence {b}, node {i}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # Walks
 # ------------------------------------------------------------------------------------------------
+
 
 def _hand_tree():
   """root(9) → a(1) → c(3) → e(5); root → b(2) → d(4); a → f(6)."""
@@ -196,17 +219,21 @@ def _hand_tree():
   parents = jnp.array([[-1, 0, 0, 1, 2, 3, 1]])
   depths = jnp.array([[0, 1, 1, 2, 2, 3, 2]])
   valid = jnp.ones((1, 7), bool)
-  return tree_lib.Tree(tokens, parents, depths, valid, tree_lib.ancestor_mask(parents),
-                       jnp.zeros((1, 7)))
+  return tree_lib.Tree(
+    tokens, parents, depths, valid, tree_lib.ancestor_mask(parents), jnp.zeros((1, 7))
+  )
 
 
-@pytest.mark.parametrize("argmaxes, want_path, want_next", [
-    ([1, 3, 0, 5, 0, 7, 0], [0, 1, 3, 5], 7),   # full depth, bonus at e
-    ([2, 0, 4, 0, 8, 0, 0], [0, 2, 4, 0], 8),   # second branch
-    ([1, 6, 0, 0, 0, 0, 7], [0, 1, 6, 0], 7),   # a's second child f
-    ([7, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0], 7),   # nothing accepted
-    ([1, 4, 0, 0, 0, 0, 0], [0, 1, 0, 0], 4),   # 4 is b's child, not a's: stop at a
-])
+@pytest.mark.parametrize(
+  "argmaxes, want_path, want_next",
+  [
+    ([1, 3, 0, 5, 0, 7, 0], [0, 1, 3, 5], 7),  # full depth, bonus at e
+    ([2, 0, 4, 0, 8, 0, 0], [0, 2, 4, 0], 8),  # second branch
+    ([1, 6, 0, 0, 0, 0, 7], [0, 1, 6, 0], 7),  # a's second child f
+    ([7, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0], 7),  # nothing accepted
+    ([1, 4, 0, 0, 0, 0, 0], [0, 1, 0, 0], 4),  # 4 is b's child, not a's: stop at a
+  ],
+)
 def test_greedy_walk_by_hand(argmaxes, want_path, want_next):
   tree = _hand_tree()
   logits = jax.nn.one_hot(jnp.array([argmaxes]), 10) * 5.0
@@ -228,20 +255,22 @@ def test_seeded_tree_never_accepts_fewer_than_the_chain():
     tree = build_tree(jnp.zeros((batch,), jnp.int32), lp, budget, chain_seed=True)
     # Target argmax per node: agrees with the drafter's chain often, not always.
     logits = jnp.asarray(rng.normal(size=(batch, budget + 1, vocab)), jnp.float32)
-    _, n, _ = tree_verify.verify_tree(jax.random.PRNGKey(1), tree, logits,
-                                      sampling.make_sampling_params(batch), depth)
+    _, n, _ = tree_verify.verify_tree(
+      jax.random.PRNGKey(1), tree, logits, sampling.make_sampling_params(batch), depth
+    )
     # The chain's own greedy acceptance along the seeded nodes 1..min(D, budget).
     top = np.asarray(jnp.argmax(logits, axis=-1))
     L = min(depth, budget)
-    chain_ok = np.asarray(tree.tokens[:, 1:L + 1]) == top[:, :L]
+    chain_ok = np.asarray(tree.tokens[:, 1 : L + 1]) == top[:, :L]
     chain_n = np.asarray(jax.vmap(lambda r: jnp.argmin(jnp.append(r, False)))(chain_ok))
-    assert np.all(np.asarray(tree.tokens[:, 1:L + 1]) == chain[:, :L])
+    assert np.all(np.asarray(tree.tokens[:, 1 : L + 1]) == chain[:, :L])
     assert np.all(np.asarray(n) >= chain_n)
     wins += int(np.sum(np.asarray(n) > chain_n))
   assert wins > 0  # the extra branches do help sometimes
 
 
 # Sampled walks against the exact distribution of a bigram target --------------------------------
+
 
 def _bigram_case(seed, batch, vocab=4, depth=3, budget=6, topk=2, chain_seed=False):
   """Random per-row draft trees under a bigram target table P; target logits per node.
@@ -255,7 +284,8 @@ def _bigram_case(seed, batch, vocab=4, depth=3, budget=6, topk=2, chain_seed=Fal
   table = rng.dirichlet(np.full(vocab, 2.0), size=vocab)
   base = rng.normal(size=(1, depth, vocab)) * 1.5
   draft_lp = jax.nn.log_softmax(
-      jnp.asarray(base + rng.normal(size=(batch, depth, vocab)) * 0.5, jnp.float32), axis=-1)
+    jnp.asarray(base + rng.normal(size=(batch, depth, vocab)) * 0.5, jnp.float32), axis=-1
+  )
   tree = build_tree(jnp.zeros((batch,), jnp.int32), draft_lp, budget, topk, chain_seed)
   logits = jnp.log(jnp.asarray(table, jnp.float32))[tree.tokens]  # [B, N+1, V]
   return table, tree, logits
@@ -286,7 +316,7 @@ def _sequences(table, tree, logits, temperature, rule, variant, depth, seed):
 def _seq_pvalue(seqs, warped, start=0):
   vocab, length = warped.shape[0], seqs.shape[1]
   codes = np.ravel_multi_index(seqs.T, (vocab,) * length)
-  probs = np.zeros(vocab ** length)
+  probs = np.zeros(vocab**length)
   for idx, seq in enumerate(itertools.product(range(vocab), repeat=length)):
     p, prev = 1.0, start
     for t in seq:
@@ -314,9 +344,10 @@ def test_sampled_walk_is_exact(rule, temperature):
   assert _seq_pvalue(seqs, warped) > PASS_P
 
 
-@pytest.mark.parametrize("rule, variant", [("ddtree", "no_parent_check"),
-                                           ("eagle2", "eagle2_no_renorm"),
-                                           ("eagle2", "eagle2_residual_p")])
+@pytest.mark.parametrize(
+  "rule, variant",
+  [("ddtree", "no_parent_check"), ("eagle2", "eagle2_no_renorm"), ("eagle2", "eagle2_residual_p")],
+)
 def test_broken_walks_fail_the_same_test(rule, variant):
   depth = 3
   table, tree, logits = _bigram_case(0, N_SAMPLES, depth=depth)

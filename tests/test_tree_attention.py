@@ -13,8 +13,11 @@ import pytest
 
 from jaxspec.models import layers
 from jaxspec.spec.tree import build_tree
-from pallas_kernels.tree_attention import (tree_attention, tree_attention_pallas,
-                                           tree_attention_reference)
+from pallas_kernels.tree_attention import (
+  tree_attention,
+  tree_attention_pallas,
+  tree_attention_reference,
+)
 
 
 def _case(seed, batch, budget, heads, kv_heads, head_dim, cache_len, dtype=jnp.float32):
@@ -29,13 +32,15 @@ def _case(seed, batch, budget, heads, kv_heads, head_dim, cache_len, dtype=jnp.f
   return q, k, v, start, tree.mask
 
 
-@pytest.mark.parametrize("seed, batch, budget, heads, kv_heads, cache_len, block_k", [
-    (0, 1, 6, 2, 1, 32, 16),     # one sequence, MQA
-    (1, 3, 10, 4, 2, 50, 16),    # cache not a multiple of the tile (padded), GQA
-    (2, 2, 22, 4, 4, 64, 32),    # DDTree's default budget (23 slots → 32 padded queries)
-])
-def test_pallas_kernel_matches_reference(seed, batch, budget, heads, kv_heads, cache_len,
-                                         block_k):
+@pytest.mark.parametrize(
+  "seed, batch, budget, heads, kv_heads, cache_len, block_k",
+  [
+    (0, 1, 6, 2, 1, 32, 16),  # one sequence, MQA
+    (1, 3, 10, 4, 2, 50, 16),  # cache not a multiple of the tile (padded), GQA
+    (2, 2, 22, 4, 4, 64, 32),  # DDTree's default budget (23 slots → 32 padded queries)
+  ],
+)
+def test_pallas_kernel_matches_reference(seed, batch, budget, heads, kv_heads, cache_len, block_k):
   q, k, v, start, mask = _case(seed, batch, budget, heads, kv_heads, 8, cache_len)
   want = tree_attention_reference(q, k, v, start, mask)
   got = tree_attention_pallas(q, k, v, start, mask, block_k=block_k, interpret=True)
@@ -64,10 +69,12 @@ def test_reference_equals_the_decoder_xla_path():
   q, k, v, start, mask = _case(5, 3, 12, 4, 2, 8, 48)
   t = q.shape[1]
   visible = layers.block_visibility(start, t, k.shape[1], mask)
-  want = layers.gqa_attention(q, k, v, visible, 8 ** -0.5)
-  np.testing.assert_allclose(np.asarray(tree_attention_reference(q, k, v, start, mask)),
-                             np.asarray(want), atol=1e-6)
-  np.testing.assert_allclose(np.asarray(tree_attention(q, k, v, start, mask, impl="xla")),
-                             np.asarray(want), atol=1e-6)
+  want = layers.gqa_attention(q, k, v, visible, 8**-0.5)
+  np.testing.assert_allclose(
+    np.asarray(tree_attention_reference(q, k, v, start, mask)), np.asarray(want), atol=1e-6
+  )
+  np.testing.assert_allclose(
+    np.asarray(tree_attention(q, k, v, start, mask, impl="xla")), np.asarray(want), atol=1e-6
+  )
   with pytest.raises(ValueError, match="impl"):
     tree_attention(q, k, v, start, mask, impl="cuda")

@@ -66,18 +66,22 @@ def _prompts(batch, vocab=96, seed=0):
 # Greedy losslessness
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("batch, budget, seed, rule", [(1, 8, False, "ddtree"),
-                                                       (4, 12, True, "eagle2")])
+
+@pytest.mark.parametrize(
+  "batch, budget, seed, rule", [(1, 8, False, "ddtree"), (4, 12, True, "eagle2")]
+)
 def test_greedy_tree_speculation_equals_plain(models, batch, budget, seed, rule):
   target, draft = models
   cfg = EngineConfig(max_len=80, batch_size=batch, use_eos=False)
-  tree_cfg = dataclasses.replace(cfg, verify="tree", tree_budget=budget, tree_chain_seed=seed,
-                                 tree_rule=rule)
+  tree_cfg = dataclasses.replace(
+    cfg, verify="tree", tree_budget=budget, tree_chain_seed=seed, tree_rule=rule
+  )
   prompts = _prompts(batch)
   budgets = [40, 33, 40, 25][:batch]
   plain = SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=budgets)
   spec = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=4), tree_cfg).generate(
-      prompts, max_new_tokens=budgets)
+    prompts, max_new_tokens=budgets
+  )
   assert spec.tokens == plain.tokens
   assert [len(t) for t in spec.tokens] == budgets
   assert spec.stats.acceptance_length > 1.1  # the tree does accept drafts
@@ -91,8 +95,11 @@ def test_budget_one_reproduces_plain_decoding(models):
   plain = SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=21)
   # The target drafting for itself: its one node (the top-1 token) is always right, so every
   # pass commits exactly 2 tokens, i.e. budget 1 is chain speculation with γ = 1.
-  eng = SpecEngine(target, DraftModelDrafter.from_model(target, gamma=3),
-                   dataclasses.replace(cfg, verify="tree", tree_budget=1))
+  eng = SpecEngine(
+    target,
+    DraftModelDrafter.from_model(target, gamma=3),
+    dataclasses.replace(cfg, verify="tree", tree_budget=1),
+  )
   out = eng.generate(prompts, max_new_tokens=21)
   assert out.tokens == plain.tokens
   assert out.stats.target_passes == 10  # the first token comes from prefill, then 10 × 2
@@ -107,15 +114,24 @@ def test_feature_drafters_in_tree_mode_equal_plain(kind):
   from jaxspec.drafters.dflash import DFlashDrafter
   from jaxspec.drafters.eagle3 import Eagle3Drafter
   from tests.drafter_models import prompts, small_target
+
   if kind == "dflash":
     target = small_target(num_layers=3)
-    drafter = DFlashDrafter.random(target, mask_token_id=2, num_layers=2, block_size=4,
-                                   target_layer_ids=(0, 2), stddev=0.2, seed=1)
+    drafter = DFlashDrafter.random(
+      target,
+      mask_token_id=2,
+      num_layers=2,
+      block_size=4,
+      target_layer_ids=(0, 2),
+      stddev=0.2,
+      seed=1,
+    )
   else:
     target = small_target(num_layers=4)
     vocab = np.random.default_rng(0).choice(64, 40, replace=False)
-    drafter = Eagle3Drafter.random(target, draft_vocab=vocab, target_layer_ids=(0, 2, 3),
-                                   stddev=0.2, gamma=3, seed=2)
+    drafter = Eagle3Drafter.random(
+      target, draft_vocab=vocab, target_layer_ids=(0, 2, 3), stddev=0.2, gamma=3, seed=2
+    )
   cfg = EngineConfig(max_len=80, batch_size=2, use_eos=False)
   ps = prompts(2, target.config.vocab_size)
   plain = SpecEngine(target, None, cfg).generate(ps, max_new_tokens=24)
@@ -127,6 +143,7 @@ def test_feature_drafters_in_tree_mode_equal_plain(kind):
 # ------------------------------------------------------------------------------------------------
 # Step by step: cache oracle, features, chain comparison
 # ------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class FeatureRecorder(Drafter):
@@ -145,14 +162,20 @@ class FeatureRecorder(Drafter):
 
   def init_state(self, params, batch, max_len):
     h = self.feature_size
-    return (self.inner.init_state(params, batch, max_len), jnp.zeros((batch, max_len, h)),
-            jnp.zeros((batch, max_len, h)))
+    return (
+      self.inner.init_state(params, batch, max_len),
+      jnp.zeros((batch, max_len, h)),
+      jnp.zeros((batch, max_len, h)),
+    )
 
   def prefill(self, params, state, ctx):
     inner, hid, tap = state
     p = ctx.hidden.shape[1]
-    return (self.inner.prefill(params, inner, ctx), hid.at[:, :p].set(ctx.hidden),
-            tap.at[:, :p].set(ctx.taps[0]))
+    return (
+      self.inner.prefill(params, inner, ctx),
+      hid.at[:, :p].set(ctx.hidden),
+      tap.at[:, :p].set(ctx.taps[0]),
+    )
 
   def propose(self, params, state, ctx):
     proposal, inner = self.inner.propose(params, state[0], ctx)
@@ -164,8 +187,9 @@ class FeatureRecorder(Drafter):
     j = jnp.arange(width)[None, :]
     slots = ctx.old_seq_len[:, None] - 1 + j
     # Slot j ↔ the j-th committed token (root first); j ≤ accepted and inside the new cache.
-    slots = jnp.where((j <= ctx.num_accepted[:, None]) & (slots < ctx.seq_len[:, None] - 1),
-                      slots, hid.shape[1])
+    slots = jnp.where(
+      (j <= ctx.num_accepted[:, None]) & (slots < ctx.seq_len[:, None] - 1), slots, hid.shape[1]
+    )
     rows = jnp.arange(batch)[:, None]
     hid = hid.at[rows, slots].set(ctx.hidden, mode="drop")
     tap = tap.at[rows, slots].set(ctx.taps[0], mode="drop")
@@ -175,11 +199,22 @@ class FeatureRecorder(Drafter):
 def test_step_by_step_cache_features_and_chain_comparison(models):
   target, draft = models
   batch, max_len, gamma = 2, 64, 4
-  cfg = EngineConfig(max_len=max_len, batch_size=batch, use_eos=False, verify="tree",
-                     tree_budget=10, tree_chain_seed=True)
+  cfg = EngineConfig(
+    max_len=max_len,
+    batch_size=batch,
+    use_eos=False,
+    verify="tree",
+    tree_budget=10,
+    tree_chain_seed=True,
+  )
   inner = DraftModelDrafter.from_model(draft, gamma=gamma)
-  eng = SpecEngine(target, FeatureRecorder(gamma=gamma, params=draft.params, inner=inner,
-                                        feature_size=target.config.hidden_size), cfg)
+  eng = SpecEngine(
+    target,
+    FeatureRecorder(
+      gamma=gamma, params=draft.params, inner=inner, feature_size=target.config.hidden_size
+    ),
+    cfg,
+  )
   drafter, tcfg = eng.drafter, target.config
   tree_step = jax.jit(functools.partial(engine_lib.tree_step, tcfg, drafter, eng.tree))
   chain_step = jax.jit(functools.partial(engine_lib.step, tcfg, drafter))
@@ -187,11 +222,13 @@ def test_step_by_step_cache_features_and_chain_comparison(models):
   @jax.jit
   def fresh(tokens):
     cache = target.init_cache(batch, max_len)
-    out = target_lib.apply_decoder(tcfg, target.params, tokens, jnp.zeros((batch,), jnp.int32),
-                                   cache.k, cache.v, taps=(0,))
+    out = target_lib.apply_decoder(
+      tcfg, target.params, tokens, jnp.zeros((batch,), jnp.int32), cache.k, cache.v, taps=(0,)
+    )
     dcache = draft.init_cache(batch, max_len)
-    dout = target_lib.apply_decoder(draft.config, draft.params, tokens,
-                                    jnp.zeros((batch,), jnp.int32), dcache.k, dcache.v)
+    dout = target_lib.apply_decoder(
+      draft.config, draft.params, tokens, jnp.zeros((batch,), jnp.int32), dcache.k, dcache.v
+    )
     return out.cache_k, out.cache_v, out.hidden, out.taps[0], dout.cache_k, dout.cache_v
 
   state = eng.init_state(_prompts(batch), max_new_tokens=36)
@@ -219,10 +256,12 @@ def test_step_by_step_cache_features_and_chain_comparison(models):
       np.testing.assert_allclose(np.asarray(rec_tap)[b, :n], np.asarray(tap)[b, :n], atol=2e-4)
       m = valid_draft[b]
       assert seq[b] - 1 - gamma <= m <= seq[b] - 1
-      np.testing.assert_allclose(np.asarray(inner_state.cache.k)[:, b, :m],
-                                 np.asarray(dk)[:, b, :m], atol=2e-5)
-      np.testing.assert_allclose(np.asarray(inner_state.cache.v)[:, b, :m],
-                                 np.asarray(dv)[:, b, :m], atol=2e-5)
+      np.testing.assert_allclose(
+        np.asarray(inner_state.cache.k)[:, b, :m], np.asarray(dk)[:, b, :m], atol=2e-5
+      )
+      np.testing.assert_allclose(
+        np.asarray(inner_state.cache.v)[:, b, :m], np.asarray(dv)[:, b, :m], atol=2e-5
+      )
   tree_n, chain_n = np.stack(tree_n), np.stack(chain_n)
   assert np.all(tree_n >= chain_n), (tree_n.T, chain_n.T)
   assert np.any(tree_n > chain_n)  # the extra branches are used
@@ -232,6 +271,7 @@ def test_step_by_step_cache_features_and_chain_comparison(models):
 # ------------------------------------------------------------------------------------------------
 # Sampled losslessness on exact bigram models
 # ------------------------------------------------------------------------------------------------
+
 
 def _random_table(rng, vocab, alpha=1.0):
   return rng.dirichlet(np.full(vocab, alpha), size=vocab).astype(np.float64)
@@ -255,17 +295,28 @@ def _chi2_pvalue(counts, outcomes, probs):
   return scipy_stats.chisquare(obs, probs * obs.sum()).pvalue
 
 
-@pytest.mark.parametrize("rule, chain_seed, temperature", [("ddtree", False, 1.0),
-                                                           ("eagle2", True, 0.7)])
+@pytest.mark.parametrize(
+  "rule, chain_seed, temperature", [("ddtree", False, 1.0), ("eagle2", True, 0.7)]
+)
 def test_sampled_tree_sequences_follow_the_target_distribution(rule, chain_seed, temperature):
   rng = np.random.default_rng(4)
   p_table, q_table = _random_table(rng, 3), _random_table(rng, 3)
   target, draft = engine_models.bigram_model(p_table), engine_models.bigram_model(q_table)
   batch = 512
-  eng = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=3),
-                   EngineConfig(max_len=16, batch_size=batch, use_eos=False, min_prompt_bucket=1,
-                                verify="tree", tree_budget=4, tree_chain_seed=chain_seed,
-                                tree_rule=rule))
+  eng = SpecEngine(
+    target,
+    DraftModelDrafter.from_model(draft, gamma=3),
+    EngineConfig(
+      max_len=16,
+      batch_size=batch,
+      use_eos=False,
+      min_prompt_bucket=1,
+      verify="tree",
+      tree_budget=4,
+      tree_chain_seed=chain_seed,
+      tree_rule=rule,
+    ),
+  )
   counts = {}
   for s in range(24):
     out = eng.generate([[0]] * batch, max_new_tokens=4, temperature=temperature, seed=s)
@@ -284,6 +335,7 @@ def test_sampled_tree_sequences_follow_the_target_distribution(rule, chain_seed,
 # Errors
 # ------------------------------------------------------------------------------------------------
 
+
 def test_tree_config_errors(models):
   target, draft = models
   with pytest.raises(ValueError, match="tree_budget"):
@@ -294,11 +346,15 @@ def test_tree_config_errors(models):
     EngineConfig(verify="beam")
   with pytest.raises(ValueError, match="needs a drafter"):
     SpecEngine(target, None, EngineConfig(verify="tree"))
-  eng = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=2),
-                   EngineConfig(max_len=32, verify="tree", tree_budget=16))
+  eng = SpecEngine(
+    target,
+    DraftModelDrafter.from_model(draft, gamma=2),
+    EngineConfig(max_len=32, verify="tree", tree_budget=16),
+  )
   assert eng.drafter.tree
   with pytest.raises(InputError, match="tree of 16 draft nodes"):
     eng.generate([[5] * 10], max_new_tokens=6)  # 10 + 6 + 16 + 1 > 32
   with pytest.raises(ValueError, match="per-position distributions"):
-    SpecEngine(target, NgramDrafter(gamma=3),
-               EngineConfig(max_len=32, verify="tree", tree_budget=4)).generate([[5, 6]], 3)
+    SpecEngine(
+      target, NgramDrafter(gamma=3), EngineConfig(max_len=32, verify="tree", tree_budget=4)
+    ).generate([[5, 6]], 3)

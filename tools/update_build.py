@@ -48,14 +48,14 @@ ASSETS = "jaxspec/assets"
 
 # Import name -> pip distribution name, where they differ or are ambiguous.
 PIP_NAMES = {
-    "absl": "absl-py",
-    "google": "protobuf",
-    "jaxlib": "jaxlib",
-    "ml_collections": "ml-collections",
-    "orbax": "orbax-checkpoint",
-    "PIL": "pillow",
-    "sklearn": "scikit-learn",
-    "yaml": "pyyaml",
+  "absl": "absl-py",
+  "google": "protobuf",
+  "jaxlib": "jaxlib",
+  "ml_collections": "ml-collections",
+  "orbax": "orbax-checkpoint",
+  "PIL": "pillow",
+  "sklearn": "scikit-learn",
+  "yaml": "pyyaml",
 }
 # Names that are importable without being a pip dependency of their own.
 IGNORED_IMPORTS = {"__future__", "typing_extensions"}
@@ -81,8 +81,7 @@ def _walk_py(root: str, top: str) -> list[str]:
   out = []
   base = os.path.join(root, top)
   for dirpath, dirnames, filenames in os.walk(base):
-    dirnames[:] = sorted(d for d in dirnames
-                         if not d.startswith((".", "__pycache__")))
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
     for name in filenames:
       if name.endswith(".py") and not name.startswith("."):
         out.append(_rel(os.path.join(dirpath, name), root))
@@ -103,7 +102,7 @@ def library_target(path: str) -> str:
 
 def _module_name(path: str) -> str:
   mod = path[:-3].replace("/", ".")
-  return mod[:-len(".__init__")] if mod.endswith(".__init__") else mod
+  return mod[: -len(".__init__")] if mod.endswith(".__init__") else mod
 
 
 class _Tree:
@@ -112,11 +111,11 @@ class _Tree:
   def __init__(self, root: str):
     self.root = root
     self.library_files = [p for top in LIBRARY_ROOTS for p in _walk_py(root, top)]
-    self.binary_files = [p for top in BINARY_ROOTS for p in _walk_py(root, top)
-                         if os.path.dirname(p) == top]
+    self.binary_files = [
+      p for top in BINARY_ROOTS for p in _walk_py(root, top) if os.path.dirname(p) == top
+    ]
     test_files = _walk_py(root, TESTS)
-    self.test_files = [p for p in test_files
-                       if os.path.basename(p).startswith("test_")]
+    self.test_files = [p for p in test_files if os.path.basename(p).startswith("test_")]
     self.support_files = [p for p in test_files if p not in self.test_files]
     # Module name -> owning target, for every local module with a file.
     self.modules: dict[str, str] = {}
@@ -128,7 +127,7 @@ class _Tree:
     self.local_tops = {*LIBRARY_ROOTS, *BINARY_ROOTS, TESTS}
     # Test helpers are also imported by bare name (tests/ is on sys.path).
     for p in self.support_files:
-      bare = _module_name(p)[len(TESTS) + 1:]
+      bare = _module_name(p)[len(TESTS) + 1 :]
       if bare and bare not in self.modules:
         self.modules[bare] = SUPPORT
         self.local_tops.add(bare.split(".")[0])
@@ -167,7 +166,7 @@ def _imports(tree: _Tree, path: str) -> Iterable[str]:
       if node.level:
         base = package.split(".") if package else []
         if node.level > 1:
-          base = base[:len(base) - (node.level - 1)]
+          base = base[: len(base) - (node.level - 1)]
         prefix = ".".join(base + ([node.module] if node.module else []))
       else:
         prefix = node.module or ""
@@ -178,8 +177,7 @@ def _imports(tree: _Tree, path: str) -> Iterable[str]:
         yield sub if sub in tree.modules else prefix
 
 
-def _deps(tree: _Tree, paths: Iterable[str],
-          own: str | None) -> tuple[set[str], set[str]]:
+def _deps(tree: _Tree, paths: Iterable[str], own: str | None) -> tuple[set[str], set[str]]:
   """(local targets, pip names) imported by ``paths``."""
   local, pip = set(), set()
   for path in paths:
@@ -242,8 +240,7 @@ def _requirement(pip_name: str) -> str:
   return f'requirement("{pip_name}")'
 
 
-def _rule(kind: str, name: str, attrs: list[tuple[str, object]],
-          comment: str = "") -> str:
+def _rule(kind: str, name: str, attrs: list[tuple[str, object]], comment: str = "") -> str:
   lines = [f"# {c}" for c in comment.splitlines()] if comment else []
   lines.append(f"{kind}(")
   lines.append(f'    name = "{name}",')
@@ -268,8 +265,7 @@ def _quoted(paths: Iterable[str]) -> list[str]:
 
 
 def _dep_list(local: Iterable[str], pip: Iterable[str]) -> list[str]:
-  return [_label(t) for t in sorted(set(local))] + [
-      _requirement(p) for p in sorted(set(pip))]
+  return [_label(t) for t in sorted(set(local))] + [_requirement(p) for p in sorted(set(pip))]
 
 
 def render(root: str = ROOT) -> str:
@@ -294,9 +290,11 @@ def render(root: str = ROOT) -> str:
       keep = FACADE if FACADE in comp else CORE if CORE in comp else comp[0]
       for t in comp:
         rename[t] = keep
-      notes[keep] = (f"Merged because of an import cycle between "
-                     f"{', '.join(comp)}; split it to restore one target per "
-                     f"folder.")
+      notes[keep] = (
+        f"Merged because of an import cycle between "
+        f"{', '.join(comp)}; split it to restore one target per "
+        f"folder."
+      )
   merged_srcs: dict[str, list[str]] = {}
   merged_local: dict[str, set[str]] = {}
   merged_pip: dict[str, set[str]] = {}
@@ -312,28 +310,41 @@ def render(root: str = ROOT) -> str:
     return {rename.get(t, t) for t in targets}
 
   has_assets = os.path.isdir(os.path.join(root, ASSETS))
-  blocks = [HEADER.rstrip("\n"),
-            'load("@pypi//:requirements.bzl", "requirement")\n'
-            'load("@rules_python//python:defs.bzl", "py_binary", "py_library", '
-            '"py_test")',
-            'package(default_visibility = ["//visibility:public"])']
+  blocks = [
+    HEADER.rstrip("\n"),
+    'load("@pypi//:requirements.bzl", "requirement")\n'
+    'load("@rules_python//python:defs.bzl", "py_binary", "py_library", '
+    '"py_test")',
+    'package(default_visibility = ["//visibility:public"])',
+  ]
 
   if has_assets:
-    blocks.append(_rule("filegroup", "jaxspec_assets", [
-        ("srcs", f'glob(["{ASSETS}/**"], allow_empty = True)')],
-        comment="Bundled default model: tokenizer.json, config.json, "
-                "*.safetensors."))
+    blocks.append(
+      _rule(
+        "filegroup",
+        "jaxspec_assets",
+        [("srcs", f'glob(["{ASSETS}/**"], allow_empty = True)')],
+        comment="Bundled default model: tokenizer.json, config.json, *.safetensors.",
+      )
+    )
 
   for target in sorted(merged_srcs):
     data = [_label("jaxspec_assets")] if has_assets and target == FACADE else []
     comment = notes.get(target, "")
     if target == FACADE and not comment:
       comment = "The public API (jaxspec/__init__.py); depend on this."
-    blocks.append(_rule("py_library", target, [
-        ("srcs", _quoted(merged_srcs[target])),
-        ("data", data),
-        ("deps", _dep_list(merged_local[target], merged_pip[target])),
-    ], comment=comment))
+    blocks.append(
+      _rule(
+        "py_library",
+        target,
+        [
+          ("srcs", _quoted(merged_srcs[target])),
+          ("data", data),
+          ("deps", _dep_list(merged_local[target], merged_pip[target])),
+        ],
+        comment=comment,
+      )
+    )
 
   for path in tree.binary_files:
     name = os.path.splitext(os.path.basename(path))[0]
@@ -342,19 +353,32 @@ def render(root: str = ROOT) -> str:
     dl, dp = _deps(tree, [path], None)
     if os.path.dirname(path) == "launch" and "configs" in merged_srcs:
       dl.add("configs")  # config files are loaded by path via config_flags
-    blocks.append(_rule("py_binary", name, [
-        ("srcs", _quoted([path])),
-        ("main", f'"{path}"'),
-        ("deps", _dep_list(mapped(dl), dp)),
-    ]))
+    blocks.append(
+      _rule(
+        "py_binary",
+        name,
+        [
+          ("srcs", _quoted([path])),
+          ("main", f'"{path}"'),
+          ("deps", _dep_list(mapped(dl), dp)),
+        ],
+      )
+    )
 
   if tree.support_files:
     dl, dp = _deps(tree, tree.support_files, SUPPORT)
-    blocks.append(_rule("py_library", SUPPORT, [
-        ("testonly", "True"),
-        ("srcs", _quoted(tree.support_files)),
-        ("deps", _dep_list(mapped(dl), dp)),
-    ], comment="Helpers shared by the tests (everything under tests/ but test_*.py)."))
+    blocks.append(
+      _rule(
+        "py_library",
+        SUPPORT,
+        [
+          ("testonly", "True"),
+          ("srcs", _quoted(tree.support_files)),
+          ("deps", _dep_list(mapped(dl), dp)),
+        ],
+        comment="Helpers shared by the tests (everything under tests/ but test_*.py).",
+      )
+    )
 
   for path in tree.test_files:
     name = os.path.splitext(os.path.basename(path))[0]
@@ -364,22 +388,28 @@ def render(root: str = ROOT) -> str:
     data = None
     if name == "test_build":
       # Reads the whole source tree and regenerates this file.
-      patterns = ", ".join(
-          f'"{t}/**/*.py"' for t in (*LIBRARY_ROOTS, *BINARY_ROOTS, TESTS))
+      patterns = ", ".join(f'"{t}/**/*.py"' for t in (*LIBRARY_ROOTS, *BINARY_ROOTS, TESTS))
       data = f'["BUILD"] + glob([{patterns}], allow_empty = True)'
-    blocks.append(_rule("py_test", name, [
-        ("srcs", _quoted([path])),
-        ("main", f'"{path}"'),
-        ("data", data),
-        ("deps", _dep_list(mapped(dl), dp | {"pytest"})),
-    ]))
+    blocks.append(
+      _rule(
+        "py_test",
+        name,
+        [
+          ("srcs", _quoted([path])),
+          ("main", f'"{path}"'),
+          ("data", data),
+          ("deps", _dep_list(mapped(dl), dp | {"pytest"})),
+        ],
+      )
+    )
   return "\n\n".join(blocks) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--check", action="store_true",
-                      help="do not write; exit 1 if BUILD is out of date")
+  parser.add_argument(
+    "--check", action="store_true", help="do not write; exit 1 if BUILD is out of date"
+  )
   parser.add_argument("--root", default=ROOT, help="repository root")
   args = parser.parse_args(argv)
   text = render(args.root)
@@ -390,8 +420,7 @@ def main(argv: list[str] | None = None) -> int:
       current = f.read()
   if args.check:
     if current != text:
-      print("BUILD is out of date; run: python tools/update_build.py",
-            file=sys.stderr)
+      print("BUILD is out of date; run: python tools/update_build.py", file=sys.stderr)
       return 1
     return 0
   if current != text:

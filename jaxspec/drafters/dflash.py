@@ -37,12 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, Proposal,
-                                   ProposeContext)
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.hf import read_config
-from jaxspec.models.layers import (MLP, NEG_INF, Dense, RMSNorm, apply_rope, dtype_of,
-                                   rope_tables)
+from jaxspec.models.layers import MLP, NEG_INF, Dense, RMSNorm, apply_rope, dtype_of, rope_tables
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.spec import sampling
 
@@ -52,8 +50,9 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
   if num_draft_layers == 1:
     return (num_target_layers // 2,)
   lo, hi = 1, num_target_layers - 3
-  return tuple(int(round(lo + i * (hi - lo) / (num_draft_layers - 1)))
-               for i in range(num_draft_layers))
+  return tuple(
+    int(round(lo + i * (hi - lo) / (num_draft_layers - 1))) for i in range(num_draft_layers)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,28 +94,44 @@ class DFlashConfig:
       if not cond:
         raise ConfigError(f"DFlash drafter: {msg}")
 
-    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size"):
+    for name in (
+      "hidden_size",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "intermediate_size",
+    ):
       need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
-    need(self.num_heads % self.num_kv_heads == 0,
-         f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-         f"({self.num_kv_heads})")
+    need(
+      self.num_heads % self.num_kv_heads == 0,
+      f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+      f"({self.num_kv_heads})",
+    )
     need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
     need(len(self.target_layer_ids) >= 1, "target_layer_ids must name at least one layer")
-    need(all(i >= 0 for i in self.target_layer_ids),
-         f"target_layer_ids must be non-negative, got {list(self.target_layer_ids)}")
+    need(
+      all(i >= 0 for i in self.target_layer_ids),
+      f"target_layer_ids must be non-negative, got {list(self.target_layer_ids)}",
+    )
     need(self.block_size >= 2, f"block_size must be ≥ 2, got {self.block_size}")
     need(self.mask_token_id >= 0, f"mask_token_id must be set, got {self.mask_token_id}")
-    need(len(self.layer_windows) == self.num_layers,
-         f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+    need(
+      len(self.layer_windows) == self.num_layers,
+      f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers",
+    )
     need(all(w >= 0 for w in self.layer_windows), "sliding windows must be ≥ 0 (0 = full)")
     if self.vocab_size:
-      need(self.mask_token_id < self.vocab_size,
-           f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
+      need(
+        self.mask_token_id < self.vocab_size,
+        f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})",
+      )
     if self.num_target_layers:
-      need(max(self.target_layer_ids) < self.num_target_layers,
-           f"target_layer_ids {list(self.target_layer_ids)} reach past the target's "
-           f"{self.num_target_layers} layers")
+      need(
+        max(self.target_layer_ids) < self.num_target_layers,
+        f"target_layer_ids {list(self.target_layer_ids)} reach past the target's "
+        f"{self.num_target_layers} layers",
+      )
 
   @property
   def num_taps(self) -> int:
@@ -124,14 +139,23 @@ class DFlashConfig:
 
   def body(self) -> ModelConfig:
     """The Qwen3-shaped config the drafter layers are built from (for shared modules)."""
-    return ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=max(self.vocab_size, 1),
-                       hidden_size=self.hidden_size, num_layers=self.num_layers,
-                       num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                       head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-                       rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                       attention_bias=self.attention_bias,
-                       attention_out_bias=self.attention_bias, qk_norm=True,
-                       dtype=self.dtype, param_dtype=self.param_dtype)
+    return ModelConfig(
+      architecture="Qwen3ForCausalLM",
+      vocab_size=max(self.vocab_size, 1),
+      hidden_size=self.hidden_size,
+      num_layers=self.num_layers,
+      num_heads=self.num_heads,
+      num_kv_heads=self.num_kv_heads,
+      head_dim=self.head_dim,
+      intermediate_size=self.intermediate_size,
+      rms_norm_eps=self.rms_norm_eps,
+      rope_theta=self.rope_theta,
+      attention_bias=self.attention_bias,
+      attention_out_bias=self.attention_bias,
+      qk_norm=True,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+    )
 
   def replace(self, **changes: Any) -> "DFlashConfig":
     return dataclasses.replace(self, **changes)
@@ -140,6 +164,7 @@ class DFlashConfig:
 # --------------------------------------------------------------------------------------------------
 # Shared target pieces (embedding and LM head)
 # --------------------------------------------------------------------------------------------------
+
 
 def shared_target_params(target: TargetModel) -> dict:
   """The target's embedding (and untied LM head) as drafter parameters; nothing is copied."""
@@ -157,37 +182,64 @@ def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:
   """The target's LM head on drafter hidden states: float32 logits [..., V]."""
   dt = dtype_of(dtype)
   if "lm_head" in shared:
-    return jnp.einsum("...h,hv->...v", h.astype(dt), shared["lm_head"].astype(dt),
-                      preferred_element_type=jnp.float32)
-  return jnp.einsum("...h,vh->...v", h.astype(dt), shared["embed"].astype(dt),
-                    preferred_element_type=jnp.float32)
+    return jnp.einsum(
+      "...h,hv->...v",
+      h.astype(dt),
+      shared["lm_head"].astype(dt),
+      preferred_element_type=jnp.float32,
+    )
+  return jnp.einsum(
+    "...h,vh->...v", h.astype(dt), shared["embed"].astype(dt), preferred_element_type=jnp.float32
+  )
 
 
-def check_target(target: TargetModel, *, hidden_size: int, target_hidden_size: int,
-                 vocab_size: int, tap_ids: tuple[int, ...], what: str) -> None:
+def check_target(
+  target: TargetModel,
+  *,
+  hidden_size: int,
+  target_hidden_size: int,
+  vocab_size: int,
+  tap_ids: tuple[int, ...],
+  what: str,
+) -> None:
   """Clear errors for a drafter built for a different target."""
   tc = target.config
   if vocab_size and vocab_size != tc.vocab_size:
-    raise InputError(f"{what} drafter vocabulary ({vocab_size}) differs from the target's "
-                     f"({tc.vocab_size})")
+    raise InputError(
+      f"{what} drafter vocabulary ({vocab_size}) differs from the target's ({tc.vocab_size})"
+    )
   if target_hidden_size and target_hidden_size != tc.hidden_size:
-    raise InputError(f"{what} drafter expects target features of size {target_hidden_size}, but "
-                     f"the target's hidden size is {tc.hidden_size}")
+    raise InputError(
+      f"{what} drafter expects target features of size {target_hidden_size}, but "
+      f"the target's hidden size is {tc.hidden_size}"
+    )
   if hidden_size != tc.hidden_size:
-    raise InputError(f"{what} drafter hidden size ({hidden_size}) differs from the target's "
-                     f"({tc.hidden_size}); it shares the target's embedding and LM head")
+    raise InputError(
+      f"{what} drafter hidden size ({hidden_size}) differs from the target's "
+      f"({tc.hidden_size}); it shares the target's embedding and LM head"
+    )
   bad = [i for i in tap_ids if not 0 <= i < tc.num_layers]
   if bad:
-    raise InputError(f"{what} drafter taps target layers {list(tap_ids)}, but the target has "
-                     f"{tc.num_layers} layers")
+    raise InputError(
+      f"{what} drafter taps target layers {list(tap_ids)}, but the target has "
+      f"{tc.num_layers} layers"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # The network
 # --------------------------------------------------------------------------------------------------
 
-def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible: jax.Array,
-                    blk_k: jax.Array, blk_v: jax.Array, scale: float) -> jax.Array:
+
+def block_attention(
+  q: jax.Array,
+  ctx_k: jax.Array,
+  ctx_v: jax.Array,
+  ctx_visible: jax.Array,
+  blk_k: jax.Array,
+  blk_v: jax.Array,
+  scale: float,
+) -> jax.Array:
   """Non-causal attention of N blocks over [context; own block].
 
   q [B, N, T, H, D]; ctx_k/ctx_v [B, C, K, D] (shared by all blocks); ctx_visible [B, N, T, C];
@@ -197,16 +249,25 @@ def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_visibl
   b, n, t, h, d = q.shape
   kv = ctx_k.shape[2]
   qg = q.reshape(b, n, t, kv, h // kv, d)
-  s_ctx = jnp.einsum("bntkgd,bckd->bnkgtc", qg, ctx_k.astype(q.dtype),
-                     preferred_element_type=jnp.float32) * scale
+  s_ctx = (
+    jnp.einsum("bntkgd,bckd->bnkgtc", qg, ctx_k.astype(q.dtype), preferred_element_type=jnp.float32)
+    * scale
+  )
   s_ctx = jnp.where(ctx_visible[:, :, None, None], s_ctx, NEG_INF)
   s_blk = jnp.einsum("bntkgd,bnukd->bnkgtu", qg, blk_k, preferred_element_type=jnp.float32) * scale
   c = s_ctx.shape[-1]
   probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
-  out = (jnp.einsum("bnkgtc,bckd->bntkgd", probs[..., :c].astype(q.dtype), ctx_v.astype(q.dtype),
-                    preferred_element_type=jnp.float32)
-         + jnp.einsum("bnkgtu,bnukd->bntkgd", probs[..., c:].astype(q.dtype), blk_v,
-                      preferred_element_type=jnp.float32))
+  out = jnp.einsum(
+    "bnkgtc,bckd->bntkgd",
+    probs[..., :c].astype(q.dtype),
+    ctx_v.astype(q.dtype),
+    preferred_element_type=jnp.float32,
+  ) + jnp.einsum(
+    "bnkgtu,bnukd->bntkgd",
+    probs[..., c:].astype(q.dtype),
+    blk_v,
+    preferred_element_type=jnp.float32,
+  )
   return out.reshape(b, n, t, h, d).astype(q.dtype)
 
 
@@ -216,14 +277,18 @@ class DFlashAttention(nn.Module):
   def setup(self):
     c = self.config
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
-    self.q_proj = Dense((c.num_heads, c.head_dim), ("embed", "heads", "head_dim"),
-                        c.attention_bias, **dense)
-    self.k_proj = Dense((c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"),
-                        c.attention_bias, **dense)
-    self.v_proj = Dense((c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"),
-                        c.attention_bias, **dense)
-    self.o_proj = Dense((c.hidden_size,), ("heads", "head_dim", "embed"), c.attention_out_bias,
-                        in_dims=2, **dense)
+    self.q_proj = Dense(
+      (c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), c.attention_bias, **dense
+    )
+    self.k_proj = Dense(
+      (c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.attention_bias, **dense
+    )
+    self.v_proj = Dense(
+      (c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.attention_bias, **dense
+    )
+    self.o_proj = Dense(
+      (c.hidden_size,), ("heads", "head_dim", "embed"), c.attention_out_bias, in_dims=2, **dense
+    )
     self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype)
     self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype)
 
@@ -246,8 +311,7 @@ class DFlashLayer(nn.Module):
   def setup(self):
     c = self.config
     self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
-    self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed",
-                                            c.param_dtype)
+    self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
     self.self_attn = DFlashAttention(c)
     self.mlp = MLP(c, c.intermediate_size)
 
@@ -256,8 +320,15 @@ class DFlashLayer(nn.Module):
     block, and no input norm."""
     return self.self_attn.keys_values(ctx, cos, sin)
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx_k: jax.Array,
-               ctx_v: jax.Array, ctx_visible: jax.Array) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_visible: jax.Array,
+  ) -> jax.Array:
     """x [B, N, T, H] (N blocks of T tokens); cos/sin [B, N·T, rd]; ctx_* as block_attention."""
     c = self.config
     b, n, t, hdim = x.shape
@@ -265,14 +336,14 @@ class DFlashLayer(nn.Module):
     q = self.self_attn.queries(xn, cos, sin)
     k, v = self.self_attn.keys_values(xn, cos, sin)
     split = lambda a: a.reshape(b, n, t, *a.shape[2:])
-    o = block_attention(split(q), ctx_k, ctx_v, ctx_visible, split(k), split(v),
-                        c.head_dim ** -0.5)
+    o = block_attention(split(q), ctx_k, ctx_v, ctx_visible, split(k), split(v), c.head_dim**-0.5)
     x = x + self.self_attn.output(o.reshape(b, n * t, *o.shape[3:])).reshape(x.shape)
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def context_visibility(q_pos: jax.Array, ctx_pos: jax.Array, limit: jax.Array,
-                       window: int) -> jax.Array:
+def context_visibility(
+  q_pos: jax.Array, ctx_pos: jax.Array, limit: jax.Array, window: int
+) -> jax.Array:
   """[B, N, T, C]: block query at q_pos [B, N, T] sees stored context position ctx_pos [B, C]
   iff 0 ≤ ctx_pos < limit [B, N] (strictly before its block) and, with a window W > 0,
   q_pos − ctx_pos < W."""
@@ -306,8 +377,16 @@ class DFlashModel(nn.Module):
     kvs = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
     return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
 
-  def __call__(self, x: jax.Array, q_pos: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-               ctx_pos: jax.Array, limit: jax.Array, window_cap: int = 0) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    q_pos: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_pos: jax.Array,
+    limit: jax.Array,
+    window_cap: int = 0,
+  ) -> jax.Array:
     """N blocks x [B, N, T, H] at positions q_pos [B, N, T] → final-normed hidden [B, N, T, H].
 
     ctx_k/ctx_v [L, B, C, K, D] hold context K/V at positions ctx_pos [B, C] (−1 = empty);
@@ -334,16 +413,18 @@ def param_shapes(config: DFlashConfig) -> Any:
   """The parameter tree's shapes (jax.ShapeDtypeStruct), without running anything."""
   feats = jnp.zeros((1, 1, config.num_taps * config.target_hidden_size), jnp.float32)
   x = jnp.zeros((1, 1, 1, config.hidden_size), jnp.float32)
-  abstract = jax.eval_shape(lambda: DFlashModel(config).init(jax.random.PRNGKey(0), feats, x,
-                                                             method=DFlashModel.init_all))
+  abstract = jax.eval_shape(
+    lambda: DFlashModel(config).init(jax.random.PRNGKey(0), feats, x, method=DFlashModel.init_all)
+  )
   return nn.meta.unbox(abstract["params"])
 
 
 def logical_axes(config: DFlashConfig) -> Any:
   feats = jnp.zeros((1, 1, config.num_taps * config.target_hidden_size), jnp.float32)
   x = jnp.zeros((1, 1, 1, config.hidden_size), jnp.float32)
-  abstract = jax.eval_shape(lambda: DFlashModel(config).init(jax.random.PRNGKey(0), feats, x,
-                                                             method=DFlashModel.init_all))
+  abstract = jax.eval_shape(
+    lambda: DFlashModel(config).init(jax.random.PRNGKey(0), feats, x, method=DFlashModel.init_all)
+  )
   return nn.get_partition_spec(abstract)["params"]
 
 
@@ -366,10 +447,11 @@ def init_params(config: DFlashConfig, seed: int = 0, stddev: float = 0.02) -> An
 # The drafter
 # --------------------------------------------------------------------------------------------------
 
+
 @flax.struct.dataclass
 class DFlashState:
-  ctx_k: jax.Array    # [L, B, C, K, D] context keys (post k_norm and RoPE), per drafter layer
-  ctx_v: jax.Array    # [L, B, C, K, D]
+  ctx_k: jax.Array  # [L, B, C, K, D] context keys (post k_norm and RoPE), per drafter layer
+  ctx_v: jax.Array  # [L, B, C, K, D]
   ctx_pos: jax.Array  # [B, C] int32: position held by each slot, −1 = empty
 
 
@@ -399,8 +481,7 @@ class DFlashDrafter(Drafter):
   gamma: int = 0
   sample_drafts: bool = False
   context_window: int = 0
-  hf_config: Optional[dict] = dataclasses.field(default=None, compare=False, hash=False,
-                                                repr=False)
+  hf_config: Optional[dict] = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
   def __post_init__(self):
     if self.config is None:
@@ -410,52 +491,85 @@ class DFlashDrafter(Drafter):
     if self.gamma < 1:
       raise ValueError(f"DFlashDrafter needs gamma (block length − 1) ≥ 1, got {self.gamma}")
     if self.context_window and self.context_window < self.gamma + 1:
-      raise ValueError(f"context_window ({self.context_window}) must hold at least one block "
-                       f"({self.gamma + 1} positions)")
+      raise ValueError(
+        f"context_window ({self.context_window}) must hold at least one block "
+        f"({self.gamma + 1} positions)"
+      )
 
   # -- construction ------------------------------------------------------------------------------
 
   @classmethod
-  def for_target(cls, target: TargetModel, config: DFlashConfig, draft_params: Any,
-                 **kwargs: Any) -> "DFlashDrafter":
+  def for_target(
+    cls, target: TargetModel, config: DFlashConfig, draft_params: Any, **kwargs: Any
+  ) -> "DFlashDrafter":
     """Binds drafter weights to a target (shared embedding and LM head), checking sizes."""
-    check_target(target, hidden_size=config.hidden_size,
-                 target_hidden_size=config.target_hidden_size, vocab_size=config.vocab_size,
-                 tap_ids=config.target_layer_ids, what="DFlash")
+    check_target(
+      target,
+      hidden_size=config.hidden_size,
+      target_hidden_size=config.target_hidden_size,
+      vocab_size=config.vocab_size,
+      tap_ids=config.target_layer_ids,
+      what="DFlash",
+    )
     if not 0 <= config.mask_token_id < target.config.vocab_size:
-      raise InputError(f"DFlash mask_token_id {config.mask_token_id} is outside the target "
-                       f"vocabulary ({target.config.vocab_size})")
-    config = config.replace(vocab_size=target.config.vocab_size,
-                            num_target_layers=target.config.num_layers,
-                            dtype=target.config.dtype)
+      raise InputError(
+        f"DFlash mask_token_id {config.mask_token_id} is outside the target "
+        f"vocabulary ({target.config.vocab_size})"
+      )
+    config = config.replace(
+      vocab_size=target.config.vocab_size,
+      num_target_layers=target.config.num_layers,
+      dtype=target.config.dtype,
+    )
     params = {"draft": draft_params, **shared_target_params(target)}
     return cls(params=params, config=config, **kwargs)
 
   @classmethod
-  def random(cls, target: TargetModel, *, mask_token_id: Optional[int] = None,
-             num_layers: int = 1,
-             block_size: int = 16, target_layer_ids: Optional[tuple[int, ...]] = None,
-             num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
-             head_dim: Optional[int] = None, intermediate_size: Optional[int] = None,
-             layer_windows: tuple[int, ...] = (), seed: int = 0, stddev: float = 0.02,
-             **kwargs: Any) -> "DFlashDrafter":
+  def random(
+    cls,
+    target: TargetModel,
+    *,
+    mask_token_id: Optional[int] = None,
+    num_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: Optional[tuple[int, ...]] = None,
+    num_heads: Optional[int] = None,
+    num_kv_heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    intermediate_size: Optional[int] = None,
+    layer_windows: tuple[int, ...] = (),
+    seed: int = 0,
+    stddev: float = 0.02,
+    **kwargs: Any,
+  ) -> "DFlashDrafter":
     """A freshly initialised drafter for `target` (sizes default to the target's; the mask id to
     the target tokenizer's mask token)."""
     tc = target.config
     if mask_token_id is None:
       mask_token_id = getattr(target.tokenizer, "mask_id", None)
       if mask_token_id is None:
-        raise ValueError("DFlash needs a mask token: pass mask_token_id (the target has no "
-                         "tokenizer with one)")
+        raise ValueError(
+          "DFlash needs a mask token: pass mask_token_id (the target has no tokenizer with one)"
+        )
     ids = target_layer_ids or build_target_layer_ids(tc.num_layers, num_layers)
     config = DFlashConfig(
-        hidden_size=tc.hidden_size, num_layers=num_layers, num_heads=num_heads or tc.num_heads,
-        num_kv_heads=num_kv_heads or tc.num_kv_heads, head_dim=head_dim or tc.head_dim,
-        intermediate_size=intermediate_size or tc.intermediate_size, target_layer_ids=ids,
-        mask_token_id=mask_token_id, block_size=block_size, vocab_size=tc.vocab_size,
-        target_hidden_size=tc.hidden_size, num_target_layers=tc.num_layers,
-        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, layer_windows=layer_windows,
-        dtype=tc.dtype)
+      hidden_size=tc.hidden_size,
+      num_layers=num_layers,
+      num_heads=num_heads or tc.num_heads,
+      num_kv_heads=num_kv_heads or tc.num_kv_heads,
+      head_dim=head_dim or tc.head_dim,
+      intermediate_size=intermediate_size or tc.intermediate_size,
+      target_layer_ids=ids,
+      mask_token_id=mask_token_id,
+      block_size=block_size,
+      vocab_size=tc.vocab_size,
+      target_hidden_size=tc.hidden_size,
+      num_target_layers=tc.num_layers,
+      rms_norm_eps=tc.rms_norm_eps,
+      rope_theta=tc.rope_theta,
+      layer_windows=layer_windows,
+      dtype=tc.dtype,
+    )
     return cls.for_target(target, config, init_params(config, seed, stddev), **kwargs)
 
   # -- protocol ------------------------------------------------------------------------------------
@@ -481,14 +595,17 @@ class DFlashDrafter(Drafter):
     cap = self.capacity(max_len)
     shape = (c.num_layers, batch, cap, c.num_kv_heads, c.head_dim)
     dt = dtype_of(c.dtype)
-    return DFlashState(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
-                       jnp.full((batch, cap), -1, jnp.int32))
+    return DFlashState(
+      jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.full((batch, cap), -1, jnp.int32)
+    )
 
-  def _write_context(self, params: Any, state: DFlashState, taps: jax.Array,
-                     positions: jax.Array, valid: jax.Array) -> DFlashState:
+  def _write_context(
+    self, params: Any, state: DFlashState, taps: jax.Array, positions: jax.Array, valid: jax.Array
+  ) -> DFlashState:
     """Appends the K/V of target features taps [n_taps, B, T, H] at positions [B, T]."""
-    k, v = DFlashModel(self.config).apply({"params": params["draft"]}, _concat_taps(taps),
-                                          positions, method=DFlashModel.context_kv)
+    k, v = DFlashModel(self.config).apply(
+      {"params": params["draft"]}, _concat_taps(taps), positions, method=DFlashModel.context_kv
+    )
     cap = state.ctx_pos.shape[1]
     rows = jnp.arange(positions.shape[0])[:, None]
     slots = jnp.where(valid, positions % cap, cap)
@@ -504,26 +621,37 @@ class DFlashDrafter(Drafter):
     valid = (pos < lens) & (pos >= lens - state.ctx_pos.shape[1])
     return self._write_context(params, state, ctx.taps, pos, valid)
 
-  def block_logits(self, params: Any, state: DFlashState, block: jax.Array,
-                   start: jax.Array) -> jax.Array:
+  def block_logits(
+    self, params: Any, state: DFlashState, block: jax.Array, start: jax.Array
+  ) -> jax.Array:
     """Drafter logits [B, T, V] of a block [B, T] at positions start..start+T−1, attending to
     the stored context before `start`."""
     c = self.config
     t = block.shape[1]
     x = embed_tokens(params, block, c.dtype)[:, None]
     q_pos = (start[:, None] + jnp.arange(t, dtype=jnp.int32)[None])[:, None]
-    h = DFlashModel(c).apply({"params": params["draft"]}, x, q_pos, state.ctx_k, state.ctx_v,
-                             state.ctx_pos, start[:, None], self.context_window)
+    h = DFlashModel(c).apply(
+      {"params": params["draft"]},
+      x,
+      q_pos,
+      state.ctx_k,
+      state.ctx_v,
+      state.ctx_pos,
+      start[:, None],
+      self.context_window,
+    )
     return target_head(params, h[:, 0], c.dtype)
 
-  def propose(self, params: Any, state: DFlashState,
-              ctx: ProposeContext) -> tuple[Proposal, DFlashState]:
+  def propose(
+    self, params: Any, state: DFlashState, ctx: ProposeContext
+  ) -> tuple[Proposal, DFlashState]:
     b = ctx.tokens.shape[0]
     rows = jnp.arange(b)
     start = ctx.seq_len - 1  # the bonus token's slot: context exists for positions < start
     root = ctx.tokens[rows, start]
     block = jnp.concatenate(
-        [root[:, None], jnp.full((b, self.gamma), self.config.mask_token_id, jnp.int32)], axis=1)
+      [root[:, None], jnp.full((b, self.gamma), self.config.mask_token_id, jnp.int32)], axis=1
+    )
     logits = self.block_logits(params, state, block, start)[:, 1:]  # [B, γ, V]
     temp = jnp.where(sampling.is_greedy(ctx.sampling), 1.0, ctx.sampling.temperature)
     logprobs = jax.nn.log_softmax(logits / temp[:, None, None].astype(jnp.float32), axis=-1)
@@ -542,8 +670,14 @@ class DFlashDrafter(Drafter):
 
   # -- training form -------------------------------------------------------------------------------
 
-  def train_hidden(self, params: Any, tokens: jax.Array, taps: jax.Array, anchors: jax.Array,
-                   block_size: Optional[int] = None) -> jax.Array:
+  def train_hidden(
+    self,
+    params: Any,
+    tokens: jax.Array,
+    taps: jax.Array,
+    anchors: jax.Array,
+    block_size: Optional[int] = None,
+  ) -> jax.Array:
     """Training forward: final-normed hidden [B, N, bs, H] of N blocks in one pass.
 
     tokens [B, S]; taps [n_taps, B, S, H] target features of every position; anchors [B, N]:
@@ -555,28 +689,33 @@ class DFlashDrafter(Drafter):
     b, s = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
     model = DFlashModel(c)
-    k, v = model.apply({"params": params["draft"]}, _concat_taps(taps), pos,
-                       method=DFlashModel.context_kv)
+    k, v = model.apply(
+      {"params": params["draft"]}, _concat_taps(taps), pos, method=DFlashModel.context_kv
+    )
     first = jnp.take_along_axis(tokens, jnp.clip(anchors, 0, s - 1), axis=1)
     n = anchors.shape[1]
-    block = jnp.concatenate([first[..., None],
-                             jnp.full((b, n, bs - 1), c.mask_token_id, jnp.int32)], axis=-1)
+    block = jnp.concatenate(
+      [first[..., None], jnp.full((b, n, bs - 1), c.mask_token_id, jnp.int32)], axis=-1
+    )
     x = embed_tokens(params, block, c.dtype)
     q_pos = anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)
-    return model.apply({"params": params["draft"]}, x, q_pos, k, v, pos, anchors,
-                       self.context_window)
+    return model.apply(
+      {"params": params["draft"]}, x, q_pos, k, v, pos, anchors, self.context_window
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # Published checkpoints (layout in jaxspec.io.drafter_ckpt)
 # --------------------------------------------------------------------------------------------------
 
+
 def config_from_hf(hf: dict) -> DFlashConfig:
   """DFlashConfig of a DFlash `config.json` dict."""
   fields = drafter_ckpt.dflash_config_from_hf(hf)
   if fields["target_layer_ids"] is None:
-    fields["target_layer_ids"] = build_target_layer_ids(fields["num_target_layers"],
-                                                        fields["num_layers"])
+    fields["target_layer_ids"] = build_target_layer_ids(
+      fields["num_target_layers"], fields["num_layers"]
+    )
   return DFlashConfig(**fields)
 
 
@@ -586,7 +725,8 @@ def load_dflash(model_dir: str, target: TargetModel, **kwargs: Any) -> DFlashDra
   hf = read_config(model_dir)
   config = config_from_hf(hf)
   params, _, dtype = drafter_ckpt.read_checkpoint(
-      model_dir, list(drafter_ckpt.dflash_tensor_map(config)), param_shapes(config))
+    model_dir, list(drafter_ckpt.dflash_tensor_map(config)), param_shapes(config)
+  )
   config = config.replace(param_dtype=dtype)
   params = jax.tree_util.tree_map(jnp.asarray, params)
   return DFlashDrafter.for_target(target, config, params, hf_config=hf, **kwargs)
@@ -594,12 +734,15 @@ def load_dflash(model_dir: str, target: TargetModel, **kwargs: Any) -> DFlashDra
 
 def dflash_tensors(drafter: DFlashDrafter) -> dict[str, np.ndarray]:
   """The drafter's weights under their published names."""
-  return drafter_ckpt.export_tensors(drafter_ckpt.dflash_tensor_map(drafter.config),
-                                     drafter.params["draft"])
+  return drafter_ckpt.export_tensors(
+    drafter_ckpt.dflash_tensor_map(drafter.config), drafter.params["draft"]
+  )
 
 
 def save_dflash(drafter: DFlashDrafter, out_dir: str) -> None:
   """Writes config.json and model.safetensors in the published DFlash layout."""
   drafter_ckpt.write_checkpoint(
-      out_dir, drafter_ckpt.dflash_config_to_hf(drafter.config, drafter.hf_config),
-      dflash_tensors(drafter))
+    out_dir,
+    drafter_ckpt.dflash_config_to_hf(drafter.config, drafter.hf_config),
+    dflash_tensors(drafter),
+  )

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, Proposal,
-                                   ProposeContext)
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.models import target as target_lib
 from jaxspec.spec import sampling
 from jaxspec.spec.verify import leading_true_count
@@ -57,8 +56,9 @@ class DraftModelDrafter(Drafter):
       raise ValueError(f"DraftModelDrafter needs gamma >= 1, got {self.gamma}")
 
   @classmethod
-  def from_model(cls, model: target_lib.TargetModel, gamma: int = 4,
-                 tree: bool = False) -> "DraftModelDrafter":
+  def from_model(
+    cls, model: target_lib.TargetModel, gamma: int = 4, tree: bool = False
+  ) -> "DraftModelDrafter":
     return cls(gamma=gamma, params=model.params, config=model.config, tree=tree)
 
   def for_tree(self) -> "DraftModelDrafter":
@@ -75,26 +75,42 @@ class DraftModelDrafter(Drafter):
 
   def init_state(self, params: Any, batch: int, max_len: int) -> DraftModelState:
     del params
-    return DraftModelState(KVCache.for_model(self.config, batch, max_len),
-                           jnp.zeros((batch, self.gamma), jnp.int32))
+    return DraftModelState(
+      KVCache.for_model(self.config, batch, max_len), jnp.zeros((batch, self.gamma), jnp.int32)
+    )
 
   def prefill(self, params: Any, state: DraftModelState, ctx: PrefillContext) -> DraftModelState:
-    prompts = ctx.tokens[:, :ctx.hidden.shape[1]]
+    prompts = ctx.tokens[:, : ctx.hidden.shape[1]]
     cache = state.cache
-    out = target_lib.apply_decoder(self.config, params, prompts, jnp.zeros_like(ctx.prompt_lens),
-                                   cache.k, cache.v, last_only=True)
+    out = target_lib.apply_decoder(
+      self.config,
+      params,
+      prompts,
+      jnp.zeros_like(ctx.prompt_lens),
+      cache.k,
+      cache.v,
+      last_only=True,
+    )
     return state.replace(cache=KVCache(out.cache_k, out.cache_v, ctx.prompt_lens))
 
-  def propose(self, params: Any, state: DraftModelState,
-              ctx: ProposeContext) -> tuple[Proposal, DraftModelState]:
+  def propose(
+    self, params: Any, state: DraftModelState, ctx: ProposeContext
+  ) -> tuple[Proposal, DraftModelState]:
     batch, max_len = ctx.tokens.shape
     # Pending committed tokens: slots valid..seq_len-1 (≥ 1: the root), padded to a fixed block.
     width = self.pending_block
     valid = jnp.clip(state.cache.lengths, ctx.seq_len - width, ctx.seq_len - 1)
     slots = jnp.minimum(valid[:, None] + jnp.arange(width)[None, :], max_len - 1)
     pending = jnp.take_along_axis(ctx.tokens, slots, axis=1)
-    out = target_lib.apply_decoder(self.config, params, pending, valid, state.cache.k,
-                                   state.cache.v, logits_index=ctx.seq_len - 1 - valid)
+    out = target_lib.apply_decoder(
+      self.config,
+      params,
+      pending,
+      valid,
+      state.cache.k,
+      state.cache.v,
+      logits_index=ctx.seq_len - 1 - valid,
+    )
     first_logits = out.logits[:, 0]  # at the root
     keys = jax.random.split(ctx.key, self.gamma)
     temp = jnp.where(sampling.is_greedy(ctx.sampling), 1.0, ctx.sampling.temperature)
@@ -115,7 +131,8 @@ class DraftModelDrafter(Drafter):
       return (o.cache_k, o.cache_v, nxt, pos + 1), (nxt, qn)
 
     (cache_k, cache_v, _, _), (toks, qs) = jax.lax.scan(
-        step, (out.cache_k, out.cache_v, tok, ctx.seq_len), keys[1:])
+      step, (out.cache_k, out.cache_v, tok, ctx.seq_len), keys[1:]
+    )
     tokens = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
     dists = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     proposal = Proposal(tokens, logprobs=dists) if self.tree else Proposal(tokens, dists)

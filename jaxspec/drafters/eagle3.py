@@ -34,14 +34,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, Proposal,
-                                   ProposeContext)
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.drafters.dflash import check_target, shared_target_params
 from jaxspec.drafters.mtp import tree_logprobs
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.hf import CheckpointError, read_config
-from jaxspec.models.layers import (MLP, NEG_INF, Dense, RMSNorm, apply_rope, block_visibility,
-                                   dtype_of, gqa_attention, rope_tables, write_block)
+from jaxspec.models.layers import (
+  MLP,
+  NEG_INF,
+  Dense,
+  RMSNorm,
+  apply_rope,
+  block_visibility,
+  dtype_of,
+  gqa_attention,
+  rope_tables,
+  write_block,
+)
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.spec import sampling
 
@@ -87,30 +96,50 @@ class Eagle3Config:
       if not cond:
         raise ConfigError(f"EAGLE-3 drafter: {msg}")
 
-    for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                 "vocab_size"):
+    for name in (
+      "hidden_size",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "intermediate_size",
+      "vocab_size",
+    ):
       need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
-    need(self.num_heads % self.num_kv_heads == 0,
-         f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-         f"({self.num_kv_heads})")
+    need(
+      self.num_heads % self.num_kv_heads == 0,
+      f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+      f"({self.num_kv_heads})",
+    )
     need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
-    need(len(self.target_layer_ids) == 3 and all(i >= 0 for i in self.target_layer_ids),
-         f"needs exactly three non-negative target layer ids, got {list(self.target_layer_ids)}")
-    need(0 < self.draft_vocab_size <= self.vocab_size,
-         f"draft_vocab_size ({self.draft_vocab_size}) must be in [1, vocab_size="
-         f"{self.vocab_size}]")
+    need(
+      len(self.target_layer_ids) == 3 and all(i >= 0 for i in self.target_layer_ids),
+      f"needs exactly three non-negative target layer ids, got {list(self.target_layer_ids)}",
+    )
+    need(
+      0 < self.draft_vocab_size <= self.vocab_size,
+      f"draft_vocab_size ({self.draft_vocab_size}) must be in [1, vocab_size={self.vocab_size}]",
+    )
 
   @property
   def reduced_vocab(self) -> bool:
     return self.draft_vocab_size != self.vocab_size
 
   def body(self) -> ModelConfig:
-    return ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=self.vocab_size,
-                       hidden_size=self.hidden_size, num_layers=1, num_heads=self.num_heads,
-                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                       intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
-                       rope_theta=self.rope_theta, qk_norm=False, dtype=self.dtype,
-                       param_dtype=self.param_dtype)
+    return ModelConfig(
+      architecture="Qwen3ForCausalLM",
+      vocab_size=self.vocab_size,
+      hidden_size=self.hidden_size,
+      num_layers=1,
+      num_heads=self.num_heads,
+      num_kv_heads=self.num_kv_heads,
+      head_dim=self.head_dim,
+      intermediate_size=self.intermediate_size,
+      rms_norm_eps=self.rms_norm_eps,
+      rope_theta=self.rope_theta,
+      qk_norm=False,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+    )
 
   def replace(self, **changes: Any) -> "Eagle3Config":
     return dataclasses.replace(self, **changes)
@@ -119,6 +148,7 @@ class Eagle3Config:
 # --------------------------------------------------------------------------------------------------
 # The network
 # --------------------------------------------------------------------------------------------------
+
 
 class Eagle3Attention(nn.Module):
   """Llama GQA attention whose q/k/v read the 2H-wide [emb; hidden] input."""
@@ -134,8 +164,11 @@ class Eagle3Attention(nn.Module):
     self.o_proj = Dense((c.hidden_size,), ("heads", "head_dim", "embed"), in_dims=2, **dense)
 
   def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    return (apply_rope(self.q_proj(x), cos, sin), apply_rope(self.k_proj(x), cos, sin),
-            self.v_proj(x))
+    return (
+      apply_rope(self.q_proj(x), cos, sin),
+      apply_rope(self.k_proj(x), cos, sin),
+      self.v_proj(x),
+    )
 
   def output(self, o: jax.Array) -> jax.Array:
     return self.o_proj(o)
@@ -163,8 +196,16 @@ class Eagle3Layer(nn.Module):
     h = hidden + self.self_attn.output(attn)
     return h + self.mlp(self.post_attention_layernorm(h))
 
-  def __call__(self, emb: jax.Array, hidden: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-               start: jax.Array, cos: jax.Array, sin: jax.Array):
+  def __call__(
+    self,
+    emb: jax.Array,
+    hidden: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    start: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+  ):
     """A causal block: writes its K/V at slots start.. of the [1, B, S, K, D] cache."""
     c = self.config
     q, k, v = self.self_attn.qkv(self.attn_input(emb, hidden), cos, sin)
@@ -172,8 +213,9 @@ class Eagle3Layer(nn.Module):
     cache_k = write_block(cache_k, k, layer, start)
     cache_v = write_block(cache_v, v, layer, start)
     visible = block_visibility(start, q.shape[1], cache_k.shape[2], None)
-    out = gqa_attention(q, cache_k[0].astype(q.dtype), cache_v[0].astype(q.dtype), visible,
-                        c.head_dim ** -0.5)
+    out = gqa_attention(
+      q, cache_k[0].astype(q.dtype), cache_v[0].astype(q.dtype), visible, c.head_dim**-0.5
+    )
     return self.finish(hidden, out), cache_k, cache_v
 
 
@@ -187,16 +229,22 @@ class Eagle3Model(nn.Module):
     body = c.body()
     self.fc = Dense((c.hidden_size,), ("mlp", "embed"), dtype=c.dtype, param_dtype=c.param_dtype)
     if c.fc_norm:
-      self.fc_norms = [RMSNorm(c.target_hidden_size, c.rms_norm_eps, "embed", c.param_dtype,
-                               name=f"fc_norm_{i}") for i in range(3)]
+      self.fc_norms = [
+        RMSNorm(c.target_hidden_size, c.rms_norm_eps, "embed", c.param_dtype, name=f"fc_norm_{i}")
+        for i in range(3)
+      ]
     self.midlayer = Eagle3Layer(body)
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
-    self.lm_head = Dense((c.draft_vocab_size,), ("embed", "vocab"), dtype=c.dtype,
-                         param_dtype=c.param_dtype)
+    self.lm_head = Dense(
+      (c.draft_vocab_size,), ("embed", "vocab"), dtype=c.dtype, param_dtype=c.param_dtype
+    )
     if c.has_embedding:
-      self.embed = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(0.02),
-                                                                    ("vocab", "embed")),
-                              (c.vocab_size, c.hidden_size), dtype_of(c.param_dtype))
+      self.embed = self.param(
+        "embed",
+        nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+        (c.vocab_size, c.hidden_size),
+        dtype_of(c.param_dtype),
+      )
 
   def fuse(self, feats: jax.Array) -> jax.Array:
     """[B, T, 3·H_t] concatenated taps → [B, T, H]."""
@@ -214,8 +262,14 @@ class Eagle3Model(nn.Module):
   def _rope(self, positions: jax.Array):
     return rope_tables(positions, self.config.head_dim, self.config.rope_theta)
 
-  def __call__(self, emb: jax.Array, hidden: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-               start: jax.Array):
+  def __call__(
+    self,
+    emb: jax.Array,
+    hidden: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    start: jax.Array,
+  ):
     """A causal block of (emb, hidden) pairs at positions start.. → (h, logits, caches)."""
     t = emb.shape[1]
     cos, sin = self._rope(start[:, None] + jnp.arange(t, dtype=jnp.int32)[None])
@@ -238,7 +292,7 @@ class Eagle3Model(nn.Module):
     base = jnp.arange(s, dtype=jnp.int32)[None]
     causal = base[0][:, None] >= base[0][None, :]  # [S_q, S_k]
     kv, g = c.num_kv_heads, c.num_heads // c.num_kv_heads
-    scale = c.head_dim ** -0.5
+    scale = c.head_dim**-0.5
     k0 = v0 = None
     diag_k, diag_v, out = [], [], []
     for j in range(steps):
@@ -252,11 +306,15 @@ class Eagle3Model(nn.Module):
         diag_v.append(v)
       s0 = jnp.einsum("bskgd,btkd->bkgst", qg, k0, preferred_element_type=jnp.float32) * scale
       s0 = jnp.where(causal[None, None, None], s0, NEG_INF)
-      sd = [jnp.einsum("bskgd,bskd->bkgs", qg, kd, preferred_element_type=jnp.float32)[..., None]
-            * scale for kd in diag_k]
+      sd = [
+        jnp.einsum("bskgd,bskd->bkgs", qg, kd, preferred_element_type=jnp.float32)[..., None]
+        * scale
+        for kd in diag_k
+      ]
       probs = jax.nn.softmax(jnp.concatenate([s0] + sd, axis=-1), axis=-1)
-      o = jnp.einsum("bkgst,btkd->bskgd", probs[..., :s].astype(q.dtype), v0,
-                     preferred_element_type=jnp.float32)
+      o = jnp.einsum(
+        "bkgst,btkd->bskgd", probs[..., :s].astype(q.dtype), v0, preferred_element_type=jnp.float32
+      )
       for i, vd in enumerate(diag_v):
         o = o + probs[..., s + i].transpose(0, 3, 1, 2)[..., None] * vd[:, :, :, None, :]
       hidden = layer.finish(hidden, o.reshape(b, s, c.num_heads, c.head_dim).astype(q.dtype))
@@ -275,8 +333,9 @@ class Eagle3Model(nn.Module):
 def _abstract(config: Eagle3Config):
   feats = jnp.zeros((1, 1, 3 * config.target_hidden_size), jnp.float32)
   emb = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
-  return jax.eval_shape(lambda: Eagle3Model(config).init(jax.random.PRNGKey(0), feats, emb,
-                                                         method=Eagle3Model.init_all))
+  return jax.eval_shape(
+    lambda: Eagle3Model(config).init(jax.random.PRNGKey(0), feats, emb, method=Eagle3Model.init_all)
+  )
 
 
 def param_shapes(config: Eagle3Config) -> Any:
@@ -302,6 +361,7 @@ def init_params(config: Eagle3Config, seed: int = 0, stddev: float = 0.02) -> An
 # Vocabulary maps
 # --------------------------------------------------------------------------------------------------
 
+
 def make_vocab_maps(used_target_ids: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
   """(d2t [V_d] int64 offsets, t2d [V] bool) for a draft vocabulary of the given target ids."""
   ids = np.sort(np.unique(np.asarray(used_target_ids, np.int64)))
@@ -312,13 +372,16 @@ def make_vocab_maps(used_target_ids: Any, vocab_size: int) -> tuple[np.ndarray, 
   return ids - np.arange(ids.size, dtype=np.int64), t2d
 
 
-def check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray, vocab_size: int,
-                     draft_vocab_size: int) -> None:
+def check_vocab_maps(
+  d2t: np.ndarray, t2d: np.ndarray, vocab_size: int, draft_vocab_size: int
+) -> None:
   """Raises ValueError unless d2t/t2d describe the same injective draft → target map."""
   d2t, t2d = np.asarray(d2t), np.asarray(t2d)
   if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
-    raise ValueError(f"d2t must be [{draft_vocab_size}] and t2d [{vocab_size}], got "
-                     f"{list(d2t.shape)} and {list(t2d.shape)}")
+    raise ValueError(
+      f"d2t must be [{draft_vocab_size}] and t2d [{vocab_size}], got "
+      f"{list(d2t.shape)} and {list(t2d.shape)}"
+    )
   target_ids = np.arange(draft_vocab_size) + d2t.astype(np.int64)
   if target_ids.min() < 0 or target_ids.max() >= vocab_size:
     raise ValueError(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
@@ -332,9 +395,10 @@ def check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray, vocab_size: int,
 # The drafter
 # --------------------------------------------------------------------------------------------------
 
+
 @flax.struct.dataclass
 class Eagle3State:
-  cache_k: jax.Array     # [1, B, L, K, D]
+  cache_k: jax.Array  # [1, B, L, K, D]
   cache_v: jax.Array
   last_feature: jax.Array  # [B, H] fused target feature at slot seq_len − 2
 
@@ -359,11 +423,11 @@ class Eagle3Drafter(Drafter):
   config: Eagle3Config = None  # type: ignore[assignment]
   gamma: int = 4
   sample_drafts: bool = True
-  hf_config: Optional[dict] = dataclasses.field(default=None, compare=False, hash=False,
-                                                repr=False)
+  hf_config: Optional[dict] = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   # The checkpoint's own d2t (int64) / t2d (bool) arrays, kept for an exact export.
-  vocab_maps: Optional[dict] = dataclasses.field(default=None, compare=False, hash=False,
-                                                 repr=False)
+  vocab_maps: Optional[dict] = dataclasses.field(
+    default=None, compare=False, hash=False, repr=False
+  )
 
   def __post_init__(self):
     if self.config is None:
@@ -372,13 +436,23 @@ class Eagle3Drafter(Drafter):
       raise ValueError(f"Eagle3Drafter needs gamma >= 1, got {self.gamma}")
 
   @classmethod
-  def for_target(cls, target: TargetModel, config: Eagle3Config, draft_params: Any,
-                 d2t: Optional[Any] = None, **kwargs: Any) -> "Eagle3Drafter":
+  def for_target(
+    cls,
+    target: TargetModel,
+    config: Eagle3Config,
+    draft_params: Any,
+    d2t: Optional[Any] = None,
+    **kwargs: Any,
+  ) -> "Eagle3Drafter":
     """Binds weights to a target (shared embedding unless the drafter has its own)."""
-    check_target(target, hidden_size=(target.config.hidden_size if config.has_embedding
-                                      else config.hidden_size),
-                 target_hidden_size=config.target_hidden_size, vocab_size=config.vocab_size,
-                 tap_ids=config.target_layer_ids, what="EAGLE-3")
+    check_target(
+      target,
+      hidden_size=(target.config.hidden_size if config.has_embedding else config.hidden_size),
+      target_hidden_size=config.target_hidden_size,
+      vocab_size=config.vocab_size,
+      tap_ids=config.target_layer_ids,
+      what="EAGLE-3",
+    )
     config = config.replace(dtype=target.config.dtype)
     params: dict = {"draft": draft_params}
     if not config.has_embedding:
@@ -390,11 +464,20 @@ class Eagle3Drafter(Drafter):
     return cls(params=params, config=config, **kwargs)
 
   @classmethod
-  def random(cls, target: TargetModel, *, draft_vocab: Optional[Any] = None,
-             target_layer_ids: Optional[tuple[int, ...]] = None,
-             num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
-             head_dim: Optional[int] = None, intermediate_size: Optional[int] = None,
-             seed: int = 0, stddev: float = 0.02, **kwargs: Any) -> "Eagle3Drafter":
+  def random(
+    cls,
+    target: TargetModel,
+    *,
+    draft_vocab: Optional[Any] = None,
+    target_layer_ids: Optional[tuple[int, ...]] = None,
+    num_heads: Optional[int] = None,
+    num_kv_heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    intermediate_size: Optional[int] = None,
+    seed: int = 0,
+    stddev: float = 0.02,
+    **kwargs: Any,
+  ) -> "Eagle3Drafter":
     """A freshly initialised drafter; `draft_vocab` (target ids) makes a reduced vocabulary."""
     tc = target.config
     d2t = None
@@ -403,13 +486,19 @@ class Eagle3Drafter(Drafter):
       d2t, _ = make_vocab_maps(draft_vocab, tc.vocab_size)
       draft_vocab_size = d2t.shape[0]
     config = Eagle3Config(
-        hidden_size=tc.hidden_size, num_heads=num_heads or tc.num_heads,
-        num_kv_heads=num_kv_heads or tc.num_kv_heads, head_dim=head_dim or tc.head_dim,
-        intermediate_size=intermediate_size or tc.intermediate_size,
-        target_layer_ids=target_layer_ids or default_layer_ids(tc.num_layers),
-        vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab_size,
-        target_hidden_size=tc.hidden_size, rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=tc.rope_theta, dtype=tc.dtype)
+      hidden_size=tc.hidden_size,
+      num_heads=num_heads or tc.num_heads,
+      num_kv_heads=num_kv_heads or tc.num_kv_heads,
+      head_dim=head_dim or tc.head_dim,
+      intermediate_size=intermediate_size or tc.intermediate_size,
+      target_layer_ids=target_layer_ids or default_layer_ids(tc.num_layers),
+      vocab_size=tc.vocab_size,
+      draft_vocab_size=draft_vocab_size,
+      target_hidden_size=tc.hidden_size,
+      rms_norm_eps=tc.rms_norm_eps,
+      rope_theta=tc.rope_theta,
+      dtype=tc.dtype,
+    )
     return cls.for_target(target, config, init_params(config, seed, stddev), d2t=d2t, **kwargs)
 
   # -- protocol ------------------------------------------------------------------------------------
@@ -448,34 +537,46 @@ class Eagle3Drafter(Drafter):
     return out.at[..., ids].set(x)
 
   def fuse(self, params: Any, taps: jax.Array) -> jax.Array:
-    return self._model().apply({"params": params["draft"]}, _concat_taps(taps),
-                               method=Eagle3Model.fuse)
+    return self._model().apply(
+      {"params": params["draft"]}, _concat_taps(taps), method=Eagle3Model.fuse
+    )
 
-  def forward(self, params: Any, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
-              cache_k: jax.Array, cache_v: jax.Array):
+  def forward(
+    self,
+    params: Any,
+    tokens: jax.Array,
+    hidden: jax.Array,
+    start: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+  ):
     """Causal block of (token t_{i+1}, hidden f_i) at positions start.. → (h, logits, caches)."""
-    return self._model().apply({"params": params["draft"]}, self._embed(params, tokens), hidden,
-                               cache_k, cache_v, start)
+    return self._model().apply(
+      {"params": params["draft"]}, self._embed(params, tokens), hidden, cache_k, cache_v, start
+    )
 
   def init_state(self, params: Any, batch: int, max_len: int) -> Eagle3State:
     del params
     c = self.config
     shape = (1, batch, max_len, c.num_kv_heads, c.head_dim)
     dt = dtype_of(c.dtype)
-    return Eagle3State(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
-                       jnp.zeros((batch, c.hidden_size), dt))
+    return Eagle3State(
+      jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, c.hidden_size), dt)
+    )
 
   def prefill(self, params: Any, state: Eagle3State, ctx: PrefillContext) -> Eagle3State:
     b, p = ctx.hidden.shape[:2]
     feats = self.fuse(params, ctx.taps)
-    tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1:p + 1]
-    _, _, ck, cv = self.forward(params, tokens, feats, jnp.zeros((b,), jnp.int32),
-                                state.cache_k, state.cache_v)
+    tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1 : p + 1]
+    _, _, ck, cv = self.forward(
+      params, tokens, feats, jnp.zeros((b,), jnp.int32), state.cache_k, state.cache_v
+    )
     last = feats[jnp.arange(b), ctx.prompt_lens - 1].astype(state.last_feature.dtype)
     return Eagle3State(ck, cv, last)
 
-  def propose(self, params: Any, state: Eagle3State,
-              ctx: ProposeContext) -> tuple[Proposal, Eagle3State]:
+  def propose(
+    self, params: Any, state: Eagle3State, ctx: ProposeContext
+  ) -> tuple[Proposal, Eagle3State]:
     rows = jnp.arange(ctx.tokens.shape[0])
     root = ctx.tokens[rows, ctx.seq_len - 1]
     keys = jax.random.split(ctx.key, self.gamma)
@@ -509,8 +610,9 @@ class Eagle3Drafter(Drafter):
     feats = self.fuse(params, ctx.taps)  # [B, γ+1, H]
     idx = jnp.minimum(start[:, None] + 1 + jnp.arange(self.gamma)[None, :], max_len - 1)
     tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)
-    _, _, ck, cv = self.forward(params, tokens, feats[:, :self.gamma], start, state.cache_k,
-                                state.cache_v)
+    _, _, ck, cv = self.forward(
+      params, tokens, feats[:, : self.gamma], start, state.cache_k, state.cache_v
+    )
     count = ctx.seq_len - ctx.old_seq_len
     last = feats[rows, jnp.maximum(count - 1, 0)].astype(state.last_feature.dtype)
     last = jnp.where((count > 0)[:, None], last, state.last_feature)
@@ -518,19 +620,22 @@ class Eagle3Drafter(Drafter):
 
   # -- training form -------------------------------------------------------------------------------
 
-  def ttt_logits(self, params: Any, tokens: jax.Array, taps: jax.Array,
-                 steps: int = 7) -> jax.Array:
+  def ttt_logits(
+    self, params: Any, tokens: jax.Array, taps: jax.Array, steps: int = 7
+  ) -> jax.Array:
     """Training-time-test logits [steps, B, S, V_d]: step j at position i predicts t_{i+j+2}."""
     b, s = tokens.shape
     padded = jnp.pad(tokens, ((0, 0), (0, steps + 1)))
-    emb = jnp.stack([self._embed(params, padded[:, j + 1:j + 1 + s]) for j in range(steps)])
-    return self._model().apply({"params": params["draft"]}, emb, _concat_taps(taps),
-                               method=Eagle3Model.ttt)
+    emb = jnp.stack([self._embed(params, padded[:, j + 1 : j + 1 + s]) for j in range(steps)])
+    return self._model().apply(
+      {"params": params["draft"]}, emb, _concat_taps(taps), method=Eagle3Model.ttt
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # Published checkpoints (layout in jaxspec.io.drafter_ckpt)
 # --------------------------------------------------------------------------------------------------
+
 
 def load_eagle3(model_dir: str, target: TargetModel, **kwargs: Any) -> Eagle3Drafter:
   """A published EAGLE-3 checkpoint (SafeAILab / SpecForge layout) bound to `target`.
@@ -545,13 +650,18 @@ def load_eagle3(model_dir: str, target: TargetModel, **kwargs: Any) -> Eagle3Dra
     fields["target_layer_ids"] = default_layer_ids(target.config.num_layers)
   config = Eagle3Config(**fields)
   params, raw, dtype = drafter_ckpt.read_checkpoint(
-      model_dir, list(drafter_ckpt.eagle3_tensor_map(config)), param_shapes(config),
-      extra=("d2t", "t2d"))
+    model_dir,
+    list(drafter_ckpt.eagle3_tensor_map(config)),
+    param_shapes(config),
+    extra=("d2t", "t2d"),
+  )
   config = config.replace(param_dtype=dtype)
   d2t, t2d = raw.get("d2t"), raw.get("t2d")
   if config.reduced_vocab and (d2t is None or t2d is None):
-    raise CheckpointError(f"checkpoint in {model_dir} has a reduced draft vocabulary "
-                          f"({config.draft_vocab_size} < {config.vocab_size}) but lacks d2t/t2d")
+    raise CheckpointError(
+      f"checkpoint in {model_dir} has a reduced draft vocabulary "
+      f"({config.draft_vocab_size} < {config.vocab_size}) but lacks d2t/t2d"
+    )
   maps = None
   if d2t is not None or t2d is not None:
     if d2t is None or t2d is None:
@@ -562,14 +672,16 @@ def load_eagle3(model_dir: str, target: TargetModel, **kwargs: Any) -> Eagle3Dra
       raise CheckpointError(f"checkpoint in {model_dir}: {e}") from None
     maps = {"d2t": np.asarray(d2t), "t2d": np.asarray(t2d)}
   params = jax.tree_util.tree_map(jnp.asarray, params)
-  return Eagle3Drafter.for_target(target, config, params, d2t=d2t, hf_config=hf,
-                                  vocab_maps=maps, **kwargs)
+  return Eagle3Drafter.for_target(
+    target, config, params, d2t=d2t, hf_config=hf, vocab_maps=maps, **kwargs
+  )
 
 
 def eagle3_tensors(drafter: Eagle3Drafter) -> dict[str, np.ndarray]:
   """The drafter's weights (and d2t/t2d) under their published names."""
-  out = drafter_ckpt.export_tensors(drafter_ckpt.eagle3_tensor_map(drafter.config),
-                                    drafter.params["draft"])
+  out = drafter_ckpt.export_tensors(
+    drafter_ckpt.eagle3_tensor_map(drafter.config), drafter.params["draft"]
+  )
   if drafter.vocab_maps:
     out.update(drafter.vocab_maps)
   elif drafter.config.reduced_vocab:
@@ -583,5 +695,7 @@ def eagle3_tensors(drafter: Eagle3Drafter) -> dict[str, np.ndarray]:
 def save_eagle3(drafter: Eagle3Drafter, out_dir: str) -> None:
   """Writes config.json and model.safetensors in the EAGLE-3 (SpecForge) layout."""
   drafter_ckpt.write_checkpoint(
-      out_dir, drafter_ckpt.eagle3_config_to_hf(drafter.config, drafter.hf_config),
-      eagle3_tensors(drafter))
+    out_dir,
+    drafter_ckpt.eagle3_config_to_hf(drafter.config, drafter.hf_config),
+    eagle3_tensors(drafter),
+  )

@@ -26,15 +26,14 @@ import jax.numpy as jnp
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, Proposal,
-                                   ProposeContext)
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.models import target as target_lib
 from jaxspec.spec import sampling
 
 
 @flax.struct.dataclass
 class MTPState:
-  cache_k: jax.Array      # [1, B, L, K, D] the MTP layer's own KV cache
+  cache_k: jax.Array  # [1, B, L, K, D] the MTP layer's own KV cache
   cache_v: jax.Array
   last_hidden: jax.Array  # [B, H] target final-normed hidden at slot seq_len - 2
 
@@ -47,8 +46,9 @@ def tree_logprobs(logits: jax.Array, params: sampling.SamplingParams) -> jax.Arr
   return jax.nn.log_softmax(logits.astype(jnp.float32) / temp, axis=-1)
 
 
-def draw(key: jax.Array, logits: jax.Array, params: sampling.SamplingParams,
-         sample: bool) -> tuple[jax.Array, jax.Array | None]:
+def draw(
+  key: jax.Array, logits: jax.Array, params: sampling.SamplingParams, sample: bool
+) -> tuple[jax.Array, jax.Array | None]:
   """One draft token per row from logits [B, V]: (token, warped q) or (argmax, None)."""
   if not sample:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
@@ -77,22 +77,28 @@ class MTPDrafter(Drafter):
     if self.config is None:
       raise ValueError("MTPDrafter needs the target's ModelConfig")
     if self.config.num_mtp_layers < 1:
-      raise ConfigError(f"{self.config.architecture}: the target has no MTP layers "
-                        f"(num_nextn_predict_layers = 0); the MTP drafter needs at least one")
+      raise ConfigError(
+        f"{self.config.architecture}: the target has no MTP layers "
+        f"(num_nextn_predict_layers = 0); the MTP drafter needs at least one"
+      )
     if not 0 <= self.layer < self.config.num_mtp_layers:
-      raise ValueError(f"MTP layer {self.layer} out of range: the target has "
-                       f"{self.config.num_mtp_layers}")
+      raise ValueError(
+        f"MTP layer {self.layer} out of range: the target has {self.config.num_mtp_layers}"
+      )
     if self.gamma < 1:
       raise ValueError(f"MTPDrafter needs gamma >= 1, got {self.gamma}")
 
   @classmethod
-  def from_target(cls, target: target_lib.TargetModel, gamma: int = 2, layer: int = 0,
-                  sample_drafts: bool = True) -> "MTPDrafter":
+  def from_target(
+    cls, target: target_lib.TargetModel, gamma: int = 2, layer: int = 0, sample_drafts: bool = True
+  ) -> "MTPDrafter":
     """Shares the target's arrays (embedding, LM head, MTP layer): nothing is copied."""
     cfg = target.config
     if cfg.num_mtp_layers < 1:
-      raise ConfigError(f"{cfg.architecture}: the target has no MTP layers "
-                        f"(num_nextn_predict_layers = 0); the MTP drafter needs at least one")
+      raise ConfigError(
+        f"{cfg.architecture}: the target has no MTP layers "
+        f"(num_nextn_predict_layers = 0); the MTP drafter needs at least one"
+      )
     keys = ["embed", f"mtp_{layer}"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
     missing = [k for k in keys if k not in target.params]
     if missing:
@@ -108,8 +114,9 @@ class MTPDrafter(Drafter):
     return dataclasses.replace(self, sample_drafts=False)
 
   def _mtp(self, params, tokens, hidden, start, cache_k, cache_v):
-    return target_lib.apply_mtp(self.config, params, self.layer, tokens, hidden, start, cache_k,
-                                cache_v)
+    return target_lib.apply_mtp(
+      self.config, params, self.layer, tokens, hidden, start, cache_k, cache_v
+    )
 
   def init_state(self, params: Any, batch: int, max_len: int) -> MTPState:
     del params
@@ -121,14 +128,14 @@ class MTPDrafter(Drafter):
     b, p = ctx.hidden.shape[:2]
     rows = jnp.arange(b)
     # Entry i reads (h_i, t_{i+1}); t_P is the first sampled token (already in the buffer).
-    tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1:p + 1]
-    _, _, ck, cv = self._mtp(params, tokens, ctx.hidden, jnp.zeros((b,), jnp.int32),
-                             state.cache_k, state.cache_v)
+    tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1 : p + 1]
+    _, _, ck, cv = self._mtp(
+      params, tokens, ctx.hidden, jnp.zeros((b,), jnp.int32), state.cache_k, state.cache_v
+    )
     last = ctx.hidden[rows, ctx.prompt_lens - 1]
     return MTPState(ck, cv, last.astype(state.last_hidden.dtype))
 
-  def propose(self, params: Any, state: MTPState,
-              ctx: ProposeContext) -> tuple[Proposal, MTPState]:
+  def propose(self, params: Any, state: MTPState, ctx: ProposeContext) -> tuple[Proposal, MTPState]:
     rows = jnp.arange(ctx.tokens.shape[0])
     root = ctx.tokens[rows, ctx.seq_len - 1]
     keys = jax.random.split(ctx.key, self.gamma)
@@ -156,8 +163,9 @@ class MTPDrafter(Drafter):
     # first num_accepted are exact, the rest lie past the committed prefix and are rewritten.
     idx = jnp.minimum(start[:, None] + 1 + jnp.arange(self.gamma)[None, :], max_len - 1)
     tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)
-    _, _, ck, cv = self._mtp(params, tokens, ctx.hidden[:, :self.gamma], start, state.cache_k,
-                             state.cache_v)
+    _, _, ck, cv = self._mtp(
+      params, tokens, ctx.hidden[:, : self.gamma], start, state.cache_k, state.cache_v
+    )
     # The hidden just before the new root: block slot (new seq_len - old seq_len - 1), which is
     # num_accepted unless the budget or a stop cut the block; rows that committed nothing (done)
     # keep theirs.

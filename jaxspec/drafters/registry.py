@@ -25,8 +25,9 @@ def checkpoint_kind(path: str) -> str:
   return "draft_model" if kind == "causal_lm" else kind
 
 
-def load_drafter(path: str, target: TargetModel, gamma: Optional[int] = None,
-                 **kwargs: Any) -> Drafter:
+def load_drafter(
+  path: str, target: TargetModel, gamma: Optional[int] = None, **kwargs: Any
+) -> Drafter:
   """Loads the drafter stored in `path` for `target`, whichever layout config.json names.
 
   DFlash (`DFlashDraftModel`) and EAGLE-3 (`LlamaForCausalLMEagle3`) checkpoints load in their
@@ -41,8 +42,10 @@ def load_drafter(path: str, target: TargetModel, gamma: Optional[int] = None,
     return eagle3.load_eagle3(path, target, gamma=gamma or 4, **kwargs)
   model = hf_io.load_model(path)
   if model.config.vocab_size != target.config.vocab_size:
-    raise InputError(f"drafter vocabulary ({model.config.vocab_size}) differs from the target's "
-                     f"({target.config.vocab_size})")
+    raise InputError(
+      f"drafter vocabulary ({model.config.vocab_size}) differs from the target's "
+      f"({target.config.vocab_size})"
+    )
   return DraftModelDrafter.from_model(model, gamma=gamma or 4)
 
 
@@ -53,13 +56,21 @@ def save_drafter(drafter: Drafter, out_dir: str) -> None:
   elif isinstance(drafter, eagle3.Eagle3Drafter):
     eagle3.save_eagle3(drafter, out_dir)
   else:
-    raise TypeError(f"no published checkpoint layout for {type(drafter).__name__}; save a draft "
-                    f"model with jaxspec.save_hf")
+    raise TypeError(
+      f"no published checkpoint layout for {type(drafter).__name__}; save a draft "
+      f"model with jaxspec.save_hf"
+    )
 
 
-def make_drafter(method: str, target: TargetModel, *, gamma: int = 4,
-                 draft_dir: Optional[str] = None, ngram_n: int = 3,
-                 block_size: Optional[int] = None) -> Optional[Drafter]:
+def make_drafter(
+  method: str,
+  target: TargetModel,
+  *,
+  gamma: int = 4,
+  draft_dir: Optional[str] = None,
+  ngram_n: int = 3,
+  block_size: Optional[int] = None,
+) -> Optional[Drafter]:
   """The drafter for a method name; None for plain decoding.
 
   `gamma` sets the chain length of draft_model / ngram / mtp / eagle3; a DFlash drafter drafts

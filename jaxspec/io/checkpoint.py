@@ -39,23 +39,28 @@ def save(model: target_lib.TargetModel, out_dir: str) -> None:
     model.tokenizer.save_hf(out_dir)
 
 
-def abstract_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = None,
-                    rules: Any = None) -> Any:
+def abstract_params(
+  config: ModelConfig, mesh: jax.sharding.Mesh | None = None, rules: Any = None
+) -> Any:
   """ShapeDtypeStructs of the parameter tree, with shardings on `mesh` when given."""
   shapes = target_lib.param_shapes(config)
   if mesh is None:
     device = jax.devices()[0]
     return jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                       sharding=jax.sharding.SingleDeviceSharding(device)),
-        shapes)
+      lambda s: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
+      ),
+      shapes,
+    )
   shardings = sharding_lib.shardings_for(shapes, target_lib.logical_axes(config), mesh, rules)
   return jax.tree_util.tree_map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+  )
 
 
-def restore(ckpt_dir: str, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
-            **config_overrides: Any) -> target_lib.TargetModel:
+def restore(
+  ckpt_dir: str, mesh: jax.sharding.Mesh | None = None, rules: Any = None, **config_overrides: Any
+) -> target_lib.TargetModel:
   """Loads a checkpoint written by `save`, placing each parameter with its target sharding."""
   ckpt_dir = os.path.abspath(ckpt_dir)
   params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
@@ -71,6 +76,7 @@ def restore(ckpt_dir: str, mesh: jax.sharding.Mesh | None = None, rules: Any = N
   tokenizer = None
   if os.path.exists(os.path.join(ckpt_dir, "tokenizer.json")):
     from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+
     tokenizer = tokenizer_lib.Tokenizer.from_dir(ckpt_dir)
   return target_lib.TargetModel(config, params, tokenizer, hf_config)
 
@@ -83,9 +89,11 @@ def convert(src: str, dst: str, to: str, dtype: str | None = None) -> target_lib
     model = load_model(src)
   if dtype is not None:
     model = target_lib.TargetModel(
-        model.config.replace(param_dtype=dtype),
-        jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), model.params),
-        model.tokenizer, model.hf_config)
+      model.config.replace(param_dtype=dtype),
+      jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), model.params),
+      model.tokenizer,
+      model.hf_config,
+    )
   if to == "hf":
     save_hf(model, dst)
   elif to == "orbax":

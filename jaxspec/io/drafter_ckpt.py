@@ -78,22 +78,28 @@ def _hf_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
 
 def _attn_mlp_entries(bias: bool, qk_norm: bool) -> list[Entry]:
   e: list[Entry] = [
-      ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
-      ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "same"),
-      ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "in_heads"),
-      ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "in_heads"),
-      ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "in_heads"),
-      ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "out_heads"),
+    ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
+    ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "same"),
+    ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "in_heads"),
+    ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "in_heads"),
+    ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "in_heads"),
+    ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "out_heads"),
   ]
   if bias:
-    e += [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), "bias_heads")
-          for p in ("q_proj", "k_proj", "v_proj")]
+    e += [
+      (f"self_attn.{p}.bias", ("self_attn", p, "bias"), "bias_heads")
+      for p in ("q_proj", "k_proj", "v_proj")
+    ]
     e.append(("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "same"))
   if qk_norm:
-    e += [("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "same"),
-          ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "same")]
-  e += [(f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear")
-        for p in ("gate_proj", "up_proj", "down_proj")]
+    e += [
+      ("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "same"),
+      ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "same"),
+    ]
+  e += [
+    (f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear")
+    for p in ("gate_proj", "up_proj", "down_proj")
+  ]
   return e
 
 
@@ -144,13 +150,14 @@ def tensor_names(model_dir: str) -> set[str]:
   """Names of the tensors stored in a checkpoint directory, any leading 'model.' removed."""
   src = _TensorSource(model_dir)
   try:
-    return {n[len("model."):] if n.startswith("model.") else n for n in src.keys()}
+    return {n[len("model.") :] if n.startswith("model.") else n for n in src.keys()}
   finally:
     src.close()
 
 
-def read_checkpoint(model_dir: str, entries: list[Entry], shapes: Any,
-                    extra: tuple[str, ...] = ()) -> tuple[dict, dict[str, np.ndarray], str]:
+def read_checkpoint(
+  model_dir: str, entries: list[Entry], shapes: Any, extra: tuple[str, ...] = ()
+) -> tuple[dict, dict[str, np.ndarray], str]:
   """Reads `entries` (checked against `shapes`) plus the raw `extra` tensors.
 
   Accepts names with or without a leading 'model.'; returns (params, extra tensors, dtype).
@@ -165,21 +172,27 @@ def read_checkpoint(model_dir: str, entries: list[Entry], shapes: Any,
     missing = [hf for hf, _, _ in entries if prefix + hf not in present]
     if missing:
       more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
-      raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the "
-                            f"config needs: {missing[:10]}{more}")
+      raise CheckpointError(
+        f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the "
+        f"config needs: {missing[:10]}{more}"
+      )
     known = {prefix + n for n in wanted}
     unknown = sorted(n for n in present - known if not n.endswith(IGNORED_SUFFIXES))
     if unknown:
-      raise CheckpointError(f"checkpoint in {model_dir} has tensor(s) this drafter layout does "
-                            f"not use (a different architecture or config?): {unknown[:10]}")
+      raise CheckpointError(
+        f"checkpoint in {model_dir} has tensor(s) this drafter layout does "
+        f"not use (a different architecture or config?): {unknown[:10]}"
+      )
     params: dict = {}
     dtypes = set()
     for hf, path, kind in entries:
       want_shape = tuple(_get(shapes, path).shape)
       got = src.shape(prefix + hf)
       if got != _hf_shape(want_shape, kind):
-        raise CheckpointError(f"tensor {hf} has shape {list(got)}, but the config implies "
-                              f"{list(_hf_shape(want_shape, kind))}")
+        raise CheckpointError(
+          f"tensor {hf} has shape {list(got)}, but the config implies "
+          f"{list(_hf_shape(want_shape, kind))}"
+        )
       w = src.get(prefix + hf)
       dtypes.add(_dtype_name(w.dtype))
       _set(params, path, np.ascontiguousarray(_to_jax(w, kind, want_shape)))
@@ -237,6 +250,7 @@ def detect_kind(hf: dict) -> str:
 # DFlash
 # --------------------------------------------------------------------------------------------------
 
+
 def dflash_config_from_hf(hf: dict) -> dict[str, Any]:
   """DFlashConfig fields from a DFlash config.json (target_layer_ids None: the default)."""
   what = "DFlash checkpoint"
@@ -267,16 +281,22 @@ def dflash_config_from_hf(hf: dict) -> dict[str, Any]:
     else:
       raise ConfigError(f"{what}: unsupported layer type {t!r}")
   return dict(
-      hidden_size=hidden, num_layers=layers, num_heads=heads,
-      num_kv_heads=int(_get_key(hf, "num_key_value_heads", heads)),
-      head_dim=int(_get_key(hf, "head_dim", hidden // heads)),
-      intermediate_size=int(hf["intermediate_size"]),
-      target_layer_ids=None if ids is None else tuple(ids),
-      mask_token_id=int(dcfg["mask_token_id"]), block_size=int(_get_key(hf, "block_size", 16)),
-      vocab_size=int(_get_key(hf, "vocab_size", 0)), num_target_layers=num_target,
-      rms_norm_eps=float(_get_key(hf, "rms_norm_eps", 1e-6)),
-      rope_theta=_rope_theta(hf, what, 10000.0),
-      attention_bias=bool(_get_key(hf, "attention_bias", False)), layer_windows=tuple(windows))
+    hidden_size=hidden,
+    num_layers=layers,
+    num_heads=heads,
+    num_kv_heads=int(_get_key(hf, "num_key_value_heads", heads)),
+    head_dim=int(_get_key(hf, "head_dim", hidden // heads)),
+    intermediate_size=int(hf["intermediate_size"]),
+    target_layer_ids=None if ids is None else tuple(ids),
+    mask_token_id=int(dcfg["mask_token_id"]),
+    block_size=int(_get_key(hf, "block_size", 16)),
+    vocab_size=int(_get_key(hf, "vocab_size", 0)),
+    num_target_layers=num_target,
+    rms_norm_eps=float(_get_key(hf, "rms_norm_eps", 1e-6)),
+    rope_theta=_rope_theta(hf, what, 10000.0),
+    attention_bias=bool(_get_key(hf, "attention_bias", False)),
+    layer_windows=tuple(windows),
+  )
 
 
 def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
@@ -286,20 +306,30 @@ def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
   if len(set(windows)) > 1:
     raise ConfigError("the DFlash config format has one sliding_window for all sliding layers")
   hf.update(
-      architectures=[DFLASH_ARCH], model_type=hf.get("model_type", "qwen3"),
-      auto_map=hf.get("auto_map", {"AutoModel": "dflash.DFlashDraftModel"}),
-      block_size=config.block_size,
-      dflash_config={**dict(hf.get("dflash_config") or {}),
-                     "mask_token_id": config.mask_token_id,
-                     "target_layer_ids": list(config.target_layer_ids)},
-      hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
-      num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-      head_dim=config.head_dim, intermediate_size=config.intermediate_size,
-      hidden_act="silu", attention_bias=config.attention_bias,
-      rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
-      layer_types=["sliding_attention" if w else "full_attention" for w in config.layer_windows],
-      sliding_window=windows[0] if windows else None, use_sliding_window=bool(windows),
-      tie_word_embeddings=False)
+    architectures=[DFLASH_ARCH],
+    model_type=hf.get("model_type", "qwen3"),
+    auto_map=hf.get("auto_map", {"AutoModel": "dflash.DFlashDraftModel"}),
+    block_size=config.block_size,
+    dflash_config={
+      **dict(hf.get("dflash_config") or {}),
+      "mask_token_id": config.mask_token_id,
+      "target_layer_ids": list(config.target_layer_ids),
+    },
+    hidden_size=config.hidden_size,
+    num_hidden_layers=config.num_layers,
+    num_attention_heads=config.num_heads,
+    num_key_value_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    intermediate_size=config.intermediate_size,
+    hidden_act="silu",
+    attention_bias=config.attention_bias,
+    rms_norm_eps=config.rms_norm_eps,
+    rope_theta=config.rope_theta,
+    layer_types=["sliding_attention" if w else "full_attention" for w in config.layer_windows],
+    sliding_window=windows[0] if windows else None,
+    use_sliding_window=bool(windows),
+    tie_word_embeddings=False,
+  )
   if "rope_parameters" in hf:
     hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": config.rope_theta}
   if config.vocab_size:
@@ -316,12 +346,14 @@ def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
 # EAGLE-3
 # --------------------------------------------------------------------------------------------------
 
+
 def eagle3_config_from_hf(hf: dict, has_embedding: bool = False) -> dict[str, Any]:
   """Eagle3Config fields from an EAGLE-3 config.json (target_layer_ids None: the default)."""
   what = "EAGLE-3 checkpoint"
   if int(_get_key(hf, "num_hidden_layers", 1)) != 1:
-    raise ConfigError(f"{what}: EAGLE-3 has one decoder layer, config says "
-                      f"{hf['num_hidden_layers']}")
+    raise ConfigError(
+      f"{what}: EAGLE-3 has one decoder layer, config says {hf['num_hidden_layers']}"
+    )
   if _get_key(hf, "hidden_act", "silu") != "silu":
     raise ConfigError(f"{what}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
   if _get_key(hf, "attention_bias", False):
@@ -332,31 +364,45 @@ def eagle3_config_from_hf(hf: dict, has_embedding: bool = False) -> dict[str, An
   ids = eagle.get("eagle_aux_hidden_state_layer_ids")
   vocab = int(hf["vocab_size"])
   return dict(
-      hidden_size=hidden, num_heads=heads,
-      num_kv_heads=int(_get_key(hf, "num_key_value_heads", heads)),
-      head_dim=int(_get_key(hf, "head_dim", hidden // heads)),
-      intermediate_size=int(hf["intermediate_size"]),
-      target_layer_ids=None if ids is None else tuple(ids),
-      vocab_size=vocab, draft_vocab_size=int(_get_key(hf, "draft_vocab_size", vocab)),
-      target_hidden_size=int(_get_key(hf, "target_hidden_size", hidden)),
-      rms_norm_eps=float(_get_key(hf, "rms_norm_eps", 1e-6)),
-      rope_theta=_rope_theta(hf, what, 10000.0), fc_norm=bool(_get_key(hf, "fc_norm", False)),
-      norm_output=bool(_get_key(hf, "norm_output", True)), has_embedding=has_embedding)
+    hidden_size=hidden,
+    num_heads=heads,
+    num_kv_heads=int(_get_key(hf, "num_key_value_heads", heads)),
+    head_dim=int(_get_key(hf, "head_dim", hidden // heads)),
+    intermediate_size=int(hf["intermediate_size"]),
+    target_layer_ids=None if ids is None else tuple(ids),
+    vocab_size=vocab,
+    draft_vocab_size=int(_get_key(hf, "draft_vocab_size", vocab)),
+    target_hidden_size=int(_get_key(hf, "target_hidden_size", hidden)),
+    rms_norm_eps=float(_get_key(hf, "rms_norm_eps", 1e-6)),
+    rope_theta=_rope_theta(hf, what, 10000.0),
+    fc_norm=bool(_get_key(hf, "fc_norm", False)),
+    norm_output=bool(_get_key(hf, "norm_output", True)),
+    has_embedding=has_embedding,
+  )
 
 
 def eagle3_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
   """The config.json of an Eagle3Config, on top of the checkpoint's own (other keys kept)."""
   hf = dict(base or {})
   hf.update(
-      architectures=hf.get("architectures") or [EAGLE3_ARCH],
-      model_type=hf.get("model_type", "llama"), hidden_size=config.hidden_size,
-      num_hidden_layers=1, num_attention_heads=config.num_heads,
-      num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
-      intermediate_size=config.intermediate_size, hidden_act="silu",
-      rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
-      vocab_size=config.vocab_size, draft_vocab_size=config.draft_vocab_size,
-      eagle_config={**dict(hf.get("eagle_config") or {}),
-                    "eagle_aux_hidden_state_layer_ids": list(config.target_layer_ids)})
+    architectures=hf.get("architectures") or [EAGLE3_ARCH],
+    model_type=hf.get("model_type", "llama"),
+    hidden_size=config.hidden_size,
+    num_hidden_layers=1,
+    num_attention_heads=config.num_heads,
+    num_key_value_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    intermediate_size=config.intermediate_size,
+    hidden_act="silu",
+    rms_norm_eps=config.rms_norm_eps,
+    rope_theta=config.rope_theta,
+    vocab_size=config.vocab_size,
+    draft_vocab_size=config.draft_vocab_size,
+    eagle_config={
+      **dict(hf.get("eagle_config") or {}),
+      "eagle_aux_hidden_state_layer_ids": list(config.target_layer_ids),
+    },
+  )
   if config.target_hidden_size != config.hidden_size or "target_hidden_size" in hf:
     hf["target_hidden_size"] = config.target_hidden_size
   if config.fc_norm or "fc_norm" in hf:

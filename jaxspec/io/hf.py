@@ -24,7 +24,7 @@ from jaxspec.models import target as target_lib
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MAX_SHARD_BYTES = 2 * 1024 ** 3
+MAX_SHARD_BYTES = 2 * 1024**3
 
 
 class CheckpointError(ValueError):
@@ -45,46 +45,57 @@ Entry = tuple[str, tuple[str, ...], str]
 
 def _layer_entries(config: ModelConfig, moe: bool) -> list[Entry]:
   e: list[Entry] = [
-      ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
-      ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "same"),
-      ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "in_heads"),
-      ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "in_heads"),
-      ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "in_heads"),
-      ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "out_heads"),
+    ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
+    ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "same"),
+    ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "in_heads"),
+    ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "in_heads"),
+    ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "in_heads"),
+    ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "out_heads"),
   ]
   if config.attention_bias:
-    e += [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), "bias_heads")
-          for p in ("q_proj", "k_proj", "v_proj")]
+    e += [
+      (f"self_attn.{p}.bias", ("self_attn", p, "bias"), "bias_heads")
+      for p in ("q_proj", "k_proj", "v_proj")
+    ]
   if config.attention_out_bias:
     e.append(("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "same"))
   if config.qk_norm:
-    e += [("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "same"),
-          ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "same")]
+    e += [
+      ("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "same"),
+      ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "same"),
+    ]
   if not moe:
-    e += [(f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear")
-          for p in ("gate_proj", "up_proj", "down_proj")]
+    e += [
+      (f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear")
+      for p in ("gate_proj", "up_proj", "down_proj")
+    ]
     return e
   e.append(("mlp.gate.weight", ("mlp", "router"), "linear"))
   if config.router == "sigmoid":
     e.append(("mlp.gate.e_score_correction_bias", ("mlp", "e_score_correction_bias"), "same"))
   for x in range(config.num_experts):
-    e += [(f"mlp.experts.{x}.{p}.weight", ("mlp", p, f"#{x}"), "linear")
-          for p in ("gate_proj", "up_proj", "down_proj")]
+    e += [
+      (f"mlp.experts.{x}.{p}.weight", ("mlp", p, f"#{x}"), "linear")
+      for p in ("gate_proj", "up_proj", "down_proj")
+    ]
   if config.n_shared_experts:
-    e += [(f"mlp.shared_experts.{p}.weight", ("mlp", "shared_experts", p, "kernel"), "linear")
-          for p in ("gate_proj", "up_proj", "down_proj")]
+    e += [
+      (f"mlp.shared_experts.{p}.weight", ("mlp", "shared_experts", p, "kernel"), "linear")
+      for p in ("gate_proj", "up_proj", "down_proj")
+    ]
   return e
 
 
 def _mtp_entries(config: ModelConfig) -> list[Entry]:
   e: list[Entry] = [
-      ("enorm.weight", ("enorm", "scale"), "same"),
-      ("hnorm.weight", ("hnorm", "scale"), "same"),
-      ("eh_proj.weight", ("eh_proj", "kernel"), "linear"),
-      ("shared_head.norm.weight", ("post_norm", "scale"), "same"),
+    ("enorm.weight", ("enorm", "scale"), "same"),
+    ("hnorm.weight", ("hnorm", "scale"), "same"),
+    ("eh_proj.weight", ("eh_proj", "kernel"), "linear"),
+    ("shared_head.norm.weight", ("post_norm", "scale"), "same"),
   ]
-  return e + [(hf, ("block", *path), kind) for hf, path, kind in
-              _layer_entries(config, config.mtp_is_moe)]
+  return e + [
+    (hf, ("block", *path), kind) for hf, path, kind in _layer_entries(config, config.mtp_is_moe)
+  ]
 
 
 def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, str]]:
@@ -139,6 +150,7 @@ def _hf_shape(target_shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
 # Reading
 # --------------------------------------------------------------------------------------------------
 
+
 class _TensorSource:
   """Lazy access to the tensors of one checkpoint directory (single file or sharded)."""
 
@@ -189,8 +201,9 @@ class _TensorSource:
           return np.asarray(fj.get_tensor(name))
       return f.get_tensor(name)
     except (SafetensorError, OSError, ValueError) as e:
-      raise CheckpointError(f"cannot read tensor {name} from {self.file_of[name]} "
-                            f"(truncated or corrupt?): {e}")
+      raise CheckpointError(
+        f"cannot read tensor {name} from {self.file_of[name]} (truncated or corrupt?): {e}"
+      )
 
   def close(self) -> None:
     for h in self._handles.values():
@@ -225,16 +238,21 @@ def load_params(model_dir: str, config: ModelConfig) -> Any:
   """Reads the parameters of `config` from a HF checkpoint directory (numpy, param_dtype)."""
   src = _TensorSource(model_dir)
   shapes = target_lib.param_shapes(config)
-  dtype = np.dtype(ml_dtypes.bfloat16) if config.param_dtype == "bfloat16" else np.dtype(
-      config.param_dtype)
+  dtype = (
+    np.dtype(ml_dtypes.bfloat16)
+    if config.param_dtype == "bfloat16"
+    else np.dtype(config.param_dtype)
+  )
   params: dict = {}
   needed = list(tensor_map(config))
   missing = [hf for hf, *_ in needed if hf not in src.file_of]
   if missing:
     src.close()
     more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
-    raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the "
-                          f"config needs: {missing[:10]}{more}")
+    raise CheckpointError(
+      f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the "
+      f"config needs: {missing[:10]}{more}"
+    )
   try:
     for hf, path, layer_idx, kind in needed:
       expert = None
@@ -246,8 +264,9 @@ def load_params(model_dir: str, config: ModelConfig) -> Any:
       want = _hf_shape(per_item, kind)
       got = src.shape(hf)
       if got != want:
-        raise CheckpointError(f"tensor {hf} has shape {list(got)}, but the config implies "
-                              f"{list(want)}")
+        raise CheckpointError(
+          f"tensor {hf} has shape {list(got)}, but the config implies {list(want)}"
+        )
       w = _to_jax_layout(src.get(hf), kind, per_item).astype(dtype)
       try:
         buf = _get_path(params, path)
@@ -271,6 +290,7 @@ def load_model(model_dir: str, **config_overrides: Any) -> target_lib.TargetMode
   tokenizer = None
   if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
     from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+
     tokenizer = tokenizer_lib.Tokenizer.from_dir(model_dir)
   return target_lib.TargetModel(config, params, tokenizer, hf_config)
 
@@ -278,6 +298,7 @@ def load_model(model_dir: str, **config_overrides: Any) -> target_lib.TargetMode
 # --------------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------------
+
 
 def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
   """The HF-named tensors of a parameter tree."""
@@ -299,14 +320,17 @@ def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
 def _save_file(tensors: dict[str, np.ndarray], path: str) -> None:
   if any(t.dtype == ml_dtypes.bfloat16 for t in tensors.values()):
     from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
+
     save_file({k: jnp.asarray(v) for k, v in tensors.items()}, path, metadata={"format": "pt"})
   else:
     from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def save_hf(model: target_lib.TargetModel, out_dir: str,
-            max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def save_hf(
+  model: target_lib.TargetModel, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> None:
   """Writes config.json, model.safetensors (sharded with an index when large) and tokenizer."""
   os.makedirs(out_dir, exist_ok=True)
   hf_config = dict(model.hf_config or {})
@@ -332,7 +356,14 @@ def save_hf(model: target_lib.TargetModel, out_dir: str,
       _save_file(shard, os.path.join(out_dir, fname))
       weight_map.update({k: fname for k in shard})
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                 "weight_map": weight_map}, f, indent=2, sort_keys=True)
+      json.dump(
+        {
+          "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+          "weight_map": weight_map,
+        },
+        f,
+        indent=2,
+        sort_keys=True,
+      )
   if model.tokenizer is not None:
     model.tokenizer.save_hf(out_dir)

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
-from jaxspec.models.layers import (MLP, Attention, Dense, RMSNorm, dtype_of, normal_init,
-                                   rope_tables)
+from jaxspec.models.layers import MLP, Attention, Dense, RMSNorm, dtype_of, normal_init, rope_tables
 from jaxspec.models.moe import MoE
 
 
@@ -49,13 +48,20 @@ class DecoderLayer(nn.Module):
   moe: bool
 
   @nn.compact
-  def __call__(self, carry: tuple, cos: jax.Array, sin: jax.Array, start: jax.Array,
-               block_mask: jax.Array | None):
+  def __call__(
+    self,
+    carry: tuple,
+    cos: jax.Array,
+    sin: jax.Array,
+    start: jax.Array,
+    block_mask: jax.Array | None,
+  ):
     h, cache_k, cache_v, layer = carry
     c = self.config
     norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, name=name)
     attn_out, cache_k, cache_v = Attention(c, name="self_attn")(
-        norm("input_layernorm")(h), cache_k, cache_v, layer, start, cos, sin, block_mask)
+      norm("input_layernorm")(h), cache_k, cache_v, layer, start, cos, sin, block_mask
+    )
     h = h + attn_out
     x = norm("post_attention_layernorm")(h)
     ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
@@ -65,9 +71,13 @@ class DecoderLayer(nn.Module):
 
 def _stack(config: ModelConfig, moe: bool, length: int, name: str) -> nn.Module:
   scanned = nn.scan(
-      DecoderLayer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=length,
-      metadata_params={nn.PARTITION_NAME: "layers"})
+    DecoderLayer,
+    variable_axes={"params": 0, "intermediates": 0},
+    split_rngs={"params": True},
+    in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+    length=length,
+    metadata_params={nn.PARTITION_NAME: "layers"},
+  )
   return scanned(config, moe, name=name)
 
 
@@ -84,17 +94,27 @@ class MTPLayer(nn.Module):
     c = self.config
     self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
     self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
-    self.eh_proj = Dense((c.hidden_size,), ("mlp", "embed"), dtype=c.dtype,
-                         param_dtype=c.param_dtype)
+    self.eh_proj = Dense(
+      (c.hidden_size,), ("mlp", "embed"), dtype=c.dtype, param_dtype=c.param_dtype
+    )
     self.block = DecoderLayer(c, c.mtp_is_moe)
     self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
 
-  def __call__(self, emb: jax.Array, prev_hidden: jax.Array, cache_k: jax.Array,
-               cache_v: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array,
-               block_mask: jax.Array | None):
+  def __call__(
+    self,
+    emb: jax.Array,
+    prev_hidden: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    start: jax.Array,
+    block_mask: jax.Array | None,
+  ):
     x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(prev_hidden)], axis=-1))
-    (h, cache_k, cache_v, _), _ = self.block((x, cache_k, cache_v, jnp.int32(0)), cos, sin, start,
-                                             block_mask)
+    (h, cache_k, cache_v, _), _ = self.block(
+      (x, cache_k, cache_v, jnp.int32(0)), cos, sin, start, block_mask
+    )
     return h, self.post_norm(h), cache_k, cache_v
 
 
@@ -106,14 +126,19 @@ class Decoder(nn.Module):
   def setup(self):
     c = self.config
     self.embed = self.param(
-        "embed", nn.with_logical_partitioning(normal_init(), ("vocab", "embed")),
-        (c.vocab_size, c.hidden_size), dtype_of(c.param_dtype))
-    self.stacks = [_stack(c, moe, n, name=f"layers_{i}")
-                   for i, (_, n, moe) in enumerate(c.segments())]
+      "embed",
+      nn.with_logical_partitioning(normal_init(), ("vocab", "embed")),
+      (c.vocab_size, c.hidden_size),
+      dtype_of(c.param_dtype),
+    )
+    self.stacks = [
+      _stack(c, moe, n, name=f"layers_{i}") for i, (_, n, moe) in enumerate(c.segments())
+    ]
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
     if not c.tie_word_embeddings:
-      self.lm_head = Dense((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype,
-                           param_dtype=c.param_dtype)
+      self.lm_head = Dense(
+        (c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, param_dtype=c.param_dtype
+      )
     self.mtp = [MTPLayer(c, name=f"mtp_{k}") for k in range(c.num_mtp_layers)]
 
   # -- pieces shared by the main stack and the MTP layers ------------------------------------------
@@ -126,8 +151,9 @@ class Decoder(nn.Module):
     c = self.config
     if c.tie_word_embeddings:
       dt = dtype_of(c.dtype)
-      return jnp.einsum("bth,vh->btv", h.astype(dt), self.embed.astype(dt),
-                        preferred_element_type=jnp.float32)
+      return jnp.einsum(
+        "bth,vh->btv", h.astype(dt), self.embed.astype(dt), preferred_element_type=jnp.float32
+      )
     return self.lm_head(h).astype(jnp.float32)
 
   def _rope(self, positions: jax.Array):
@@ -136,10 +162,18 @@ class Decoder(nn.Module):
 
   # -- forwards ------------------------------------------------------------------------------------
 
-  def __call__(self, tokens: jax.Array, start: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-               positions: jax.Array | None = None, block_mask: jax.Array | None = None,
-               taps: tuple[int, ...] = (), last_only: bool = False,
-               logits_index: jax.Array | None = None) -> DecoderOutput:
+  def __call__(
+    self,
+    tokens: jax.Array,
+    start: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    positions: jax.Array | None = None,
+    block_mask: jax.Array | None = None,
+    taps: tuple[int, ...] = (),
+    last_only: bool = False,
+    logits_index: jax.Array | None = None,
+  ) -> DecoderOutput:
     """Runs a block of T tokens per sequence; see the module docstring.
 
     Logits are computed for every block position, only the last (`last_only`), or only at
@@ -169,9 +203,17 @@ class Decoder(nn.Module):
     logits = self.head(picked)
     return DecoderOutput(logits, cache_k, cache_v, tapped, normed)
 
-  def mtp_forward(self, k: int, tokens: jax.Array, prev_hidden: jax.Array, start: jax.Array,
-                  cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array | None = None,
-                  block_mask: jax.Array | None = None):
+  def mtp_forward(
+    self,
+    k: int,
+    tokens: jax.Array,
+    prev_hidden: jax.Array,
+    start: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    positions: jax.Array | None = None,
+    block_mask: jax.Array | None = None,
+  ):
     """MTP layer k over a block: returns (logits, hidden for the next depth, cache_k, cache_v).
 
     `tokens` are the tokens one step ahead of `prev_hidden` (token i+1 beside hidden i); the
@@ -181,12 +223,14 @@ class Decoder(nn.Module):
     if positions is None:
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cos, sin = self._rope(positions)
-    h, normed, cache_k, cache_v = self.mtp[k](self.embed_tokens(tokens), prev_hidden, cache_k,
-                                              cache_v, cos, sin, start, block_mask)
+    h, normed, cache_k, cache_v = self.mtp[k](
+      self.embed_tokens(tokens), prev_hidden, cache_k, cache_v, cos, sin, start, block_mask
+    )
     return self.head(normed), h, cache_k, cache_v
 
-  def init_all(self, tokens: jax.Array, start: jax.Array, cache_k: jax.Array,
-               cache_v: jax.Array) -> Any:
+  def init_all(
+    self, tokens: jax.Array, start: jax.Array, cache_k: jax.Array, cache_v: jax.Array
+  ) -> Any:
     """Touches every parameter (main stack and MTP layers) so that `init` creates them all."""
     out = self(tokens, start, cache_k, cache_v)
     for k in range(self.config.num_mtp_layers):

@@ -35,8 +35,12 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    w = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
-                   (self.dim,), dtype_of(self.param_dtype))
+    w = self.param(
+      "scale",
+      nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+      (self.dim,),
+      dtype_of(self.param_dtype),
+    )
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return (w.astype(jnp.float32) * xf).astype(x.dtype)
@@ -54,20 +58,28 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    in_shape = x.shape[-self.in_dims:]
+    in_shape = x.shape[-self.in_dims :]
     kernel = self.param(
-        "kernel", nn.with_logical_partitioning(normal_init(), tuple(self.axes)),
-        (*in_shape, *self.out_shape), dtype_of(self.param_dtype))
+      "kernel",
+      nn.with_logical_partitioning(normal_init(), tuple(self.axes)),
+      (*in_shape, *self.out_shape),
+      dtype_of(self.param_dtype),
+    )
     dt = dtype_of(self.dtype)
     n = self.in_dims
     y = jax.lax.dot_general(
-        x.astype(dt), kernel.astype(dt),
-        ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())),
-        preferred_element_type=jnp.float32 if dt == jnp.float32 else None)
+      x.astype(dt),
+      kernel.astype(dt),
+      ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())),
+      preferred_element_type=jnp.float32 if dt == jnp.float32 else None,
+    )
     if self.use_bias:
-      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                               tuple(self.axes[n:])),
-                        tuple(self.out_shape), dtype_of(self.param_dtype))
+      bias = self.param(
+        "bias",
+        nn.with_logical_partitioning(nn.initializers.zeros, tuple(self.axes[n:])),
+        tuple(self.out_shape),
+        dtype_of(self.param_dtype),
+      )
       y = y + bias.astype(y.dtype)
     return y.astype(dt)
 
@@ -75,6 +87,7 @@ class Dense(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # Rotary position embedding
 # --------------------------------------------------------------------------------------------------
+
 
 def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
   """cos/sin tables [*positions.shape, rotary_dim] in float32 (HF 'default' RoPE)."""
@@ -92,7 +105,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   rd = cos.shape[-1]
   xf = x.astype(jnp.float32)
   x_rot, x_pass = xf[..., :rd], xf[..., rd:]
-  x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
+  x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2 :]
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   c, s = cos[:, :, None, :], sin[:, :, None, :]
   out = jnp.concatenate([x_rot * c + rotated * s, x_pass], axis=-1)
@@ -103,8 +116,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # Attention
 # --------------------------------------------------------------------------------------------------
 
-def block_visibility(start: jax.Array, block_len: int, cache_len: int,
-                     block_mask: jax.Array | None) -> jax.Array:
+
+def block_visibility(
+  start: jax.Array, block_len: int, cache_len: int, block_mask: jax.Array | None
+) -> jax.Array:
   """Which cache slots each block query may read: bool [B, T, S].
 
   A query of the block written at slots start..start+T-1 sees every slot before `start` (the
@@ -121,13 +136,15 @@ def block_visibility(start: jax.Array, block_len: int, cache_len: int,
     if block_mask.ndim == 2:
       block_mask = jnp.broadcast_to(block_mask, (start.shape[0], block_len, block_len))
     idx = jnp.clip(rel, 0, block_len - 1)[:, None, :]
-    inside = jnp.take_along_axis(block_mask, jnp.broadcast_to(idx, (start.shape[0], block_len,
-                                                                    cache_len)), axis=2)
+    inside = jnp.take_along_axis(
+      block_mask, jnp.broadcast_to(idx, (start.shape[0], block_len, cache_len)), axis=2
+    )
   return prefix[:, None, :] | (in_block[:, None, :] & inside)
 
 
-def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
-                  scale: float) -> jax.Array:
+def gqa_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float
+) -> jax.Array:
   """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], visible [B,T,S] → [B,T,H,D]."""
   b, t, h, d = q.shape
   kv_heads = k.shape[2]
@@ -135,13 +152,15 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
   scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
   scores = jnp.where(visible[:, None, None, :, :], scores, NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+    "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+  )
   return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def write_block(cache: jax.Array, block: jax.Array, layer: jax.Array,
-                start: jax.Array) -> jax.Array:
+def write_block(
+  cache: jax.Array, block: jax.Array, layer: jax.Array, start: jax.Array
+) -> jax.Array:
   """Writes block [B,T,K,D] into cache [L,B,S,K,D] at layer `layer`, slots start[b]..+T-1.
 
   Slots past the end of the cache are dropped (callers check lengths before they get here).
@@ -158,17 +177,40 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
-               start: jax.Array, cos: jax.Array, sin: jax.Array,
-               block_mask: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def __call__(
+    self,
+    x: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    layer: jax.Array,
+    start: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    block_mask: jax.Array | None,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     c = self.config
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
-    q = Dense((c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), c.attention_bias,
-              name="q_proj", **dense)(x)
-    k = Dense((c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.attention_bias,
-              name="k_proj", **dense)(x)
-    v = Dense((c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.attention_bias,
-              name="v_proj", **dense)(x)
+    q = Dense(
+      (c.num_heads, c.head_dim),
+      ("embed", "heads", "head_dim"),
+      c.attention_bias,
+      name="q_proj",
+      **dense,
+    )(x)
+    k = Dense(
+      (c.num_kv_heads, c.head_dim),
+      ("embed", "kv_heads", "head_dim"),
+      c.attention_bias,
+      name="k_proj",
+      **dense,
+    )(x)
+    v = Dense(
+      (c.num_kv_heads, c.head_dim),
+      ("embed", "kv_heads", "head_dim"),
+      c.attention_bias,
+      name="v_proj",
+      **dense,
+    )(x)
     if c.qk_norm:
       q = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="q_norm")(q)
       k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm")(k)
@@ -181,11 +223,17 @@ class Attention(nn.Module):
     cache_v = write_block(cache_v, v, layer, start)
     layer_k, layer_v = cache_k[layer], cache_v[layer]
     visible = block_visibility(start, x.shape[1], cache_k.shape[2], block_mask)
-    out = gqa_attention(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), visible,
-                        c.head_dim ** -0.5)
-    out = Dense((c.hidden_size,), ("heads", "head_dim", "embed"), c.attention_out_bias,
-                name="o_proj",
-                in_dims=2, **dense)(out)
+    out = gqa_attention(
+      q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), visible, c.head_dim**-0.5
+    )
+    out = Dense(
+      (c.hidden_size,),
+      ("heads", "head_dim", "embed"),
+      c.attention_out_bias,
+      name="o_proj",
+      in_dims=2,
+      **dense,
+    )(out)
     return out, cache_k, cache_v
 
 
@@ -202,4 +250,5 @@ class MLP(nn.Module):
     gate = Dense((self.intermediate_size,), ("embed", "mlp"), name="gate_proj", **dense)(x)
     up = Dense((self.intermediate_size,), ("embed", "mlp"), name="up_proj", **dense)(x)
     return Dense((c.hidden_size,), ("mlp", "embed"), name="down_proj", **dense)(
-        jax.nn.silu(gate) * up)
+      jax.nn.silu(gate) * up
+    )

@@ -24,8 +24,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.models.layers import MLP, dtype_of, normal_init
 
 
-def route(config: ModelConfig, logits: jax.Array,
-          correction_bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def route(
+  config: ModelConfig, logits: jax.Array, correction_bias: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
   """Top-k routing. logits [N, E] float32 → (weights [N, k] float32, expert ids [N, k] int32)."""
   k = config.num_experts_per_tok
   if config.router == "softmax":
@@ -42,8 +43,9 @@ def route(config: ModelConfig, logits: jax.Array,
     grouped = choice.reshape(n, config.n_group, e // config.n_group)
     group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
     _, top_groups = jax.lax.top_k(group_scores, config.topk_group)
-    group_keep = jnp.zeros_like(group_scores, dtype=bool).at[
-        jnp.arange(n)[:, None], top_groups].set(True)
+    group_keep = (
+      jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+    )
     keep = jnp.repeat(group_keep, e // config.n_group, axis=1)
     choice = jnp.where(keep, choice, -jnp.inf)
   _, ids = jax.lax.top_k(choice, k)
@@ -53,12 +55,16 @@ def route(config: ModelConfig, logits: jax.Array,
   return weights * config.routed_scaling_factor, ids.astype(jnp.int32)
 
 
-def experts_dense(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array,
-                  up: jax.Array, down: jax.Array) -> jax.Array:
+def experts_dense(
+  x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
   """Every expert on every token; x [N,H], gate/up [E,H,I], down [E,I,H] → [N,H]."""
   num_experts = gate.shape[0]
-  combine = jnp.zeros((x.shape[0], num_experts), jnp.float32).at[
-      jnp.arange(x.shape[0])[:, None], ids].add(weights)
+  combine = (
+    jnp.zeros((x.shape[0], num_experts), jnp.float32)
+    .at[jnp.arange(x.shape[0])[:, None], ids]
+    .add(weights)
+  )
   g = jnp.einsum("nh,ehi->nei", x, gate, preferred_element_type=jnp.float32)
   u = jnp.einsum("nh,ehi->nei", x, up, preferred_element_type=jnp.float32)
   hmid = (jax.nn.silu(g) * u).astype(x.dtype)
@@ -66,8 +72,9 @@ def experts_dense(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Ar
   return jnp.einsum("neh,ne->nh", y, combine).astype(x.dtype)
 
 
-def experts_ragged(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array,
-                   up: jax.Array, down: jax.Array) -> jax.Array:
+def experts_ragged(
+  x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
   """Tokens sorted by expert, grouped matmuls via ragged_dot; same result as experts_dense."""
   n, k = ids.shape
   num_experts = gate.shape[0]
@@ -85,8 +92,9 @@ def experts_ragged(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.A
   return jnp.zeros((n, x.shape[1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
 
 
-def experts_gather(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array,
-                   up: jax.Array, down: jax.Array) -> jax.Array:
+def experts_gather(
+  x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
   """Reads only the selected experts' weights per token: the decode path.
 
   With N·k (token, expert) pairs below the number of experts this touches fewer weight bytes
@@ -123,19 +131,35 @@ class MoE(nn.Module):
     c = self.config
     pdt = dtype_of(c.param_dtype)
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    router = self.param("router", nn.with_logical_partitioning(normal_init(), ("embed", None)),
-                        (h, e), jnp.float32)
+    router = self.param(
+      "router", nn.with_logical_partitioning(normal_init(), ("embed", None)), (h, e), jnp.float32
+    )
     bias = None
     if c.router == "sigmoid":
-      bias = self.param("e_score_correction_bias",
-                        nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (e,),
-                        jnp.float32)
-    gate = self.param("gate_proj", nn.with_logical_partitioning(
-        normal_init(), ("expert", "embed", "mlp")), (e, h, i), pdt)
-    up = self.param("up_proj", nn.with_logical_partitioning(
-        normal_init(), ("expert", "embed", "mlp")), (e, h, i), pdt)
-    down = self.param("down_proj", nn.with_logical_partitioning(
-        normal_init(), ("expert", "mlp", "embed")), (e, i, h), pdt)
+      bias = self.param(
+        "e_score_correction_bias",
+        nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+        (e,),
+        jnp.float32,
+      )
+    gate = self.param(
+      "gate_proj",
+      nn.with_logical_partitioning(normal_init(), ("expert", "embed", "mlp")),
+      (e, h, i),
+      pdt,
+    )
+    up = self.param(
+      "up_proj",
+      nn.with_logical_partitioning(normal_init(), ("expert", "embed", "mlp")),
+      (e, h, i),
+      pdt,
+    )
+    down = self.param(
+      "down_proj",
+      nn.with_logical_partitioning(normal_init(), ("expert", "mlp", "embed")),
+      (e, i, h),
+      pdt,
+    )
 
     lead = x.shape[:-1]
     xf = x.reshape(-1, h)
@@ -144,15 +168,20 @@ class MoE(nn.Module):
     weights, ids = route(c, logits, bias)
     # Routing statistics for load balancing (no-ops unless 'intermediates' is mutable):
     # the fraction of routed slots per expert, and the mean normalised router score.
-    self.sow("intermediates", "expert_load",
-             jnp.bincount(ids.reshape(-1), length=e).astype(jnp.float32) / ids.size)
+    self.sow(
+      "intermediates",
+      "expert_load",
+      jnp.bincount(ids.reshape(-1), length=e).astype(jnp.float32) / ids.size,
+    )
     scores = jax.nn.softmax(logits) if c.router == "softmax" else jax.nn.sigmoid(logits)
-    self.sow("intermediates", "router_score",
-             jnp.mean(scores / jnp.sum(scores, -1, keepdims=True), axis=0))
+    self.sow(
+      "intermediates", "router_score", jnp.mean(scores / jnp.sum(scores, -1, keepdims=True), axis=0)
+    )
     dt = dtype_of(c.dtype)
     backend = pick_backend(c.moe_backend, ids.size, e)
-    y = EXPERT_BACKENDS[backend](xf.astype(dt), weights, ids, gate.astype(dt), up.astype(dt),
-                                 down.astype(dt))
+    y = EXPERT_BACKENDS[backend](
+      xf.astype(dt), weights, ids, gate.astype(dt), up.astype(dt), down.astype(dt)
+    )
     y = y.reshape(*lead, h)
     if c.n_shared_experts:
       y = y + MLP(c, c.shared_intermediate_size, name="shared_experts")(x)

@@ -25,15 +25,25 @@ class InputError(ValueError):
   """Bad input to a model or engine call (ids outside the vocabulary, too long, ...)."""
 
 
-@functools.partial(jax.jit, static_argnames=("config", "taps", "last_only"),
-                   donate_argnames=("cache_k", "cache_v"))
-def forward(config: ModelConfig, params: Any, tokens: jax.Array, start: jax.Array,
-            cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array | None = None,
-            block_mask: jax.Array | None = None, taps: tuple[int, ...] = (),
-            last_only: bool = False) -> DecoderOutput:
+@functools.partial(
+  jax.jit, static_argnames=("config", "taps", "last_only"), donate_argnames=("cache_k", "cache_v")
+)
+def forward(
+  config: ModelConfig,
+  params: Any,
+  tokens: jax.Array,
+  start: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  positions: jax.Array | None = None,
+  block_mask: jax.Array | None = None,
+  taps: tuple[int, ...] = (),
+  last_only: bool = False,
+) -> DecoderOutput:
   """One block forward (prefill, decode or verify) with the caches donated."""
-  return Decoder(config).apply({"params": params}, tokens, start, cache_k, cache_v, positions,
-                               block_mask, taps, last_only)
+  return Decoder(config).apply(
+    {"params": params}, tokens, start, cache_k, cache_v, positions, block_mask, taps, last_only
+  )
 
 
 def apply_decoder(config: ModelConfig, params: Any, *args, **kwargs) -> DecoderOutput:
@@ -56,8 +66,9 @@ def _init_args(config: ModelConfig):
 @functools.lru_cache(maxsize=64)
 def _init_fn(config: ModelConfig):
   """A jitted initialiser per config (cached: re-tracing a model costs seconds on CPU)."""
-  return jax.jit(lambda key: Decoder(config).init(key, *_init_args(config),
-                                                  method=Decoder.init_all))
+  return jax.jit(
+    lambda key: Decoder(config).init(key, *_init_args(config), method=Decoder.init_all)
+  )
 
 
 @functools.lru_cache(maxsize=64)
@@ -110,12 +121,14 @@ class TargetModel:
     if arr.ndim == 1:
       arr = arr[None]
     if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-      raise InputError(f"token ids must be a [batch, length] integer array, got {arr.dtype} "
-                       f"{arr.shape}")
+      raise InputError(
+        f"token ids must be a [batch, length] integer array, got {arr.dtype} {arr.shape}"
+      )
     if arr.size and (arr.min() < 0 or arr.max() >= self.config.vocab_size):
       bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
-      raise InputError(f"token ids outside the vocabulary [0, {self.config.vocab_size}): "
-                       f"{bad[:8].tolist()}")
+      raise InputError(
+        f"token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:8].tolist()}"
+      )
     return arr.astype(np.int32)
 
   def logits(self, token_ids: Any) -> jax.Array:
@@ -123,8 +136,9 @@ class TargetModel:
     tokens = jnp.asarray(self.check_tokens(token_ids))
     b, t = tokens.shape
     cache = self.init_cache(b, t)
-    return forward(self.config, self.params, tokens, jnp.zeros((b,), jnp.int32), cache.k,
-                   cache.v).logits
+    return forward(
+      self.config, self.params, tokens, jnp.zeros((b,), jnp.int32), cache.k, cache.v
+    ).logits
 
   def cache_axes(self) -> tuple[str, ...]:
     return CACHE_AXES

@@ -21,31 +21,54 @@ from jaxspec.spec import sampling
 
 
 class DecodeResult(NamedTuple):
-  tokens: jax.Array       # [B, max_len]: prompt followed by generated tokens
-  lengths: jax.Array      # [B]: prompt + generated tokens (stop token included)
+  tokens: jax.Array  # [B, max_len]: prompt followed by generated tokens
+  lengths: jax.Array  # [B]: prompt + generated tokens (stop token included)
   num_generated: jax.Array  # [B]
   cache: KVCache
 
 
-def prefill(config: ModelConfig, params: Any, prompts: jax.Array, prompt_lens: jax.Array,
-            cache: KVCache, taps: tuple[int, ...] = ()):
+def prefill(
+  config: ModelConfig,
+  params: Any,
+  prompts: jax.Array,
+  prompt_lens: jax.Array,
+  cache: KVCache,
+  taps: tuple[int, ...] = (),
+):
   """Runs the padded prompts [B, P]; returns (last-position logits [B, V], cache, taps, hidden).
 
   The cache's lengths become prompt_lens. Positions past a prompt's end hold padding K/V that
   no later query can see (they are at or past the committed length until overwritten).
   """
-  out = target_lib.apply_decoder(config, params, prompts, jnp.zeros_like(prompt_lens), cache.k,
-                                 cache.v, taps=taps, logits_index=prompt_lens - 1)
+  out = target_lib.apply_decoder(
+    config,
+    params,
+    prompts,
+    jnp.zeros_like(prompt_lens),
+    cache.k,
+    cache.v,
+    taps=taps,
+    logits_index=prompt_lens - 1,
+  )
   last = out.logits[:, 0]
   cache = KVCache(out.cache_k, out.cache_v, prompt_lens.astype(jnp.int32))
   return last, cache, out.taps, out.hidden
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens"),
-                   donate_argnames=("cache",))
-def generate_plain(config: ModelConfig, params: Any, prompts: jax.Array, prompt_lens: jax.Array,
-                   cache: KVCache, max_new_tokens: int, params_sampling: sampling.SamplingParams,
-                   key: jax.Array, stop_ids: jax.Array) -> DecodeResult:
+@functools.partial(
+  jax.jit, static_argnames=("config", "max_new_tokens"), donate_argnames=("cache",)
+)
+def generate_plain(
+  config: ModelConfig,
+  params: Any,
+  prompts: jax.Array,
+  prompt_lens: jax.Array,
+  cache: KVCache,
+  max_new_tokens: int,
+  params_sampling: sampling.SamplingParams,
+  key: jax.Array,
+  stop_ids: jax.Array,
+) -> DecodeResult:
   """Plain decoding of up to max_new_tokens per sequence, stopping at any of stop_ids [n]."""
   b, p = prompts.shape
   max_len = cache.max_len

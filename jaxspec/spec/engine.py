@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.base import (CommitContext, Drafter, PrefillContext, ProposeContext)
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, ProposeContext
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.spec import metrics, sampling, tree as tree_lib, tree_verify, verify
@@ -108,16 +108,16 @@ class TreeOptions:
 class SpecState:
   """The whole generation state (a pytree; donated to the jitted step)."""
 
-  tokens: jax.Array         # [B, L] committed tokens; tokens[b, seq_len[b]-1] is the root
-  seq_len: jax.Array        # [B]
-  prompt_len: jax.Array     # [B]
-  max_new: jax.Array        # [B] generation budget per sequence
-  cache: KVCache            # target KV for tokens[:, :seq_len-1]
+  tokens: jax.Array  # [B, L] committed tokens; tokens[b, seq_len[b]-1] is the root
+  seq_len: jax.Array  # [B]
+  prompt_len: jax.Array  # [B]
+  max_new: jax.Array  # [B] generation budget per sequence
+  cache: KVCache  # target KV for tokens[:, :seq_len-1]
   drafter_state: Any
   key: jax.Array
-  done: jax.Array           # [B] bool
+  done: jax.Array  # [B] bool
   sampling: sampling.SamplingParams
-  stop_ids: jax.Array       # [MAX_STOP_IDS] int32, -1 padded
+  stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded
   stats: metrics.SpecStats
 
   @property
@@ -149,20 +149,39 @@ class GenerationStats:
 # Pure functions (jitted below)
 # --------------------------------------------------------------------------------------------------
 
+
 def _is_stop(tok: jax.Array, stop_ids: jax.Array) -> jax.Array:
   return jnp.any(tok[..., None] == stop_ids, axis=-1)
 
 
-def prefill(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
-            drafter_params: Any, prompts: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
-            active: jax.Array, params: sampling.SamplingParams, key: jax.Array,
-            stop_ids: jax.Array, max_len: int) -> SpecState:
+def prefill(
+  config: ModelConfig,
+  drafter: Optional[Drafter],
+  target_params: Any,
+  drafter_params: Any,
+  prompts: jax.Array,
+  prompt_len: jax.Array,
+  max_new: jax.Array,
+  active: jax.Array,
+  params: sampling.SamplingParams,
+  key: jax.Array,
+  stop_ids: jax.Array,
+  max_len: int,
+) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step."""
   batch, bucket = prompts.shape
   taps = drafter.taps if drafter is not None else ()
   cache = KVCache.for_model(config, batch, max_len)
-  out = target_lib.apply_decoder(config, target_params, prompts, jnp.zeros_like(prompt_len),
-                                 cache.k, cache.v, taps=taps, logits_index=prompt_len - 1)
+  out = target_lib.apply_decoder(
+    config,
+    target_params,
+    prompts,
+    jnp.zeros_like(prompt_len),
+    cache.k,
+    cache.v,
+    taps=taps,
+    logits_index=prompt_len - 1,
+  )
   last_logits = out.logits[:, 0]
   key, sub = jax.random.split(key)
   first = sampling.sample(sub, last_logits, params)
@@ -175,16 +194,27 @@ def prefill(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
   drafter_state = ()
   if drafter is not None:
     drafter_state = drafter.init_state(drafter_params, batch, max_len)
-    drafter_state = drafter.prefill(drafter_params, drafter_state,
-                                    PrefillContext(tokens, prompt_len, out.taps, out.hidden))
-  return SpecState(tokens=tokens, seq_len=prompt_len + 1, prompt_len=prompt_len,
-                   max_new=max_new, cache=cache, drafter_state=drafter_state, key=key,
-                   done=done, sampling=params, stop_ids=stop_ids,
-                   stats=metrics.init_stats(batch, gamma))
+    drafter_state = drafter.prefill(
+      drafter_params, drafter_state, PrefillContext(tokens, prompt_len, out.taps, out.hidden)
+    )
+  return SpecState(
+    tokens=tokens,
+    seq_len=prompt_len + 1,
+    prompt_len=prompt_len,
+    max_new=max_new,
+    cache=cache,
+    drafter_state=drafter_state,
+    key=key,
+    done=done,
+    sampling=params,
+    stop_ids=stop_ids,
+    stats=metrics.init_stats(batch, gamma),
+  )
 
 
-def _commit_tokens(state: SpecState, drafts: jax.Array, num_accepted: jax.Array,
-                   next_token: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _commit_tokens(
+  state: SpecState, drafts: jax.Array, num_accepted: jax.Array, next_token: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Writes accepted drafts [B, D] (first num_accepted) then next_token into the buffer.
 
   The new tokens are cut at each sequence's budget and after its first stop token; finished
@@ -211,8 +241,13 @@ def _commit_tokens(state: SpecState, drafts: jax.Array, num_accepted: jax.Array,
   return tokens, seq_len, done, count
 
 
-def step(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
-         drafter_params: Any, state: SpecState) -> SpecState:
+def step(
+  config: ModelConfig,
+  drafter: Optional[Drafter],
+  target_params: Any,
+  drafter_params: Any,
+  state: SpecState,
+) -> SpecState:
   """One draft → verify → accept → commit step for every sequence that is not done."""
   batch = state.tokens.shape[0]
   rows = jnp.arange(batch)
@@ -227,19 +262,23 @@ def step(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
   else:
     gamma = drafter.gamma
     proposal, drafter_state = drafter.propose(
-        drafter_params, state.drafter_state,
-        ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft))
+      drafter_params,
+      state.drafter_state,
+      ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft),
+    )
     block = jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1)
 
   taps = drafter.taps if drafter is not None else ()
-  out = target_lib.apply_decoder(config, target_params, block, start, state.cache.k,
-                                 state.cache.v, taps=taps)
+  out = target_lib.apply_decoder(
+    config, target_params, block, start, state.cache.k, state.cache.v, taps=taps
+  )
   if gamma == 0:
     num_accepted = jnp.zeros((batch,), jnp.int32)
     next_token = sampling.sample(k_verify, out.logits[:, 0], state.sampling)
   else:
-    num_accepted, next_token = verify.verify_chain(k_verify, proposal.tokens, proposal.probs,
-                                                   out.logits, state.sampling)
+    num_accepted, next_token = verify.verify_chain(
+      k_verify, proposal.tokens, proposal.probs, out.logits, state.sampling
+    )
 
   tokens, seq_len, done, count = _commit_tokens(state, block[:, 1:], num_accepted, next_token)
   cache = KVCache(out.cache_k, out.cache_v, seq_len - 1)
@@ -247,15 +286,31 @@ def step(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
 
   if drafter is not None:
     drafter_state = drafter.commit(
-        drafter_params, drafter_state,
-        CommitContext(tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, out.taps,
-                      out.hidden))
-  return state.replace(tokens=tokens, seq_len=seq_len, cache=cache, drafter_state=drafter_state,
-                       key=key, done=done, stats=stats)
+      drafter_params,
+      drafter_state,
+      CommitContext(
+        tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, out.taps, out.hidden
+      ),
+    )
+  return state.replace(
+    tokens=tokens,
+    seq_len=seq_len,
+    cache=cache,
+    drafter_state=drafter_state,
+    key=key,
+    done=done,
+    stats=stats,
+  )
 
 
-def tree_step(config: ModelConfig, drafter: Drafter, opts: TreeOptions, target_params: Any,
-              drafter_params: Any, state: SpecState) -> SpecState:
+def tree_step(
+  config: ModelConfig,
+  drafter: Drafter,
+  opts: TreeOptions,
+  target_params: Any,
+  drafter_params: Any,
+  state: SpecState,
+) -> SpecState:
   """One DDTree step: propose → build tree → verify the tree in one pass → walk → commit.
 
   The drafter's per-position log-probs give a best-first tree of `opts.budget` nodes; the
@@ -272,26 +327,41 @@ def tree_step(config: ModelConfig, drafter: Drafter, opts: TreeOptions, target_p
   start = state.seq_len - 1  # the root's slot: the cache holds everything before it
 
   proposal, drafter_state = drafter.propose(
-      drafter_params, state.drafter_state,
-      ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft))
+    drafter_params,
+    state.drafter_state,
+    ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft),
+  )
   if proposal.logprobs is None:
-    raise ValueError(f"{drafter.name} gives no per-position distributions (Proposal.logprobs); "
-                     "tree verification needs them — use verify='chain' with this drafter")
+    raise ValueError(
+      f"{drafter.name} gives no per-position distributions (Proposal.logprobs); "
+      "tree verification needs them — use verify='chain' with this drafter"
+    )
   depth = proposal.logprobs.shape[1]
   if depth != drafter.gamma:
-    raise ValueError(f"{drafter.name}: logprobs cover {depth} positions, expected γ="
-                     f"{drafter.gamma}")
+    raise ValueError(
+      f"{drafter.name}: logprobs cover {depth} positions, expected γ={drafter.gamma}"
+    )
   tree = tree_lib.build_tree(root, proposal.logprobs, opts.budget, opts.topk, opts.chain_seed)
 
   taps = drafter.taps
-  out = target_lib.apply_decoder(config, target_params, tree.tokens, start, state.cache.k,
-                                 state.cache.v, positions=tree.positions(start),
-                                 block_mask=tree.mask, taps=taps)
+  out = target_lib.apply_decoder(
+    config,
+    target_params,
+    tree.tokens,
+    start,
+    state.cache.k,
+    state.cache.v,
+    positions=tree.positions(start),
+    block_mask=tree.mask,
+    taps=taps,
+  )
   path, num_accepted, next_token = tree_verify.verify_tree(
-      k_verify, tree, out.logits, state.sampling, depth, opts.rule)
+    k_verify, tree, out.logits, state.sampling, depth, opts.rule
+  )
 
-  tokens, seq_len, done, count = _commit_tokens(state, tree_verify.path_tokens(tree, path),
-                                                num_accepted, next_token)
+  tokens, seq_len, done, count = _commit_tokens(
+    state, tree_verify.path_tokens(tree, path), num_accepted, next_token
+  )
   # Accepted path (root first) → contiguous slots start.., then the committed length.
   cache = KVCache(out.cache_k, out.cache_v, start).gather_block(path)
   cache = cache.replace(lengths=seq_len - 1)
@@ -300,18 +370,35 @@ def tree_step(config: ModelConfig, drafter: Drafter, opts: TreeOptions, target_p
   path_taps = None if out.taps is None else out.taps[:, rows[:, None], path]
   path_hidden = out.hidden[rows[:, None], path]
   drafter_state = drafter.commit(
-      drafter_params, drafter_state,
-      CommitContext(tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, path_taps,
-                    path_hidden))
-  return state.replace(tokens=tokens, seq_len=seq_len, cache=cache, drafter_state=drafter_state,
-                       key=key, done=done, stats=stats)
+    drafter_params,
+    drafter_state,
+    CommitContext(
+      tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, path_taps, path_hidden
+    ),
+  )
+  return state.replace(
+    tokens=tokens,
+    seq_len=seq_len,
+    cache=cache,
+    drafter_state=drafter_state,
+    key=key,
+    done=done,
+    stats=stats,
+  )
 
 
-def run_loop(config: ModelConfig, drafter: Optional[Drafter], target_params: Any,
-             drafter_params: Any, state: SpecState, max_steps: Optional[int] = None,
-             tree: Optional[TreeOptions] = None) -> SpecState:
+def run_loop(
+  config: ModelConfig,
+  drafter: Optional[Drafter],
+  target_params: Any,
+  drafter_params: Any,
+  state: SpecState,
+  max_steps: Optional[int] = None,
+  tree: Optional[TreeOptions] = None,
+) -> SpecState:
   """`step` (or `tree_step` when `tree` is given) in a while_loop until every sequence is done
   (or max_steps, for streaming)."""
+
   def cond(carry):
     s, i = carry
     go = ~jnp.all(s.done)
@@ -331,6 +418,7 @@ def run_loop(config: ModelConfig, drafter: Optional[Drafter], target_params: Any
 # Host API
 # --------------------------------------------------------------------------------------------------
 
+
 def _bucket(n: int, minimum: int, cap: int) -> int:
   b = minimum
   while b < n:
@@ -341,8 +429,12 @@ def _bucket(n: int, minimum: int, cap: int) -> int:
 class SpecEngine:
   """Speculative (or, with drafter=None, plain) generation for one target and drafter."""
 
-  def __init__(self, target: TargetModel, drafter: Optional[Drafter] = None,
-               config: EngineConfig = EngineConfig()):
+  def __init__(
+    self,
+    target: TargetModel,
+    drafter: Optional[Drafter] = None,
+    config: EngineConfig = EngineConfig(),
+  ):
     self.target = target
     self.config = config
     self.tree = config.tree_options
@@ -352,8 +444,10 @@ class SpecEngine:
       drafter = drafter.for_tree()
     self.drafter = drafter
     if drafter is not None and drafter.vocab_size not in (None, target.config.vocab_size):
-      raise InputError(f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
-                       f"({target.config.vocab_size})")
+      raise InputError(
+        f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
+        f"({target.config.vocab_size})"
+      )
     stops = list(config.stop_ids)
     if config.use_eos:
       stops += list(target.config.eos_token_ids)
@@ -361,16 +455,22 @@ class SpecEngine:
     if len(stops) > MAX_STOP_IDS:
       raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {stops}")
     self.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-    self.stop_ids[:len(stops)] = stops
+    self.stop_ids[: len(stops)] = stops
     self.gamma = drafter.gamma if drafter is not None else 0
     # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
     self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
     cfg, dr = target.config, drafter
     self._prefill = jax.jit(functools.partial(prefill, cfg, dr), static_argnames=("max_len",))
-    self._loop = jax.jit(functools.partial(run_loop, cfg, dr, tree=self.tree),
-                         donate_argnums=(2,), static_argnames=("max_steps",))
-    one_step = (functools.partial(step, cfg, dr) if self.tree is None else
-                functools.partial(tree_step, cfg, dr, self.tree))
+    self._loop = jax.jit(
+      functools.partial(run_loop, cfg, dr, tree=self.tree),
+      donate_argnums=(2,),
+      static_argnames=("max_steps",),
+    )
+    one_step = (
+      functools.partial(step, cfg, dr)
+      if self.tree is None
+      else functools.partial(tree_step, cfg, dr, self.tree)
+    )
     self._step = jax.jit(one_step, donate_argnums=(2,))
 
   @property
@@ -394,47 +494,69 @@ class SpecEngine:
       out.append(ids)
     return out
 
-  def init_state(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 128,
-                 temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
-                 seed: int = 0) -> SpecState:
+  def init_state(
+    self,
+    prompts: Sequence[Any],
+    max_new_tokens: int | Sequence[int] = 128,
+    temperature: Any = 0.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    seed: int = 0,
+  ) -> SpecState:
     """Validates and pads the inputs and runs the prefill (jitted once per prompt bucket)."""
     ids = self._encode(prompts)
     b, cfg = self.config.batch_size, self.config
     if not 1 <= len(ids) <= b:
-      raise InputError(f"got {len(ids)} prompts; this engine runs 1..{b} per call "
-                       f"(EngineConfig.batch_size)")
+      raise InputError(
+        f"got {len(ids)} prompts; this engine runs 1..{b} per call (EngineConfig.batch_size)"
+      )
     max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (len(ids),))
     if np.any(max_new < 1):
       raise InputError(f"max_new_tokens must be ≥ 1, got {max_new.tolist()}")
     for i, (p, m) in enumerate(zip(ids, max_new)):
       need = len(p) + int(m) + self.lookahead + 1
       if need > cfg.max_len:
-        what = (f"{self.gamma} draft tokens" if self.tree is None else
-                f"a tree of {self.tree.budget} draft nodes (depth ≤ {self.gamma})")
+        what = (
+          f"{self.gamma} draft tokens"
+          if self.tree is None
+          else f"a tree of {self.tree.budget} draft nodes (depth ≤ {self.gamma})"
+        )
         raise InputError(
-            f"prompt {i} has {len(p)} tokens; with max_new_tokens={int(m)} and {what} per step "
-            f"it needs {need} slots, more than max_len={cfg.max_len}")
+          f"prompt {i} has {len(p)} tokens; with max_new_tokens={int(m)} and {what} per step "
+          f"it needs {need} slots, more than max_len={cfg.max_len}"
+        )
     bucket = _bucket(max(len(p) for p in ids), cfg.min_prompt_bucket, cfg.max_len)
     prompts_arr = np.zeros((b, bucket), np.int32)
     lens = np.ones((b,), np.int32)
     budgets = np.ones((b,), np.int32)
     for i, p in enumerate(ids):
-      prompts_arr[i, :len(p)] = p
+      prompts_arr[i, : len(p)] = p
       lens[i], budgets[i] = len(p), max_new[i]
     active = np.arange(b) < len(ids)
-    pad = lambda x, fill: np.concatenate([np.asarray(x).reshape(-1)[:len(ids)] if np.ndim(x)
-                                          else np.full(len(ids), x), np.full(b - len(ids), fill)])
-    params = sampling.make_sampling_params(b, pad(temperature, 0.0), pad(top_k, 0),
-                                           pad(top_p, 1.0))
-    return self._prefill(self.target.params, self.drafter_params, jnp.asarray(prompts_arr),
-                         jnp.asarray(lens), jnp.asarray(budgets), jnp.asarray(active), params,
-                         jax.random.PRNGKey(seed), jnp.asarray(self.stop_ids),
-                         max_len=cfg.max_len)
+    pad = lambda x, fill: np.concatenate(
+      [
+        np.asarray(x).reshape(-1)[: len(ids)] if np.ndim(x) else np.full(len(ids), x),
+        np.full(b - len(ids), fill),
+      ]
+    )
+    params = sampling.make_sampling_params(b, pad(temperature, 0.0), pad(top_k, 0), pad(top_p, 1.0))
+    return self._prefill(
+      self.target.params,
+      self.drafter_params,
+      jnp.asarray(prompts_arr),
+      jnp.asarray(lens),
+      jnp.asarray(budgets),
+      jnp.asarray(active),
+      params,
+      jax.random.PRNGKey(seed),
+      jnp.asarray(self.stop_ids),
+      max_len=cfg.max_len,
+    )
 
   def _outputs(self, state: SpecState, n: int) -> list[list[int]]:
     tokens = np.asarray(state.tokens)
     seq, prompt = np.asarray(state.seq_len), np.asarray(state.prompt_len)
-    return [tokens[i, prompt[i]:seq[i]].tolist() for i in range(n)]
+    return [tokens[i, prompt[i] : seq[i]].tolist() for i in range(n)]
 
   def _texts(self, token_lists: list[list[int]]) -> Optional[list[str]]:
     tok = self.target.tokenizer
@@ -442,9 +564,15 @@ class SpecEngine:
 
   # -- generation --------------------------------------------------------------------------------
 
-  def generate(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 128,
-               temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
-               seed: int = 0) -> GenerateOutput:
+  def generate(
+    self,
+    prompts: Sequence[Any],
+    max_new_tokens: int | Sequence[int] = 128,
+    temperature: Any = 0.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    seed: int = 0,
+  ) -> GenerateOutput:
     """Generates for up to batch_size prompts (text or token ids); returns texts, tokens, stats."""
     t0 = time.perf_counter()
     state = self.init_state(prompts, max_new_tokens, temperature, top_k, top_p, seed)
@@ -454,12 +582,19 @@ class SpecEngine:
     jax.block_until_ready(state.tokens)
     t2 = time.perf_counter()
     tokens = self._outputs(state, len(prompts))
-    return GenerateOutput(self._texts(tokens), tokens, self._stats(state, t1 - t0, t2 - t1,
-                                                                   len(prompts)))
+    return GenerateOutput(
+      self._texts(tokens), tokens, self._stats(state, t1 - t0, t2 - t1, len(prompts))
+    )
 
-  def stream(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 128,
-             temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
-             seed: int = 0) -> Iterator[list[list[int]]]:
+  def stream(
+    self,
+    prompts: Sequence[Any],
+    max_new_tokens: int | Sequence[int] = 128,
+    temperature: Any = 0.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    seed: int = 0,
+  ) -> Iterator[list[list[int]]]:
     """Yields each sequence's newly committed tokens every `stream_every` steps."""
     state = self.init_state(prompts, max_new_tokens, temperature, top_k, top_p, seed)
     n = len(prompts)
@@ -470,21 +605,29 @@ class SpecEngine:
       sent = [len(t) for t in toks]
       if bool(np.all(np.asarray(state.done))):
         return
-      state = self._loop(self.target.params, self.drafter_params, state,
-                         max_steps=self.config.stream_every)
+      state = self._loop(
+        self.target.params, self.drafter_params, state, max_steps=self.config.stream_every
+      )
 
   def _stats(self, state: SpecState, ttft: float, decode: float, n: int) -> GenerationStats:
     s = jax.tree_util.tree_map(lambda x: x[:n], state.stats)
     summary = metrics.summarize(s, decode, ttft)
     generated = int(np.sum(np.asarray(state.seq_len - state.prompt_len)[:n]))
     return GenerationStats(
-        acceptance_length=summary["acceptance_length"],
-        acceptance_rate_per_position=summary["acceptance_rate_per_position"],
-        target_passes=summary["target_passes"], tokens_generated=generated,
-        tokens_per_second=generated / max(decode + ttft, 1e-9), time_to_first_token_s=ttft,
-        decode_time_s=decode, summary=summary)
+      acceptance_length=summary["acceptance_length"],
+      acceptance_rate_per_position=summary["acceptance_rate_per_position"],
+      target_passes=summary["target_passes"],
+      tokens_generated=generated,
+      tokens_per_second=generated / max(decode + ttft, 1e-9),
+      time_to_first_token_s=ttft,
+      decode_time_s=decode,
+      summary=summary,
+    )
 
   def compile_counts(self) -> dict[str, int]:
     """How many programs each jitted function holds (one per shape bucket)."""
-    return {"prefill": self._prefill._cache_size(), "loop": self._loop._cache_size(),
-            "step": self._step._cache_size()}
+    return {
+      "prefill": self._prefill._cache_size(),
+      "loop": self._loop._cache_size(),
+      "step": self._step._cache_size(),
+    }

@@ -26,175 +26,175 @@ NEG_INF = float("-inf")
 
 @flax.struct.dataclass
 class SamplingParams:
-    """Per-sequence sampling parameters (a pytree of arrays).
+  """Per-sequence sampling parameters (a pytree of arrays).
 
-    Attributes:
-      temperature: [B] float32; ``<= 0`` means greedy (argmax).
-      top_k: [B] int32; keep the k most likely tokens, ``0`` (or ``>= V``) = off.
-      top_p: [B] float32; nucleus mass in (0, 1]; ``1.0`` = off.
-    """
+  Attributes:
+    temperature: [B] float32; ``<= 0`` means greedy (argmax).
+    top_k: [B] int32; keep the k most likely tokens, ``0`` (or ``>= V``) = off.
+    top_p: [B] float32; nucleus mass in (0, 1]; ``1.0`` = off.
+  """
 
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
 
-    @property
-    def batch_size(self) -> int:
-        return self.temperature.shape[0]
+  @property
+  def batch_size(self) -> int:
+    return self.temperature.shape[0]
 
 
 def _broadcast_param(name: str, value: ArrayLike, batch: int, dtype) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
-        raise ValueError(
-            f"sampling parameter {name!r} must be a scalar or have length batch={batch}, "
-            f"got shape {arr.shape}")
-    return np.broadcast_to(arr, (batch,)).astype(dtype)
+  arr = np.asarray(value)
+  if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
+    raise ValueError(
+      f"sampling parameter {name!r} must be a scalar or have length batch={batch}, "
+      f"got shape {arr.shape}"
+    )
+  return np.broadcast_to(arr, (batch,)).astype(dtype)
 
 
-def make_sampling_params(batch: int,
-                         temperature: ArrayLike = 0.0,
-                         top_k: ArrayLike = 0,
-                         top_p: ArrayLike = 1.0) -> SamplingParams:
-    """Builds `SamplingParams` for ``batch`` sequences, broadcasting scalars / lists.
+def make_sampling_params(
+  batch: int, temperature: ArrayLike = 0.0, top_k: ArrayLike = 0, top_p: ArrayLike = 1.0
+) -> SamplingParams:
+  """Builds `SamplingParams` for ``batch`` sequences, broadcasting scalars / lists.
 
-    Host-side helper: values are validated here so that a bad request fails with a
-    clear message instead of silently producing a wrong distribution.
+  Host-side helper: values are validated here so that a bad request fails with a
+  clear message instead of silently producing a wrong distribution.
 
-    Args:
-      batch: number of sequences B.
-      temperature: scalar or [B]; must be >= 0 (0 = greedy).
-      top_k: scalar or [B]; must be >= 0 (0 = off).
-      top_p: scalar or [B]; must be in (0, 1] (1 = off).
+  Args:
+    batch: number of sequences B.
+    temperature: scalar or [B]; must be >= 0 (0 = greedy).
+    top_k: scalar or [B]; must be >= 0 (0 = off).
+    top_p: scalar or [B]; must be in (0, 1] (1 = off).
 
-    Returns:
-      SamplingParams with float32 / int32 arrays of shape [B].
-    """
-    if batch <= 0:
-        raise ValueError(f"batch must be positive, got {batch}")
-    t = _broadcast_param("temperature", temperature, batch, np.float32)
-    k = _broadcast_param("top_k", top_k, batch, np.int32)
-    p = _broadcast_param("top_p", top_p, batch, np.float32)
-    if not np.all(np.isfinite(t)) or np.any(t < 0):
-        raise ValueError(f"temperature must be finite and >= 0, got {t.tolist()}")
-    if np.any(k < 0):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {k.tolist()}")
-    if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p.tolist()}")
-    return SamplingParams(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p))
+  Returns:
+    SamplingParams with float32 / int32 arrays of shape [B].
+  """
+  if batch <= 0:
+    raise ValueError(f"batch must be positive, got {batch}")
+  t = _broadcast_param("temperature", temperature, batch, np.float32)
+  k = _broadcast_param("top_k", top_k, batch, np.int32)
+  p = _broadcast_param("top_p", top_p, batch, np.float32)
+  if not np.all(np.isfinite(t)) or np.any(t < 0):
+    raise ValueError(f"temperature must be finite and >= 0, got {t.tolist()}")
+  if np.any(k < 0):
+    raise ValueError(f"top_k must be >= 0 (0 = off), got {k.tolist()}")
+  if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
+    raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p.tolist()}")
+  return SamplingParams(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p))
 
 
 def _per_row(x: jax.Array, ndim: int) -> jax.Array:
-    """Reshapes a [B] parameter to [B, 1, ..., 1] to broadcast against ndim-rank logits."""
-    return x.reshape(x.shape[:1] + (1,) * (ndim - 1))
+  """Reshapes a [B] parameter to [B, 1, ..., 1] to broadcast against ndim-rank logits."""
+  return x.reshape(x.shape[:1] + (1,) * (ndim - 1))
 
 
 def is_greedy(params: SamplingParams) -> jax.Array:
-    """[B] bool: rows that decode greedily (temperature <= 0)."""
-    return params.temperature <= 0
+  """[B] bool: rows that decode greedily (temperature <= 0)."""
+  return params.temperature <= 0
 
 
 def greedy_logits(logits: jax.Array) -> jax.Array:
-    """Warped logits of a greedy row: 0 at the argmax (lowest index on ties), -inf elsewhere."""
-    logits = logits.astype(jnp.float32)
-    top = jnp.argmax(logits, axis=-1)
-    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return jnp.where(iota == top[..., None], 0.0, NEG_INF).astype(jnp.float32)
+  """Warped logits of a greedy row: 0 at the argmax (lowest index on ties), -inf elsewhere."""
+  logits = logits.astype(jnp.float32)
+  top = jnp.argmax(logits, axis=-1)
+  iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  return jnp.where(iota == top[..., None], 0.0, NEG_INF).astype(jnp.float32)
 
 
 def warp_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Applies temperature, top-k and top-p per sequence; masked entries are -inf.
+  """Applies temperature, top-k and top-p per sequence; masked entries are -inf.
 
-    Args:
-      logits: [B, ..., V] raw logits (any float dtype; computed in float32).
-      params: per-sequence parameters with arrays of shape [B]; they broadcast over
-        the middle axes (e.g. the γ+1 verify positions).
+  Args:
+    logits: [B, ..., V] raw logits (any float dtype; computed in float32).
+    params: per-sequence parameters with arrays of shape [B]; they broadcast over
+      the middle axes (e.g. the γ+1 verify positions).
 
-    Returns:
-      [B, ..., V] float32 warped logits. Greedy rows are the one-hot at argmax (see
-      `greedy_logits`). Top-k keeps every token whose logit is >= the k-th largest
-      (ties at the boundary are kept, as in Hugging Face). Top-p keeps the smallest
-      prefix of the sorted distribution whose mass reaches p, always including the
-      most likely token; ties with the last kept logit are kept too.
-    """
-    logits = logits.astype(jnp.float32)
-    nd = logits.ndim
-    vocab = logits.shape[-1]
-    temp = _per_row(params.temperature.astype(jnp.float32), nd)
-    top_k = _per_row(params.top_k.astype(jnp.int32), nd)
-    top_p = _per_row(params.top_p.astype(jnp.float32), nd)
-    greedy = temp <= 0
+  Returns:
+    [B, ..., V] float32 warped logits. Greedy rows are the one-hot at argmax (see
+    `greedy_logits`). Top-k keeps every token whose logit is >= the k-th largest
+    (ties at the boundary are kept, as in Hugging Face). Top-p keeps the smallest
+    prefix of the sorted distribution whose mass reaches p, always including the
+    most likely token; ties with the last kept logit are kept too.
+  """
+  logits = logits.astype(jnp.float32)
+  nd = logits.ndim
+  vocab = logits.shape[-1]
+  temp = _per_row(params.temperature.astype(jnp.float32), nd)
+  top_k = _per_row(params.top_k.astype(jnp.int32), nd)
+  top_p = _per_row(params.top_p.astype(jnp.float32), nd)
+  greedy = temp <= 0
 
-    scaled = logits / jnp.where(greedy, 1.0, temp)
-    k_on = (top_k > 0) & (top_k < vocab)
-    p_on = top_p < 1.0
+  scaled = logits / jnp.where(greedy, 1.0, temp)
+  k_on = (top_k > 0) & (top_k < vocab)
+  p_on = top_p < 1.0
 
-    def truncate(x: jax.Array) -> jax.Array:
-        # One descending sort serves both top-k and top-p.
-        sorted_desc = -jnp.sort(-x, axis=-1)
-        # Top-k: threshold at the k-th largest value.
-        k_idx = jnp.clip(top_k, 1, vocab) - 1
-        kth = jnp.where(k_on, jnp.take_along_axis(sorted_desc, k_idx, axis=-1), NEG_INF)
-        sorted_k = jnp.where(sorted_desc >= kth, sorted_desc, NEG_INF)
-        # Top-p on the top-k-filtered distribution: keep sorted position i while the
-        # mass strictly before i is < p. The exclusive cumsum is a shift of the
-        # (monotone) inclusive cumsum, so the kept set is always a prefix.
-        cum = jnp.cumsum(jax.nn.softmax(sorted_k, axis=-1), axis=-1)
-        cum_excl = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
-        keep = ((cum_excl < top_p) | ~p_on).at[..., 0].set(True)
-        n_keep = jnp.sum(keep, axis=-1, keepdims=True)
-        pth = jnp.take_along_axis(sorted_k, n_keep - 1, axis=-1)
-        threshold = jnp.maximum(kth, jnp.where(p_on, pth, NEG_INF))
-        return jnp.where(x >= threshold, x, NEG_INF)
+  def truncate(x: jax.Array) -> jax.Array:
+    # One descending sort serves both top-k and top-p.
+    sorted_desc = -jnp.sort(-x, axis=-1)
+    # Top-k: threshold at the k-th largest value.
+    k_idx = jnp.clip(top_k, 1, vocab) - 1
+    kth = jnp.where(k_on, jnp.take_along_axis(sorted_desc, k_idx, axis=-1), NEG_INF)
+    sorted_k = jnp.where(sorted_desc >= kth, sorted_desc, NEG_INF)
+    # Top-p on the top-k-filtered distribution: keep sorted position i while the
+    # mass strictly before i is < p. The exclusive cumsum is a shift of the
+    # (monotone) inclusive cumsum, so the kept set is always a prefix.
+    cum = jnp.cumsum(jax.nn.softmax(sorted_k, axis=-1), axis=-1)
+    cum_excl = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
+    keep = ((cum_excl < top_p) | ~p_on).at[..., 0].set(True)
+    n_keep = jnp.sum(keep, axis=-1, keepdims=True)
+    pth = jnp.take_along_axis(sorted_k, n_keep - 1, axis=-1)
+    threshold = jnp.maximum(kth, jnp.where(p_on, pth, NEG_INF))
+    return jnp.where(x >= threshold, x, NEG_INF)
 
-    # Skip the vocabulary sort when no row uses top-k or top-p (the common case).
-    warped = jax.lax.cond(jnp.any((k_on | p_on) & ~greedy), truncate, lambda x: x, scaled)
-    return jnp.where(greedy, greedy_logits(logits), warped)
+  # Skip the vocabulary sort when no row uses top-k or top-p (the common case).
+  warped = jax.lax.cond(jnp.any((k_on | p_on) & ~greedy), truncate, lambda x: x, scaled)
+  return jnp.where(greedy, greedy_logits(logits), warped)
 
 
 def warped_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """[B, ..., V] float32 probabilities of the warped distribution (exact one-hot for greedy rows)."""
-    return jax.nn.softmax(warp_logits(logits, params), axis=-1)
+  """[B, ..., V] float32 probabilities of the warped distribution (exact one-hot for greedy rows)."""
+  return jax.nn.softmax(warp_logits(logits, params), axis=-1)
 
 
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Samples one token per position from the warped distribution.
+  """Samples one token per position from the warped distribution.
 
-    When every row is greedy (the common benchmark case) a `lax.cond` skips warping and
-    drawing entirely.
+  When every row is greedy (the common benchmark case) a `lax.cond` skips warping and
+  drawing entirely.
 
-    Args:
-      key: a PRNG key (one for the whole batch; rows get independent draws).
-      logits: [B, ..., V] raw logits.
-      params: per-sequence sampling parameters ([B] arrays).
+  Args:
+    key: a PRNG key (one for the whole batch; rows get independent draws).
+    logits: [B, ..., V] raw logits.
+    params: per-sequence sampling parameters ([B] arrays).
 
-    Returns:
-      [B, ...] int32 tokens; greedy rows are exactly ``argmax(logits)``.
-    """
-    logits = logits.astype(jnp.float32)
-    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    greedy = is_greedy(params)
+  Returns:
+    [B, ...] int32 tokens; greedy rows are exactly ``argmax(logits)``.
+  """
+  logits = logits.astype(jnp.float32)
+  top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = is_greedy(params)
 
-    def draw(_):
-        return sample_from_probs(key, jax.nn.softmax(warp_logits(logits, params), axis=-1))
+  def draw(_):
+    return sample_from_probs(key, jax.nn.softmax(warp_logits(logits, params), axis=-1))
 
-    drawn = jax.lax.cond(jnp.all(greedy), lambda _: top, draw, None)
-    return jnp.where(_per_row(greedy, logits.ndim - 1), top, drawn).astype(jnp.int32)
+  drawn = jax.lax.cond(jnp.all(greedy), lambda _: top, draw, None)
+  return jnp.where(_per_row(greedy, logits.ndim - 1), top, drawn).astype(jnp.int32)
 
 
 def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """Samples indices from (possibly unnormalised) non-negative weights along the last axis.
+  """Samples indices from (possibly unnormalised) non-negative weights along the last axis.
 
-    Inverse-CDF sampling with one uniform per row: the first index whose running sum exceeds
-    u · total. Callers may pass a residual ``max(0, p - q)`` directly; zero-weight entries are
-    never drawn (the running sum does not grow there). One random number per row instead of
-    one per vocabulary entry (Gumbel-max) is what makes sampling cheap at an 8K+ vocabulary.
-    """
-    probs = probs.astype(jnp.float32)
-    cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.random.uniform(key, probs.shape[:-1], dtype=jnp.float32) * cdf[..., -1]
-    idx = jnp.argmax(cdf > u[..., None], axis=-1)
-    # If u·total rounds up to total (or all weights are 0) fall back to the last positive entry.
-    last_positive = probs.shape[-1] - 1 - jnp.argmax((probs > 0)[..., ::-1], axis=-1)
-    found = jnp.any(cdf > u[..., None], axis=-1)
-    return jnp.where(found, idx, last_positive).astype(jnp.int32)
+  Inverse-CDF sampling with one uniform per row: the first index whose running sum exceeds
+  u · total. Callers may pass a residual ``max(0, p - q)`` directly; zero-weight entries are
+  never drawn (the running sum does not grow there). One random number per row instead of
+  one per vocabulary entry (Gumbel-max) is what makes sampling cheap at an 8K+ vocabulary.
+  """
+  probs = probs.astype(jnp.float32)
+  cdf = jnp.cumsum(probs, axis=-1)
+  u = jax.random.uniform(key, probs.shape[:-1], dtype=jnp.float32) * cdf[..., -1]
+  idx = jnp.argmax(cdf > u[..., None], axis=-1)
+  # If u·total rounds up to total (or all weights are 0) fall back to the last positive entry.
+  last_positive = probs.shape[-1] - 1 - jnp.argmax((probs > 0)[..., ::-1], axis=-1)
+  found = jnp.any(cdf > u[..., None], axis=-1)
+  return jnp.where(found, idx, last_positive).astype(jnp.int32)

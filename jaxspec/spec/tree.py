@@ -47,12 +47,12 @@ DEFAULT_MAX_TOPK = 8
 class Tree:
   """A draft tree in the flattened verify-block layout (see the module docstring)."""
 
-  tokens: jax.Array   # [B, N+1] int32
+  tokens: jax.Array  # [B, N+1] int32
   parents: jax.Array  # [B, N+1] int32
-  depths: jax.Array   # [B, N+1] int32
-  valid: jax.Array    # [B, N+1] bool
-  mask: jax.Array     # [B, N+1, N+1] bool, ancestor-or-self
-  scores: jax.Array   # [B, N+1] float32 surrogate log-score (0 for the root, -inf if invalid)
+  depths: jax.Array  # [B, N+1] int32
+  valid: jax.Array  # [B, N+1] bool
+  mask: jax.Array  # [B, N+1, N+1] bool, ancestor-or-self
+  scores: jax.Array  # [B, N+1] float32 surrogate log-score (0 for the root, -inf if invalid)
 
   @property
   def size(self) -> int:
@@ -70,8 +70,9 @@ def default_topk(budget: int, vocab: int, topk: int = 0) -> int:
   return max(1, min(k, budget, vocab))
 
 
-def _build_one(root: jax.Array, top_lp: jax.Array, top_ids: jax.Array, budget: int,
-               chain_seed: bool) -> Tree:
+def _build_one(
+  root: jax.Array, top_lp: jax.Array, top_ids: jax.Array, budget: int, chain_seed: bool
+) -> Tree:
   """One sequence: root [], top_lp/top_ids [D, K] (log-probs sorted descending) → Tree."""
   depth_max, k = top_lp.shape
   n = budget + 1
@@ -91,8 +92,20 @@ def _build_one(root: jax.Array, top_lp: jax.Array, top_ids: jax.Array, budget: i
   mask = jnp.eye(n, dtype=bool)
 
   def body(i, carry):
-    (f_pos, f_rank, f_parent, f_score, f_live, tokens, parents, depths, valid, scores, mask,
-     seeding) = carry
+    (
+      f_pos,
+      f_rank,
+      f_parent,
+      f_score,
+      f_live,
+      tokens,
+      parents,
+      depths,
+      valid,
+      scores,
+      mask,
+      seeding,
+    ) = carry
     best = jnp.argmax(jnp.where(f_live, f_score, NEG_INF)).astype(jnp.int32)
     if chain_seed:
       # While seeding, pop i is the chain's next node: the first child pushed by pop i-1, which
@@ -122,18 +135,43 @@ def _build_one(root: jax.Array, top_lp: jax.Array, top_ids: jax.Array, budget: i
     f_parent = f_parent.at[s].set(par).at[c].set(node)
     f_score = f_score.at[s].set(sib_score).at[c].set(child_score)
     f_live = f_live.at[s].set(sib_ok).at[c].set(child_ok)
-    return (f_pos, f_rank, f_parent, f_score, f_live, tokens, parents, depths, valid, scores,
-            mask, seeding)
+    return (
+      f_pos,
+      f_rank,
+      f_parent,
+      f_score,
+      f_live,
+      tokens,
+      parents,
+      depths,
+      valid,
+      scores,
+      mask,
+      seeding,
+    )
 
-  carry = (f_pos, f_rank, f_parent, f_score, f_live, tokens, parents, depths, valid, scores, mask,
-           jnp.bool_(chain_seed))
+  carry = (
+    f_pos,
+    f_rank,
+    f_parent,
+    f_score,
+    f_live,
+    tokens,
+    parents,
+    depths,
+    valid,
+    scores,
+    mask,
+    jnp.bool_(chain_seed),
+  )
   carry = jax.lax.fori_loop(0, budget, body, carry)
   tokens, parents, depths, valid, scores, mask = carry[5:11]
   return Tree(tokens, parents, depths, valid, mask, scores)
 
 
-def build_tree(root: jax.Array, logprobs: jax.Array, budget: int, topk: int = 0,
-               chain_seed: bool = False) -> Tree:
+def build_tree(
+  root: jax.Array, logprobs: jax.Array, budget: int, topk: int = 0, chain_seed: bool = False
+) -> Tree:
   """Builds the best-first draft tree for every sequence (jit-able; budget/topk static).
 
   Args:

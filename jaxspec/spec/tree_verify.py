@@ -79,14 +79,18 @@ def walk_samples(tree: Tree, post: jax.Array, max_depth: int) -> Tuple[jax.Array
     path = path.at[:, d + 1].set(jnp.where(found, nxt, 0))
     return cur, stopped | ~found, path
 
-  init = (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
-          jnp.zeros((batch, max_depth + 1), jnp.int32))
+  init = (
+    jnp.zeros((batch,), jnp.int32),
+    jnp.zeros((batch,), bool),
+    jnp.zeros((batch, max_depth + 1), jnp.int32),
+  )
   cur, _, path = jax.lax.fori_loop(0, max_depth, body, init)
   return path, jnp.take_along_axis(tree.depths, cur[:, None], axis=1)[:, 0]
 
 
-def _walk_no_parent_check(tree: Tree, post: jax.Array,
-                          max_depth: int) -> Tuple[jax.Array, jax.Array]:
+def _walk_no_parent_check(
+  tree: Tree, post: jax.Array, max_depth: int
+) -> Tuple[jax.Array, jax.Array]:
   """BROKEN: deepest node matching its own parent's sample, ancestors unchecked."""
   parent_post = jnp.take_along_axis(post, jnp.maximum(tree.parents, 0), axis=1)
   ok = tree.valid & (tree.tokens == parent_post) & (tree.parents >= 0)
@@ -129,8 +133,11 @@ def _verify_eagle2(key, tree, logits, params, max_depth, variant):
     if variant == "eagle2_residual_p":
       res = p
     else:
-      keep = jnp.ones((batch, vocab), jnp.float32).at[rows[:, None], tree.tokens].min(
-          jnp.where(kid, 0.0, 1.0))
+      keep = (
+        jnp.ones((batch, vocab), jnp.float32)
+        .at[rows[:, None], tree.tokens]
+        .min(jnp.where(kid, 0.0, 1.0))
+      )
       res = p * keep
       res = jnp.where(jnp.sum(res, axis=1, keepdims=True) > 0, res, p)
     drawn = sampling.sample_from_probs(jax.random.fold_in(key_res, d), res)
@@ -140,8 +147,12 @@ def _verify_eagle2(key, tree, logits, params, max_depth, variant):
     path = path.at[:, d + 1].set(jnp.where(found, nxt, 0))
     return cur, stopped | ~found, path, next_tok
 
-  init = (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
-          jnp.zeros((batch, max_depth + 1), jnp.int32), jnp.zeros((batch,), jnp.int32))
+  init = (
+    jnp.zeros((batch,), jnp.int32),
+    jnp.zeros((batch,), bool),
+    jnp.zeros((batch, max_depth + 1), jnp.int32),
+    jnp.zeros((batch,), jnp.int32),
+  )
   cur, stopped, path, next_tok = jax.lax.fori_loop(0, max_depth, body, init)
   # Reached depth D without stopping: the bonus is a sample from p at the deepest node.
   bonus = sampling.sample_from_probs(jax.random.fold_in(key_res, max_depth), probs[rows, cur])
@@ -150,13 +161,22 @@ def _verify_eagle2(key, tree, logits, params, max_depth, variant):
 
   greedy = sampling.is_greedy(params)
   g_path, g_n, g_next = _verify_ddtree(key, tree, logits, params, max_depth, "exact")
-  return (jnp.where(greedy[:, None], g_path, path), jnp.where(greedy, g_n, n),
-          jnp.where(greedy, g_next, next_tok))
+  return (
+    jnp.where(greedy[:, None], g_path, path),
+    jnp.where(greedy, g_n, n),
+    jnp.where(greedy, g_next, next_tok),
+  )
 
 
-def verify_tree(key: jax.Array, tree: Tree, target_logits: jax.Array, params: SamplingParams,
-                max_depth: int, rule: str = "ddtree",
-                _variant: str = "exact") -> Tuple[jax.Array, jax.Array, jax.Array]:
+def verify_tree(
+  key: jax.Array,
+  tree: Tree,
+  target_logits: jax.Array,
+  params: SamplingParams,
+  max_depth: int,
+  rule: str = "ddtree",
+  _variant: str = "exact",
+) -> Tuple[jax.Array, jax.Array, jax.Array]:
   """Lossless verification of a draft tree from one target pass.
 
   Args:
@@ -179,8 +199,9 @@ def verify_tree(key: jax.Array, tree: Tree, target_logits: jax.Array, params: Sa
   if _variant not in ("exact",) + BROKEN:
     raise ValueError(f"unknown variant {_variant!r}")
   if target_logits.shape[:2] != tree.tokens.shape:
-    raise ValueError(f"target_logits must be [B, N+1, V] = {tree.tokens.shape + ('V',)}, got "
-                     f"{target_logits.shape}")
+    raise ValueError(
+      f"target_logits must be [B, N+1, V] = {tree.tokens.shape + ('V',)}, got {target_logits.shape}"
+    )
   logits = target_logits.astype(jnp.float32)
   if rule == "eagle2":
     return _verify_eagle2(key, tree, logits, params, max_depth, _variant)

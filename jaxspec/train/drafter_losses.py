@@ -42,8 +42,10 @@ def _token_ce(logits: jax.Array, labels: jax.Array) -> jax.Array:
 # DFlash
 # --------------------------------------------------------------------------------------------------
 
-def sample_anchors(key: jax.Array, loss_mask: jax.Array,
-                   num_anchors: int = 512) -> tuple[jax.Array, jax.Array]:
+
+def sample_anchors(
+  key: jax.Array, loss_mask: jax.Array, num_anchors: int = 512
+) -> tuple[jax.Array, jax.Array]:
   """Random block anchors: (anchors [B, N] int32 ascending, keep [B, N] bool).
 
   Candidates are positions a < S−1 with loss_mask[a] and loss_mask[a+1]; each sequence gets
@@ -63,8 +65,9 @@ def sample_anchors(key: jax.Array, loss_mask: jax.Array,
   return jnp.where(keep, anchors, 0).astype(jnp.int32), keep
 
 
-def dflash_attention_mask(anchors: jax.Array, keep: jax.Array, seq_len: int, block_size: int,
-                          window: int = 0) -> jax.Array:
+def dflash_attention_mask(
+  anchors: jax.Array, keep: jax.Array, seq_len: int, block_size: int, window: int = 0
+) -> jax.Array:
   """The DFlash training mask as one dense bool array [B, N·bs, S + N·bs].
 
   Query row n·bs + t is slot t of block n; key columns are the S context features, then the
@@ -74,15 +77,16 @@ def dflash_attention_mask(anchors: jax.Array, keep: jax.Array, seq_len: int, blo
   """
   b, n = anchors.shape
   t = jnp.arange(block_size)
-  q_pos = anchors[:, :, None] + t                                     # [B, N, bs]
+  q_pos = anchors[:, :, None] + t  # [B, N, bs]
   c = jnp.arange(seq_len)
-  ctx = c[None, None, None, :] < anchors[:, :, None, None]             # [B, N, 1, S]
+  ctx = c[None, None, None, :] < anchors[:, :, None, None]  # [B, N, 1, S]
   ctx = jnp.broadcast_to(ctx, (b, n, block_size, seq_len))
   if window:
     ctx = ctx & (q_pos[..., None] - c < window)
-  blk = jnp.eye(n, dtype=bool)[None, :, None, :, None]                 # [1, N, 1, N, 1]
-  blk = jnp.broadcast_to(blk, (b, n, block_size, n, block_size)).reshape(b, n, block_size,
-                                                                        n * block_size)
+  blk = jnp.eye(n, dtype=bool)[None, :, None, :, None]  # [1, N, 1, N, 1]
+  blk = jnp.broadcast_to(blk, (b, n, block_size, n, block_size)).reshape(
+    b, n, block_size, n * block_size
+  )
   mask = jnp.concatenate([ctx, blk], axis=-1) & keep[:, :, None, None]
   return mask.reshape(b, n * block_size, seq_len + n * block_size)
 
@@ -94,11 +98,19 @@ def dflash_slot_weights(block_size: int, gamma: float = 7.0) -> jax.Array:
   return jnp.where(k >= 1, w, 0.0)
 
 
-def dflash_loss(drafter: DFlashDrafter, params: Any, tokens: jax.Array, taps: jax.Array,
-                loss_mask: jax.Array, key: jax.Array, *, num_anchors: int = 512,
-                gamma: float = 7.0, block_size: Optional[int] = None,
-                anchors: Optional[tuple[jax.Array, jax.Array]] = None
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def dflash_loss(
+  drafter: DFlashDrafter,
+  params: Any,
+  tokens: jax.Array,
+  taps: jax.Array,
+  loss_mask: jax.Array,
+  key: jax.Array,
+  *,
+  num_anchors: int = 512,
+  gamma: float = 7.0,
+  block_size: Optional[int] = None,
+  anchors: Optional[tuple[jax.Array, jax.Array]] = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """DFlash's block objective on one batch: (weighted mean cross-entropy, metrics).
 
   `anchors` = (anchors, keep) overrides the random draw (for tests and evaluation).
@@ -110,8 +122,8 @@ def dflash_loss(drafter: DFlashDrafter, params: Any, tokens: jax.Array, taps: ja
   if anchors is None:
     anchors = sample_anchors(key, loss_mask, num_anchors)
   anchor, keep = anchors
-  hidden = drafter.train_hidden(params, tokens, taps, anchor, bs)     # [B, N, bs, H]
-  logits = target_head(params, hidden, drafter.config.dtype)           # [B, N, bs, V]
+  hidden = drafter.train_hidden(params, tokens, taps, anchor, bs)  # [B, N, bs, H]
+  logits = target_head(params, hidden, drafter.config.dtype)  # [B, N, bs, V]
   idx = anchor[..., None] + jnp.arange(bs)
   in_range = idx < s
   idx = jnp.minimum(idx, s - 1)
@@ -121,7 +133,7 @@ def dflash_loss(drafter: DFlashDrafter, params: Any, tokens: jax.Array, taps: ja
   weights = valid * dflash_slot_weights(bs, gamma)
   ce = _token_ce(logits, labels)
   loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
-  correct = (jnp.argmax(logits, axis=-1) == labels)
+  correct = jnp.argmax(logits, axis=-1) == labels
   accuracy = jnp.sum(correct * valid) / jnp.maximum(jnp.sum(valid), 1)
   prefix = jnp.cumprod(jnp.where(valid[..., 1:], correct[..., 1:], True), axis=-1) * valid[..., 1:]
   accept_len = jnp.sum(jnp.sum(prefix, -1) * keep) / jnp.maximum(jnp.sum(keep), 1)
@@ -132,9 +144,18 @@ def dflash_loss(drafter: DFlashDrafter, params: Any, tokens: jax.Array, taps: ja
 # EAGLE-3
 # --------------------------------------------------------------------------------------------------
 
-def eagle3_ttt_loss(drafter: Eagle3Drafter, params: Any, tokens: jax.Array, taps: jax.Array,
-                    target_logits: jax.Array, loss_mask: jax.Array, *, steps: int = 7,
-                    decay: float = 0.8) -> tuple[jax.Array, dict[str, jax.Array]]:
+
+def eagle3_ttt_loss(
+  drafter: Eagle3Drafter,
+  params: Any,
+  tokens: jax.Array,
+  taps: jax.Array,
+  target_logits: jax.Array,
+  loss_mask: jax.Array,
+  *,
+  steps: int = 7,
+  decay: float = 0.8,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """EAGLE-3's training-time-test objective: Σ_j decay^j · soft-CE_j.
 
   target_logits [B, S, V]: the frozen target's logits (position s predicts token s+1).
@@ -144,7 +165,7 @@ def eagle3_ttt_loss(drafter: Eagle3Drafter, params: Any, tokens: jax.Array, taps
   """
   c = drafter.config
   b, s = tokens.shape
-  logits = drafter.ttt_logits(params, tokens, taps, steps)            # [steps, B, S, V_d]
+  logits = drafter.ttt_logits(params, tokens, taps, steps)  # [steps, B, S, V_d]
   draft_ids = jnp.arange(c.draft_vocab_size)
   if c.reduced_vocab:
     draft_ids = draft_ids + params["d2t"]
@@ -155,7 +176,7 @@ def eagle3_ttt_loss(drafter: Eagle3Drafter, params: Any, tokens: jax.Array, taps
   for j in range(steps):
     shift = j + 1
     tl = jnp.pad(target_logits.astype(jnp.float32), ((0, 0), (0, shift), (0, 0)))[:, shift:]
-    sup = jnp.pad(mask, ((0, 0), (0, shift + 1)))[:, shift + 1:]      # loss_mask[i+j+2]
+    sup = jnp.pad(mask, ((0, 0), (0, shift + 1)))[:, shift + 1 :]  # loss_mask[i+j+2]
     sup = sup & (jnp.arange(s)[None] + shift + 1 < s)
     top = jnp.argmax(tl, axis=-1)
     use = sup & in_draft[top]
@@ -167,7 +188,7 @@ def eagle3_ttt_loss(drafter: Eagle3Drafter, params: Any, tokens: jax.Array, taps
     pred = jnp.take(draft_ids, jnp.argmax(logq, axis=-1))
     metrics[f"loss_{j}"] = loss_j
     metrics[f"accuracy_{j}"] = jnp.sum((pred == top) & sup) / denom
-    total = total + decay ** j * loss_j
+    total = total + decay**j * loss_j
   metrics["loss"] = total
   return total, metrics
 
@@ -176,10 +197,18 @@ def eagle3_ttt_loss(drafter: Eagle3Drafter, params: Any, tokens: jax.Array, taps
 # MTP
 # --------------------------------------------------------------------------------------------------
 
-def mtp_loss(config: ModelConfig, params: Any, tokens: jax.Array, hidden: jax.Array,
-             loss_mask: Optional[jax.Array] = None, *, num_depths: Optional[int] = None,
-             reuse_layer: Optional[int] = None,
-             weights: Optional[tuple[float, ...]] = None) -> tuple[jax.Array, dict[str, Any]]:
+
+def mtp_loss(
+  config: ModelConfig,
+  params: Any,
+  tokens: jax.Array,
+  hidden: jax.Array,
+  loss_mask: Optional[jax.Array] = None,
+  *,
+  num_depths: Optional[int] = None,
+  reuse_layer: Optional[int] = None,
+  weights: Optional[tuple[float, ...]] = None,
+) -> tuple[jax.Array, dict[str, Any]]:
   """Cross-entropy of the target's MTP layers at depths 0..num_depths−1 (target frozen).
 
   hidden [B, S, H]: the target's final-normed hidden states of `tokens` [B, S]. Depth k reads
@@ -192,8 +221,10 @@ def mtp_loss(config: ModelConfig, params: Any, tokens: jax.Array, hidden: jax.Ar
   if depths < 1:
     raise ValueError("mtp_loss needs at least one depth")
   if reuse_layer is None and depths > config.num_mtp_layers:
-    raise ValueError(f"{depths} depths but the model has {config.num_mtp_layers} MTP layers; "
-                     f"pass reuse_layer to chain one layer")
+    raise ValueError(
+      f"{depths} depths but the model has {config.num_mtp_layers} MTP layers; "
+      f"pass reuse_layer to chain one layer"
+    )
   weights = weights or (1.0 / depths,) * depths
   b, s = tokens.shape
   start = jnp.zeros((b,), jnp.int32)
@@ -206,13 +237,14 @@ def mtp_loss(config: ModelConfig, params: Any, tokens: jax.Array, hidden: jax.Ar
       raise ValueError(f"sequences of {s} tokens are too short for MTP depth {k}")
     layer = k if reuse_layer is None else reuse_layer
     cache = jnp.zeros((1, b, n, config.num_kv_heads, config.head_dim), jnp.dtype(config.dtype))
-    logits, h, _, _ = target_lib.apply_mtp(config, params, layer, tokens[:, k + 1:k + 1 + n],
-                                           h[:, :n], start, cache, cache)
-    ce = _token_ce(logits, tokens[:, k + 2:k + 2 + n])
+    logits, h, _, _ = target_lib.apply_mtp(
+      config, params, layer, tokens[:, k + 1 : k + 1 + n], h[:, :n], start, cache, cache
+    )
+    ce = _token_ce(logits, tokens[:, k + 2 : k + 2 + n])
     if loss_mask is None:
       ce_k = jnp.mean(ce)
     else:
-      m = loss_mask[:, k + 2:k + 2 + n].astype(jnp.float32)
+      m = loss_mask[:, k + 2 : k + 2 + n].astype(jnp.float32)
       ce_k = jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
     metrics[f"mtp_loss_{k}"] = ce_k
     total = total + weights[k] * ce_k

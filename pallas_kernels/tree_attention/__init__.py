@@ -20,15 +20,24 @@ from pallas_kernels.tree_attention.reference import tree_attention_reference, vi
 IMPLS = ("auto", "xla", "pallas")
 
 
-def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
-                   block_mask: jax.Array, scale: float | None = None, impl: str = "auto",
-                   interpret: bool = False, block_k: int = 64) -> jax.Array:
+def tree_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  start: jax.Array,
+  block_mask: jax.Array,
+  scale: float | None = None,
+  impl: str = "auto",
+  interpret: bool = False,
+  block_k: int = 64,
+) -> jax.Array:
   """[B, T, H, D] attention of the block over prefix + block; see reference.py for the contract."""
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
   if impl == "pallas":
-    return tree_attention_pallas(q, k, v, start, block_mask, scale, block_k=block_k,
-                                 interpret=interpret)
+    return tree_attention_pallas(
+      q, k, v, start, block_mask, scale, block_k=block_k, interpret=interpret
+    )
   return tree_attention_reference(q, k, v, start, block_mask, scale)
 
 

@@ -26,8 +26,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.tree_attention.reference import MASK_VALUE
 
 
-def _kernel(start_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, block_len: int,
-            block_k: int):
+def _kernel(
+  start_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, block_len: int, block_k: int
+):
   b = pl.program_id(0)
   start = start_ref[b]
   q = q_ref[...].astype(jnp.float32) * scale  # [Tp, D]
@@ -55,8 +56,11 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, bl
     return m_new, l, acc
 
   n_tiles = jnp.minimum((start + block_len + block_k - 1) // block_k, k_ref.shape[0] // block_k)
-  init = (jnp.full((tp,), MASK_VALUE, jnp.float32), jnp.zeros((tp,), jnp.float32),
-          jnp.zeros((tp, d), jnp.float32))
+  init = (
+    jnp.full((tp,), MASK_VALUE, jnp.float32),
+    jnp.zeros((tp,), jnp.float32),
+    jnp.zeros((tp, d), jnp.float32),
+  )
   _, l, acc = jax.lax.fori_loop(0, n_tiles, body, init)
   o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
@@ -69,9 +73,16 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "interpret"))
-def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
-                          block_mask: jax.Array, scale: float | None = None, block_k: int = 64,
-                          interpret: bool = False) -> jax.Array:
+def tree_attention_pallas(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  start: jax.Array,
+  block_mask: jax.Array,
+  scale: float | None = None,
+  block_k: int = 64,
+  interpret: bool = False,
+) -> jax.Array:
   """Same contract as `reference.tree_attention_reference` (q [B,T,H,D], k/v [B,S,K,D]).
 
   `block_k` (a power of two) is the KV tile; the cache is padded to a multiple of it when
@@ -82,7 +93,7 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.A
   if h % kv_heads:
     raise ValueError(f"{h} query heads are not a multiple of {kv_heads} KV heads")
   group = h // kv_heads
-  scale = d ** -0.5 if scale is None else float(scale)
+  scale = d**-0.5 if scale is None else float(scale)
   tp = _pow2_at_least(t, 16)
   block_k = min(block_k, _pow2_at_least(s_len, 16))
   if block_mask.ndim == 2:
@@ -97,18 +108,18 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.A
 
   kernel = functools.partial(_kernel, scale=scale, block_len=t, block_k=block_k)
   out = pl.pallas_call(
-      kernel,
-      grid=(b, h),
-      in_specs=[
-          pl.BlockSpec((b,), lambda i, j: (0,)),                                   # start
-          pl.BlockSpec((None, tp, None, d), lambda i, j: (i, 0, j, 0)),            # q
-          pl.BlockSpec((None, s_pad, None, d), lambda i, j: (i, 0, j // group, 0)),  # k
-          pl.BlockSpec((None, s_pad, None, d), lambda i, j: (i, 0, j // group, 0)),  # v
-          pl.BlockSpec((None, tp, tp), lambda i, j: (i, 0, 0)),                    # mask
-      ],
-      out_specs=pl.BlockSpec((None, tp, None, d), lambda i, j: (i, 0, j, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, tp, h, d), q.dtype),
-      interpret=interpret,
-      name="tree_attention",
+    kernel,
+    grid=(b, h),
+    in_specs=[
+      pl.BlockSpec((b,), lambda i, j: (0,)),  # start
+      pl.BlockSpec((None, tp, None, d), lambda i, j: (i, 0, j, 0)),  # q
+      pl.BlockSpec((None, s_pad, None, d), lambda i, j: (i, 0, j // group, 0)),  # k
+      pl.BlockSpec((None, s_pad, None, d), lambda i, j: (i, 0, j // group, 0)),  # v
+      pl.BlockSpec((None, tp, tp), lambda i, j: (i, 0, 0)),  # mask
+    ],
+    out_specs=pl.BlockSpec((None, tp, None, d), lambda i, j: (i, 0, j, 0)),
+    out_shape=jax.ShapeDtypeStruct((b, tp, h, d), q.dtype),
+    interpret=interpret,
+    name="tree_attention",
   )(start.astype(jnp.int32), q_pad, k, v, mask)
   return out[:, :t]
