@@ -34,13 +34,19 @@ import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
+from jaxspec.io import hf as hf_io  # pylint: disable=wrong-import-position
 from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.spec import engine as engine_lib  # pylint: disable=wrong-import-position
 
 ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 
 # jaxspec method → the transformers peer that does the same thing.
-HF_PEERS = {"plain": "generate", "draft_model": "assisted", "ngram": "prompt_lookup"}
+HF_PEERS = {
+  "plain": "generate",
+  "draft_model": "assisted",
+  "ngram": "prompt_lookup",
+  "mtp": "mtp",
+}
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Target HF model directory (default: the bundled target).")
@@ -364,6 +370,10 @@ class HFRunner:
       self.kwargs["assistant_model"] = assistant
     elif mode == "prompt_lookup":
       self.kwargs.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=ngram_n)
+    elif mode == "mtp":
+      # transformers drafts with the checkpoint's own MTP layers (one token per layer).
+      hf_io.enable_transformers_mtp(model)
+      self.kwargs["use_mtp"] = True
     elif mode != "generate":
       raise ValueError(f"unknown transformers mode {mode!r}")
 
@@ -646,7 +656,10 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   if hf_models is not None:
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     for m in methods:
-      runners.append(HFRunner(HF_PEERS[m], hf_models[0], hf_models[1], cfg.gamma, cfg.ngram_n, pad))
+      if m in HF_PEERS:
+        runners.append(
+          HFRunner(HF_PEERS[m], hf_models[0], hf_models[1], cfg.gamma, cfg.ngram_n, pad)
+        )
 
   _log(
     cfg,

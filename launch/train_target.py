@@ -31,8 +31,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; defaul
                                "config.workdir.")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "Where to write the HF checkpoint; "
                                   "default config.export_dir ('' skips the export).")
-_EXPORT_DTYPE = flags.DEFINE_enum("export_dtype", "float32", ["float32", "bfloat16"],
-                                  "Storage dtype of the exported weights.")
+_EXPORT_DTYPE = flags.DEFINE_enum("export_dtype", None, ["float32", "bfloat16"],
+                                  "Storage dtype of the exported weights; default "
+                                  "config.export_dtype.")
 _EXPORT_ONLY = flags.DEFINE_bool("export_only", False, "Skip training; export the latest "
                                  "checkpoint of --workdir.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
@@ -46,8 +47,10 @@ def export(model_config, params, tokenizer, out_dir: str, dtype: str = "float32"
   from jaxspec.io import hf  # pylint: disable=import-outside-toplevel
   from jaxspec.models.target import TargetModel  # pylint: disable=import-outside-toplevel
 
-  # Inference uses the library's default expert backend; storage may be bfloat16.
-  cfg = model_config.replace(moe_backend="ragged", param_dtype=dtype)
+  # Inference uses the library's default expert backend. Weights may be stored in bfloat16
+  # (half the bytes) while config.json keeps float32 as the compute dtype: jaxspec and
+  # transformers both upcast on load and compute in float32 on the same rounded weights.
+  cfg = model_config.replace(moe_backend="ragged")
   params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
   hf.save_hf(TargetModel(cfg, params, None), out_dir)
   tokenizer.save_hf(out_dir)
@@ -84,7 +87,8 @@ def main(argv):
       json.dump(summary, f, indent=2)
     logging.info("done at step %d: %s", step, summary)
   if export_dir:
-    export(model_config, params, tokenizer, export_dir, _EXPORT_DTYPE.value)
+    export(model_config, params, tokenizer, export_dir,
+           _EXPORT_DTYPE.value or config.get("export_dtype", "float32"))
 
 
 if __name__ == "__main__":

@@ -367,3 +367,17 @@ def save_hf(
       )
   if model.tokenizer is not None:
     model.tokenizer.save_hf(out_dir)
+
+
+def enable_transformers_mtp(hf_model: Any) -> None:
+  """Lets transformers' `generate(use_mtp=True)` find MTP layers stored after the main layers.
+
+  transformers 5.24 locates Glm4Moe MTP weights through the class attribute
+  `_keys_to_ignore_on_load_unexpected`, hard-coded to GLM-4.5's layer numbers (46, 92); a model
+  with N main layers stores its MTP layer k as `model.layers.{N + k}.*` (the DeepSeek layout
+  that jaxspec writes). This sets the attribute on the loaded instance only.
+  """
+  n = hf_model.config.num_hidden_layers
+  hf_model._keys_to_ignore_on_load_unexpected = [  # pylint: disable=protected-access
+    rf"model\.layers\.{n + k}\..*" for k in range(hf_model.config.num_mtp_layers)
+  ]

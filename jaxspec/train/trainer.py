@@ -42,6 +42,7 @@ class TrainConfig:
   batch_size: int = 16
   num_epochs: float = 1.0  # run length in epochs of the train split ...
   num_steps: int = 0  # ... unless this is positive
+  schedule_steps: int = 0  # length of the LR schedule; 0: the run length
   learning_rate: float = 2e-3
   final_lr_fraction: float = 0.1
   warmup_steps: int = 200
@@ -139,7 +140,7 @@ def make_train_step(config: ModelConfig, tc: TrainConfig, opt: optax.GradientTra
     params = optax.apply_updates(state["params"], updates)
     loads = aux.pop("expert_load")
     params = losses.bias_update(params, loads, tc.bias_update_rate)
-    metrics = dict(aux, grad_norm=optax.global_norm(grads), lr=schedule(state["step"]))
+    metrics = dict(aux, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
     if loads:
       metrics["max_violation"] = jnp.mean(jnp.stack([losses.max_violation(l)
                                                      for l in loads.values()]))
@@ -248,7 +249,7 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, tokenizer: Any,
   total = tc.num_steps if tc.num_steps > 0 else max(1, int(round(tc.num_epochs * per_epoch)))
   eval_every = tc.eval_every if tc.eval_every > 0 else per_epoch
 
-  state, opt, schedule = init_state(config, tc, total)
+  state, opt, schedule = init_state(config, tc, tc.schedule_steps or total)
   manager = checkpoint_manager(workdir, tc.keep_checkpoints)
   state, restored = restore_latest(manager, state)
   start = 0 if restored is None else int(state["step"])

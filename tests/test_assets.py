@@ -1,0 +1,113 @@
+"""The bundled models (jaxspec/assets/{target,draft}): size, and parity with transformers.
+
+Both load in jaxspec (`load_model`) and in transformers (`AutoModelForCausalLM`) and give the
+same float32 logits; transformers also finds the target's MTP layer and speculates with it
+(`generate(..., use_mtp=True)`), with the same greedy output as plain decoding and as jaxspec.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jaxspec  # pylint: disable=g-import-not-at-top
+from jaxspec.io import hf as hf_io  # pylint: disable=g-import-not-at-top
+from configs import tiny_code
+from jaxspec.cache import KVCache
+from jaxspec.models import target as target_lib
+from jaxspec.spec import decode, sampling
+from jaxspec.train import data as data_lib
+
+ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
+TARGET = os.path.join(ASSETS, "target")
+DRAFT = os.path.join(ASSETS, "draft")
+MAX_BYTES = 30 * 1024 * 1024
+
+
+def _prompt_ids(tok, n: int = 2) -> list[list[int]]:
+  prompts = data_lib.function_prompts("validation", n=n, seed=0)
+  return [tok.encode(p) for p in prompts]
+
+
+def _hf(model_dir: str):
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  return model.eval()
+
+
+def test_assets_exist_and_fit_the_size_budget():
+  total = 0
+  for root, _, files in os.walk(ASSETS):
+    total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+  for d in (TARGET, DRAFT):
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+      assert os.path.exists(os.path.join(d, f)), os.path.join(d, f)
+  assert total <= MAX_BYTES, f"assets hold {total / 2**20:.1f} MiB > 30 MiB"
+  cfg = tiny_code.get_config("target")
+  assert cfg.assets.target == TARGET and cfg.assets.draft == DRAFT
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_bundled_model_matches_transformers(which):
+  model_dir = TARGET if which == "target" else DRAFT
+  model = jaxspec.load_model(model_dir)
+  expected = tiny_code.get_config(which).model
+  assert model.config.architecture == expected.architecture
+  assert model.config.num_layers == expected.num_layers
+  assert model.config.num_mtp_layers == (1 if which == "target" else 0)
+  ids = _prompt_ids(model.tokenizer)
+  t = min(len(x) for x in ids)
+  batch = np.asarray([x[:t] for x in ids], np.int32)
+  ours = np.asarray(model.logits(batch))
+  hf = _hf(model_dir)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(batch, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_target_mtp_layer_in_transformers():
+  model = jaxspec.load_model(TARGET)
+  tok = model.tokenizer
+  prompt = _prompt_ids(tok, 1)[0]
+  hf = _hf(TARGET)
+  hf_io.enable_transformers_mtp(hf)
+  ids = torch.tensor([prompt], dtype=torch.long)
+  with torch.no_grad():
+    plain = hf.generate(ids, do_sample=False, max_new_tokens=12)
+    mtp = hf.generate(ids, do_sample=False, max_new_tokens=12, use_mtp=True)
+  assert mtp.tolist() == plain.tolist()  # greedy speculation is lossless
+
+  # The same greedy tokens from jaxspec's own decoder.
+  b, p = 1, len(prompt)
+  cache = KVCache.for_model(model.config, b, p + 12)
+  out = decode.generate_plain(model.config, model.params, jnp.asarray([prompt], jnp.int32),
+                              jnp.asarray([p], jnp.int32), cache, 12,
+                              sampling.make_sampling_params(b), jnp.zeros((2,), jnp.uint32),
+                              jnp.asarray(model.config.eos_token_ids, jnp.int32))
+  ours = np.asarray(out.tokens)[0, p:p + int(out.num_generated[0])].tolist()
+  assert ours == plain[0, p:].tolist()
+
+  # MTP logits: transformers' MtpModel against jaxspec's MTP layer on the same hidden states.
+  from transformers.modeling_layers import MtpModel  # pylint: disable=g-import-not-at-top
+  mtp_model = MtpModel.from_pretrained(hf, device_map={"": "cpu"}).eval()
+  with torch.no_grad():
+    h = hf(ids, output_hidden_states=True).hidden_states[-1]
+    emb = hf.model.embed_tokens(ids[:, 1:])
+    pos = torch.arange(p - 1)[None]
+    pe = hf.model.rotary_emb(emb, position_ids=pos)
+    hm = mtp_model.layers[0](emb, h[:, :-1], position_embeddings=pe, attention_mask=None,
+                             position_ids=pos, cache=None)
+    theirs = mtp_model._project_to_logits(hm).numpy()  # pylint: disable=protected-access
+  main_cache = KVCache.for_model(model.config, 1, p)
+  hidden = target_lib.forward(model.config, model.params, jnp.asarray([prompt], jnp.int32),
+                              jnp.zeros((1,), jnp.int32), main_cache.k, main_cache.v).hidden
+  mcache = KVCache.for_model(model.config, 1, p - 1, num_layers=1)
+  ours_mtp = target_lib.apply_mtp(model.config, model.params, 0,
+                                  jnp.asarray([prompt[1:]], jnp.int32), hidden[:, :-1],
+                                  jnp.zeros((1,), jnp.int32), mcache.k, mcache.v)[0]
+  np.testing.assert_allclose(np.asarray(ours_mtp), theirs, atol=1e-4, rtol=0)
