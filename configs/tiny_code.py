@@ -147,7 +147,8 @@ def get_config(arg: str = "target") -> ml_collections.ConfigDict:
   # config.json keeps float32 as the compute dtype.
   config.export_dtype = "float32"
   config.assets = ml_collections.ConfigDict(
-      {"target": assets_dir("target"), "draft": assets_dir("draft")})
+    {"target": assets_dir("target"), "draft": assets_dir("draft")}
+  )
   if arg.startswith("test_"):
     m = config.model
     m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim = 32, 2, 1, 16
@@ -155,8 +156,17 @@ def get_config(arg: str = "target") -> ml_collections.ConfigDict:
     if is_target:
       m.num_layers, m.num_experts, m.moe_intermediate_size = 2, 4, 16
       m.layer_is_moe = (False, True)
-    config.train = train_config(seq_len=32, batch_size=4, num_steps=12, warmup_steps=2,
-                                learning_rate=1e-2, checkpoint_every=4, eval_every=6,
-                                eval_batches=2, log_every=2, patience=0)
+    config.train = train_config(
+      seq_len=32,
+      batch_size=4,
+      num_steps=12,
+      warmup_steps=2,
+      learning_rate=1e-2,
+      checkpoint_every=4,
+      eval_every=6,
+      eval_batches=2,
+      log_every=2,
+      patience=0,
+    )
     config.export_dir = ""
   return config

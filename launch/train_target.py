@@ -25,17 +25,24 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A named config file, e.g. "
-                                          "configs/tiny_code.py:target.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default "
-                               "config.workdir.")
-_EXPORT_DIR = flags.DEFINE_string("export_dir", None, "Where to write the HF checkpoint; "
-                                  "default config.export_dir ('' skips the export).")
-_EXPORT_DTYPE = flags.DEFINE_enum("export_dtype", None, ["float32", "bfloat16"],
-                                  "Storage dtype of the exported weights; default "
-                                  "config.export_dtype.")
-_EXPORT_ONLY = flags.DEFINE_bool("export_only", False, "Skip training; export the latest "
-                                 "checkpoint of --workdir.")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "A named config file, e.g. configs/tiny_code.py:target.", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default config.workdir.")
+_EXPORT_DIR = flags.DEFINE_string(
+  "export_dir",
+  None,
+  "Where to write the HF checkpoint; default config.export_dir ('' skips the export).",
+)
+_EXPORT_DTYPE = flags.DEFINE_enum(
+  "export_dtype",
+  None,
+  ["float32", "bfloat16"],
+  "Storage dtype of the exported weights; default config.export_dtype.",
+)
+_EXPORT_ONLY = flags.DEFINE_bool(
+  "export_only", False, "Skip training; export the latest checkpoint of --workdir."
+)
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
@@ -78,17 +85,25 @@ def main(argv):
     result = trainer.train(model_config, tc, workdir, tokenizer, progress=_PROGRESS.value)
     params, step = result.params, result.step
     summary = {
-        "config": config.name, "architecture": model_config.architecture, "step": step,
-        "params": trainer.count_params(model_config, params),
-        "seconds_this_process": time.time() - t0, "stopped_early": result.stopped_early,
-        "evals": result.history,
+      "config": config.name,
+      "architecture": model_config.architecture,
+      "step": step,
+      "params": trainer.count_params(model_config, params),
+      "seconds_this_process": time.time() - t0,
+      "stopped_early": result.stopped_early,
+      "evals": result.history,
     }
     with open(os.path.join(workdir, f"summary_step{step}.json"), "w") as f:
       json.dump(summary, f, indent=2)
     logging.info("done at step %d: %s", step, summary)
   if export_dir:
-    export(model_config, params, tokenizer, export_dir,
-           _EXPORT_DTYPE.value or config.get("export_dtype", "float32"))
+    export(
+      model_config,
+      params,
+      tokenizer,
+      export_dir,
+      _EXPORT_DTYPE.value or config.get("export_dtype", "float32"),
+    )
 
 
 if __name__ == "__main__":

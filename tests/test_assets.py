@@ -85,29 +85,51 @@ def test_target_mtp_layer_in_transformers():
   # The same greedy tokens from jaxspec's own decoder.
   b, p = 1, len(prompt)
   cache = KVCache.for_model(model.config, b, p + 12)
-  out = decode.generate_plain(model.config, model.params, jnp.asarray([prompt], jnp.int32),
-                              jnp.asarray([p], jnp.int32), cache, 12,
-                              sampling.make_sampling_params(b), jnp.zeros((2,), jnp.uint32),
-                              jnp.asarray(model.config.eos_token_ids, jnp.int32))
-  ours = np.asarray(out.tokens)[0, p:p + int(out.num_generated[0])].tolist()
+  out = decode.generate_plain(
+    model.config,
+    model.params,
+    jnp.asarray([prompt], jnp.int32),
+    jnp.asarray([p], jnp.int32),
+    cache,
+    12,
+    sampling.make_sampling_params(b),
+    jnp.zeros((2,), jnp.uint32),
+    jnp.asarray(model.config.eos_token_ids, jnp.int32),
+  )
+  ours = np.asarray(out.tokens)[0, p : p + int(out.num_generated[0])].tolist()
   assert ours == plain[0, p:].tolist()
 
   # MTP logits: transformers' MtpModel against jaxspec's MTP layer on the same hidden states.
   from transformers.modeling_layers import MtpModel  # pylint: disable=g-import-not-at-top
+
   mtp_model = MtpModel.from_pretrained(hf, device_map={"": "cpu"}).eval()
   with torch.no_grad():
     h = hf(ids, output_hidden_states=True).hidden_states[-1]
     emb = hf.model.embed_tokens(ids[:, 1:])
     pos = torch.arange(p - 1)[None]
     pe = hf.model.rotary_emb(emb, position_ids=pos)
-    hm = mtp_model.layers[0](emb, h[:, :-1], position_embeddings=pe, attention_mask=None,
-                             position_ids=pos, cache=None)
+    hm = mtp_model.layers[0](
+      emb, h[:, :-1], position_embeddings=pe, attention_mask=None, position_ids=pos, cache=None
+    )
     theirs = mtp_model._project_to_logits(hm).numpy()  # pylint: disable=protected-access
   main_cache = KVCache.for_model(model.config, 1, p)
-  hidden = target_lib.forward(model.config, model.params, jnp.asarray([prompt], jnp.int32),
-                              jnp.zeros((1,), jnp.int32), main_cache.k, main_cache.v).hidden
+  hidden = target_lib.forward(
+    model.config,
+    model.params,
+    jnp.asarray([prompt], jnp.int32),
+    jnp.zeros((1,), jnp.int32),
+    main_cache.k,
+    main_cache.v,
+  ).hidden
   mcache = KVCache.for_model(model.config, 1, p - 1, num_layers=1)
-  ours_mtp = target_lib.apply_mtp(model.config, model.params, 0,
-                                  jnp.asarray([prompt[1:]], jnp.int32), hidden[:, :-1],
-                                  jnp.zeros((1,), jnp.int32), mcache.k, mcache.v)[0]
+  ours_mtp = target_lib.apply_mtp(
+    model.config,
+    model.params,
+    0,
+    jnp.asarray([prompt[1:]], jnp.int32),
+    hidden[:, :-1],
+    jnp.zeros((1,), jnp.int32),
+    mcache.k,
+    mcache.v,
+  )[0]
   np.testing.assert_allclose(np.asarray(ours_mtp), theirs, atol=1e-4, rtol=0)

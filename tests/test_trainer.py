@@ -32,8 +32,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _test_setup(name: str = "test_target"):
   cfg = tiny_code.get_config(name)
-  return (trainer.model_config_from(cfg.model),
-          trainer.TrainConfig.from_mapping(cfg.train.to_dict()))
+  return (
+    trainer.model_config_from(cfg.model),
+    trainer.TrainConfig.from_mapping(cfg.train.to_dict()),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +51,21 @@ def test_mtp_loss_is_the_shifted_prediction(tiny_params):
   """MTP layer 0 sees token t_{i+1} beside the main hidden h_i and is scored on t_{i+2}."""
   config, _ = _test_setup()
   params = tiny_params
-  batch = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (2, 9)),
-                      jnp.int32)
+  batch = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (2, 9)), jnp.int32)
   _, aux = jax.jit(lambda p, b: losses.lm_losses(config, p, b))(params, batch)
   t = batch.shape[1] - 1
   cache = KVCache.for_model(config, 2, t)
   start = jnp.zeros((2,), jnp.int32)
   out = target_lib.apply_decoder(config, params, batch[:, :-1], start, cache.k, cache.v)
   mcache = KVCache.for_model(config, 2, t - 1, num_layers=1)
-  logits, *_ = target_lib.apply_mtp(config, params, 0, batch[:, 1:t], out.hidden[:, :t - 1],
-                                    start, mcache.k, mcache.v)
+  logits, *_ = target_lib.apply_mtp(
+    config, params, 0, batch[:, 1:t], out.hidden[:, : t - 1], start, mcache.k, mcache.v
+  )
 
   def ce(lg, y):
-    return float(jnp.mean(jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, y[..., None],
-                                                                          -1)[..., 0]))
+    return float(
+      jnp.mean(jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, y[..., None], -1)[..., 0])
+    )
 
   assert float(aux["lm_loss"]) == pytest.approx(ce(out.logits, batch[:, 1:]), abs=1e-5)
   assert float(aux["mtp_loss_0"]) == pytest.approx(ce(logits, batch[:, 2:]), abs=1e-5)
@@ -76,11 +79,13 @@ def test_bias_update_pushes_against_the_load(tiny_params):
   new = losses.bias_update(params, {"layers_1/mlp": load}, 0.01)
   bias = np.asarray(new["layers_1"]["mlp"]["e_score_correction_bias"])
   np.testing.assert_allclose(bias, [[-0.01, 0.01, 0.01, 0.01]])
-  np.testing.assert_array_equal(np.asarray(new["mtp_0"]["block"]["mlp"]["e_score_correction_bias"]),
-                                0.0)
+  np.testing.assert_array_equal(
+    np.asarray(new["mtp_0"]["block"]["mlp"]["e_score_correction_bias"]), 0.0
+  )
   # The input tree is untouched (pure function).
-  np.testing.assert_array_equal(np.asarray(params["layers_1"]["mlp"]["e_score_correction_bias"]),
-                                0.0)
+  np.testing.assert_array_equal(
+    np.asarray(params["layers_1"]["mlp"]["e_score_correction_bias"]), 0.0
+  )
 
 
 # ---- optimizer -----------------------------------------------------------------------------------
@@ -92,8 +97,9 @@ def test_optimizer_freezes_bias_and_decays_only_matrices(name, tiny_params):
   mask = optim.decay_mask(params)
   assert mask["layers_0"]["input_layernorm"]["scale"] is False  # [layers, H], not a matrix
   assert mask["layers_1"]["mlp"]["gate_proj"] is True
-  opt, schedule = optim.make_optimizer(params, total_steps=10, learning_rate=1e-2,
-                                       warmup_steps=2, name=name)
+  opt, schedule = optim.make_optimizer(
+    params, total_steps=10, learning_rate=1e-2, warmup_steps=2, name=name
+  )
   assert float(schedule(0)) == 0.0 and float(schedule(2)) == pytest.approx(1e-2)
   assert float(schedule(10)) == pytest.approx(1e-3)
   grads = jax.tree_util.tree_map(jnp.ones_like, params)
@@ -121,18 +127,22 @@ def test_event_file_is_readable_by_tensorboard(tmp_path):
   blob = open(w.path, "rb").read()
   records, pos = [], 0
   while pos < len(blob):
-    (n,) = struct.unpack("<Q", blob[pos:pos + 8])
-    assert struct.unpack("<I", blob[pos + 8:pos + 12])[0] == metrics_writer._masked_crc(
-        blob[pos:pos + 8])
-    payload = blob[pos + 12:pos + 12 + n]
-    assert struct.unpack("<I", blob[pos + 12 + n:pos + 16 + n])[0] == \
-        metrics_writer._masked_crc(payload)
+    (n,) = struct.unpack("<Q", blob[pos : pos + 8])
+    assert struct.unpack("<I", blob[pos + 8 : pos + 12])[0] == metrics_writer._masked_crc(
+      blob[pos : pos + 8]
+    )
+    payload = blob[pos + 12 : pos + 12 + n]
+    assert struct.unpack("<I", blob[pos + 12 + n : pos + 16 + n])[0] == metrics_writer._masked_crc(
+      payload
+    )
     records.append(payload)
     pos += 16 + n
   assert len(records) == 3
   lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-  assert lines == [{"step": 3, "train/loss": 2.5, "train/lr": 1e-3},
-                   {"step": 7, "train/loss": 1.25}]
+  assert lines == [
+    {"step": 3, "train/loss": 2.5, "train/lr": 1e-3},
+    {"step": 7, "train/loss": 1.25},
+  ]
   # ... and with TensorBoard's own reader when it is installed.
   ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
   acc = ea.EventAccumulator(str(tmp_path))
@@ -147,10 +157,15 @@ def test_event_file_is_readable_by_tensorboard(tmp_path):
 def test_tiny_run_lowers_the_loss_and_writes_metrics(tmp_path):
   config, tc = _test_setup()
   tok = Tokenizer.bundled()
-  val = data_lib.PackedDataset.from_corpus(tok, data_lib.VALIDATION, seq_len=tc.seq_len,
-                                           batch_size=tc.batch_size, shuffle=False)
-  before = trainer.evaluate(trainer.make_eval_step(config, tc),
-                            target_lib.init_params(config, tc.seed), val, tc.eval_batches)
+  val = data_lib.PackedDataset.from_corpus(
+    tok, data_lib.VALIDATION, seq_len=tc.seq_len, batch_size=tc.batch_size, shuffle=False
+  )
+  before = trainer.evaluate(
+    trainer.make_eval_step(config, tc),
+    target_lib.init_params(config, tc.seed),
+    val,
+    tc.eval_batches,
+  )
   result = trainer.train(config, tc, str(tmp_path), tok, progress=False)
   assert result.step == tc.num_steps
   after = result.history[-1]
@@ -168,9 +183,16 @@ def test_tiny_run_lowers_the_loss_and_writes_metrics(tmp_path):
 
 def _launch(workdir: str, *extra: str) -> subprocess.Popen:
   """Starts launch/train_target.py; its log goes to <workdir>.log (a pipe could fill up)."""
-  cmd = [sys.executable, "-m", "launch.train_target",
-         "--config=configs/tiny_code.py:test_target", f"--workdir={workdir}",
-         "--progress=false", "--export_dir=", *extra]
+  cmd = [
+    sys.executable,
+    "-m",
+    "launch.train_target",
+    "--config=configs/tiny_code.py:test_target",
+    f"--workdir={workdir}",
+    "--progress=false",
+    "--export_dir=",
+    *extra,
+  ]
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   log = open(workdir + ".log", "a")
   return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -183,8 +205,11 @@ def _wait(proc: subprocess.Popen, workdir: str, timeout: float) -> str:
 
 
 def _steps(workdir: str) -> list[int]:
-  return sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
-                if d.isdigit()) if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
+  return (
+    sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+    if os.path.isdir(os.path.join(workdir, "checkpoints"))
+    else []
+  )
 
 
 def test_sigkill_and_resume_reaches_the_uninterrupted_parameters(tmp_path):
@@ -211,6 +236,7 @@ def test_sigkill_and_resume_reaches_the_uninterrupted_parameters(tmp_path):
   p_ref, s_ref = trainer.load_params(straight, config, tc)
   p_res, s_res = trainer.load_params(killed, config, tc)
   assert s_ref == s_res == tc.num_steps
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p_ref),
-                          jax.tree_util.tree_leaves(p_res)):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(p_ref), jax.tree_util.tree_leaves(p_res)
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))

@@ -45,8 +45,14 @@ def _routing_stats(intermediates: Any) -> list[tuple[tuple[str, ...], jax.Array,
   return out
 
 
-def lm_losses(config: ModelConfig, params: Any, batch: jax.Array, *, mtp_weight: float = 0.3,
-              aux_weight: float = 0.0) -> tuple[jax.Array, dict[str, Any]]:
+def lm_losses(
+  config: ModelConfig,
+  params: Any,
+  batch: jax.Array,
+  *,
+  mtp_weight: float = 0.3,
+  aux_weight: float = 0.0,
+) -> tuple[jax.Array, dict[str, Any]]:
   """The training objective on one batch of packed windows.
 
   Args:
@@ -67,8 +73,9 @@ def lm_losses(config: ModelConfig, params: Any, batch: jax.Array, *, mtp_weight:
   model = Decoder(config)
   start = jnp.zeros((b,), jnp.int32)
   cache = KVCache.for_model(config, b, t)
-  out, state = model.apply({"params": params}, inputs, start, cache.k, cache.v,
-                           mutable=["intermediates"])
+  out, state = model.apply(
+    {"params": params}, inputs, start, cache.k, cache.v, mutable=["intermediates"]
+  )
   lm_loss = cross_entropy(out.logits, targets)
   metrics: dict[str, Any] = {"lm_loss": lm_loss}
   total = lm_loss
@@ -82,9 +89,17 @@ def lm_losses(config: ModelConfig, params: Any, batch: jax.Array, *, mtp_weight:
     n = t - 1 - k
     mtp_cache = KVCache.for_model(config, b, n, num_layers=1)
     (logits, h_next, _, _), mstate = model.apply(
-        {"params": params}, k, batch[:, k + 1:k + 1 + n], hidden[:, :n], start, mtp_cache.k,
-        mtp_cache.v, method=Decoder.mtp_forward, mutable=["intermediates"])
-    loss_k = cross_entropy(logits, batch[:, k + 2:k + 2 + n])
+      {"params": params},
+      k,
+      batch[:, k + 1 : k + 1 + n],
+      hidden[:, :n],
+      start,
+      mtp_cache.k,
+      mtp_cache.v,
+      method=Decoder.mtp_forward,
+      mutable=["intermediates"],
+    )
+    loss_k = cross_entropy(logits, batch[:, k + 2 : k + 2 + n])
     metrics[f"mtp_loss_{k}"] = loss_k
     mtp_losses.append(loss_k)
     stats += _routing_stats(mstate.get("intermediates", {}))
@@ -96,14 +111,16 @@ def lm_losses(config: ModelConfig, params: Any, batch: jax.Array, *, mtp_weight:
   aux_loss = jnp.float32(0.0)
   if stats:
     e = config.num_experts
-    aux_loss = jnp.mean(jnp.stack([e * jnp.mean(jnp.sum(jax.lax.stop_gradient(load) * score, -1))
-                                   for _, load, score in stats]))
+    aux_loss = jnp.mean(
+      jnp.stack(
+        [e * jnp.mean(jnp.sum(jax.lax.stop_gradient(load) * score, -1)) for _, load, score in stats]
+      )
+    )
     if aux_weight:
       total = total + aux_weight * aux_loss
   metrics["aux_loss"] = aux_loss
   metrics["loss"] = total
-  metrics["expert_load"] = {"/".join(path): jax.lax.stop_gradient(load)
-                            for path, load, _ in stats}
+  metrics["expert_load"] = {"/".join(path): jax.lax.stop_gradient(load) for path, load, _ in stats}
   return total, metrics
 
 

@@ -66,23 +66,32 @@ def _field_bytes(num: int, payload: bytes) -> bytes:
   return _varint(num << 3 | 2) + _varint(len(payload)) + payload
 
 
-def _event(step: int, wall_time: float, *, file_version: str | None = None,
-           scalars: Mapping[str, float] | None = None) -> bytes:
+def _event(
+  step: int,
+  wall_time: float,
+  *,
+  file_version: str | None = None,
+  scalars: Mapping[str, float] | None = None,
+) -> bytes:
   msg = _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3 | 0) + _varint(step)
   if file_version is not None:
     msg += _field_bytes(3, file_version.encode())
   if scalars:
     values = b"".join(
-        _field_bytes(1, _field_bytes(1, tag.encode()) + _varint(2 << 3 | 5) +
-                     struct.pack("<f", float(v))) for tag, v in scalars.items())
+      _field_bytes(
+        1, _field_bytes(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", float(v))
+      )
+      for tag, v in scalars.items()
+    )
     msg += _field_bytes(5, values)
   return msg
 
 
 def _record(data: bytes) -> bytes:
   header = struct.pack("<Q", len(data))
-  return (header + struct.pack("<I", _masked_crc(header)) + data +
-          struct.pack("<I", _masked_crc(data)))
+  return (
+    header + struct.pack("<I", _masked_crc(header)) + data + struct.pack("<I", _masked_crc(data))
+  )
 
 
 class MetricsWriter:

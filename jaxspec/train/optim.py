@@ -30,7 +30,8 @@ def decay_mask(params: Any) -> Any:
 def frozen_labels(params: Any) -> Any:
   """'frozen' for leaves the optimizer must not touch, 'train' for the rest."""
   return jax.tree_util.tree_map_with_path(
-      lambda p, _: "frozen" if _name(p)[-1] in _FROZEN else "train", params)
+    lambda p, _: "frozen" if _name(p)[-1] in _FROZEN else "train", params
+  )
 
 
 def muon_dimensions(params: Any) -> Any:
@@ -59,20 +60,34 @@ def muon_dimensions(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(dims, params)
 
 
-def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int,
-                           final_fraction: float = 0.1) -> optax.Schedule:
+def learning_rate_schedule(
+  peak: float, total_steps: int, warmup_steps: int, final_fraction: float = 0.1
+) -> optax.Schedule:
   """Linear warmup to `peak`, then cosine decay to `peak * final_fraction` at total_steps."""
   warmup_steps = max(1, min(warmup_steps, total_steps - 1))
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak, warmup_steps=warmup_steps,
-      decay_steps=max(total_steps, warmup_steps + 1), end_value=peak * final_fraction)
+    init_value=0.0,
+    peak_value=peak,
+    warmup_steps=warmup_steps,
+    decay_steps=max(total_steps, warmup_steps + 1),
+    end_value=peak * final_fraction,
+  )
 
 
-def make_optimizer(params: Any, *, total_steps: int, learning_rate: float,
-                   warmup_steps: int, final_lr_fraction: float = 0.1, weight_decay: float = 0.1,
-                   b1: float = 0.9, b2: float = 0.95, grad_clip: float = 1.0,
-                   name: str = "adamw", muon_learning_rate: float = 0.02
-                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+  params: Any,
+  *,
+  total_steps: int,
+  learning_rate: float,
+  warmup_steps: int,
+  final_lr_fraction: float = 0.1,
+  weight_decay: float = 0.1,
+  b1: float = 0.9,
+  b2: float = 0.95,
+  grad_clip: float = 1.0,
+  name: str = "adamw",
+  muon_learning_rate: float = 0.02,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optimizer (clip → AdamW or Muon) and its learning-rate schedule.
 
   Args:
@@ -93,18 +108,25 @@ def make_optimizer(params: Any, *, total_steps: int, learning_rate: float,
   """
   schedule = learning_rate_schedule(learning_rate, total_steps, warmup_steps, final_lr_fraction)
   if name == "adamw":
-    inner = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
-                        mask=decay_mask)
+    inner = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)
   elif name == "muon":
-    muon_schedule = learning_rate_schedule(muon_learning_rate, total_steps, warmup_steps,
-                                           final_lr_fraction)
-    inner = muon(muon_schedule, weight_decay=weight_decay, weight_decay_mask=decay_mask,
-                 adam_b1=b1, adam_b2=b2, adam_weight_decay=weight_decay,
-                 adam_learning_rate=schedule,
-                 muon_weight_dimension_numbers=muon_dimensions)
+    muon_schedule = learning_rate_schedule(
+      muon_learning_rate, total_steps, warmup_steps, final_lr_fraction
+    )
+    inner = muon(
+      muon_schedule,
+      weight_decay=weight_decay,
+      weight_decay_mask=decay_mask,
+      adam_b1=b1,
+      adam_b2=b2,
+      adam_weight_decay=weight_decay,
+      adam_learning_rate=schedule,
+      muon_weight_dimension_numbers=muon_dimensions,
+    )
   else:
     raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'muon'")
   chain = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
-  chain.append(optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()},
-                                     frozen_labels(params)))
+  chain.append(
+    optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()}, frozen_labels(params))
+  )
   return optax.chain(*chain), schedule

@@ -99,39 +99,66 @@ def count_params(config: ModelConfig, params: Any) -> dict[str, int]:
       main += n
     if names[0] in ("embed", "lm_head"):
       embed += n
-    if names[-1] in ("gate_proj", "up_proj", "down_proj") and "shared_experts" not in names \
-        and names[-2] == "mlp" and not names[0].startswith("mtp_"):
+    if (
+      names[-1] in ("gate_proj", "up_proj", "down_proj")
+      and "shared_experts" not in names
+      and names[-2] == "mlp"
+      and not names[0].startswith("mtp_")
+    ):
       inactive += n * (config.num_experts - config.num_experts_per_tok) // config.num_experts
   active = main - inactive
-  return {"total": total, "main": main, "mtp": mtp, "active": active,
-          "active_non_embedding": active - embed, "embedding": embed}
+  return {
+    "total": total,
+    "main": main,
+    "mtp": mtp,
+    "active": active,
+    "active_non_embedding": active - embed,
+    "embedding": embed,
+  }
 
 
 # --------------------------------------------------------------------------------------------------
 # State and steps
 # --------------------------------------------------------------------------------------------------
 
-def init_state(config: ModelConfig, tc: TrainConfig, total_steps: int
-               ) -> tuple[dict[str, Any], optax.GradientTransformation, optax.Schedule]:
+
+def init_state(
+  config: ModelConfig, tc: TrainConfig, total_steps: int
+) -> tuple[dict[str, Any], optax.GradientTransformation, optax.Schedule]:
   """Fresh training state {step, params, opt_state, best_val, bad_evals} and its optimizer."""
   params = target_lib.init_params(config, tc.seed)
   opt, schedule = optim.make_optimizer(
-      params, total_steps=total_steps, learning_rate=tc.learning_rate,
-      warmup_steps=tc.warmup_steps, final_lr_fraction=tc.final_lr_fraction,
-      weight_decay=tc.weight_decay, b1=tc.b1, b2=tc.b2, grad_clip=tc.grad_clip,
-      name=tc.optimizer, muon_learning_rate=tc.muon_learning_rate)
-  state = {"step": jnp.int32(0), "params": params, "opt_state": opt.init(params),
-           "best_val": jnp.float32(jnp.inf), "bad_evals": jnp.int32(0)}
+    params,
+    total_steps=total_steps,
+    learning_rate=tc.learning_rate,
+    warmup_steps=tc.warmup_steps,
+    final_lr_fraction=tc.final_lr_fraction,
+    weight_decay=tc.weight_decay,
+    b1=tc.b1,
+    b2=tc.b2,
+    grad_clip=tc.grad_clip,
+    name=tc.optimizer,
+    muon_learning_rate=tc.muon_learning_rate,
+  )
+  state = {
+    "step": jnp.int32(0),
+    "params": params,
+    "opt_state": opt.init(params),
+    "best_val": jnp.float32(jnp.inf),
+    "bad_evals": jnp.int32(0),
+  }
   return state, opt, schedule
 
 
-def make_train_step(config: ModelConfig, tc: TrainConfig, opt: optax.GradientTransformation,
-                    schedule: optax.Schedule) -> Callable:
+def make_train_step(
+  config: ModelConfig, tc: TrainConfig, opt: optax.GradientTransformation, schedule: optax.Schedule
+) -> Callable:
   """The jitted update: (state, batch [B, T+1]) → (state, scalar metrics); state is donated."""
 
   def loss_fn(params, batch):
-    return losses.lm_losses(config, params, batch, mtp_weight=tc.mtp_weight,
-                            aux_weight=tc.aux_loss_weight)
+    return losses.lm_losses(
+      config, params, batch, mtp_weight=tc.mtp_weight, aux_weight=tc.aux_loss_weight
+    )
 
   @functools.partial(jax.jit, donate_argnums=(0,))
   def step(state, batch):
@@ -142,8 +169,9 @@ def make_train_step(config: ModelConfig, tc: TrainConfig, opt: optax.GradientTra
     params = losses.bias_update(params, loads, tc.bias_update_rate)
     metrics = dict(aux, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
     if loads:
-      metrics["max_violation"] = jnp.mean(jnp.stack([losses.max_violation(l)
-                                                     for l in loads.values()]))
+      metrics["max_violation"] = jnp.mean(
+        jnp.stack([losses.max_violation(l) for l in loads.values()])
+      )
     new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 
@@ -161,11 +189,11 @@ def make_eval_step(config: ModelConfig, tc: TrainConfig) -> Callable:
   return step
 
 
-def evaluate(eval_step: Callable, params: Any, dataset: data_lib.PackedDataset,
-             max_batches: int = 0) -> dict[str, float]:
+def evaluate(
+  eval_step: Callable, params: Any, dataset: data_lib.PackedDataset, max_batches: int = 0
+) -> dict[str, float]:
   """Mean losses over the dataset's batches (in stream order), plus perplexities."""
-  n = dataset.batches_per_epoch if max_batches <= 0 else min(max_batches,
-                                                             dataset.batches_per_epoch)
+  n = dataset.batches_per_epoch if max_batches <= 0 else min(max_batches, dataset.batches_per_epoch)
   sums: dict[str, float] = {}
   for i in range(n):
     out = jax.device_get(eval_step(params, jnp.asarray(dataset.batch_at(i))))
@@ -180,13 +208,16 @@ def evaluate(eval_step: Callable, params: Any, dataset: data_lib.PackedDataset,
 # Checkpoints
 # --------------------------------------------------------------------------------------------------
 
+
 def checkpoint_manager(workdir: str, keep: int = 2) -> ocp.CheckpointManager:
   """Synchronous orbax manager under <workdir>/checkpoints (atomic: a killed save leaves no
   half-written step behind)."""
   return ocp.CheckpointManager(
-      os.path.abspath(os.path.join(workdir, "checkpoints")),
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
-                                           create=True))
+    os.path.abspath(os.path.join(workdir, "checkpoints")),
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=keep, enable_async_checkpointing=False, create=True
+    ),
+  )
 
 
 def restore_latest(manager: ocp.CheckpointManager, state: Any) -> tuple[Any, int | None]:
@@ -213,6 +244,7 @@ def load_params(workdir: str, config: ModelConfig, tc: TrainConfig) -> tuple[Any
 # The loop
 # --------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class TrainResult:
   params: Any
@@ -222,8 +254,9 @@ class TrainResult:
   stopped_early: bool
 
 
-def train(config: ModelConfig, tc: TrainConfig, workdir: str, tokenizer: Any,
-          progress: bool = True) -> TrainResult:
+def train(
+  config: ModelConfig, tc: TrainConfig, workdir: str, tokenizer: Any, progress: bool = True
+) -> TrainResult:
   """Trains (or resumes training) a model on the corpus train split; see the module docstring.
 
   Args:
@@ -239,12 +272,22 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, tokenizer: Any,
   if tokenizer.vocab_size != config.vocab_size:
     raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model {config.vocab_size}")
   root = tc.corpus_root or None
-  train_ds = data_lib.PackedDataset.from_corpus(tokenizer, data_lib.TRAIN, seq_len=tc.seq_len,
-                                                batch_size=tc.batch_size, seed=tc.data_seed,
-                                                root=root)
-  val_ds = data_lib.PackedDataset.from_corpus(tokenizer, data_lib.VALIDATION,
-                                              seq_len=tc.seq_len, batch_size=tc.batch_size,
-                                              root=root, shuffle=False)
+  train_ds = data_lib.PackedDataset.from_corpus(
+    tokenizer,
+    data_lib.TRAIN,
+    seq_len=tc.seq_len,
+    batch_size=tc.batch_size,
+    seed=tc.data_seed,
+    root=root,
+  )
+  val_ds = data_lib.PackedDataset.from_corpus(
+    tokenizer,
+    data_lib.VALIDATION,
+    seq_len=tc.seq_len,
+    batch_size=tc.batch_size,
+    root=root,
+    shuffle=False,
+  )
   per_epoch = train_ds.batches_per_epoch
   total = tc.num_steps if tc.num_steps > 0 else max(1, int(round(tc.num_epochs * per_epoch)))
   eval_every = tc.eval_every if tc.eval_every > 0 else per_epoch
@@ -256,9 +299,15 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, tokenizer: Any,
   if restored is not None:
     logging.info("resumed from checkpoint at step %d", start)
   counts = count_params(config, state["params"])
-  logging.info("%s: %s params; %d steps (%d per epoch of %d tokens), %d tokens per step",
-               config.architecture, counts, total, per_epoch, train_ds.num_tokens,
-               tc.batch_size * tc.seq_len)
+  logging.info(
+    "%s: %s params; %d steps (%d per epoch of %d tokens), %d tokens per step",
+    config.architecture,
+    counts,
+    total,
+    per_epoch,
+    train_ds.num_tokens,
+    tc.batch_size * tc.seq_len,
+  )
 
   train_step = make_train_step(config, tc, opt, schedule)
   eval_step = make_eval_step(config, tc)
@@ -266,8 +315,14 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, tokenizer: Any,
   history: list[dict[str, float]] = []
   stopped = False
   t_start = time.time()
-  bar = tqdm.tqdm(total=total, initial=start, disable=not progress, dynamic_ncols=True,
-                  mininterval=2.0, desc="train")
+  bar = tqdm.tqdm(
+    total=total,
+    initial=start,
+    disable=not progress,
+    dynamic_ncols=True,
+    mininterval=2.0,
+    desc="train",
+  )
   t_log, step_log = time.time(), start
   step = start
   try:
@@ -279,31 +334,34 @@ def train(config: ModelConfig, tc: TrainConfig, workdir: str, tokenizer: Any,
       if step % tc.log_every == 0 or step == total:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.time()
-        m["tokens_per_s"] = (step - step_log) * tc.batch_size * tc.seq_len / max(now - t_log,
-                                                                                 1e-9)
+        m["tokens_per_s"] = (step - step_log) * tc.batch_size * tc.seq_len / max(now - t_log, 1e-9)
         m["epoch"] = step / per_epoch
         t_log, step_log = now, step
         writer.write_scalars(step, {f"train/{k}": v for k, v in m.items()})
-        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}",
-                        refresh=False)
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
         if not progress:
-          logging.info("step %d loss %.4f lm %.4f tok/s %.0f", step, m["loss"], m["lm_loss"],
-                       m["tokens_per_s"])
+          logging.info(
+            "step %d loss %.4f lm %.4f tok/s %.0f", step, m["loss"], m["lm_loss"], m["tokens_per_s"]
+          )
       bar.update(1)
       evaluated = False
       if step % eval_every == 0 or step == total:
         ev = evaluate(eval_step, state["params"], val_ds, tc.eval_batches)
         ev["step"], ev["epoch"] = step, step / per_epoch
         history.append(ev)
-        writer.write_scalars(step, {f"val/{k}": v for k, v in ev.items()
-                                    if k not in ("step", "epoch")})
+        writer.write_scalars(
+          step, {f"val/{k}": v for k, v in ev.items() if k not in ("step", "epoch")}
+        )
         logging.info("eval at step %d (epoch %.2f): %s", step, step / per_epoch, ev)
-        bar.write(f"eval step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in ev.items()
-                                                     if k not in ("step",)))
+        bar.write(
+          f"eval step {step}: "
+          + ", ".join(f"{k}={v:.4f}" for k, v in ev.items() if k not in ("step",))
+        )
         best, bad = float(state["best_val"]), int(state["bad_evals"])
         bad = 0 if ev["lm_loss"] < best else bad + 1
-        state = dict(state, best_val=jnp.float32(min(best, ev["lm_loss"])),
-                     bad_evals=jnp.int32(bad))
+        state = dict(
+          state, best_val=jnp.float32(min(best, ev["lm_loss"])), bad_evals=jnp.int32(bad)
+        )
         stopped = tc.patience > 0 and bad >= tc.patience
         evaluated = True
       writer.flush()
