@@ -33,7 +33,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, ProposeContext
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.spec import metrics, sampling, tree as tree_lib, tree_verify, verify
+from jaxspec.spec import decode, metrics, sampling, tree as tree_lib, tree_verify, verify
 
 MAX_STOP_IDS = 8
 
@@ -171,31 +171,21 @@ def prefill(
   """Target prefill, first token, drafter prefill: the state before the first step."""
   batch, bucket = prompts.shape
   taps = drafter.taps if drafter is not None else ()
-  cache = KVCache.for_model(config, batch, max_len)
-  out = target_lib.apply_decoder(
-    config,
-    target_params,
-    prompts,
-    jnp.zeros_like(prompt_len),
-    cache.k,
-    cache.v,
-    taps=taps,
-    logits_index=prompt_len - 1,
+  last_logits, cache, prompt_taps, prompt_hidden = decode.prefill(
+    config, target_params, prompts, prompt_len, KVCache.for_model(config, batch, max_len), taps
   )
-  last_logits = out.logits[:, 0]
   key, sub = jax.random.split(key)
   first = sampling.sample(sub, last_logits, params)
   rows = jnp.arange(batch)
   tokens = jnp.zeros((batch, max_len), jnp.int32).at[:, :bucket].set(prompts)
   tokens = tokens.at[rows, prompt_len].set(first)
-  cache = KVCache(out.cache_k, out.cache_v, prompt_len)
   gamma = drafter.gamma if drafter is not None else 0
   done = ~active | _is_stop(first, stop_ids) | (max_new <= 1)
   drafter_state = ()
   if drafter is not None:
     drafter_state = drafter.init_state(drafter_params, batch, max_len)
     drafter_state = drafter.prefill(
-      drafter_params, drafter_state, PrefillContext(tokens, prompt_len, out.taps, out.hidden)
+      drafter_params, drafter_state, PrefillContext(tokens, prompt_len, prompt_taps, prompt_hidden)
     )
   return SpecState(
     tokens=tokens,
