@@ -240,35 +240,3 @@ def test_acceptance_length_matches_closed_form():
   mean = float((hist * (k + 1)).sum() / hist.sum())
   std_err = float(np.sqrt((hist * (k + 1 - mean) ** 2).sum() / hist.sum() / hist.sum()))
   assert abs(mean - expected) < 5 * std_err + 1e-3, (mean, expected, std_err)
-
-
-def test_ngram_without_matches_falls_back_to_one_token_passes(models):
-  """No n-gram match anywhere: the output still equals plain decoding."""
-  target, _ = models
-  cfg = EngineConfig(max_len=64, batch_size=2, use_eos=False)
-  prompts = [[5, 9, 17, 33, 41], [7, 8]]
-  plain = SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=12)
-  out = SpecEngine(target, NgramDrafter(gamma=3, n=4, min_n=4), cfg).generate(
-    prompts, max_new_tokens=12
-  )
-  assert out.tokens == plain.tokens
-
-
-def test_invalid_proposals_are_not_verified(models):
-  """A drafter that marks its rows invalid gets one-token passes, however good its drafts."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
-
-  @dataclasses.dataclass(frozen=True)
-  class NeverValid(DraftModelDrafter):
-    def propose(self, params, state, ctx):
-      proposal, state = super().propose(params, state, ctx)
-      return proposal.replace(valid=jnp.zeros(ctx.seq_len.shape, bool)), state
-
-  target, _ = models
-  cfg = EngineConfig(max_len=64, use_eos=False)
-  plain = SpecEngine(target, None, cfg).generate(_prompts(1), max_new_tokens=10)
-  drafter = NeverValid(gamma=3, params=target.params, config=target.config)
-  out = SpecEngine(target, drafter, cfg).generate(_prompts(1), max_new_tokens=10)
-  assert out.tokens == plain.tokens
-  # The target drafting for itself would be accepted in full; skipped blocks accept nothing.
-  assert out.stats.summary["accept_hist"][0] == out.stats.target_passes == 9

@@ -37,14 +37,11 @@ class Proposal:
     for a deterministic drafter (q is one-hot at the token).
   logprobs: [B, γ, V] float32 per-position draft log-probabilities (position i predicts the
     token at depth i+1), for the tree builder; None when the drafter gives no distribution.
-  valid: [B] bool, rows with a real proposal (None = all). When no active row has one, the
-    chain engine runs a one-token pass instead of verifying the whole block.
   """
 
   tokens: jax.Array
   probs: Optional[jax.Array] = None
   logprobs: Optional[jax.Array] = None
-  valid: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass

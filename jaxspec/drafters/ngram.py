@@ -29,5 +29,5 @@ class NgramDrafter(Drafter):
 
   def propose(self, params: Any, state: Any, ctx: ProposeContext) -> tuple[Proposal, Any]:
     del params
-    draft, found = ngram_propose(ctx.tokens, ctx.seq_len, self.n, self.gamma, self.min_n)
-    return Proposal(draft, None, valid=found), state
+    draft, _ = ngram_propose(ctx.tokens, ctx.seq_len, self.n, self.gamma, self.min_n)
+    return Proposal(draft, None), state

@@ -259,47 +259,19 @@ def step(
     block = jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1)
 
   taps = drafter.taps if drafter is not None else ()
-
-  def verify_block(_):
-    out = target_lib.apply_decoder(
-      config, target_params, block, start, state.cache.k, state.cache.v, taps=taps
-    )
-    if gamma == 0:
-      num_accepted = jnp.zeros((batch,), jnp.int32)
-      next_token = sampling.sample(k_verify, out.logits[:, 0], state.sampling)
-    else:
-      num_accepted, next_token = verify.verify_chain(
-        k_verify, proposal.tokens, proposal.probs, out.logits, state.sampling
-      )
-    return num_accepted, next_token, out.cache_k, out.cache_v, out.taps, out.hidden
-
-  def root_only(_):
-    # No sequence has a real proposal (e.g. no n-gram matched): a one-token pass, padded to the
-    # block's shapes. Nothing past the root is committed, so the padding is never read.
-    out = target_lib.apply_decoder(
-      config, target_params, root[:, None], start, state.cache.k, state.cache.v, taps=taps
-    )
+  out = target_lib.apply_decoder(
+    config, target_params, block, start, state.cache.k, state.cache.v, taps=taps
+  )
+  if gamma == 0:
+    num_accepted = jnp.zeros((batch,), jnp.int32)
     next_token = sampling.sample(k_verify, out.logits[:, 0], state.sampling)
-    pad = lambda x, axis: jnp.pad(x, [(0, gamma if a == axis else 0) for a in range(x.ndim)])
-    out_taps = None if out.taps is None else pad(out.taps, 2)
-    return (
-      jnp.zeros((batch,), jnp.int32),
-      next_token,
-      out.cache_k,
-      out.cache_v,
-      out_taps,
-      pad(out.hidden, 1),
-    )
-
-  if drafter is not None and proposal.valid is not None:
-    worth_verifying = jnp.any(proposal.valid & ~state.done)
-    result = jax.lax.cond(worth_verifying, verify_block, root_only, None)
   else:
-    result = verify_block(None)
-  num_accepted, next_token, cache_k, cache_v, block_taps, block_hidden = result
+    num_accepted, next_token = verify.verify_chain(
+      k_verify, proposal.tokens, proposal.probs, out.logits, state.sampling
+    )
 
   tokens, seq_len, done, count = _commit_tokens(state, block[:, 1:], num_accepted, next_token)
-  cache = KVCache(cache_k, cache_v, seq_len - 1)
+  cache = KVCache(out.cache_k, out.cache_v, seq_len - 1)
   stats = metrics.update_stats(state.stats, num_accepted, ~state.done, count)
 
   if drafter is not None:
@@ -307,7 +279,7 @@ def step(
       drafter_params,
       drafter_state,
       CommitContext(
-        tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, block_taps, block_hidden
+        tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, out.taps, out.hidden
       ),
     )
   return state.replace(
