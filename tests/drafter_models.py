@@ -141,3 +141,47 @@ class GreedyCheck:
     assert spec.tokens == plain.tokens
     assert all(len(t) == new for t in spec.tokens)
     return plain, spec
+
+
+def dflash_reference_logits(drafter, target, taps, block, qpos, visible):
+  """float64 DFlash forward by plain masked attention over [context; block].
+
+  taps [n_taps, n, H] are the target features of context positions 0..n−1; block [t] tokens at
+  RoPE positions qpos [t]; visible [t, n + t] says which keys each block query sees.
+  Returns logits [t, V].
+  """
+  c = drafter.config
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), drafter.params["draft"])
+  n = taps.shape[1]
+  ctx = rms(np.concatenate(list(taps), axis=-1) @ p["fc"]["kernel"], p["hidden_norm"]["scale"])
+  x = np.asarray(target.params["embed"], np.float64)[block]
+  kpos = np.concatenate([np.arange(n), qpos])
+  groups = c.num_heads // c.num_kv_heads
+  for i in range(c.num_layers):
+    lp = p[f"layers_{i}"]
+    a = lp["self_attn"]
+    hn = rms(x, lp["input_layernorm"]["scale"])
+    kv_in = np.concatenate([ctx, hn])
+    q = rope(
+      rms(np.einsum("th,hnd->tnd", hn, a["q_proj"]["kernel"]), a["q_norm"]["scale"]),
+      qpos,
+      c.rope_theta,
+    )
+    k = rope(
+      rms(np.einsum("th,hnd->tnd", kv_in, a["k_proj"]["kernel"]), a["k_norm"]["scale"]),
+      kpos,
+      c.rope_theta,
+    )
+    v = np.einsum("th,hnd->tnd", kv_in, a["v_proj"]["kernel"])
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    scores = np.einsum("qnd,knd->nqk", q, k) / np.sqrt(c.head_dim)
+    vis = visible[i] if isinstance(visible, (list, tuple)) else visible
+    scores = np.where(vis[None], scores, -1e30)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    x = x + np.einsum("qnd,ndh->qh", np.einsum("nqk,knd->qnd", w, v), a["o_proj"]["kernel"])
+    m = lp["mlp"]
+    hm = rms(x, lp["post_attention_layernorm"]["scale"])
+    g = hm @ m["gate_proj"]["kernel"]
+    x = x + ((g / (1 + np.exp(-g))) * (hm @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+  return rms(x, p["norm"]["scale"]) @ np.asarray(target.params["lm_head"]["kernel"], np.float64)

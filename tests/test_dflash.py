@@ -19,8 +19,8 @@ from jaxspec.drafters.dflash import DFlashDrafter, dflash_tensors
 from jaxspec.models import target as target_lib
 from jaxspec.spec.engine import EngineConfig, SpecEngine
 
-from tests.drafter_models import rms as _rms, rope as _rope
 from tests.drafter_models import (
+  dflash_reference_logits,
   GreedyCheck,
   exact_sequence_probs,
   prompts,
@@ -61,48 +61,15 @@ def greedy(target, drafter):
 
 def reference_logits(drafter, target, taps, block, start, windows):
   """taps [n_taps, n, H] (positions 0..n−1), block [T] at start..: logits [T, V] (float64)."""
-  c = drafter.config
-  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), drafter.params["draft"])
-  n = taps.shape[1]
-  feats = np.concatenate(list(taps), axis=-1)
-  ctx = _rms(feats @ p["fc"]["kernel"], p["hidden_norm"]["scale"])
-  x = np.asarray(target.params["embed"], np.float64)[block]
-  t = len(block)
+  n, t = taps.shape[1], len(block)
   qpos = start + np.arange(t)
-  kpos = np.concatenate([np.arange(n), qpos])
-  groups = c.num_heads // c.num_kv_heads
-  for i in range(c.num_layers):
-    lp = p[f"layers_{i}"]
-    a = lp["self_attn"]
-    hn = _rms(x, lp["input_layernorm"]["scale"])
-    kv_in = np.concatenate([ctx, hn])
-    q = _rope(
-      _rms(np.einsum("th,hnd->tnd", hn, a["q_proj"]["kernel"]), a["q_norm"]["scale"]),
-      qpos,
-      c.rope_theta,
-    )
-    k = _rope(
-      _rms(np.einsum("th,hnd->tnd", kv_in, a["k_proj"]["kernel"]), a["k_norm"]["scale"]),
-      kpos,
-      c.rope_theta,
-    )
-    v = np.einsum("th,hnd->tnd", kv_in, a["v_proj"]["kernel"])
-    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
-    scores = np.einsum("qnd,knd->nqk", q, k) / np.sqrt(c.head_dim)
-    visible = np.ones((t, n + t), bool)
-    if windows[i]:
-      visible[:, :n] = (qpos[:, None] - np.arange(n)[None]) < windows[i]
-    scores = np.where(visible[None], scores, -np.inf)
-    w = np.exp(scores - scores.max(-1, keepdims=True))
-    w /= w.sum(-1, keepdims=True)
-    o = np.einsum("nqk,knd->qnd", w, v)
-    x = x + np.einsum("qnd,ndh->qh", o, a["o_proj"]["kernel"])
-    m = lp["mlp"]
-    hm = _rms(x, lp["post_attention_layernorm"]["scale"])
-    g = hm @ m["gate_proj"]["kernel"]
-    x = x + ((g / (1 + np.exp(-g))) * (hm @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
-  h = _rms(x, p["norm"]["scale"])
-  return h @ np.asarray(target.params["lm_head"]["kernel"], np.float64)
+  visible = []
+  for window in windows:
+    vis = np.ones((t, n + t), bool)
+    if window:
+      vis[:, :n] = (qpos[:, None] - np.arange(n)[None]) < window
+    visible.append(vis)
+  return dflash_reference_logits(drafter, target, taps, block, qpos, visible)
 
 
 def _check_final_state(target, drafter, engine, windows):

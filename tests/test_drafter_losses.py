@@ -14,8 +14,7 @@ from jaxspec.models import target as target_lib
 from jaxspec.train import drafter_losses as dl
 from jaxspec.train import losses as target_losses
 
-from tests.drafter_models import rms as _rms, rope as _rope
-from tests.drafter_models import small_target
+from tests.drafter_models import dflash_reference_logits, small_target
 
 MASK = 2
 
@@ -114,50 +113,17 @@ def dflash_setup():
 
 def _dense_reference(drafter, target, tokens, taps, anchors, keep, mask):
   """Training logits by plain masked attention over [S context; all N·bs block tokens]."""
-  c = drafter.config
-  bs = c.block_size
-  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), drafter.params["draft"])
-  embed = np.asarray(target.params["embed"], np.float64)
-  head = np.asarray(target.params["lm_head"]["kernel"], np.float64)
-  b, s = tokens.shape
-  n = anchors.shape[1]
-  groups = c.num_heads // c.num_kv_heads
-  out = np.zeros((b, n * bs, head.shape[1]))
+  bs = drafter.config.block_size
+  b, n = tokens.shape[0], anchors.shape[1]
+  out = []
   for bi in range(b):
-    ctx = _rms(np.concatenate(list(taps[:, bi]), -1) @ p["fc"]["kernel"], p["hidden_norm"]["scale"])
     block = np.full((n, bs), MASK)
     block[:, 0] = tokens[bi, anchors[bi]]
-    x = embed[block.reshape(-1)]
     qpos = (anchors[bi][:, None] + np.arange(bs)).reshape(-1)
-    kpos = np.concatenate([np.arange(s), qpos])
-    for i in range(c.num_layers):
-      lp = p[f"layers_{i}"]
-      a = lp["self_attn"]
-      hn = _rms(x, lp["input_layernorm"]["scale"])
-      kv_in = np.concatenate([ctx, hn])
-      q = _rope(
-        _rms(np.einsum("th,hnd->tnd", hn, a["q_proj"]["kernel"]), a["q_norm"]["scale"]),
-        qpos,
-        c.rope_theta,
-      )
-      k = _rope(
-        _rms(np.einsum("th,hnd->tnd", kv_in, a["k_proj"]["kernel"]), a["k_norm"]["scale"]),
-        kpos,
-        c.rope_theta,
-      )
-      v = np.einsum("th,hnd->tnd", kv_in, a["v_proj"]["kernel"])
-      k, v = np.repeat(k, groups, 1), np.repeat(v, groups, 1)
-      sc = np.einsum("qnd,knd->nqk", q, k) / np.sqrt(c.head_dim)
-      sc = np.where(mask[bi][None], sc, -1e30)
-      w = np.exp(sc - sc.max(-1, keepdims=True))
-      w /= w.sum(-1, keepdims=True)
-      x = x + np.einsum("qnd,ndh->qh", np.einsum("nqk,knd->qnd", w, v), a["o_proj"]["kernel"])
-      m = lp["mlp"]
-      hm = _rms(x, lp["post_attention_layernorm"]["scale"])
-      g = hm @ m["gate_proj"]["kernel"]
-      x = x + ((g / (1 + np.exp(-g))) * (hm @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
-    out[bi] = _rms(x, p["norm"]["scale"]) @ head
-  return out.reshape(b, n, bs, -1)
+    out.append(
+      dflash_reference_logits(drafter, target, taps[:, bi], block.reshape(-1), qpos, mask[bi])
+    )
+  return np.stack(out).reshape(b, n, bs, -1)
 
 
 def test_training_forward_applies_the_mask_and_matches_inference(dflash_setup):
