@@ -12,7 +12,16 @@ Both are shipped in HF layout under ``jaxspec/assets/{target,draft}/``; ``export
 there and ``launch/train_target.py`` writes it after training. ``test_target`` and
 ``test_draft`` are miniature versions for unit tests (a few seconds per run).
 
-Usage: ``python -m launch.train_target --config=configs/tiny_code.py:target``.
+Two feature-conditioned drafters are trained against the target by self-distillation
+(``launch/train_drafter.py``) and shipped in their published layouts:
+
+* ``dflash``: a DFlash block-diffusion drafter (2 layers, block 16) reading target layers 1-3;
+* ``eagle3``: an EAGLE-3 head (one layer over fused layers 1-3, a 2048-token draft vocabulary).
+
+``test_dflash`` / ``test_eagle3`` are miniature drafter runs for unit tests.
+
+Usage: ``python -m launch.train_target --config=configs/tiny_code.py:target``,
+``python -m launch.train_drafter --config=configs/tiny_code.py:dflash``.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ import os
 
 import ml_collections
 
-ARGS = ("target", "draft", "test_target", "test_draft")
+MODEL_ARGS = ("target", "draft", "test_target", "test_draft")
+DRAFTER_ARGS = ("dflash", "eagle3", "test_dflash", "test_eagle3")
+ARGS = MODEL_ARGS + DRAFTER_ARGS
 
 
 def assets_dir(name: str) -> str:
@@ -125,10 +136,117 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
   return t
 
 
+def distill_config(**overrides) -> ml_collections.ConfigDict:
+  """Self-distillation data (fields of jaxspec.train.distill.DistillConfig)."""
+  d = ml_collections.ConfigDict()
+  d.split = "train"
+  d.num_prompts = 4096  # of the 12.9K function openings of the train split
+  d.max_prompt_tokens = 64
+  d.new_tokens = 192
+  d.temperatures = (0.0, 1.0)  # one greedy and one sampled continuation per prompt
+  d.batch_size = 128
+  d.seed = 0
+  d.corpus_root = ""
+  d.update(overrides)
+  return d
+
+
+def drafter_train_config(**overrides) -> ml_collections.ConfigDict:
+  """Drafter hyper-parameters (fields of jaxspec.train.drafter_trainer.DrafterTrainConfig)."""
+  t = ml_collections.ConfigDict()
+  t.batch_size = 16
+  t.num_epochs = 2.0
+  t.num_steps = 0
+  t.learning_rate = 1e-3
+  t.muon_learning_rate = 0.02
+  t.optimizer = "muon"
+  t.warmup_steps = 50
+  t.final_lr_fraction = 0.1
+  t.weight_decay = 0.0
+  t.b1 = 0.9
+  t.b2 = 0.95
+  t.grad_clip = 1.0
+  t.num_anchors = 32
+  t.loss_decay = 7.0
+  t.ttt_steps = 7
+  t.ttt_decay = 0.8
+  t.seed = 0
+  t.data_seed = 0
+  t.checkpoint_every = 100
+  t.keep_checkpoints = 2
+  t.eval_every = 0
+  t.eval_batches = 0
+  t.patience = 0
+  t.log_every = 10
+  t.step_delay_s = 0.0
+  t.update(overrides)
+  return t
+
+
+def drafter_config(arg: str) -> ml_collections.ConfigDict:
+  """A drafter run: architecture, distillation data, training, target and export paths."""
+  method = arg.replace("test_", "")
+  config = ml_collections.ConfigDict()
+  config.name = arg
+  config.method = method
+  config.target_dir = assets_dir("target")
+  d = ml_collections.ConfigDict()
+  # Taps: a 4-layer target has no room for DFlash's default spread over [1, L-3] or EAGLE-3's
+  # (1, L//2-1, L-4); both read the outputs of layers 1, 2 and 3.
+  d.target_layer_ids = (1, 2, 3)
+  d.num_heads = 4
+  d.num_kv_heads = 2
+  d.head_dim = 32
+  d.intermediate_size = 384
+  d.seed = 0
+  if method == "dflash":
+    d.num_layers = 2
+    d.block_size = 16
+  else:
+    d.draft_vocab_size = 2048  # the most frequent tokens of the target's continuations
+  config.drafter = d
+  config.distill = distill_config()
+  config.val_distill = distill_config(split="validation", num_prompts=128)
+  config.distill_dir = "/tmp/jaxspec_runs/tiny_code_distill"
+  config.train = drafter_train_config()
+  config.workdir = f"/tmp/jaxspec_runs/tiny_code_{arg}"
+  config.export_dir = assets_dir(method)
+  if arg.startswith("test_"):
+    d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size = 2, 1, 16, 64
+    d.target_layer_ids = (0, 1, 1) if method == "eagle3" else (0, 1)
+    if method == "dflash":
+      d.num_layers, d.block_size = 1, 4
+    else:
+      d.draft_vocab_size = 512
+    config.distill = distill_config(
+      num_prompts=16, max_prompt_tokens=16, new_tokens=16, batch_size=16
+    )
+    config.val_distill = distill_config(
+      split="validation", num_prompts=8, max_prompt_tokens=16, new_tokens=16, batch_size=8
+    )
+    config.distill_dir = ""  # <workdir>/distill
+    config.train = drafter_train_config(
+      batch_size=4,
+      num_steps=12,
+      warmup_steps=2,
+      learning_rate=1e-2,
+      muon_learning_rate=0.1,
+      num_anchors=8,
+      ttt_steps=3,
+      checkpoint_every=4,
+      eval_every=6,
+      log_every=2,
+    )
+    config.export_dir = ""
+  return config
+
+
 def get_config(arg: str = "target") -> ml_collections.ConfigDict:
-  """Returns the named setup: "target", "draft", "test_target" or "test_draft"."""
+  """Returns the named setup: one of ARGS (models, drafters and their test miniatures)."""
   if arg not in ARGS:
     raise ValueError(f"unknown tiny_code config {arg!r}; expected one of {ARGS}")
+  if arg in DRAFTER_ARGS:
+    return drafter_config(arg)
   config = ml_collections.ConfigDict()
   config.name = arg
   is_target = arg.endswith("target")
@@ -147,7 +265,7 @@ def get_config(arg: str = "target") -> ml_collections.ConfigDict:
   # config.json keeps float32 as the compute dtype.
   config.export_dtype = "float32"
   config.assets = ml_collections.ConfigDict(
-    {"target": assets_dir("target"), "draft": assets_dir("draft")}
+    {name: assets_dir(name) for name in ("target", "draft", "dflash", "eagle3")}
   )
   if arg.startswith("test_"):
     m = config.model

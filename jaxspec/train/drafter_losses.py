@@ -166,28 +166,38 @@ def eagle3_ttt_loss(
   c = drafter.config
   b, s = tokens.shape
   logits = drafter.ttt_logits(params, tokens, taps, steps)  # [steps, B, S, V_d]
-  draft_ids = jnp.arange(c.draft_vocab_size)
+  tl = target_logits.astype(jnp.float32)
+  # The target's side once for all steps: argmax, membership, draft-vocabulary distribution.
+  top = jnp.argmax(tl, axis=-1)  # [B, S]
   if c.reduced_vocab:
-    draft_ids = draft_ids + params["d2t"]
-  in_draft = jnp.zeros((c.vocab_size,), bool).at[draft_ids].set(True)
+    draft_ids = jnp.arange(c.draft_vocab_size) + params["d2t"]
+    in_draft = jnp.zeros((c.vocab_size,), bool).at[draft_ids].set(True)[top]
+    tl = jnp.take(tl, draft_ids, axis=-1)
+  else:
+    draft_ids = None
+    in_draft = jnp.ones_like(top, bool)
+  p_target = jax.nn.softmax(tl, axis=-1)  # [B, S, V_d]
   mask = loss_mask.astype(bool)
   total = jnp.float32(0.0)
   metrics: dict[str, jax.Array] = {}
   for j in range(steps):
-    shift = j + 1
-    tl = jnp.pad(target_logits.astype(jnp.float32), ((0, 0), (0, shift), (0, 0)))[:, shift:]
-    sup = jnp.pad(mask, ((0, 0), (0, shift + 1)))[:, shift + 1 :]  # loss_mask[i+j+2]
-    sup = sup & (jnp.arange(s)[None] + shift + 1 < s)
-    top = jnp.argmax(tl, axis=-1)
-    use = sup & in_draft[top]
-    p = jax.nn.softmax(jnp.take(tl, draft_ids, axis=-1), axis=-1)
-    logq = jax.nn.log_softmax(logits[j].astype(jnp.float32), axis=-1)
-    ce = -jnp.sum(p * logq, axis=-1)
+    # Step j at position i (< S − j − 2) is scored against the target at i + j + 1, when the
+    # token at i + j + 2 is supervised.
+    shift, n = j + 1, s - j - 2
+    if n < 1:
+      raise ValueError(f"sequences of {s} tokens are too short for {steps} TTT steps")
+    sup = mask[:, shift + 1 :]
+    top_j = top[:, shift : shift + n]
+    use = sup & in_draft[:, shift : shift + n]
+    logq = jax.nn.log_softmax(logits[j, :, :n].astype(jnp.float32), axis=-1)
+    ce = -jnp.sum(p_target[:, shift : shift + n] * logq, axis=-1)
     denom = jnp.maximum(jnp.sum(sup), 1)
     loss_j = jnp.sum(jnp.where(use, ce, 0.0)) / denom
-    pred = jnp.take(draft_ids, jnp.argmax(logq, axis=-1))
+    pred = jnp.argmax(logq, axis=-1)
+    if draft_ids is not None:
+      pred = jnp.take(draft_ids, pred)
     metrics[f"loss_{j}"] = loss_j
-    metrics[f"accuracy_{j}"] = jnp.sum((pred == top) & sup) / denom
+    metrics[f"accuracy_{j}"] = jnp.sum((pred == top_j) & sup) / denom
     total = total + decay**j * loss_j
   metrics["loss"] = total
   return total, metrics

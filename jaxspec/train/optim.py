@@ -8,7 +8,7 @@ bias update (losses.bias_update), never by gradients.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import optax
@@ -34,7 +34,7 @@ def frozen_labels(params: Any) -> Any:
   )
 
 
-def muon_dimensions(params: Any) -> Any:
+def muon_dimensions(params: Any, stacked_prefix: str = "layers_") -> Any:
   """Muon's (reduction, output) axes per matrix leaf; None leaves go to Adam.
 
   Attention/MLP kernels are [(layers,) *in, *out] (o_proj contracts two axes: heads, head_dim),
@@ -45,19 +45,24 @@ def muon_dimensions(params: Any) -> Any:
 
   def dims(path: tuple, leaf: Any) -> MuonDimensionNumbers | None:
     names = _name(path)
-    stacked = 1 if names[0].startswith("layers_") else 0
+    stacked = 1 if stacked_prefix and names[0].startswith(stacked_prefix) else 0
     last = names[-1]
     if last == "kernel" and names[-2] in ("q_proj", "k_proj", "v_proj"):
       return MuonDimensionNumbers(stacked, (stacked + 1, stacked + 2))
     if last == "kernel" and names[-2] == "o_proj":
       return MuonDimensionNumbers((stacked, stacked + 1), stacked + 2)
-    if last == "kernel" and names[-2] in ("gate_proj", "up_proj", "down_proj", "eh_proj"):
+    if last == "kernel" and names[-2] in ("gate_proj", "up_proj", "down_proj", "eh_proj", "fc"):
       return MuonDimensionNumbers(stacked, stacked + 1)
     if last in ("gate_proj", "up_proj", "down_proj") and leaf.ndim == stacked + 3:
       return MuonDimensionNumbers(stacked + 1, stacked + 2)  # routed experts [E, in, out]
     return None
 
   return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def unstacked_muon_dimensions(params: Any) -> Any:
+  """Muon axes for models whose layers are separate subtrees (the drafters' `layers_i`)."""
+  return muon_dimensions(params, stacked_prefix="")
 
 
 def learning_rate_schedule(
@@ -87,6 +92,7 @@ def make_optimizer(
   grad_clip: float = 1.0,
   name: str = "adamw",
   muon_learning_rate: float = 0.02,
+  muon_dims: Callable[[Any], Any] = muon_dimensions,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optimizer (clip → AdamW or Muon) and its learning-rate schedule.
 
@@ -102,6 +108,7 @@ def make_optimizer(
     grad_clip: global-norm clipping threshold (0 disables).
     name: "adamw" or "muon".
     muon_learning_rate: peak learning rate of Muon's orthogonalised matrix updates.
+    muon_dims: params → Muon dimension numbers per leaf (None: Adam).
 
   Returns:
     (optimizer, schedule): the schedule maps step → AdamW learning rate (for logging).
@@ -121,7 +128,7 @@ def make_optimizer(
       adam_b2=b2,
       adam_weight_decay=weight_decay,
       adam_learning_rate=schedule,
-      muon_weight_dimension_numbers=muon_dimensions,
+      muon_weight_dimension_numbers=muon_dims,
     )
   else:
     raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'muon'")

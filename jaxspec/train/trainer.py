@@ -311,6 +311,62 @@ def train(
 
   train_step = make_train_step(config, tc, opt, schedule)
   eval_step = make_eval_step(config, tc)
+  return run_loop(
+    state,
+    train_step,
+    lambda s: jnp.asarray(train_ds.batch_at(s)),
+    lambda params: evaluate(eval_step, params, val_ds, tc.eval_batches),
+    manager,
+    workdir=workdir,
+    total=total,
+    start=start,
+    per_epoch=per_epoch,
+    tokens_per_step=tc.batch_size * tc.seq_len,
+    eval_every=eval_every,
+    loop=LoopConfig.from_train(tc),
+    progress=progress,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """The cadence of `run_loop` (logging, checkpoints, early stopping)."""
+
+  log_every: int = 10
+  checkpoint_every: int = 100
+  patience: int = 0
+  step_delay_s: float = 0.0
+  val_key: str = "lm_loss"  # the evaluation metric early stopping watches (lower is better)
+
+  @classmethod
+  def from_train(cls, tc: Any, val_key: str = "lm_loss") -> "LoopConfig":
+    return cls(tc.log_every, tc.checkpoint_every, tc.patience, tc.step_delay_s, val_key)
+
+
+def run_loop(
+  state: dict[str, Any],
+  train_step: Callable,
+  batch_at: Callable[[int], Any],
+  eval_fn: Callable[[Any], dict[str, float]],
+  manager: ocp.CheckpointManager,
+  *,
+  workdir: str,
+  total: int,
+  start: int,
+  per_epoch: int,
+  tokens_per_step: int,
+  eval_every: int,
+  loop: LoopConfig,
+  progress: bool = True,
+) -> TrainResult:
+  """The resumable training loop shared by targets and drafters.
+
+  `state` holds at least {step, params, best_val, bad_evals}; `train_step(state, batch)` →
+  (state, metrics with a "loss"); `batch_at(step)` is a pure function of the step;
+  `eval_fn(params)` → validation metrics (must include `loop.val_key`). Metrics go to
+  <workdir>/tb; the state is saved with `manager` every `loop.checkpoint_every` steps, after
+  every evaluation and at the end. The manager is closed on return.
+  """
   writer = MetricsWriter(os.path.join(workdir, "tb"))
   history: list[dict[str, float]] = []
   stopped = False
@@ -327,26 +383,24 @@ def train(
   step = start
   try:
     while step < total and not stopped:
-      state, metrics = train_step(state, jnp.asarray(train_ds.batch_at(step)))
+      state, metrics = train_step(state, batch_at(step))
       step += 1
-      if tc.step_delay_s:
-        time.sleep(tc.step_delay_s)
-      if step % tc.log_every == 0 or step == total:
+      if loop.step_delay_s:
+        time.sleep(loop.step_delay_s)
+      if step % loop.log_every == 0 or step == total:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.time()
-        m["tokens_per_s"] = (step - step_log) * tc.batch_size * tc.seq_len / max(now - t_log, 1e-9)
+        m["tokens_per_s"] = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
         m["epoch"] = step / per_epoch
         t_log, step_log = now, step
         writer.write_scalars(step, {f"train/{k}": v for k, v in m.items()})
         bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
         if not progress:
-          logging.info(
-            "step %d loss %.4f lm %.4f tok/s %.0f", step, m["loss"], m["lm_loss"], m["tokens_per_s"]
-          )
+          logging.info("step %d loss %.4f tok/s %.0f", step, m["loss"], m["tokens_per_s"])
       bar.update(1)
       evaluated = False
       if step % eval_every == 0 or step == total:
-        ev = evaluate(eval_step, state["params"], val_ds, tc.eval_batches)
+        ev = eval_fn(state["params"])
         ev["step"], ev["epoch"] = step, step / per_epoch
         history.append(ev)
         writer.write_scalars(
@@ -358,14 +412,14 @@ def train(
           + ", ".join(f"{k}={v:.4f}" for k, v in ev.items() if k not in ("step",))
         )
         best, bad = float(state["best_val"]), int(state["bad_evals"])
-        bad = 0 if ev["lm_loss"] < best else bad + 1
+        bad = 0 if ev[loop.val_key] < best else bad + 1
         state = dict(
-          state, best_val=jnp.float32(min(best, ev["lm_loss"])), bad_evals=jnp.int32(bad)
+          state, best_val=jnp.float32(min(best, ev[loop.val_key])), bad_evals=jnp.int32(bad)
         )
-        stopped = tc.patience > 0 and bad >= tc.patience
+        stopped = loop.patience > 0 and bad >= loop.patience
         evaluated = True
       writer.flush()
-      if step % tc.checkpoint_every == 0 or evaluated or step == total or stopped:
+      if step % loop.checkpoint_every == 0 or evaluated or step == total or stopped:
         manager.save(step, args=ocp.args.StandardSave(state), force=True)
   finally:
     bar.close()

@@ -1,0 +1,239 @@
+"""Self-distillation data for drafters: the target's own continuations, stored on disk.
+
+A drafter is judged by how often the *target* agrees with it, so it is trained on what the
+target writes (DFlash, EAGLE-3 and Medusa all train on target-generated responses). Prompts are
+function openings of one corpus split (`data.function_prompts`), cut to their last
+`max_prompt_tokens` tokens; each is continued by the target for `new_tokens` tokens once per
+entry of `temperatures` (0 = greedy) with jaxspec's on-device plain decoding, in padded batches.
+
+On disk (`out_dir`): `tokens.npy` [N, P + G] int32 (prompt, continuation, then pad), `lengths.npy`
+and `prompt_lens.npy` [N] int32, `temperature.npy` [N] float32 and `meta.json`, which records
+the settings and a fingerprint of the target weights and tokenizer; `build` reuses a directory
+whose meta matches and rebuilds otherwise. Supervised positions (`loss_mask`) are the generated
+tokens only: the drafter learns the target's continuations, never the corpus text of the prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from jaxspec.cache import KVCache
+from jaxspec.models.target import TargetModel
+from jaxspec.spec import decode, sampling
+from jaxspec.train import data as data_lib
+
+_FILES = ("tokens", "lengths", "prompt_lens", "temperature")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """What to generate: `len(temperatures)` continuations of each prompt."""
+
+  split: str = data_lib.TRAIN
+  num_prompts: int = 0  # 0: every function opening of the split
+  max_prompt_tokens: int = 64
+  new_tokens: int = 192
+  temperatures: tuple[float, ...] = (0.0, 1.0)
+  batch_size: int = 64
+  seed: int = 0
+  corpus_root: str = ""  # "": the standard library
+
+  def __post_init__(self):
+    object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+    if not self.temperatures or any(t < 0 for t in self.temperatures):
+      raise ValueError(
+        f"temperatures must be a non-empty list of values ≥ 0, got {self.temperatures}"
+      )
+    if self.max_prompt_tokens < 1 or self.new_tokens < 2 or self.batch_size < 1:
+      raise ValueError("max_prompt_tokens ≥ 1, new_tokens ≥ 2 and batch_size ≥ 1 are required")
+
+  @property
+  def seq_len(self) -> int:
+    return self.max_prompt_tokens + self.new_tokens
+
+  @classmethod
+  def from_mapping(cls, m: Any) -> "DistillConfig":
+    d = dict(m)
+    if "temperatures" in d:
+      d["temperatures"] = tuple(d["temperatures"])
+    return cls(**d)
+
+
+def params_fingerprint(params: Any) -> str:
+  """sha256 over the parameter leaves (paths, shapes, dtypes and bytes)."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    arr = np.asarray(leaf)
+    h.update(f"{jax.tree_util.keystr(path)}:{arr.shape}:{arr.dtype};".encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+  return h.hexdigest()
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:
+  """Token ids of each prompt, keeping the last `max_tokens` (the text nearest the cursor)."""
+  return [ids[-max_tokens:] for ids in tokenizer.encode_batch(list(prompts))]
+
+
+def _meta(target: TargetModel, tokenizer: Any, cfg: DistillConfig, num_prompts: int) -> dict:
+  return {
+    "config": dataclasses.asdict(cfg),
+    "target": params_fingerprint(target.params),
+    "tokenizer": tokenizer.fingerprint,
+    "num_prompts": num_prompts,
+  }
+
+
+def _matches(out_dir: str, meta: dict) -> bool:
+  path = os.path.join(out_dir, "meta.json")
+  if not os.path.exists(path):
+    return False
+  with open(path, encoding="utf-8") as fh:
+    old = json.load(fh)
+  keys = ("config", "target", "tokenizer", "num_prompts")
+  return all(old.get(k) == json.loads(json.dumps(meta[k])) for k in keys) and all(
+    os.path.exists(os.path.join(out_dir, f + ".npy")) for f in _FILES
+  )
+
+
+def generate(
+  target: TargetModel,
+  prompt_ids: Sequence[Sequence[int]],
+  cfg: DistillConfig,
+  temperature: float,
+  seed: int,
+  stop_ids: Sequence[int] = (),
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Continues every prompt once: (tokens [N, P+G], lengths [N], prompt_lens [N]).
+
+  Runs in padded batches of cfg.batch_size (the last batch is padded with copies, dropped),
+  so the decoding loop compiles once.
+  """
+  p, seq = cfg.max_prompt_tokens, cfg.seq_len
+  n = len(prompt_ids)
+  bsz = cfg.batch_size
+  tokens = np.zeros((n, seq), np.int32)
+  lengths = np.zeros((n,), np.int32)
+  plens = np.array([len(x) for x in prompt_ids], np.int32)
+  if np.any(plens < 1):
+    raise ValueError("every prompt needs at least one token")
+  sp = sampling.make_sampling_params(bsz, temperature=temperature)
+  stops = jnp.asarray(np.asarray(list(stop_ids) or [-1], np.int32))
+  key = jax.random.PRNGKey(seed)
+  for lo in range(0, n, bsz):
+    idx = np.arange(lo, lo + bsz) % n
+    batch = np.zeros((bsz, p), np.int32)
+    for r, i in enumerate(idx):
+      batch[r, : plens[i]] = prompt_ids[i]
+    cache = KVCache.for_model(target.config, bsz, seq)
+    key, sub = jax.random.split(key)
+    out = decode.generate_plain(
+      target.config,
+      target.params,
+      jnp.asarray(batch),
+      jnp.asarray(plens[idx]),
+      cache,
+      cfg.new_tokens,
+      sp,
+      sub,
+      stops,
+    )
+    got, lens = jax.device_get((out.tokens, out.lengths))
+    keep = min(bsz, n - lo)
+    tokens[lo : lo + keep] = got[:keep]
+    lengths[lo : lo + keep] = lens[:keep]
+  return tokens, lengths, plens
+
+
+def build(
+  target: TargetModel, tokenizer: Any, cfg: DistillConfig, out_dir: str, force: bool = False
+) -> str:
+  """Generates the dataset into out_dir (reusing a matching one); returns out_dir."""
+  prompts = data_lib.function_prompts(
+    cfg.split, n=cfg.num_prompts or None, seed=cfg.seed, root=cfg.corpus_root or None
+  )
+  if not prompts:
+    raise ValueError(f"split {cfg.split!r} has no function openings to prompt with")
+  meta = _meta(target, tokenizer, cfg, len(prompts))
+  if not force and _matches(out_dir, meta):
+    logging.info("reusing the distillation data in %s", out_dir)
+    return out_dir
+  ids = encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens)
+  stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  parts: dict[str, list[np.ndarray]] = {f: [] for f in _FILES}
+  t0 = time.time()
+  for j, temp in enumerate(cfg.temperatures):
+    toks, lens, plens = generate(target, ids, cfg, temp, seed=cfg.seed * 1000 + j, stop_ids=stop)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    toks = np.where(np.arange(cfg.seq_len)[None] < lens[:, None], toks, pad).astype(np.int32)
+    for f, v in zip(_FILES, (toks, lens, plens, np.full(len(ids), temp, np.float32))):
+      parts[f].append(v)
+    logging.info(
+      "distill: %d continuations at T=%g (%.0f s so far)", len(ids), temp, time.time() - t0
+    )
+  os.makedirs(out_dir, exist_ok=True)
+  for f in _FILES:
+    _atomic_save(os.path.join(out_dir, f + ".npy"), np.concatenate(parts[f]))
+  meta["generated_tokens"] = int(
+    sum(int(np.sum(l - p)) for l, p in zip(parts["lengths"], parts["prompt_lens"]))
+  )
+  meta["seconds"] = time.time() - t0
+  with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as fh:
+    json.dump(meta, fh, indent=2)
+  return out_dir
+
+
+def _atomic_save(path: str, arr: np.ndarray) -> None:
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npy.tmp")
+  with os.fdopen(fd, "wb") as fh:
+    np.save(fh, arr)
+  os.replace(tmp, path)
+
+
+class DistillDataset:
+  """Deterministic, resumable batches {"tokens" [B, S], "loss_mask" [B, S]} of a built dataset.
+
+  Epoch e visits the sequences in the order `np.random.default_rng([seed, e]).permutation`;
+  `batch_at(step)` is a pure function of the step (resuming reproduces the batches).
+  """
+
+  def __init__(self, out_dir: str, batch_size: int, seed: int = 0, shuffle: bool = True):
+    arrays = {f: np.load(os.path.join(out_dir, f + ".npy")) for f in _FILES}
+    self.tokens = arrays["tokens"]
+    pos = np.arange(self.tokens.shape[1])[None]
+    self.loss_mask = (pos >= arrays["prompt_lens"][:, None]) & (pos < arrays["lengths"][:, None])
+    self.temperature = arrays["temperature"]
+    self.batch_size = int(batch_size)
+    self.seed = int(seed)
+    self.shuffle = shuffle
+    self.batches_per_epoch = len(self.tokens) // self.batch_size
+    if self.batches_per_epoch == 0:
+      raise ValueError(f"{len(self.tokens)} sequences are too few for a batch of {batch_size}")
+
+  @property
+  def seq_len(self) -> int:
+    return self.tokens.shape[1]
+
+  @property
+  def num_supervised(self) -> int:
+    return int(self.loss_mask.sum())
+
+  def batch_at(self, step: int) -> dict[str, np.ndarray]:
+    epoch, i = divmod(step, self.batches_per_epoch)
+    order = (
+      np.random.default_rng([self.seed, epoch]).permutation(len(self.tokens))
+      if self.shuffle
+      else np.arange(len(self.tokens))
+    )
+    rows = order[i * self.batch_size : (i + 1) * self.batch_size]
+    return {"tokens": self.tokens[rows], "loss_mask": self.loss_mask[rows]}

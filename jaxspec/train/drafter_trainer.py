@@ -1,0 +1,315 @@
+"""Trains feature-conditioned drafters (DFlash, EAGLE-3) against a frozen target.
+
+Each step runs the frozen target over a batch of self-distillation sequences
+(`jaxspec.train.distill`) to produce the drafter's features (and, for EAGLE-3, the target's
+logits) on the fly, then updates only the drafter's own weights: the target's embedding and LM
+head, which the drafters share, stay frozen and outside the optimizer. The objectives are those
+of `jaxspec.train.drafter_losses`. The update is one jitted function of an explicit state
+{step, params, opt_state, best_val, bad_evals} (donated); random anchors come from
+`fold_in(seed, step)`, and batch s is `DistillDataset.batch_at(s)`, so a run killed at any
+moment resumes from its last orbax checkpoint to the parameters of an uninterrupted run. The
+loop, metrics and checkpoints are the target trainer's (`trainer.run_loop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+from jaxspec.cache import KVCache
+from jaxspec.drafters.base import Drafter
+from jaxspec.drafters.dflash import DFlashDrafter
+from jaxspec.drafters.eagle3 import Eagle3Drafter
+from jaxspec.models import target as target_lib
+from jaxspec.models.target import TargetModel
+from jaxspec.train import distill, drafter_losses, optim, trainer
+
+METHODS = ("dflash", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTrainConfig:
+  """Hyper-parameters of a drafter run (the `train` section of a drafter config)."""
+
+  batch_size: int = 16
+  num_epochs: float = 1.0
+  num_steps: int = 0  # > 0 overrides num_epochs
+  learning_rate: float = 1e-3  # AdamW (and the Adam part of Muon)
+  muon_learning_rate: float = 0.02
+  optimizer: str = "muon"
+  warmup_steps: int = 100
+  final_lr_fraction: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+  # DFlash
+  num_anchors: int = 64  # random blocks per sequence (the reference uses up to 512 per 3-4K)
+  loss_decay: float = 7.0  # slot k ≥ 1 weighs exp(−(k−1)/loss_decay)
+  # EAGLE-3
+  ttt_steps: int = 7
+  ttt_decay: float = 0.8
+  seed: int = 0
+  data_seed: int = 0
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 2
+  eval_every: int = 0  # 0: once per epoch (and at the end)
+  eval_batches: int = 0  # 0: all validation batches
+  patience: int = 0
+  log_every: int = 10
+  step_delay_s: float = 0.0
+
+  @classmethod
+  def from_mapping(cls, m: Mapping[str, Any]) -> "DrafterTrainConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(m) - names)
+    if unknown:
+      raise ValueError(f"unknown drafter train config field(s): {unknown}")
+    return cls(**dict(m))
+
+
+def method_of(drafter: Drafter) -> str:
+  if isinstance(drafter, DFlashDrafter):
+    return "dflash"
+  if isinstance(drafter, Eagle3Drafter):
+    return "eagle3"
+  raise TypeError(f"no training objective for {type(drafter).__name__}; expected {METHODS}")
+
+
+def init_drafter(
+  method: str, target: TargetModel, spec: Mapping[str, Any], vocab_counts: Any = None
+) -> Drafter:
+  """A freshly initialised drafter for `target` from a config's `drafter` section `spec`
+  (target_layer_ids, num_heads, num_kv_heads, head_dim, intermediate_size, seed; DFlash:
+  num_layers, block_size; EAGLE-3: draft_vocab_size).
+
+  Initialised from the target where shapes allow (as the reference recipes do): the output
+  norm from the target's final norm; EAGLE-3's own LM head from the target's (tied) head rows
+  of its draft vocabulary, the `draft_vocab_size` most frequent tokens of `vocab_counts`.
+  """
+  d = ml_collections.ConfigDict(dict(spec))
+  common = dict(
+    target_layer_ids=tuple(d.target_layer_ids),
+    num_heads=d.num_heads,
+    num_kv_heads=d.num_kv_heads,
+    head_dim=d.head_dim,
+    intermediate_size=d.intermediate_size,
+    seed=d.seed,
+  )
+  if method == "dflash":
+    drafter = DFlashDrafter.random(
+      target, num_layers=d.num_layers, block_size=d.block_size, **common
+    )
+  elif method == "eagle3":
+    vocab = None
+    if d.draft_vocab_size < target.config.vocab_size:
+      if vocab_counts is None:
+        raise ValueError("a reduced EAGLE-3 vocabulary needs token counts")
+      vocab = np.sort(np.argsort(-vocab_counts, kind="stable")[: d.draft_vocab_size])
+    drafter = Eagle3Drafter.random(target, draft_vocab=vocab, **common)
+  else:
+    raise ValueError(f"unknown drafter method {method!r}; expected dflash or eagle3")
+  draft = dict(drafter.params["draft"])
+  draft["norm"] = {"scale": jnp.asarray(target.params["norm"]["scale"])}
+  if method == "eagle3":
+    head = target.params.get("lm_head", {}).get("kernel")
+    head = head if head is not None else jnp.asarray(target.params["embed"]).T
+    ids = np.arange(drafter.config.draft_vocab_size)
+    if drafter.config.reduced_vocab:
+      ids = ids + np.asarray(drafter.params["d2t"])
+    draft["lm_head"] = {"kernel": jnp.asarray(head)[:, ids]}
+  return dataclasses.replace(drafter, params=dict(drafter.params, draft=draft))
+
+
+def target_features(
+  target_config: Any, target_params: Any, tokens: jax.Array, taps: tuple[int, ...], logits: bool
+) -> tuple[jax.Array, jax.Array | None]:
+  """The frozen target over full sequences: (taps [n, B, S, H], logits [B, S, V] or None)."""
+  b, s = tokens.shape
+  cache = KVCache.for_model(target_config, b, s)
+  out = target_lib.apply_decoder(
+    target_config,
+    target_params,
+    tokens,
+    jnp.zeros((b,), jnp.int32),
+    cache.k,
+    cache.v,
+    taps=taps,
+    last_only=not logits,
+  )
+  feats = jax.lax.stop_gradient(out.taps)
+  return feats, (jax.lax.stop_gradient(out.logits) if logits else None)
+
+
+def make_loss_fn(drafter: Drafter, target: TargetModel, tc: DrafterTrainConfig) -> Callable:
+  """(draft_params, frozen, batch, key) → (loss, metrics); frozen = {"target", "shared"}."""
+  method = method_of(drafter)
+  # On CPU the dense expert oracle is the fastest full-sequence backend (same numbers).
+  tconfig = (
+    target.config.replace(moe_backend="dense") if target.config.num_experts else target.config
+  )
+
+  def loss_fn(draft_params, frozen, batch, key):
+    params = dict(frozen["shared"], draft=draft_params)
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    taps, logits = target_features(
+      tconfig, frozen["target"], tokens, drafter.taps, logits=method == "eagle3"
+    )
+    if method == "dflash":
+      return drafter_losses.dflash_loss(
+        drafter, params, tokens, taps, mask, key, num_anchors=tc.num_anchors, gamma=tc.loss_decay
+      )
+    return drafter_losses.eagle3_ttt_loss(
+      drafter, params, tokens, taps, logits, mask, steps=tc.ttt_steps, decay=tc.ttt_decay
+    )
+
+  return loss_fn
+
+
+def frozen_inputs(drafter: Drafter, target: TargetModel) -> dict[str, Any]:
+  """What the step reads but never updates: the target and the drafter's shared tensors."""
+  return {
+    "target": target.params,
+    "shared": {k: v for k, v in drafter.params.items() if k != "draft"},
+  }
+
+
+def init_state(
+  drafter: Drafter, tc: DrafterTrainConfig, total_steps: int
+) -> tuple[dict[str, Any], optax.GradientTransformation, optax.Schedule]:
+  """Training state over the drafter's own weights (params["draft"]) and its optimizer."""
+  # A copy: the step donates the state, and the drafter's arrays may alias the target's.
+  params = jax.tree_util.tree_map(jnp.copy, drafter.params["draft"])
+  opt, schedule = optim.make_optimizer(
+    params,
+    total_steps=total_steps,
+    learning_rate=tc.learning_rate,
+    warmup_steps=tc.warmup_steps,
+    final_lr_fraction=tc.final_lr_fraction,
+    weight_decay=tc.weight_decay,
+    b1=tc.b1,
+    b2=tc.b2,
+    grad_clip=tc.grad_clip,
+    name=tc.optimizer,
+    muon_learning_rate=tc.muon_learning_rate,
+    muon_dims=optim.unstacked_muon_dimensions,
+  )
+  state = {
+    "step": jnp.int32(0),
+    "params": params,
+    "opt_state": opt.init(params),
+    "best_val": jnp.float32(jnp.inf),
+    "bad_evals": jnp.int32(0),
+  }
+  return state, opt, schedule
+
+
+def make_train_step(
+  loss_fn: Callable, tc: DrafterTrainConfig, opt: optax.GradientTransformation, schedule
+) -> Callable:
+  """Jitted (state, frozen, batch) → (state, metrics); the state is donated."""
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(state, frozen, batch):
+    key = jax.random.fold_in(jax.random.PRNGKey(tc.seed), state["step"])
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      state["params"], frozen, batch, key
+    )
+    updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
+    return dict(state, step=state["step"] + 1, params=params, opt_state=opt_state), metrics
+
+  return step
+
+
+def make_eval_fn(
+  loss_fn: Callable, frozen: Any, dataset: distill.DistillDataset, max_batches: int, seed: int
+) -> Callable[[Any], dict[str, float]]:
+  """params → mean validation metrics over the dataset (fixed anchors: comparable evals)."""
+  step = jax.jit(lambda p, f, b, k: loss_fn(p, f, b, k)[1])
+  n = dataset.batches_per_epoch if max_batches <= 0 else min(max_batches, dataset.batches_per_epoch)
+
+  def evaluate(params):
+    sums: dict[str, float] = {}
+    for i in range(n):
+      batch = {k: jnp.asarray(v) for k, v in dataset.batch_at(i).items()}
+      key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), i)
+      for k, v in jax.device_get(step(params, frozen, batch, key)).items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+    return {k: v / n for k, v in sums.items()}
+
+  return evaluate
+
+
+def train(
+  drafter: Drafter,
+  target: TargetModel,
+  tc: DrafterTrainConfig,
+  train_data: distill.DistillDataset,
+  val_data: distill.DistillDataset | None,
+  workdir: str,
+  progress: bool = True,
+) -> tuple[Drafter, trainer.TrainResult]:
+  """Trains (or resumes training) `drafter`'s own weights; returns the trained drafter."""
+  per_epoch = train_data.batches_per_epoch
+  total = tc.num_steps if tc.num_steps > 0 else max(1, int(round(tc.num_epochs * per_epoch)))
+  eval_every = tc.eval_every if tc.eval_every > 0 else per_epoch
+  state, opt, schedule = init_state(drafter, tc, total)
+  manager = trainer.checkpoint_manager(workdir, tc.keep_checkpoints)
+  state, restored = trainer.restore_latest(manager, state)
+  start = 0 if restored is None else int(state["step"])
+  if restored is not None:
+    logging.info("resumed from checkpoint at step %d", start)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state["params"]))
+  logging.info(
+    "%s drafter: %d trainable params; %d steps (%d per epoch of %d supervised tokens)",
+    method_of(drafter),
+    n_params,
+    total,
+    per_epoch,
+    train_data.num_supervised,
+  )
+  loss_fn = make_loss_fn(drafter, target, tc)
+  frozen = frozen_inputs(drafter, target)
+  step_fn = make_train_step(loss_fn, tc, opt, schedule)
+  if val_data is not None:
+    eval_fn = make_eval_fn(loss_fn, frozen, val_data, tc.eval_batches, tc.seed)
+  else:
+    eval_fn = lambda params: {"loss": math.nan}  # noqa: E731
+  result = trainer.run_loop(
+    state,
+    lambda s, batch: step_fn(s, frozen, batch),
+    lambda s: {k: jnp.asarray(v) for k, v in train_data.batch_at(s).items()},
+    eval_fn,
+    manager,
+    workdir=workdir,
+    total=total,
+    start=start,
+    per_epoch=per_epoch,
+    tokens_per_step=tc.batch_size * train_data.seq_len,
+    eval_every=eval_every,
+    loop=trainer.LoopConfig.from_train(tc, val_key="loss"),
+    progress=progress,
+  )
+  trained = dataclasses.replace(drafter, params=dict(drafter.params, draft=result.params))
+  return trained, result
+
+
+def load_trained(drafter: Drafter, tc: DrafterTrainConfig, workdir: str) -> tuple[Drafter, int]:
+  """`drafter` with the weights of the latest checkpoint under workdir (for export)."""
+  state, _, _ = init_state(drafter, tc, total_steps=2)
+  with trainer.checkpoint_manager(workdir) as manager:
+    state, step = trainer.restore_latest(manager, state)
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
+  return dataclasses.replace(drafter, params=dict(drafter.params, draft=state["params"])), step

@@ -1,0 +1,192 @@
+"""Self-distillation data and drafter training (DFlash, EAGLE-3) on a tiny random target."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+
+from configs import tiny_code
+from jaxspec.cache import KVCache
+from jaxspec.drafters import registry
+from jaxspec.models.target import TargetModel
+from jaxspec.spec import decode, sampling
+from jaxspec.train import distill, drafter_trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+  """The bundled target: a random one's continuations carry nothing a few steps can learn."""
+  return jaxspec.load_model(tiny_code.assets_dir("target"))
+
+
+@pytest.fixture(scope="module")
+def datasets(target, tmp_path_factory):
+  config = tiny_code.get_config("test_dflash")
+  root = tmp_path_factory.mktemp("distill")
+  train_dir = distill.build(
+    target, target.tokenizer, distill.DistillConfig.from_mapping(config.distill), str(root / "t")
+  )
+  val_dir = distill.build(
+    target,
+    target.tokenizer,
+    distill.DistillConfig.from_mapping(config.val_distill),
+    str(root / "v"),
+  )
+  return train_dir, val_dir
+
+
+def test_distillation_rows_are_the_targets_own_continuations(target, datasets):
+  train_dir, _ = datasets
+  cfg = distill.DistillConfig.from_mapping(tiny_code.get_config("test_dflash").distill)
+  ds = distill.DistillDataset(train_dir, batch_size=4, shuffle=False)
+  temps = ds.temperature
+  assert len(ds.tokens) == cfg.num_prompts * len(cfg.temperatures)
+  np.testing.assert_array_equal(temps, np.repeat(cfg.temperatures, cfg.num_prompts))
+  plens = np.load(os.path.join(train_dir, "prompt_lens.npy"))
+  lengths = np.load(os.path.join(train_dir, "lengths.npy"))
+  assert np.all(plens <= cfg.max_prompt_tokens) and np.all(lengths <= cfg.seq_len)
+  # The loss mask covers exactly the generated tokens.
+  np.testing.assert_array_equal(ds.loss_mask.sum(1), lengths - plens)
+  # A greedy row is the target's own greedy continuation of its prompt, token for token.
+  row = 0
+  prompt = ds.tokens[row, : plens[row]]
+  cache = KVCache.for_model(target.config, 1, cfg.seq_len)
+  out = decode.generate_plain(
+    target.config,
+    target.params,
+    jnp.asarray(prompt[None]),
+    jnp.asarray([plens[row]]),
+    cache,
+    cfg.new_tokens,
+    sampling.make_sampling_params(1),
+    jax.random.PRNGKey(0),
+    jnp.asarray([0]),
+  )
+  want = np.asarray(out.tokens[0, : int(out.lengths[0])])
+  np.testing.assert_array_equal(ds.tokens[row, : lengths[row]], want)
+  # Sampled rows differ from the greedy ones somewhere (temperature 1 is really sampled).
+  n = cfg.num_prompts
+  assert np.any(ds.tokens[:n] != ds.tokens[n:])
+  # Batches are a pure function of the step; epochs reshuffle.
+  shuffled = distill.DistillDataset(train_dir, batch_size=4, seed=3)
+  np.testing.assert_array_equal(shuffled.batch_at(5)["tokens"], shuffled.batch_at(5)["tokens"])
+  assert not np.array_equal(shuffled.batch_at(0)["tokens"], shuffled.batch_at(4)["tokens"])
+
+
+def test_distillation_is_reused_only_for_the_same_target(target, datasets, tmp_path):
+  train_dir, _ = datasets
+  cfg = distill.DistillConfig.from_mapping(tiny_code.get_config("test_dflash").distill)
+  stamp = os.path.getmtime(os.path.join(train_dir, "tokens.npy"))
+  distill.build(target, target.tokenizer, cfg, train_dir)
+  assert os.path.getmtime(os.path.join(train_dir, "tokens.npy")) == stamp
+  other = dataclasses.replace(
+    target, params=jax.tree_util.tree_map(lambda x: x * 1.5, target.params)
+  )
+  meta = json.load(open(os.path.join(train_dir, "meta.json")))
+  out = str(tmp_path / "d")
+  distill.build(other, target.tokenizer, cfg, out)
+  assert json.load(open(os.path.join(out, "meta.json")))["target"] != meta["target"]
+
+
+class _Interrupt(Exception):
+  pass
+
+
+class _StopAt:
+  """A dataset that raises when asked for step `stop` (an interrupted run)."""
+
+  def __init__(self, ds, stop):
+    self._ds, self._stop = ds, stop
+
+  def __getattr__(self, name):
+    return getattr(self._ds, name)
+
+  def batch_at(self, step):
+    if step == self._stop:
+      raise _Interrupt()
+    return self._ds.batch_at(step)
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_training_lowers_the_loss_and_resumes_exactly(method, target, datasets, tmp_path):
+  train_dir, val_dir = datasets
+  config = tiny_code.get_config(f"test_{method}")
+  tc = drafter_trainer.DrafterTrainConfig.from_mapping(config.train.to_dict())
+  train_ds = distill.DistillDataset(train_dir, tc.batch_size)
+  val_ds = distill.DistillDataset(val_dir, tc.batch_size, shuffle=False)
+  counts = np.bincount(train_ds.tokens[train_ds.loss_mask], minlength=target.config.vocab_size)
+  drafter = drafter_trainer.init_drafter(method, target, config.drafter, counts)
+  if method == "eagle3":
+    assert drafter.config.draft_vocab_size == 512
+  before = drafter_trainer.make_eval_fn(
+    drafter_trainer.make_loss_fn(drafter, target, tc),
+    drafter_trainer.frozen_inputs(drafter, target),
+    val_ds,
+    0,
+    tc.seed,
+  )(drafter.params["draft"])
+
+  trained, result = drafter_trainer.train(
+    drafter, target, tc, train_ds, val_ds, str(tmp_path / "a"), progress=False
+  )
+  assert result.step == tc.num_steps
+  assert [h["step"] for h in result.history] == [6, 12]
+  after = result.history[-1]
+  assert after["loss"] < before["loss"] - 0.3, (before, after)
+  # The shared target tensors are untouched; only the drafter's own weights moved.
+  for k in trained.params:
+    if k != "draft":
+      assert trained.params[k] is drafter.params[k]
+
+  with pytest.raises(_Interrupt):
+    drafter_trainer.train(
+      drafter, target, tc, _StopAt(train_ds, 7), val_ds, str(tmp_path / "b"), progress=False
+    )
+  resumed, res2 = drafter_trainer.train(
+    drafter, target, tc, train_ds, val_ds, str(tmp_path / "b"), progress=False
+  )
+  assert res2.step == tc.num_steps and [h["step"] for h in res2.history] == [12]
+  jax.tree_util.tree_map(
+    np.testing.assert_array_equal, resumed.params["draft"], trained.params["draft"]
+  )
+  # Exported in the published layout, it loads back bit for bit.
+  registry.save_drafter(trained, str(tmp_path / "export"))
+  loaded = registry.load_drafter(str(tmp_path / "export"), target)
+  jax.tree_util.tree_map(
+    np.testing.assert_array_equal, loaded.params["draft"], trained.params["draft"]
+  )
+
+
+def test_launch_script_trains_and_exports(tmp_path):
+  target_dir = tiny_code.assets_dir("target")
+  cmd = [
+    sys.executable,
+    "-m",
+    "launch.train_drafter",
+    "--config=configs/tiny_code.py:test_dflash",
+    f"--target_dir={target_dir}",
+    f"--workdir={tmp_path / 'run'}",
+    f"--export_dir={tmp_path / 'dflash'}",
+    "--progress=false",
+    "--config.train.num_steps=4",
+  ]
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.load(open(tmp_path / "run" / "summary_step4.json"))
+  assert summary["method"] == "dflash" and len(summary["evals"]) == 1
+  cfg = json.load(open(tmp_path / "dflash" / "config.json"))
+  assert cfg["dflash_config"]["target_layer_ids"] == [0, 1]
+  assert registry.checkpoint_kind(str(tmp_path / "dflash")) == "dflash"
