@@ -178,3 +178,13 @@ def test_new_temperature_does_not_recompile():
   for t, k, p in [(0.0, 0, 1.0), (0.7, 5, 0.9), (1.3, 0, 0.5), (2.0, 16, 1.0)]:
     f(jax.random.PRNGKey(0), logits, make_sampling_params(2, temperature=t, top_k=k, top_p=p))
   assert len(traces) == 1
+
+
+def test_fast_argmax_matches_jnp_argmax_with_ties_and_bools():
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 5, (3, 7, 64)).astype(np.float32)  # many ties: first index wins
+  np.testing.assert_array_equal(np.asarray(sampling.argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+  b = rng.random((4, 33)) > 0.8
+  b[0] = False  # an all-False row gives 0, as jnp.argmax does
+  np.testing.assert_array_equal(np.asarray(sampling.argmax(jnp.asarray(b))), np.argmax(b, -1))
+  assert sampling.argmax(jnp.zeros((2, 5))).dtype == jnp.int32

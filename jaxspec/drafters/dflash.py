@@ -40,7 +40,16 @@ from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.hf import read_config
-from jaxspec.models.layers import MLP, NEG_INF, Dense, RMSNorm, apply_rope, dtype_of, rope_tables
+from jaxspec.models.layers import (
+  MLP,
+  NEG_INF,
+  Dense,
+  RMSNorm,
+  apply_rope,
+  dtype_of,
+  rope_tables,
+  unfused_logits,
+)
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.spec import sampling
 
@@ -182,14 +191,18 @@ def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:
   """The target's LM head on drafter hidden states: float32 logits [..., V]."""
   dt = dtype_of(dtype)
   if "lm_head" in shared:
-    return jnp.einsum(
-      "...h,hv->...v",
-      h.astype(dt),
-      shared["lm_head"].astype(dt),
-      preferred_element_type=jnp.float32,
+    return unfused_logits(
+      jnp.einsum(
+        "...h,hv->...v",
+        h.astype(dt),
+        shared["lm_head"].astype(dt),
+        preferred_element_type=jnp.float32,
+      )
     )
-  return jnp.einsum(
-    "...h,vh->...v", h.astype(dt), shared["embed"].astype(dt), preferred_element_type=jnp.float32
+  return unfused_logits(
+    jnp.einsum(
+      "...h,vh->...v", h.astype(dt), shared["embed"].astype(dt), preferred_element_type=jnp.float32
+    )
   )
 
 
@@ -658,7 +671,7 @@ class DFlashDrafter(Drafter):
     if self.sample_drafts:
       q = sampling.warped_probs(logits, ctx.sampling)
       return Proposal(sampling.sample_from_probs(ctx.key, q), q, logprobs), state
-    return Proposal(jnp.argmax(logits, axis=-1).astype(jnp.int32), None, logprobs), state
+    return Proposal(sampling.argmax(logits), None, logprobs), state
 
   def commit(self, params: Any, state: DFlashState, ctx: CommitContext) -> DFlashState:
     start = ctx.old_seq_len - 1

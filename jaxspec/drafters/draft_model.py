@@ -118,7 +118,7 @@ class DraftModelDrafter(Drafter):
     def draw(logits, key):
       if self.tree:  # argmax chain; per-step log-probs for the tree builder
         lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp[:, None], axis=-1)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), lp
+        return sampling.argmax(logits), lp
       q = sampling.warped_probs(logits, ctx.sampling)
       return sampling.sample_from_probs(key, q), q
 

@@ -49,6 +49,7 @@ from jaxspec.models.layers import (
   dtype_of,
   gqa_attention,
   rope_tables,
+  unfused_logits,
   write_block,
 )
 from jaxspec.models.target import InputError, TargetModel
@@ -257,7 +258,9 @@ class Eagle3Model(nn.Module):
 
   def logits(self, h: jax.Array) -> jax.Array:
     """Draft-vocabulary logits (float32) of midlayer outputs."""
-    return self.lm_head(self.norm(h) if self.config.norm_output else h).astype(jnp.float32)
+    return unfused_logits(
+      self.lm_head(self.norm(h) if self.config.norm_output else h).astype(jnp.float32)
+    )
 
   def _rope(self, positions: jax.Array):
     return rope_tables(positions, self.config.head_dim, self.config.rope_theta)
@@ -590,7 +593,7 @@ class Eagle3Drafter(Drafter):
         draft_id = sampling.sample_from_probs(key, q)
         q = self.to_target_vocab(params, q, 0.0)
       else:
-        draft_id, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        draft_id, q = sampling.argmax(logits), None
       lp = self.to_target_vocab(params, tree_logprobs(logits, ctx.sampling), -jnp.inf)
       nxt = self.to_target_ids(params, draft_id).astype(jnp.int32)
       out = (nxt, lp) + ((q,) if q is not None else ())

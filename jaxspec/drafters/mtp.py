@@ -51,7 +51,7 @@ def draw(
 ) -> tuple[jax.Array, jax.Array | None]:
   """One draft token per row from logits [B, V]: (token, warped q) or (argmax, None)."""
   if not sample:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    return sampling.argmax(logits), None
   q = sampling.warped_probs(logits, params)
   return sampling.sample_from_probs(key, q), q
 

@@ -20,7 +20,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
-from jaxspec.models.layers import MLP, Attention, Dense, RMSNorm, dtype_of, normal_init, rope_tables
+from jaxspec.models.layers import (
+  MLP,
+  Attention,
+  Dense,
+  RMSNorm,
+  dtype_of,
+  normal_init,
+  rope_tables,
+  unfused_logits,
+)
 from jaxspec.models.moe import MoE
 
 
@@ -151,10 +160,12 @@ class Decoder(nn.Module):
     c = self.config
     if c.tie_word_embeddings:
       dt = dtype_of(c.dtype)
-      return jnp.einsum(
-        "bth,vh->btv", h.astype(dt), self.embed.astype(dt), preferred_element_type=jnp.float32
+      return unfused_logits(
+        jnp.einsum(
+          "bth,vh->btv", h.astype(dt), self.embed.astype(dt), preferred_element_type=jnp.float32
+        )
       )
-    return self.lm_head(h).astype(jnp.float32)
+    return unfused_logits(self.lm_head(h).astype(jnp.float32))
 
   def _rope(self, positions: jax.Array):
     c = self.config

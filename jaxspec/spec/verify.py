@@ -73,7 +73,7 @@ def verify_chain_greedy(
       argmax at position γ when all drafts match).
   """
   gamma = draft_tokens.shape[1]
-  target_top = jnp.argmax(target_logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+  target_top = sampling.argmax(target_logits.astype(jnp.float32))
   num_accepted = leading_true_count(draft_tokens.astype(jnp.int32) == target_top[:, :gamma])
   next_token = jnp.take_along_axis(target_top, num_accepted[:, None], axis=1)[:, 0]
   return num_accepted, next_token
@@ -106,7 +106,7 @@ def _correction(key: jax.Array, p_n: jax.Array, q_n: jax.Array, variant: str) ->
   mass = jnp.sum(res, axis=-1, keepdims=True)
   if variant == "unnormalized_cdf":
     u = jax.random.uniform(key, mass.shape, dtype=jnp.float32)
-    return jnp.argmax(jnp.cumsum(res, axis=-1) > u, axis=-1).astype(jnp.int32)
+    return sampling.argmax(jnp.cumsum(res, axis=-1) > u)
   if variant == "unnormalized_mixture":
     return sampling.sample_from_probs(key, res + (1.0 - mass) * p_n)
   # Exact: normalise(residual); if it has no mass (p == q there) fall back to p.
@@ -192,4 +192,10 @@ def verify_chain(
     num_accepted: [B] int32 in [0, γ].
     next_token: [B] int32, the correction or bonus token.
   """
-  return _verify_chain(key, draft_tokens, draft_probs, target_logits, params)
+  # An all-greedy batch skips the vocabulary-wide sampling arithmetic (the result is the same:
+  # greedy rows take the greedy answer either way).
+  return jax.lax.cond(
+    jnp.all(sampling.is_greedy(params)),
+    lambda: verify_chain_greedy(draft_tokens, target_logits),
+    lambda: _verify_chain(key, draft_tokens, draft_probs, target_logits, params),
+  )
