@@ -208,7 +208,8 @@ def drafter_config(arg: str) -> ml_collections.ConfigDict:
   config.distill = distill_config()
   config.val_distill = distill_config(split="validation", num_prompts=128)
   config.distill_dir = "/tmp/jaxspec_runs/tiny_code_distill"
-  config.train = drafter_train_config()
+  # DFlash: 2 epochs (1024 steps); EAGLE-3: 1 epoch (its 7-step unroll costs more per batch).
+  config.train = drafter_train_config(num_epochs=2.0 if method == "dflash" else 1.0)
   config.workdir = f"/tmp/jaxspec_runs/tiny_code_{arg}"
   config.export_dir = assets_dir(method)
   if arg.startswith("test_"):

@@ -52,6 +52,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Target HF model directory (default: the bundled target).")
 flags.DEFINE_string("draft_model", None, "Draft HF model directory (default: the bundled draft).")
 flags.DEFINE_list("methods", ["plain", "draft_model", "ngram"], "jaxspec methods to run.")
+flags.DEFINE_string("dflash", None, "DFlash drafter directory (default: the bundled one).")
+flags.DEFINE_string("eagle3", None, "EAGLE-3 drafter directory (default: the bundled one).")
+flags.DEFINE_list(
+  "tree_budgets",
+  [],
+  "DDTree budgets to sweep: each adds a runner '<method>+tree<N>' (tree verification with the "
+  "drafter of each --tree_methods entry).",
+)
+flags.DEFINE_list("tree_methods", ["dflash"], "Drafters verified as trees in the budget sweep.")
 flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
 flags.DEFINE_integer("num_prompts", 8, "Prompts from the validation split.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS does not stop).")
@@ -122,6 +131,15 @@ class BenchConfig:
   profile: bool = True
   prompts: Optional[Sequence[str]] = None  # overrides the validation-split prompts
   verbose: bool = True
+  dflash: Optional[str] = None  # drafter checkpoint directories
+  eagle3: Optional[str] = None
+  tree_budgets: Sequence[int] = ()
+  tree_methods: Sequence[str] = ("dflash",)
+
+  def drafter_dir(self, method: str) -> Optional[str]:
+    return {"draft_model": self.draft_model, "dflash": self.dflash, "eagle3": self.eagle3}.get(
+      method
+    )
 
 
 RANDOM_SIZES = {
@@ -307,14 +325,24 @@ class Run:
 
 
 class JaxspecRunner:
-  """A jaxspec engine for one method, run one prompt at a time."""
+  """A jaxspec engine for one method, run one prompt at a time (tree_budget > 0: DDTree
+  verification of that many draft nodes; the runner is named '<method>+tree<N>')."""
 
-  def __init__(self, method: str, target: jaxspec.TargetModel, drafter: Any, max_len: int):
-    self.name, self.method = f"jaxspec/{method}", method
+  def __init__(
+    self,
+    method: str,
+    target: jaxspec.TargetModel,
+    drafter: Any,
+    max_len: int,
+    tree_budget: int = 0,
+  ):
+    label = f"{method}+tree{tree_budget}" if tree_budget else method
+    self.name, self.method = f"jaxspec/{label}", method
+    tree = dict(verify="tree", tree_budget=tree_budget) if tree_budget else {}
     self.engine = jaxspec.SpecEngine(
       target,
       drafter,
-      jaxspec.EngineConfig(method=method, max_len=max_len, batch_size=1, use_eos=False),
+      jaxspec.EngineConfig(method=method, max_len=max_len, batch_size=1, use_eos=False, **tree),
     )
 
   def warmup(self, prompts: Sequence[list[int]]) -> None:
@@ -608,8 +636,10 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   for m in cfg.methods:
     if m not in registry.METHODS:
       raise ValueError(f"unknown method {m!r}; choose from {registry.METHODS}")
-  if "draft_model" in cfg.methods and not cfg.draft_model:
-    raise ValueError("method draft_model needs --draft_model")
+  for m in ("draft_model", "dflash", "eagle3"):
+    if m in list(cfg.methods) + list(cfg.tree_methods if cfg.tree_budgets else ()):
+      if not cfg.drafter_dir(m):
+        raise ValueError(f"method {m} needs a drafter directory (--{m})")
   methods = ["plain"] + [m for m in cfg.methods if m != "plain"]  # plain is the baseline
   load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
@@ -621,7 +651,18 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   if not texts:
     raise ValueError("no prompts")
   prompts = [target.tokenizer.encode(t) for t in texts]
-  need = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.gamma + 1
+  drafters: dict[str, Any] = {}
+  for m in dict.fromkeys(methods + (list(cfg.tree_methods) if cfg.tree_budgets else [])):
+    if m == "draft_model":
+      drafters[m] = jaxspec.DraftModelDrafter.from_model(draft, gamma=cfg.gamma)
+    else:
+      drafters[m] = registry.make_drafter(
+        m, target, gamma=cfg.gamma, ngram_n=cfg.ngram_n, draft_dir=cfg.drafter_dir(m)
+      )
+  lookahead = max(
+    [cfg.gamma] + [d.gamma for d in drafters.values() if d is not None] + list(cfg.tree_budgets)
+  )
+  need = max(len(p) for p in prompts) + cfg.max_new_tokens + lookahead + 1
   max_len = cfg.max_len or -(-need // 64) * 64
   if need > max_len:
     raise ValueError(f"max_len={max_len} is too small: the longest prompt needs {need}")
@@ -648,11 +689,10 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   # Runners, in the order they run on each prompt.
   runners: list[Any] = []
   for m in methods:
-    if m == "draft_model":
-      drafter = jaxspec.DraftModelDrafter.from_model(draft, gamma=cfg.gamma)
-    else:
-      drafter = registry.make_drafter(m, target, gamma=cfg.gamma, ngram_n=cfg.ngram_n)
-    runners.append(JaxspecRunner(m, target, drafter, max_len))
+    runners.append(JaxspecRunner(m, target, drafters[m], max_len))
+  for m in cfg.tree_methods if cfg.tree_budgets else ():
+    for n in cfg.tree_budgets:
+      runners.append(JaxspecRunner(m, target, drafters[m], max_len, tree_budget=int(n)))
   if hf_models is not None:
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     for m in methods:
@@ -690,7 +730,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
           s["speedup_vs_plain"] = s["tokens_per_second"] / base["tokens_per_second"]
     ratios = {}
     if hf_models is not None:
-      for m in methods:
+      for m in (m for m in methods if m in HF_PEERS):
         ratios[f"{m}/{HF_PEERS[m]}"] = (
           res[f"jaxspec/{m}"]["tokens_per_second"]
           / res[f"transformers/{HF_PEERS[m]}"]["tokens_per_second"]
@@ -793,7 +833,7 @@ def format_table(report: dict[str, Any]) -> str:
     for name, s in entry["runners"].items():
       side, method = name.split("/")
       ratio = ""
-      if side == "jaxspec" and f"{method}/{HF_PEERS[method]}" in ratios:
+      if side == "jaxspec" and f"{method}/{HF_PEERS.get(method)}" in ratios:
         ratio = f"{ratios[f'{method}/{HF_PEERS[method]}']:.2f}× vs {HF_PEERS[method]}"
       rates = s.get("acceptance_rate_per_position")
       rate_s = " ".join(_f(r, ".2f") for r in rates) if rates and len(rates) else ""
@@ -844,6 +884,14 @@ def main(argv: Sequence[str]) -> None:
     _main(FLAGS.model, FLAGS.draft_model)
 
 
+def _bundled_drafter(method: str) -> Optional[str]:
+  """The bundled drafter of `method` when the bundled target is benchmarked."""
+  if FLAGS.model or FLAGS.random:
+    return None
+  path = os.path.join(ASSETS, method)
+  return path if os.path.exists(os.path.join(path, "config.json")) else None
+
+
 def _main(model: Optional[str], draft: Optional[str]) -> None:
   if model is None:
     model = os.path.join(ASSETS, "target")
@@ -867,6 +915,10 @@ def _main(model: Optional[str], draft: Optional[str]) -> None:
     ngram_n=FLAGS.ngram_n,
     hf=FLAGS.hf,
     out=FLAGS.out or _default_out(),
+    dflash=FLAGS.dflash or _bundled_drafter("dflash"),
+    eagle3=FLAGS.eagle3 or _bundled_drafter("eagle3"),
+    tree_budgets=tuple(int(n) for n in FLAGS.tree_budgets),
+    tree_methods=tuple(FLAGS.tree_methods),
     seed=FLAGS.seed,
     repeats=FLAGS.repeats,
     max_len=FLAGS.max_len,

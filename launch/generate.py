@@ -32,7 +32,14 @@ flags.DEFINE_enum(
   ("auto",) + registry.METHODS,
   "Drafting method; auto = the best one available for the model.",
 )
-flags.DEFINE_string("draft_model", None, "Draft model directory (default: the bundled draft).")
+flags.DEFINE_string(
+  "draft_model",
+  None,
+  "Drafter checkpoint directory: a draft model, DFlash or EAGLE-3 (default: the bundled one "
+  "of the method).",
+)
+flags.DEFINE_enum("verify", "auto", ("auto", "chain", "tree"), "Chain or DDTree verification.")
+flags.DEFINE_integer("tree_budget", 0, "Draft nodes per tree (0 = the measured default).")
 flags.DEFINE_integer("gamma", 4, "Draft tokens per step.")
 flags.DEFINE_string("prompt", "def fib(n):", "The prompt.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate.")
@@ -89,24 +96,42 @@ def load_target() -> tuple[jaxspec.TargetModel, str]:
   return _tiny_random(), "tiny random model (no bundled weights found)"
 
 
-def choose_method(target: jaxspec.TargetModel, model_dir_given: bool) -> tuple[str, str | None]:
-  """auto: the model's own MTP layers when it has them, else a draft model, else prompt lookup.
+# The fastest method measured on the bundled target (launch/bench.py, docs/benchmarks.md):
+# (method, verify, tree budget).
+BUNDLED_BEST = ("mtp", "chain", 0)
+DEFAULT_TREE_BUDGET = 16
 
-  On the bundled pair MTP has the highest acceptance length (4.05 at γ=4, greedy) and, averaged
-  over temperatures 0 and 1, the best speed of the three (launch/bench.py; docs/benchmarks.md).
+
+def _bundled(name: str) -> str | None:
+  path = os.path.join(ASSETS, name)
+  return path if os.path.exists(os.path.join(path, "config.json")) else None
+
+
+def choose_method(
+  target: jaxspec.TargetModel, model_dir_given: bool
+) -> tuple[str, str | None, str, int]:
+  """(method, drafter dir, verify, tree budget) from the flags.
+
+  auto: on the bundled target, the fastest measured method (BUNDLED_BEST); on another model its
+  own MTP layers when it has them, else a given draft model, else prompt lookup.
   """
-  draft_dir = FLAGS.draft_model
-  if draft_dir is None and not model_dir_given:
-    bundled = os.path.join(ASSETS, "draft")
-    if os.path.exists(os.path.join(bundled, "config.json")):
-      draft_dir = bundled
-  method = FLAGS.method
+  method, verify, budget = FLAGS.method, FLAGS.verify, FLAGS.tree_budget
   if method == "auto":
-    if target.config.num_mtp_layers > 0:
+    best, best_verify, best_budget = BUNDLED_BEST
+    asset = {"draft_model": "draft", "dflash": "dflash", "eagle3": "eagle3"}.get(best, "target")
+    if not model_dir_given and _bundled(asset):
+      method = best
+      verify = best_verify if verify == "auto" else verify
+      budget = budget or best_budget
+    elif target.config.num_mtp_layers > 0:
       method = "mtp"
     else:
-      method = "draft_model" if draft_dir else "ngram"
-  return method, draft_dir
+      method = "draft_model" if FLAGS.draft_model else "ngram"
+  draft_dir = FLAGS.draft_model
+  if draft_dir is None and not model_dir_given and method in ("draft_model", "dflash", "eagle3"):
+    draft_dir = _bundled("draft" if method == "draft_model" else method)
+  verify = "chain" if verify == "auto" else verify
+  return method, draft_dir, verify, budget or DEFAULT_TREE_BUDGET
 
 
 def main(argv):
@@ -124,12 +149,14 @@ def main(argv):
       target.tokenizer,
       target.hf_config,
     )
-  method, draft_dir = choose_method(target, FLAGS.model is not None)
+  method, draft_dir, verify, budget = choose_method(target, FLAGS.model is not None)
   drafter = registry.make_drafter(method, target, gamma=FLAGS.gamma, draft_dir=draft_dir)
-  cfg = jaxspec.EngineConfig(method=method, max_len=FLAGS.max_len)
+  tree = dict(verify="tree", tree_budget=budget) if verify == "tree" and drafter else {}
+  cfg = jaxspec.EngineConfig(method=method, max_len=FLAGS.max_len, **tree)
+  label = f"{method} + tree verification ({budget} nodes)" if tree else method
   print(
     f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
-    f"method: {method}; devices: {jax.device_count()} ({jax.default_backend()})"
+    f"method: {label}; devices: {jax.device_count()} ({jax.default_backend()})"
   )
   sample = dict(
     max_new_tokens=FLAGS.max_new_tokens,
@@ -153,7 +180,9 @@ def main(argv):
     f"{st.tokens_per_second:.1f} tok/s"
   )
   if FLAGS.compare_plain and drafter is not None:
-    plain_engine = jaxspec.SpecEngine(target, None, cfg)
+    plain_engine = jaxspec.SpecEngine(
+      target, None, jaxspec.EngineConfig(method="plain", max_len=FLAGS.max_len)
+    )
     plain_engine.generate(prompt, **sample)
     plain = plain_engine.generate(prompt, **sample)
     speedup = st.tokens_per_second / max(plain.stats.tokens_per_second, 1e-9)
