@@ -17,15 +17,23 @@ from jaxspec.config import ModelConfig
 NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
 
 
+@jax.custom_jvp
 def unfused_logits(logits: jax.Array) -> jax.Array:
-  """Marks LM-head logits as a fusion boundary.
+  """Marks LM-head logits as a fusion boundary (forward only).
 
   XLA:CPU fuses a consumer reduction (argmax, max, softmax) into the vocabulary matmul and then
   runs the dot as a naive loop: measured 2× slower for a 16 × 128 × 8192 head plus argmax. The
   barrier keeps the dot a library GEMM; on GPU/TPU the dot is never fused with its reduction
-  anyway, so nothing is lost there.
+  anyway, so nothing is lost there. Tangents and cotangents pass through untouched: a barrier
+  on the cotangents of EAGLE-3's unrolled heads made XLA:CPU copy them quadratically (5×
+  slower training steps).
   """
   return jax.lax.optimization_barrier(logits)
+
+
+@unfused_logits.defjvp
+def _unfused_logits_jvp(primals, tangents):
+  return unfused_logits(primals[0]), tangents[0]
 
 
 def dtype_of(name: str) -> jnp.dtype:

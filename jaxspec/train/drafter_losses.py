@@ -165,7 +165,7 @@ def eagle3_ttt_loss(
   """
   c = drafter.config
   b, s = tokens.shape
-  logits = drafter.ttt_logits(params, tokens, taps, steps)  # [steps, B, S, V_d]
+  logits = drafter.ttt_logits(params, tokens, taps, steps)  # steps × [B, S, V_d]
   tl = target_logits.astype(jnp.float32)
   # The target's side once for all steps: argmax, membership, draft-vocabulary distribution.
   top = jnp.argmax(tl, axis=-1)  # [B, S]
@@ -189,7 +189,7 @@ def eagle3_ttt_loss(
     sup = mask[:, shift + 1 :]
     top_j = top[:, shift : shift + n]
     use = sup & in_draft[:, shift : shift + n]
-    logq = jax.nn.log_softmax(logits[j, :, :n].astype(jnp.float32), axis=-1)
+    logq = jax.nn.log_softmax(logits[j][:, :n].astype(jnp.float32), axis=-1)
     ce = -jnp.sum(p_target[:, shift : shift + n] * logq, axis=-1)
     denom = jnp.maximum(jnp.sum(sup), 1)
     loss_j = jnp.sum(jnp.where(use, ce, 0.0)) / denom
