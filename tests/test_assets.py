@@ -28,6 +28,9 @@ ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 TARGET = os.path.join(ASSETS, "target")
 DRAFT = os.path.join(ASSETS, "draft")
 MAX_BYTES = 30 * 1024 * 1024
+# Acceptance length (tokens per verify pass, greedy) the shipped drafters must exceed; an
+# untrained or mis-wired drafter gives ~1. The measured values are in docs/benchmarks.md.
+MIN_ACCEPTANCE = {"dflash": 3.0, "eagle3": 2.0}
 
 
 def _prompt_ids(tok, n: int = 2) -> list[list[int]]:
@@ -133,3 +136,22 @@ def test_target_mtp_layer_in_transformers():
     mcache.v,
   )[0]
   np.testing.assert_allclose(np.asarray(ours_mtp), theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_bundled_feature_drafters_are_lossless_and_accept(method):
+  """The shipped DFlash / EAGLE-3 drafters load for the bundled target in their published
+  layouts, reproduce plain greedy decoding token for token, and have learned something."""
+  from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
+
+  path = os.path.join(ASSETS, method)
+  assert registry.checkpoint_kind(path) == method
+  target = jaxspec.load_model(TARGET)
+  drafter = registry.load_drafter(path, target)
+  prompts = _prompt_ids(target.tokenizer, n=2)
+  cfg = jaxspec.EngineConfig(max_len=192, batch_size=2, use_eos=False)
+  plain = jaxspec.SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=48)
+  spec = jaxspec.SpecEngine(target, drafter, cfg).generate(prompts, max_new_tokens=48)
+  assert spec.tokens == plain.tokens
+  # Untrained or mis-wired drafters accept ~1 token per pass.
+  assert spec.stats.acceptance_length > MIN_ACCEPTANCE[method], spec.stats.acceptance_length

@@ -69,7 +69,10 @@ class EngineConfig:
   use_eos: bool = True
   stream_every: int = 4
   block_size: int = 16
-  tree_budget: int = 22
+  # Measured fastest on the bundled target + DFlash drafter on CPU (sweep 4..64 in
+  # docs/benchmarks.md); accelerators, where a wider verify costs about as much as a narrow
+  # one, favour larger budgets (DDTree uses 22 and more).
+  tree_budget: int = 8
   tree_topk: int = 0
   tree_chain_seed: bool = False
   tree_rule: str = "ddtree"
@@ -98,7 +101,7 @@ class EngineConfig:
 class TreeOptions:
   """The static tree-verification choices `tree_step` is compiled for."""
 
-  budget: int = 22
+  budget: int = 8
   topk: int = 0
   chain_seed: bool = False
   rule: str = "ddtree"
