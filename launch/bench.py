@@ -888,8 +888,7 @@ def _bundled_drafter(method: str) -> Optional[str]:
   """The bundled drafter of `method` when the bundled target is benchmarked."""
   if FLAGS.model or FLAGS.random:
     return None
-  path = os.path.join(ASSETS, method)
-  return path if os.path.exists(os.path.join(path, "config.json")) else None
+  return registry.bundled_dir(method)
 
 
 def _main(model: Optional[str], draft: Optional[str]) -> None:

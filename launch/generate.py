@@ -104,11 +104,6 @@ BUNDLED_BEST = ("eagle3", "chain", 0)
 DEFAULT_TREE_BUDGET = 8
 
 
-def _bundled(name: str) -> str | None:
-  path = os.path.join(ASSETS, name)
-  return path if os.path.exists(os.path.join(path, "config.json")) else None
-
-
 def choose_method(
   target: jaxspec.TargetModel, model_dir_given: bool
 ) -> tuple[str, str | None, str, int]:
@@ -121,7 +116,7 @@ def choose_method(
   if method == "auto":
     best, best_verify, best_budget = BUNDLED_BEST
     asset = {"draft_model": "draft", "dflash": "dflash", "eagle3": "eagle3"}.get(best, "target")
-    if not model_dir_given and _bundled(asset):
+    if not model_dir_given and registry.bundled_dir(asset):
       method = best
       verify = best_verify if verify == "auto" else verify
       budget = budget or best_budget
@@ -131,7 +126,7 @@ def choose_method(
       method = "draft_model" if FLAGS.draft_model else "ngram"
   draft_dir = FLAGS.draft_model
   if draft_dir is None and not model_dir_given and method in ("draft_model", "dflash", "eagle3"):
-    draft_dir = _bundled("draft" if method == "draft_model" else method)
+    draft_dir = registry.bundled_dir("draft" if method == "draft_model" else method)
   verify = "chain" if verify == "auto" else verify
   return method, draft_dir, verify, budget or DEFAULT_TREE_BUDGET
 

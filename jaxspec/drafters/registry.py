@@ -15,6 +15,13 @@ from jaxspec.io import hf as hf_io
 from jaxspec.models.target import InputError, TargetModel
 
 METHODS = ("plain", "draft_model", "ngram", "mtp", "dflash", "eagle3")
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+
+
+def bundled_dir(name: str) -> Optional[str]:
+  """jaxspec/assets/<name> ("target", "draft", "dflash", "eagle3") if it holds a checkpoint."""
+  path = os.path.join(ASSETS_DIR, name)
+  return path if os.path.exists(os.path.join(path, "config.json")) else None
 
 
 def checkpoint_kind(path: str) -> str:

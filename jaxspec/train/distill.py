@@ -170,11 +170,11 @@ def build(
     return out_dir
   ids = encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens)
   stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
   parts: dict[str, list[np.ndarray]] = {f: [] for f in _FILES}
   t0 = time.time()
   for j, temp in enumerate(cfg.temperatures):
     toks, lens, plens = generate(target, ids, cfg, temp, seed=cfg.seed * 1000 + j, stop_ids=stop)
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     toks = np.where(np.arange(cfg.seq_len)[None] < lens[:, None], toks, pad).astype(np.int32)
     for f, v in zip(_FILES, (toks, lens, plens, np.full(len(ids), temp, np.float32))):
       parts[f].append(v)

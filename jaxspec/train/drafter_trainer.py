@@ -70,11 +70,7 @@ class DrafterTrainConfig:
 
   @classmethod
   def from_mapping(cls, m: Mapping[str, Any]) -> "DrafterTrainConfig":
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(m) - names)
-    if unknown:
-      raise ValueError(f"unknown drafter train config field(s): {unknown}")
-    return cls(**dict(m))
+    return trainer.dataclass_from_mapping(cls, m, "drafter train config")
 
 
 def method_of(drafter: Drafter) -> str:
@@ -189,28 +185,7 @@ def init_state(
   """Training state over the drafter's own weights (params["draft"]) and its optimizer."""
   # A copy: the step donates the state, and the drafter's arrays may alias the target's.
   params = jax.tree_util.tree_map(jnp.copy, drafter.params["draft"])
-  opt, schedule = optim.make_optimizer(
-    params,
-    total_steps=total_steps,
-    learning_rate=tc.learning_rate,
-    warmup_steps=tc.warmup_steps,
-    final_lr_fraction=tc.final_lr_fraction,
-    weight_decay=tc.weight_decay,
-    b1=tc.b1,
-    b2=tc.b2,
-    grad_clip=tc.grad_clip,
-    name=tc.optimizer,
-    muon_learning_rate=tc.muon_learning_rate,
-    muon_dims=optim.unstacked_muon_dimensions,
-  )
-  state = {
-    "step": jnp.int32(0),
-    "params": params,
-    "opt_state": opt.init(params),
-    "best_val": jnp.float32(jnp.inf),
-    "bad_evals": jnp.int32(0),
-  }
-  return state, opt, schedule
+  return trainer.new_state(params, tc, total_steps, optim.unstacked_muon_dimensions)
 
 
 def make_train_step(
@@ -239,14 +214,12 @@ def make_eval_fn(
   step = jax.jit(lambda p, f, b, k: loss_fn(p, f, b, k)[1])
   n = dataset.batches_per_epoch if max_batches <= 0 else min(max_batches, dataset.batches_per_epoch)
 
+  def metrics_at(params, i):
+    batch = {k: jnp.asarray(v) for k, v in dataset.batch_at(i).items()}
+    return step(params, frozen, batch, jax.random.fold_in(jax.random.PRNGKey(seed + 1), i))
+
   def evaluate(params):
-    sums: dict[str, float] = {}
-    for i in range(n):
-      batch = {k: jnp.asarray(v) for k, v in dataset.batch_at(i).items()}
-      key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), i)
-      for k, v in jax.device_get(step(params, frozen, batch, key)).items():
-        sums[k] = sums.get(k, 0.0) + float(v)
-    return {k: v / n for k, v in sums.items()}
+    return trainer.mean_metrics(lambda i: metrics_at(params, i), n)
 
   return evaluate
 
@@ -308,8 +281,5 @@ def train(
 def load_trained(drafter: Drafter, tc: DrafterTrainConfig, workdir: str) -> tuple[Drafter, int]:
   """`drafter` with the weights of the latest checkpoint under workdir (for export)."""
   state, _, _ = init_state(drafter, tc, total_steps=2)
-  with trainer.checkpoint_manager(workdir) as manager:
-    state, step = trainer.restore_latest(manager, state)
-  if step is None:
-    raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
-  return dataclasses.replace(drafter, params=dict(drafter.params, draft=state["params"])), step
+  params, step = trainer.latest_params(workdir, state)
+  return dataclasses.replace(drafter, params=dict(drafter.params, draft=params)), step

@@ -68,11 +68,16 @@ class TrainConfig:
 
   @classmethod
   def from_mapping(cls, m: Mapping[str, Any]) -> "TrainConfig":
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(m) - names)
-    if unknown:
-      raise ValueError(f"unknown train config field(s): {unknown}")
-    return cls(**dict(m))
+    return dataclass_from_mapping(cls, m, "train config")
+
+
+def dataclass_from_mapping(cls: type, m: Mapping[str, Any], what: str) -> Any:
+  """cls(**m), rejecting keys that are not fields of the dataclass (config typos)."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(m) - names)
+  if unknown:
+    raise ValueError(f"unknown {what} field(s): {unknown}")
+  return cls(**dict(m))
 
 
 def model_config_from(m: Mapping[str, Any] | ml_collections.ConfigDict) -> ModelConfig:
@@ -126,7 +131,14 @@ def init_state(
   config: ModelConfig, tc: TrainConfig, total_steps: int
 ) -> tuple[dict[str, Any], optax.GradientTransformation, optax.Schedule]:
   """Fresh training state {step, params, opt_state, best_val, bad_evals} and its optimizer."""
-  params = target_lib.init_params(config, tc.seed)
+  return new_state(target_lib.init_params(config, tc.seed), tc, total_steps)
+
+
+def new_state(
+  params: Any, tc: Any, total_steps: int, muon_dims: Callable[[Any], Any] = optim.muon_dimensions
+) -> tuple[dict[str, Any], optax.GradientTransformation, optax.Schedule]:
+  """The state {step, params, opt_state, best_val, bad_evals} of `params` and the optimizer
+  that tc's optimizer fields (learning_rate, warmup_steps, …, optimizer) describe."""
   opt, schedule = optim.make_optimizer(
     params,
     total_steps=total_steps,
@@ -139,6 +151,7 @@ def init_state(
     grad_clip=tc.grad_clip,
     name=tc.optimizer,
     muon_learning_rate=tc.muon_learning_rate,
+    muon_dims=muon_dims,
   )
   state = {
     "step": jnp.int32(0),
@@ -194,14 +207,18 @@ def evaluate(
 ) -> dict[str, float]:
   """Mean losses over the dataset's batches (in stream order), plus perplexities."""
   n = dataset.batches_per_epoch if max_batches <= 0 else min(max_batches, dataset.batches_per_epoch)
-  sums: dict[str, float] = {}
-  for i in range(n):
-    out = jax.device_get(eval_step(params, jnp.asarray(dataset.batch_at(i))))
-    for k, v in out.items():
-      sums[k] = sums.get(k, 0.0) + float(v)
-  means = {k: v / n for k, v in sums.items()}
+  means = mean_metrics(lambda i: eval_step(params, jnp.asarray(dataset.batch_at(i))), n)
   means.update({k.replace("loss", "ppl"): math.exp(v) for k, v in list(means.items())})
   return means
+
+
+def mean_metrics(metrics_at: Callable[[int], Mapping[str, Any]], n: int) -> dict[str, float]:
+  """Mean of each scalar metric over batches 0..n−1 (`metrics_at(i)` → {name: scalar})."""
+  sums: dict[str, float] = {}
+  for i in range(n):
+    for k, v in jax.device_get(metrics_at(i)).items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+  return {k: v / n for k, v in sums.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,8 +248,12 @@ def restore_latest(manager: ocp.CheckpointManager, state: Any) -> tuple[Any, int
 
 def load_params(workdir: str, config: ModelConfig, tc: TrainConfig) -> tuple[Any, int]:
   """The parameters of the latest checkpoint of a run (for export and tests)."""
-  state, opt, _ = init_state(config, tc, total_steps=2)
-  del opt
+  state, _, _ = init_state(config, tc, total_steps=2)
+  return latest_params(workdir, state)
+
+
+def latest_params(workdir: str, state: Any) -> tuple[Any, int]:
+  """(params, step) of the latest checkpoint under workdir, restored into `state`'s structure."""
   with checkpoint_manager(workdir) as manager:
     state, step = restore_latest(manager, state)
   if step is None:
