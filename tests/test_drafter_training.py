@@ -119,6 +119,7 @@ class _StopAt:
     return self._ds.batch_at(step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dflash", "eagle3"])
 def test_training_lowers_the_loss_and_resumes_exactly(method, target, datasets, tmp_path):
   train_dir, val_dir = datasets
@@ -169,6 +170,7 @@ def test_training_lowers_the_loss_and_resumes_exactly(method, target, datasets, 
   )
 
 
+@pytest.mark.slow
 def test_launch_script_trains_and_exports(tmp_path):
   target_dir = tiny_code.assets_dir("target")
   cmd = [

@@ -15,7 +15,7 @@ from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.spec import decode, sampling
 from jaxspec.spec.engine import EngineConfig, SpecEngine
 
-from tests import engine_models
+from tests import engine_models, near_ties
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_greedy_speculation_equals_plain(models, batch, kind):
   prompts = _prompts(batch)
   plain = SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=40)
   spec = SpecEngine(target, drafter, cfg).generate(prompts, max_new_tokens=40)
-  assert spec.tokens == plain.tokens
+  near_ties.assert_greedy_match(target, prompts, plain.tokens, spec.tokens)
   assert all(len(t) == 40 for t in spec.tokens)
   assert plain.stats.acceptance_length == pytest.approx(1.0)
   if kind == "self_draft":

@@ -66,8 +66,12 @@ SCRIPT = textwrap.dedent(r"""
         model.params, restored.params, single.params))
     restored_spec = restored.params["layers_1"]["mlp"]["gate_proj"].sharding.spec
     restored_local = restored.params["layers_1"]["mlp"]["gate_proj"].addressable_shards[0].data.shape
+    # Compared up to the first routing near-tie of each sequence (tests/near_ties.py).
+    from tests import near_ties
+    stable = near_ties.stable_positions(model, ids)
     print(json.dumps(dict(
-        max_diff=float(np.abs(out - ref).max()),
+        max_diff=float(np.abs(out - ref)[stable].max()),
+        excluded=float(1.0 - stable.mean()),
         specs={k: str(v) for k, v in specs.items()},
         local_expert_shape=list(local),
         restored_exact=bool(same),
@@ -100,6 +104,7 @@ def result():
 
 def test_sharded_forward_equals_single_device(result):
   assert result["max_diff"] < 1e-5
+  assert result["excluded"] <= 0.25
 
 
 def test_parameters_carry_expected_shardings(result):

@@ -212,6 +212,7 @@ def _steps(workdir: str) -> list[int]:
   )
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_reaches_the_uninterrupted_parameters(tmp_path):
   """A run SIGKILLed after a checkpoint and restarted ends bit-identical to a straight run."""
   config, tc = _test_setup()

@@ -32,7 +32,7 @@ from jaxspec.models.target import InputError, TargetModel
 from jaxspec.spec import engine as engine_lib
 from jaxspec.spec.engine import EngineConfig, SpecEngine
 
-from tests import engine_models
+from tests import engine_models, near_ties
 
 
 def _sharpen(model: TargetModel, factor: float) -> TargetModel:
@@ -82,7 +82,7 @@ def test_greedy_tree_speculation_equals_plain(models, batch, budget, seed, rule)
   spec = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=4), tree_cfg).generate(
     prompts, max_new_tokens=budgets
   )
-  assert spec.tokens == plain.tokens
+  near_ties.assert_greedy_match(target, prompts, plain.tokens, spec.tokens)
   assert [len(t) for t in spec.tokens] == budgets
   assert spec.stats.acceptance_length > 1.1  # the tree does accept drafts
   assert len(spec.stats.summary["accept_hist"]) == 4 + 1  # histogram over depths 0..γ
@@ -101,7 +101,7 @@ def test_budget_one_reproduces_plain_decoding(models):
     dataclasses.replace(cfg, verify="tree", tree_budget=1),
   )
   out = eng.generate(prompts, max_new_tokens=21)
-  assert out.tokens == plain.tokens
+  near_ties.assert_greedy_match(target, prompts, plain.tokens, out.tokens)
   assert out.stats.target_passes == 10  # the first token comes from prefill, then 10 × 2
   assert out.stats.summary["accept_hist"][1] == 10
 
@@ -137,7 +137,7 @@ def test_feature_drafters_in_tree_mode_equal_plain(kind):
   plain = SpecEngine(target, None, cfg).generate(ps, max_new_tokens=24)
   spec = SpecEngine(target, drafter, dataclasses.replace(cfg, verify="tree", tree_budget=6))
   out = spec.generate(ps, max_new_tokens=24)
-  assert out.tokens == plain.tokens
+  near_ties.assert_greedy_match(target, ps, plain.tokens, out.tokens)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,11 +248,17 @@ def test_step_by_step_cache_features_and_chain_comparison(models):
     got_k, got_v = np.asarray(state.cache.k), np.asarray(state.cache.v)
     inner_state, rec_hid, rec_tap = state.drafter_state
     valid_draft = np.asarray(inner_state.cache.lengths)
+    # The last layer is MoE: the final hidden state is compared up to a routing near-tie (the
+    # K/V and the tap come before it).
+    stable = near_ties.stable_positions(target, np.asarray(state.tokens)[:, : seq.max() - 1])
     for b in range(batch):
       n = seq[b] - 1  # committed tokens in the target cache
       np.testing.assert_allclose(got_k[:, b, :n], np.asarray(ck)[:, b, :n], atol=2e-5)
       np.testing.assert_allclose(got_v[:, b, :n], np.asarray(cv)[:, b, :n], atol=2e-5)
-      np.testing.assert_allclose(np.asarray(rec_hid)[b, :n], np.asarray(hid)[b, :n], atol=2e-4)
+      keep = stable[b, :n]
+      np.testing.assert_allclose(
+        np.asarray(rec_hid)[b, :n][keep], np.asarray(hid)[b, :n][keep], atol=2e-4
+      )
       np.testing.assert_allclose(np.asarray(rec_tap)[b, :n], np.asarray(tap)[b, :n], atol=2e-4)
       m = valid_draft[b]
       assert seq[b] - 1 - gamma <= m <= seq[b] - 1

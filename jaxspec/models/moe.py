@@ -166,8 +166,10 @@ class MoE(nn.Module):
     # The router runs in float32 (HF keeps gate.weight and the bias in fp32 too).
     logits = xf.astype(jnp.float32) @ router
     weights, ids = route(c, logits, bias)
-    # Routing statistics for load balancing (no-ops unless 'intermediates' is mutable):
-    # the fraction of routed slots per expert, and the mean normalised router score.
+    # Routing statistics (no-ops unless 'intermediates' is mutable): the raw router logits
+    # [N, E] (routing margins for parity checks, router sensitivity for quantization), the
+    # fraction of routed slots per expert and the mean normalised router score (load balancing).
+    self.sow("intermediates", "router_logits", logits)
     self.sow(
       "intermediates",
       "expert_load",
