@@ -23,6 +23,10 @@ class ModelConfig:
 
   Attributes mirror the HF names where one exists. `layer_is_moe[i]` says whether layer i has
   routed experts; it folds `first_k_dense_replace`, `decoder_sparse_step` and `mlp_only_layers`.
+  The rule behind it is kept so that the layout can be re-derived at another depth (`replace`):
+  Glm4Moe layers are dense first, then MoE (`first_k_dense_replace` = the number of leading dense
+  layers); Qwen3-MoE layers are MoE at every `decoder_sparse_step`-th layer except the dense ones
+  there (`mlp_only_layers`).
   """
 
   architecture: str
@@ -52,7 +56,13 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   n_shared_experts: int = 0
   layer_is_moe: tuple[bool, ...] = ()
+  decoder_sparse_step: int = 1  # Qwen3-MoE: only layers i with (i + 1) % step == 0 may be MoE
   moe_backend: str = "auto"  # "dense" (the oracle), "ragged", "gather" or "auto" (see moe.py)
+  # Attention over the decoding state (models/attention.py): "xla" (chunked online softmax),
+  # "pallas" (the tree-attention kernel) or "auto" (XLA until the kernel is checked on hardware);
+  # the XLA path reads the committed prefix in chunks of `attention_chunk` slots.
+  attention_impl: str = "auto"
+  attention_chunk: int = 256
   # Multi-token-prediction layers stored after the main layers (DeepSeek-V3 layout).
   num_mtp_layers: int = 0
   # Special tokens.
@@ -65,7 +75,16 @@ class ModelConfig:
 
   def __post_init__(self):
     if not self.layer_is_moe:
-      object.__setattr__(self, "layer_is_moe", (self.num_experts > 0,) * self.num_layers)
+      object.__setattr__(
+        self,
+        "layer_is_moe",
+        tuple(
+          self.num_experts > 0 and (i + 1) % max(self.decoder_sparse_step, 1) == 0
+          for i in range(self.num_layers)
+        ),
+      )
+    else:
+      object.__setattr__(self, "layer_is_moe", tuple(bool(m) for m in self.layer_is_moe))
     self.validate()
 
   @property
@@ -97,7 +116,42 @@ class ModelConfig:
     return tuple(runs)
 
   def replace(self, **changes: Any) -> "ModelConfig":
+    """A copy with `changes` applied, validated.
+
+    Changing `num_layers` without passing `layer_is_moe` re-derives `layer_is_moe` at the new
+    depth from the rule this config keeps, exactly as `from_hf` would for the `to_hf` dict with
+    the new `num_hidden_layers`:
+
+    * Glm4Moe: `first_k_dense_replace` = the number of leading dense layers; layer i is MoE iff
+      i >= it (so added layers are MoE, unless the model has no experts).
+    * Qwen3-MoE: layer i is MoE iff (i + 1) % `decoder_sparse_step` == 0 and i is not one of the
+      dense layers at such positions (`mlp_only_layers`), so added layers follow the step.
+    * No experts: every layer is dense.
+
+    HF's rules are per layer index, so shrinking always keeps the first n entries. A layout that
+    no rule describes (a Glm4Moe config whose MoE layers are not all after its dense ones) is
+    truncated to its first n entries, or grown by repeating the last layer's kind. Passing
+    `layer_is_moe` with `num_layers` uses it as given; it must have one entry per layer.
+    """
+    if "num_layers" in changes and "layer_is_moe" not in changes:
+      changes["layer_is_moe"] = self._layer_is_moe_at_depth(int(changes["num_layers"]))
     return dataclasses.replace(self, **changes)
+
+  def _layer_is_moe_at_depth(self, n: int) -> tuple[bool, ...]:
+    """`layer_is_moe` for `n` layers under this config's rule (see `replace`)."""
+    old = self.layer_is_moe
+    if n < 1:
+      return old  # validation reports the bad num_layers
+    if not self.is_moe:
+      return (False,) * n
+    if self.architecture == "Qwen3MoeForCausalLM" and self.decoder_sparse_step >= 1:
+      step = self.decoder_sparse_step
+      mlp_only = {i for i, moe in enumerate(old) if not moe}
+      return tuple((i + 1) % step == 0 and i not in mlp_only for i in range(n))
+    first_dense = old.index(True) if any(old) else len(old)
+    if old == tuple(i >= first_dense for i in range(len(old))):
+      return tuple(i >= first_dense for i in range(n))
+    return old[:n] + old[-1:] * max(0, n - len(old))
 
   def validate(self) -> None:
     def need(cond: bool, msg: str) -> None:
@@ -127,11 +181,37 @@ class ModelConfig:
       f"rotary dim {self.rotary_dim} (head_dim × partial_rotary_factor) must be even and in "
       f"(0, head_dim]",
     )
-    need(len(self.layer_is_moe) == self.num_layers, "layer_is_moe must have one entry per layer")
+    need(
+      len(self.layer_is_moe) == self.num_layers,
+      f"layer_is_moe has {len(self.layer_is_moe)} entries but num_layers is {self.num_layers}: "
+      f"it needs one entry per layer",
+    )
+    need(
+      self.decoder_sparse_step >= 1,
+      f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}",
+    )
+    if self.decoder_sparse_step > 1:
+      need(
+        self.architecture == "Qwen3MoeForCausalLM",
+        "decoder_sparse_step applies only to Qwen3MoeForCausalLM",
+      )
+      off_step = [
+        i for i, moe in enumerate(self.layer_is_moe) if moe and (i + 1) % self.decoder_sparse_step
+      ]
+      need(
+        not off_step,
+        f"layers {off_step} are MoE but decoder_sparse_step={self.decoder_sparse_step} allows "
+        f"experts only in layers i with (i + 1) % step == 0",
+      )
     need(
       self.moe_backend in ("auto", "dense", "ragged", "gather"),
       f"unknown moe_backend {self.moe_backend!r}",
     )
+    need(
+      self.attention_impl in ("auto", "xla", "pallas"),
+      f"unknown attention_impl {self.attention_impl!r} (expected 'auto', 'xla' or 'pallas')",
+    )
+    need(self.attention_chunk >= 1, f"attention_chunk must be ≥ 1, got {self.attention_chunk}")
     need(self.dtype in ("float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}")
     if self.is_moe:
       need(
@@ -222,6 +302,7 @@ class ModelConfig:
         moe_intermediate_size=int(get("moe_intermediate_size", 0)),
         router="softmax",
         norm_topk_prob=bool(get("norm_topk_prob", False)),
+        decoder_sparse_step=sparse_step if experts > 0 else 1,
         layer_is_moe=tuple(
           (i not in mlp_only) and experts > 0 and (i + 1) % sparse_step == 0
           for i in range(num_layers)
@@ -282,15 +363,17 @@ class ModelConfig:
     if self.architecture == "Qwen3ForCausalLM":
       hf["model_type"] = "qwen3"
     elif self.architecture == "Qwen3MoeForCausalLM":
-      moe_layers = [i for i, m in enumerate(self.layer_is_moe) if m]
+      step = self.decoder_sparse_step
       hf.update(
         model_type="qwen3_moe",
         num_experts=self.num_experts,
         num_experts_per_tok=self.num_experts_per_tok,
         moe_intermediate_size=self.moe_intermediate_size,
         norm_topk_prob=self.norm_topk_prob,
-        decoder_sparse_step=1,
-        mlp_only_layers=[i for i in range(self.num_layers) if i not in moe_layers],
+        decoder_sparse_step=step,
+        mlp_only_layers=[
+          i for i, m in enumerate(self.layer_is_moe) if not m and (i + 1) % step == 0
+        ],
       )
     else:
       first_dense = self.layer_is_moe.index(True) if any(self.layer_is_moe) else self.num_layers

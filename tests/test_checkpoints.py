@@ -213,3 +213,121 @@ def test_convert_script_round_trip(tmp_path):
   back = jaxspec.load_model(str(tmp_path / "hf2"))
   for a, b in zip(_leaves(model.params), _leaves(back.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _glm_declaring_mtp(monkeypatch) -> str:
+  """A GLM4-MoE config in hf_models that declares one MTP layer (transformers saves none)."""
+  config_cls, model_cls, kwargs = hf_models.CONFIGS["glm4moe_grouped_shared_partial"]
+  name = "glm4moe_declares_mtp"
+  monkeypatch.setitem(
+    hf_models.CONFIGS, name, (config_cls, model_cls, dict(kwargs, num_nextn_predict_layers=1))
+  )
+  return name
+
+
+def test_declared_mtp_layers_absent_from_checkpoint_load_with_warning(tmp_path, monkeypatch):
+  hf_model = hf_models.save_hf_model(_glm_declaring_mtp(monkeypatch), str(tmp_path))
+  # What transformers writes: the declaration, but no model.layers.{num_hidden_layers}.* tensors.
+  assert json.load(open(tmp_path / "config.json"))["num_nextn_predict_layers"] == 1
+  names = hf_io._TensorSource(str(tmp_path)).keys()
+  assert "model.layers.2.input_layernorm.weight" in names
+  assert not any(n.startswith("model.layers.3.") for n in names)
+
+  with pytest.warns(UserWarning, match="MTP drafting is unavailable") as record:
+    model = jaxspec.load_model(str(tmp_path))
+  message = next(str(w.message) for w in record if "MTP" in str(w.message))
+  assert str(tmp_path) in message and "absent" in message
+  assert model.config.num_mtp_layers == 0
+  assert model.hf_config["num_nextn_predict_layers"] == 0
+  assert not any(k.startswith("mtp_") for k in model.params)
+  ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (2, 8))
+  near_ties.assert_logits_match(
+    model, ids, model.logits(ids), hf_models.hf_logits(hf_model, ids), atol=1e-4
+  )
+
+
+def test_partially_present_mtp_layers_are_still_an_error(small_ckpt):
+  from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
+
+  path = str(small_ckpt / "model.safetensors")
+  full = load_file(path)
+  partial = dict(full)
+  del partial["model.layers.2.eh_proj.weight"]
+  del partial["model.layers.2.mlp.experts.1.up_proj.weight"]
+  save_file(partial, path)
+  with pytest.raises(jaxspec.CheckpointError, match=r"layers\.2\.eh_proj\.weight") as err:
+    jaxspec.load_model(str(small_ckpt))
+  assert "layers.2.mlp.experts.1.up_proj.weight" in str(err.value)
+
+  # Only the enorm weight left: still a partial MTP layer, not an absent one.
+  save_file(
+    {k: v for k, v in full.items() if not k.startswith("model.layers.2.")}
+    | {"model.layers.2.enorm.weight": full["model.layers.2.enorm.weight"]},
+    path,
+  )
+  with pytest.raises(jaxspec.CheckpointError, match=r"layers\.2\.hnorm\.weight"):
+    jaxspec.load_model(str(small_ckpt))
+
+  # An explicit num_mtp_layers asks for the layers: their absence is an error, not a warning.
+  save_file({k: v for k, v in full.items() if not k.startswith("model.layers.2.")}, path)
+  with pytest.raises(jaxspec.CheckpointError, match=r"layers\.2\.enorm\.weight"):
+    jaxspec.load_model(str(small_ckpt), num_mtp_layers=1)
+
+
+def test_replace_num_layers_rederives_glm_dense_first_layout():
+  base = _glm_with_mtp().replace(
+    num_layers=4, layer_is_moe=(False, False, True, True)
+  )  # first_k_dense_replace = 2, passed explicitly with a consistent num_layers
+  assert base.segments() == ((0, 2, False), (2, 2, True))
+
+  shallow = base.replace(num_layers=3)
+  assert shallow.layer_is_moe == (False, False, True)
+  assert shallow.segments() == ((0, 2, False), (2, 1, True))
+  deep = base.replace(num_layers=6)
+  assert deep.layer_is_moe == (False, False, True, True, True, True)
+  assert deep.segments() == ((0, 2, False), (2, 4, True))
+  assert deep.to_hf()["first_k_dense_replace"] == 2
+  dense_only = base.replace(num_layers=1)
+  assert dense_only.segments() == ((0, 1, False),)
+  # The rule survives a depth with no MoE layer: GLM keeps first_k_dense_replace layers dense.
+  assert dense_only.replace(num_layers=3).layer_is_moe == (False, True, True)
+
+  ids = np.arange(10).reshape(2, 5) % 80
+  for config, n in ((shallow, 3), (deep, 6), (dense_only, 1)):
+    model = target_lib.TargetModel.random(config, seed=3)
+    assert model.config.num_layers == n and model.config.num_mtp_layers == 1
+    stacked = [model.params[f"layers_{s}"] for s in range(len(config.segments()))]
+    assert [_leaves(p)[0].shape[0] for p in stacked] == [k for _, k, _ in config.segments()]
+    logits = np.asarray(model.logits(ids))
+    assert logits.shape == (2, 5, 80) and np.isfinite(logits).all()
+
+
+def test_replace_num_layers_with_inconsistent_layer_is_moe_names_both():
+  with pytest.raises(jaxspec.ConfigError, match="layer_is_moe has 2 entries but num_layers is 3"):
+    _glm_with_mtp().replace(num_layers=3, layer_is_moe=(False, True))
+  with pytest.raises(jaxspec.ConfigError, match="num_layers"):
+    _glm_with_mtp().replace(layer_is_moe=(False, True, True))
+
+
+@pytest.mark.parametrize(
+  "name, grown",
+  [
+    ("qwen3moe_nonorm_step2_tied", (False, True, False, True, False, True)),
+    ("qwen3moe_norm_mlponly", (False, True, True, True, True, True)),
+  ],
+)
+def test_replace_num_layers_follows_qwen3moe_sparse_step(name, grown):
+  config_cls, _, kwargs = hf_models.CONFIGS[name]
+  hf = getattr(transformers, config_cls)(**kwargs).to_dict()
+  hf["architectures"] = ["Qwen3MoeForCausalLM"]
+  config = ModelConfig.from_hf(hf)
+  assert ModelConfig.from_hf(config.to_hf()) == config
+  n = config.num_layers
+  assert config.layer_is_moe == grown[:n]
+  assert config.replace(num_layers=6).layer_is_moe == grown
+  assert config.replace(num_layers=2).layer_is_moe == grown[:2]
+  assert config.replace(num_layers=6).replace(num_layers=n) == config
+  wide = config.replace(num_layers=6)
+  assert ModelConfig.from_hf(wide.to_hf()) == wide
+  model = target_lib.TargetModel.random(wide, seed=0)
+  assert np.isfinite(np.asarray(model.logits([[1, 2, 3]]))).all()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Iterator
 
 import jax
@@ -280,12 +281,49 @@ def load_params(model_dir: str, config: ModelConfig) -> Any:
   return params
 
 
+def _without_absent_mtp_layers(
+  model_dir: str, config: ModelConfig, hf_config: dict
+) -> tuple[ModelConfig, dict]:
+  """Drops the MTP layers that config.json declares when the checkpoint holds none of them.
+
+  transformers' `save_pretrained` of a Glm4MoeForCausalLM keeps `num_nextn_predict_layers`
+  in config.json but writes no `model.layers.{num_hidden_layers + k}.*` tensors (its model has
+  no MTP modules). Such a checkpoint is a complete target: it loads with a warning and
+  `num_mtp_layers = 0`. A checkpoint holding some but not all MTP tensors is left alone, so
+  that `load_params` names the missing ones.
+  """
+  names = _TensorSource(model_dir).keys()
+  prefixes = tuple(f"model.layers.{config.num_layers + k}." for k in range(config.num_mtp_layers))
+  if any(name.startswith(prefixes) for name in names):
+    return config, hf_config
+  warnings.warn(
+    f"checkpoint in {model_dir} declares {config.num_mtp_layers} MTP layer(s) "
+    f"(num_nextn_predict_layers) but holds none of their tensors (model.layers."
+    f"{config.num_layers}.* onwards); the MTP layers are absent, so it loads without them and "
+    f"MTP drafting is unavailable for this model",
+    stacklevel=3,
+  )
+  hf_config = dict(hf_config)
+  for key in ("num_nextn_predict_layers", "num_mtp_layers"):
+    if key in hf_config:
+      hf_config[key] = 0
+  return config.replace(num_mtp_layers=0), hf_config
+
+
 def load_model(model_dir: str, **config_overrides: Any) -> target_lib.TargetModel:
-  """Loads config.json, the safetensors weights and tokenizer.json (when present)."""
+  """Loads config.json, the safetensors weights and tokenizer.json (when present).
+
+  MTP layers that config.json declares but the checkpoint holds none of (what transformers'
+  `save_pretrained` writes) are dropped with a warning: `config.num_mtp_layers` is then 0 and
+  the returned `hf_config` says so too. With an explicit `num_mtp_layers` override they are
+  required, as are the rest of a partially present MTP layer set.
+  """
   if not os.path.isdir(model_dir):
     raise CheckpointError(f"model directory {model_dir!r} does not exist")
   hf_config = read_config(model_dir)
   config = ModelConfig.from_hf(hf_config, **config_overrides)
+  if config.num_mtp_layers and "num_mtp_layers" not in config_overrides:
+    config, hf_config = _without_absent_mtp_layers(model_dir, config, hf_config)
   params = jax.tree_util.tree_map(jnp.asarray, load_params(model_dir, config))
   tokenizer = None
   if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
