@@ -4,7 +4,7 @@ The public API (see docs/ and DESIGN.md): load a target model from a Hugging Fac
 build an engine, generate.
 """
 
-from jaxspec.cache import KVCache
+from jaxspec.state import DecodingState, FloatKV, FP8KV
 from jaxspec.drafters.base import Drafter
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
@@ -15,7 +15,7 @@ from jaxspec.drafters.registry import load_drafter, make_drafter, save_drafter
 from jaxspec.config import ConfigError, MeshConfig, ModelConfig
 from jaxspec.io.hf import CheckpointError, load_model, save_hf
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.spec.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
 __all__ = [
   "CheckpointError",
@@ -28,7 +28,9 @@ __all__ = [
   "Eagle3Drafter",
   "EngineConfig",
   "InputError",
-  "KVCache",
+  "DecodingState",
+  "FP8KV",
+  "FloatKV",
   "MTPDrafter",
   "MeshConfig",
   "ModelConfig",

@@ -494,11 +494,6 @@ def use_mesh(mesh: Mesh, rules: Optional[Rules] = None) -> Iterator[Mesh]:
     yield mesh
 
 
-def mesh_and_rules(config: Any, devices: Optional[Sequence[Any]] = None) -> tuple[Mesh, Rules]:
-  """``(make_mesh(config), rules_from(config))`` for a ``MeshConfig``/dict."""
-  return make_mesh(config, devices), rules_from(config)
-
-
 __all__ = [
   "BATCH",
   "DATA",
@@ -521,7 +516,6 @@ __all__ = [
   "logical_to_sharding",
   "logical_to_spec",
   "make_mesh",
-  "mesh_and_rules",
   "mesh_shape",
   "rules_from",
   "shard_tree",

@@ -36,7 +36,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec.io import hf as hf_io  # pylint: disable=wrong-import-position
 from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
-from jaxspec.spec import engine as engine_lib  # pylint: disable=wrong-import-position
+from jaxspec.speculative import engine as engine_lib  # pylint: disable=wrong-import-position
 
 ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 
@@ -91,6 +91,7 @@ flags.DEFINE_integer(
   "can make all-cores torch many times slower than one thread).",
 )
 flags.DEFINE_bool("profile", True, "Also time single target/draft forwards (a cost model).")
+flags.DEFINE_enum("kv_format", "float", ("float", "fp8"), "How jaxspec stores the target's KV.")
 flags.DEFINE_enum(
   "random",
   None,
@@ -135,6 +136,7 @@ class BenchConfig:
   eagle3: Optional[str] = None
   tree_budgets: Sequence[int] = ()
   tree_methods: Sequence[str] = ("dflash",)
+  kv_format: str = "float"
 
   def drafter_dir(self, method: str) -> Optional[str]:
     return {"draft_model": self.draft_model, "dflash": self.dflash, "eagle3": self.eagle3}.get(
@@ -335,6 +337,7 @@ class JaxspecRunner:
     drafter: Any,
     max_len: int,
     tree_budget: int = 0,
+    kv_format: str = "float",
   ):
     label = f"{method}+tree{tree_budget}" if tree_budget else method
     self.name, self.method = f"jaxspec/{label}", method
@@ -342,7 +345,14 @@ class JaxspecRunner:
     self.engine = jaxspec.SpecEngine(
       target,
       drafter,
-      jaxspec.EngineConfig(method=method, max_len=max_len, batch_size=1, use_eos=False, **tree),
+      jaxspec.EngineConfig(
+        method=method,
+        max_len=max_len,
+        batch_size=1,
+        use_eos=False,
+        kv_format=kv_format,
+        **tree,
+      ),
     )
 
   def warmup(self, prompts: Sequence[list[int]]) -> None:
@@ -592,11 +602,11 @@ def profile_forwards(
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
 
   def forward_s(model: jaxspec.TargetModel, n: int) -> float:
-    cache = model.init_cache(1, max_len)
-    fn = jax.jit(lambda p, t, s, k, v: target_lib.apply_decoder(model.config, p, t, s, k, v).logits)
+    state = model.init_state(1, max_len)
+    fn = jax.jit(lambda p, t, s, st: target_lib.apply_decoder(model.config, p, t, s, st).logits)
     toks = np.ones((1, n), np.int32)
     start = np.full((1,), max_len // 2, np.int32)
-    return _time_call(lambda: fn(model.params, toks, start, cache.k, cache.v), repeats)
+    return _time_call(lambda: fn(model.params, toks, start, state), repeats)
 
   out = {
     "target_1_token_s": forward_s(target, 1),
@@ -689,10 +699,12 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   # Runners, in the order they run on each prompt.
   runners: list[Any] = []
   for m in methods:
-    runners.append(JaxspecRunner(m, target, drafters[m], max_len))
+    runners.append(JaxspecRunner(m, target, drafters[m], max_len, kv_format=cfg.kv_format))
   for m in cfg.tree_methods if cfg.tree_budgets else ():
     for n in cfg.tree_budgets:
-      runners.append(JaxspecRunner(m, target, drafters[m], max_len, tree_budget=int(n)))
+      runners.append(
+        JaxspecRunner(m, target, drafters[m], max_len, tree_budget=int(n), kv_format=cfg.kv_format)
+      )
   if hf_models is not None:
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     for m in methods:
@@ -923,6 +935,7 @@ def _main(model: Optional[str], draft: Optional[str]) -> None:
     max_len=FLAGS.max_len,
     torch_threads=FLAGS.torch_threads,
     profile=FLAGS.profile,
+    kv_format=FLAGS.kv_format,
   )
   report = run_benchmark(cfg)
   print()

@@ -48,6 +48,7 @@ flags.DEFINE_integer("top_k", 0, "0 = off.")
 flags.DEFINE_float("top_p", 1.0, "1 = off.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("max_len", 1024, "Cache length (prompt + generated + draft slack).")
+flags.DEFINE_enum("kv_format", "float", ("float", "fp8"), "How the target's KV cache is stored.")
 flags.DEFINE_string("mesh", "data=1,expert=1,tensor=1", "Device mesh shape.")
 flags.DEFINE_bool("compare_plain", True, "Also run plain decoding and print the speedup.")
 
@@ -149,7 +150,9 @@ def main(argv):
   method, draft_dir, verify, budget = choose_method(target, FLAGS.model is not None)
   drafter = registry.make_drafter(method, target, gamma=FLAGS.gamma, draft_dir=draft_dir)
   tree = dict(verify="tree", tree_budget=budget) if verify == "tree" and drafter else {}
-  cfg = jaxspec.EngineConfig(method=method, max_len=FLAGS.max_len, **tree)
+  cfg = jaxspec.EngineConfig(
+    method=method, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format, **tree
+  )
   label = f"{method} + tree verification ({budget} nodes)" if tree else method
   print(
     f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
@@ -178,7 +181,9 @@ def main(argv):
   )
   if FLAGS.compare_plain and drafter is not None:
     plain_engine = jaxspec.SpecEngine(
-      target, None, jaxspec.EngineConfig(method="plain", max_len=FLAGS.max_len)
+      target,
+      None,
+      jaxspec.EngineConfig(method="plain", max_len=FLAGS.max_len, kv_format=FLAGS.kv_format),
     )
     plain_engine.generate(prompt, **sample)
     plain = plain_engine.generate(prompt, **sample)

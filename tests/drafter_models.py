@@ -18,7 +18,7 @@ from scipy import stats as scipy_stats
 from jaxspec.config import ModelConfig
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
-from jaxspec.spec.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from tests import near_ties
 
 

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import KVCache
 from jaxspec.models import target as target_lib
 from jaxspec.models.decoder import Decoder
 
@@ -69,16 +68,7 @@ def _routing_margins_one(config, logits: np.ndarray, bias: np.ndarray | None) ->
 @functools.partial(jax.jit, static_argnums=0)
 def _intermediates(config, params: Any, tokens: jax.Array) -> Any:
   """The values sown by a full causal forward (router logits per MoE layer)."""
-  b, t = tokens.shape
-  cache = KVCache.for_model(config, b, t)
-  _, state = Decoder(config).apply(
-    {"params": params},
-    tokens,
-    jnp.zeros((b,), jnp.int32),
-    cache.k,
-    cache.v,
-    mutable=["intermediates"],
-  )
+  _, state = Decoder(config).apply({"params": params}, tokens, mutable=["intermediates"])
   return state["intermediates"]
 
 

@@ -19,9 +19,7 @@ transformers = pytest.importorskip("transformers")
 import jaxspec  # pylint: disable=g-import-not-at-top
 from jaxspec.io import hf as hf_io  # pylint: disable=g-import-not-at-top
 from configs import tiny_code
-from jaxspec.cache import KVCache
 from jaxspec.models import target as target_lib
-from jaxspec.spec import decode, sampling
 from jaxspec.train import data as data_lib
 from tests import near_ties
 
@@ -87,20 +85,10 @@ def test_target_mtp_layer_in_transformers():
   assert mtp.tolist() == plain.tolist()  # greedy speculation is lossless
 
   # The same greedy tokens from jaxspec's own decoder.
-  b, p = 1, len(prompt)
-  cache = KVCache.for_model(model.config, b, p + 12)
-  out = decode.generate_plain(
-    model.config,
-    model.params,
-    jnp.asarray([prompt], jnp.int32),
-    jnp.asarray([p], jnp.int32),
-    cache,
-    12,
-    sampling.make_sampling_params(b),
-    jnp.zeros((2,), jnp.uint32),
-    jnp.asarray(model.config.eos_token_ids, jnp.int32),
-  )
-  ours = np.asarray(out.tokens)[0, p : p + int(out.num_generated[0])].tolist()
+  p = len(prompt)
+  cfg = jaxspec.EngineConfig(max_len=p + 13, batch_size=1)  # stops at the model's eos ids
+  out = jaxspec.SpecEngine(model, None, cfg).generate([prompt], max_new_tokens=12, temperature=0.0)
+  ours = out.tokens[0]
   near_ties.assert_greedy_match(model, [prompt], [plain[0, p:].tolist()], [ours])
 
   # MTP logits: transformers' MtpModel against jaxspec's MTP layer on the same hidden states.
@@ -116,25 +104,9 @@ def test_target_mtp_layer_in_transformers():
       emb, h[:, :-1], position_embeddings=pe, attention_mask=None, position_ids=pos, cache=None
     )
     theirs = mtp_model._project_to_logits(hm).numpy()  # pylint: disable=protected-access
-  main_cache = KVCache.for_model(model.config, 1, p)
-  hidden = target_lib.forward(
-    model.config,
-    model.params,
-    jnp.asarray([prompt], jnp.int32),
-    jnp.zeros((1,), jnp.int32),
-    main_cache.k,
-    main_cache.v,
-  ).hidden
-  mcache = KVCache.for_model(model.config, 1, p - 1, num_layers=1)
+  hidden = target_lib.forward(model.config, model.params, jnp.asarray([prompt], jnp.int32)).hidden
   ours_mtp = target_lib.apply_mtp(
-    model.config,
-    model.params,
-    0,
-    jnp.asarray([prompt[1:]], jnp.int32),
-    hidden[:, :-1],
-    jnp.zeros((1,), jnp.int32),
-    mcache.k,
-    mcache.v,
+    model.config, model.params, 0, jnp.asarray([prompt[1:]], jnp.int32), hidden[:, :-1]
   )[0]
   np.testing.assert_allclose(np.asarray(ours_mtp), theirs, atol=1e-4, rtol=0)
 

@@ -17,7 +17,7 @@ import jaxspec
 from jaxspec.drafters.base import PrefillContext
 from jaxspec.drafters.dflash import DFlashDrafter, dflash_tensors
 from jaxspec.models import target as target_lib
-from jaxspec.spec.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
 from tests.drafter_models import (
   dflash_reference_logits,
@@ -77,17 +77,8 @@ def _check_final_state(target, drafter, engine, windows):
   state = engine.init_state(prompts(2, 64), max_new_tokens=21)
   state = engine._loop(target.params, drafter.params, state)  # pylint: disable=protected-access
   tokens, seq = np.asarray(state.tokens), np.asarray(state.seq_len)
-  length = tokens.shape[1]  # the whole buffer: one compilation; causal, so the tail is harmless
-  cache = target.init_cache(2, length)
-  full = target_lib.forward(
-    target.config,
-    target.params,
-    jnp.asarray(tokens),
-    jnp.zeros((2,), jnp.int32),
-    cache.k,
-    cache.v,
-    taps=drafter.taps,
-  )
+  # The whole buffer: one compilation; causal, so the tail is harmless.
+  full = target_lib.forward(target.config, target.params, jnp.asarray(tokens), taps=drafter.taps)
   start = jnp.asarray(seq - 1)
   block = np.concatenate(
     [tokens[np.arange(2), seq - 1][:, None], np.full((2, drafter.gamma), MASK)], axis=1
@@ -171,16 +162,7 @@ def test_matches_transformers_dflash_model(target, drafter):
   model.load_state_dict(state, strict=True)
   toks = np.asarray(prompts(1, 64)[0], np.int32)
   n = len(toks)
-  cache = target.init_cache(1, n)
-  out = target_lib.forward(
-    target.config,
-    target.params,
-    jnp.asarray(toks[None]),
-    jnp.zeros((1,), jnp.int32),
-    cache.k,
-    cache.v,
-    taps=drafter.taps,
-  )
+  out = target_lib.forward(target.config, target.params, jnp.asarray(toks[None]), taps=drafter.taps)
   block = np.array([toks[-1]] + [MASK] * drafter.gamma)
   with torch.no_grad():
     ctx = torch.from_numpy(np.concatenate(list(np.asarray(out.taps[:, 0])), -1)[None])

@@ -96,16 +96,7 @@ def dflash_setup():
   rng = np.random.default_rng(2)
   s = 20
   tokens = rng.integers(3, 64, (2, s)).astype(np.int32)
-  cache = target.init_cache(2, s)
-  out = target_lib.forward(
-    target.config,
-    target.params,
-    jnp.asarray(tokens),
-    jnp.zeros((2,), jnp.int32),
-    cache.k,
-    cache.v,
-    taps=drafter.taps,
-  )
+  out = target_lib.forward(target.config, target.params, jnp.asarray(tokens), taps=drafter.taps)
   mask = _loss_mask(rng, 2, s)
   anchors = dl.sample_anchors(jax.random.PRNGKey(7), mask, 5)
   return target, drafter, tokens, out.taps, mask, anchors
@@ -208,16 +199,7 @@ def test_eagle3_ttt_loss_matches_a_manual_unroll():
   drafter = Eagle3Drafter.random(target, draft_vocab=vocab, target_layer_ids=(0, 2, 3), stddev=0.2)
   b, s, steps = 2, 12, 3
   tokens = rng.integers(3, 64, (b, s)).astype(np.int32)
-  cache = target.init_cache(b, s)
-  out = target_lib.forward(
-    target.config,
-    target.params,
-    jnp.asarray(tokens),
-    jnp.zeros((b,), jnp.int32),
-    cache.k,
-    cache.v,
-    taps=drafter.taps,
-  )
+  out = target_lib.forward(target.config, target.params, jnp.asarray(tokens), taps=drafter.taps)
   mask = _loss_mask(rng, b, s)
   loss, metrics = dl.eagle3_ttt_loss(
     drafter,
@@ -265,10 +247,7 @@ def test_mtp_loss_per_depth():
   rng = np.random.default_rng(5)
   batch = jnp.asarray(rng.integers(0, 64, (2, 14)).astype(np.int32))
   _, ref = target_losses.lm_losses(cfg, params, batch, mtp_weight=1.0)
-  cache = target.init_cache(2, 14)
-  hidden = target_lib.forward(
-    cfg, params, batch, jnp.zeros((2,), jnp.int32), cache.k, cache.v
-  ).hidden
+  hidden = target_lib.forward(cfg, params, batch).hidden
   loss, metrics = dl.mtp_loss(cfg, params, batch, hidden)
   for k in range(2):
     assert float(metrics[f"mtp_loss_{k}"]) == pytest.approx(float(ref[f"mtp_loss_{k}"]), rel=1e-5)
@@ -281,11 +260,8 @@ def test_mtp_loss_per_depth():
   _, chained = dl.mtp_loss(
     cfg, params, batch, hidden, jnp.asarray(mask), num_depths=2, reuse_layer=0
   )
-  z = jnp.zeros((2,), jnp.int32)
-  c0 = jnp.zeros((1, 2, 12, cfg.num_kv_heads, cfg.head_dim))
-  _, h1, _, _ = target_lib.apply_mtp(cfg, params, 0, batch[:, 1:13], hidden[:, :12], z, c0, c0)
-  c1 = c0[:, :, :11]
-  lg, _, _, _ = target_lib.apply_mtp(cfg, params, 0, batch[:, 2:13], h1[:, :11], z, c1, c1)
+  _, h1, _ = target_lib.apply_mtp(cfg, params, 0, batch[:, 1:13], hidden[:, :12])
+  lg, _, _ = target_lib.apply_mtp(cfg, params, 0, batch[:, 2:13], h1[:, :11])
   lg = np.asarray(lg, np.float64)
   labels = np.asarray(batch[:, 3:14])
   ce = (

@@ -9,17 +9,15 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxspec
 
 from configs import tiny_code
-from jaxspec.cache import KVCache
 from jaxspec.drafters import registry
 from jaxspec.models.target import TargetModel
-from jaxspec.spec import decode, sampling
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.train import distill, drafter_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,19 +60,13 @@ def test_distillation_rows_are_the_targets_own_continuations(target, datasets):
   # A greedy row is the target's own greedy continuation of its prompt, token for token.
   row = 0
   prompt = ds.tokens[row, : plens[row]]
-  cache = KVCache.for_model(target.config, 1, cfg.seq_len)
-  out = decode.generate_plain(
-    target.config,
-    target.params,
-    jnp.asarray(prompt[None]),
-    jnp.asarray([plens[row]]),
-    cache,
-    cfg.new_tokens,
-    sampling.make_sampling_params(1),
-    jax.random.PRNGKey(0),
-    jnp.asarray([0]),
+  engine_cfg = EngineConfig(
+    max_len=len(prompt) + cfg.new_tokens + 1, batch_size=1, use_eos=False, stop_ids=(0,)
   )
-  want = np.asarray(out.tokens[0, : int(out.lengths[0])])
+  out = SpecEngine(target, None, engine_cfg).generate(
+    [prompt], max_new_tokens=cfg.new_tokens, temperature=0.0
+  )
+  want = np.concatenate([prompt, np.asarray(out.tokens[0], np.int32)])
   np.testing.assert_array_equal(ds.tokens[row, : lengths[row]], want)
   # Sampled rows differ from the greedy ones somewhere (temperature 1 is really sampled).
   n = cfg.num_prompts

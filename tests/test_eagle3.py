@@ -18,8 +18,9 @@ from jaxspec.drafters import eagle3 as eagle3_lib
 from jaxspec.drafters.base import PrefillContext, ProposeContext
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.models import target as target_lib
-from jaxspec.spec import sampling
-from jaxspec.spec.engine import EngineConfig, SpecEngine
+from jaxspec.speculative import sampling
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.state import FloatKV
 
 from tests.drafter_models import rms as _rms, rope as _rope
 from tests.drafter_models import (
@@ -113,15 +114,8 @@ def _finite_close(got, want):
 
 def _propose_after_prefill(target, drafter, toks):
   n = len(toks) - 1  # toks[n] is the root
-  cache = target.init_cache(1, n)
   out = target_lib.forward(
-    target.config,
-    target.params,
-    jnp.asarray(toks[None, :n]),
-    jnp.zeros((1,), jnp.int32),
-    cache.k,
-    cache.v,
-    taps=drafter.taps,
+    target.config, target.params, jnp.asarray(toks[None, :n]), taps=drafter.taps
   )
   buf = jnp.asarray(np.pad(toks, (0, 16))[None])
   st = drafter.init_state(drafter.params, 1, 32)
@@ -150,16 +144,7 @@ def test_chain_equals_explicit_recomputation_and_training_unroll(target, drafter
   # The training-time test over the sequence prefix + root + drafts sees, at position n − 1,
   # exactly what the chain saw.
   seq = np.concatenate([toks, drafts]).astype(np.int32)
-  cache = target.init_cache(1, len(seq))
-  full = target_lib.forward(
-    target.config,
-    target.params,
-    jnp.asarray(seq[None]),
-    jnp.zeros((1,), jnp.int32),
-    cache.k,
-    cache.v,
-    taps=drafter.taps,
-  )
+  full = target_lib.forward(target.config, target.params, jnp.asarray(seq[None]), taps=drafter.taps)
   ttt = np.asarray(
     drafter.ttt_logits(drafter.params, jnp.asarray(seq[None]), full.taps, steps=GAMMA)
   )
@@ -184,20 +169,15 @@ def test_cache_holds_exact_entries_after_generation(target, drafter, greedy):
   tokens, seq = jnp.asarray(state.tokens), np.asarray(state.seq_len)
   length = tokens.shape[1] - 1
   zeros = jnp.zeros((2,), jnp.int32)
-  cache = target.init_cache(2, length)
-  full = target_lib.forward(
-    target.config, target.params, tokens[:, :length], zeros, cache.k, cache.v, taps=drafter.taps
-  )
+  full = target_lib.forward(target.config, target.params, tokens[:, :length], taps=drafter.taps)
   feats = drafter.fuse(drafter.params, full.taps)
-  fresh = drafter.init_state(drafter.params, 2, length)
-  _, _, ck, _ = drafter.forward(
-    drafter.params, tokens[:, 1 : length + 1], feats, zeros, fresh.cache_k, fresh.cache_v
-  )
+  fresh = FloatKV.create(drafter.config.body(), 1, 2, length)
+  _, _, kv = drafter.forward(drafter.params, tokens[:, 1 : length + 1], feats, zeros, fresh)
   for b in range(2):
     n = int(seq[b]) - 1
     np.testing.assert_allclose(
-      np.asarray(state.drafter_state.cache_k[0, b, : n - 1]),
-      np.asarray(ck[0, b, : n - 1]),
+      np.asarray(state.drafter_state.kv.k[0, b, : n - 1]),
+      np.asarray(kv.k[0, b, : n - 1]),
       atol=2e-4,
       rtol=2e-4,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,8 +13,9 @@ from scipy import stats as scipy_stats
 import jaxspec
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.spec import decode, sampling
-from jaxspec.spec.engine import EngineConfig, SpecEngine
+from jaxspec.models import target as target_lib
+from jaxspec.speculative import decode
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
 from tests import engine_models, near_ties
 
@@ -61,19 +63,27 @@ def test_plain_engine_matches_reference_decode_loop(models):
   out = SpecEngine(target, None, EngineConfig(max_len=64, use_eos=False)).generate(
     prompts, max_new_tokens=20
   )
+  # The reference: prefill, then one greedy token per target forward, committed one by one.
   p = np.asarray(prompts[0], np.int32)[None]
-  ref = decode.generate_plain(
+  logits, state, _, _ = jax.jit(decode.prefill, static_argnums=0)(
     target.config,
     target.params,
     jnp.asarray(p),
     jnp.array([p.shape[1]], jnp.int32),
-    target.init_cache(1, 64),
-    20,
-    sampling.make_sampling_params(1),
-    jnp.zeros((2,), jnp.uint32),
-    jnp.array([-1], jnp.int32),
+    target.init_state(1, 64),
   )
-  assert out.tokens[0] == np.asarray(ref.tokens[0, p.shape[1] : p.shape[1] + 20]).tolist()
+  ref = []
+  for _ in range(20):
+    ref.append(int(np.argmax(np.asarray(logits[0]))))
+    step = target_lib.forward(
+      target.config,
+      target.params,
+      jnp.array([[ref[-1]]], jnp.int32),
+      jnp.copy(state.lengths),
+      state,
+    )
+    state, logits = step.state.commit(jnp.ones((1,), jnp.int32)), step.logits[:, -1]
+  assert out.tokens[0] == ref
 
 
 def test_stop_token_ends_sequence_and_nothing_follows(models):
@@ -138,7 +148,7 @@ def test_one_compile_for_twenty_calls_and_seeded_repeats(models):
       top_p=float(rng.choice([1.0, 0.9])),
       seed=i,
     )
-  assert eng.compile_counts() == {"prefill": 1, "loop": 1, "step": 0}
+  assert eng.compile_counts() == {"prefill": 1, "loop": 1}
   a = eng.generate([[1, 2, 3]], max_new_tokens=20, temperature=1.0, seed=5).tokens
   b = eng.generate([[1, 2, 3]], max_new_tokens=20, temperature=1.0, seed=5).tokens
   c = eng.generate([[1, 2, 3]], max_new_tokens=20, temperature=1.0, seed=6).tokens

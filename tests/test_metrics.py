@@ -1,4 +1,4 @@
-"""Tests for jaxspec.spec.metrics: on-device accumulation and host summary."""
+"""Tests for jaxspec.speculative.metrics: on-device accumulation and host summary."""
 
 import math
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.spec.metrics import SpecStats, init_stats, summarize, update_stats
+from jaxspec.speculative.metrics import SpecStats, init_stats, summarize, update_stats
 
 
 def test_init_shapes():

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import jaxspec
-from jaxspec.cache import KVCache
 from jaxspec.models import target as target_lib
-from jaxspec.spec import decode, sampling
+from jaxspec.speculative import decode
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.state import DecodingState, FloatKV
 
 from tests import hf_models, near_ties
 
@@ -72,19 +72,9 @@ def test_greedy_decode_matches_transformers_generate(saved, name):
       eos_token_id=None,
     )
   ref_new = ref[0, 6:].numpy()
-  cache = model.init_cache(1, 64)
-  res = decode.generate_plain(
-    model.config,
-    model.params,
-    jnp.asarray(prompt, jnp.int32),
-    jnp.array([6], jnp.int32),
-    cache,
-    32,
-    sampling.make_sampling_params(1),
-    jax.random.PRNGKey(0),
-    jnp.array([-1], jnp.int32),
-  )
-  ours = np.asarray(res.tokens[0, 6 : 6 + 32])
+  cfg = EngineConfig(max_len=64, batch_size=1, use_eos=False)
+  res = SpecEngine(model, None, cfg).generate([prompt[0]], max_new_tokens=32, temperature=0.0)
+  ours = np.asarray(res.tokens[0])
   near_ties.assert_greedy_match(model, prompt, [ref_new.tolist()], [ours.tolist()])
 
 
@@ -94,8 +84,7 @@ def test_block_by_block_equals_full_forward(saved):
   b, t = 2, 13
   ids = np.random.default_rng(3).integers(0, model.config.vocab_size, (b, t))
   full = np.asarray(model.logits(ids))
-  cache = model.init_cache(b, 32)
-  k, v = cache.k, cache.v
+  state = model.init_state(b, 32)
   pieces, pos = [], 0
   for size in (4, 1, 3, 1, 4):
     out = target_lib.forward(
@@ -103,10 +92,9 @@ def test_block_by_block_equals_full_forward(saved):
       model.params,
       jnp.asarray(ids[:, pos : pos + size]),
       jnp.full((b,), pos, jnp.int32),
-      k,
-      v,
+      state,
     )
-    k, v = out.cache_k, out.cache_v
+    state = out.state.commit(jnp.full((b,), size, jnp.int32))
     pieces.append(np.asarray(out.logits))
     pos += size
   near_ties.assert_logits_match(model, ids, np.concatenate(pieces, 1), full, atol=1e-4)
@@ -123,14 +111,13 @@ def test_per_sequence_start_positions(saved):
   # Prefill a[:6] and c[:2] padded into one batch, then a 3-token block at starts (6, 2).
   prompts = np.zeros((2, 6), np.int32)
   prompts[0], prompts[1, :2] = a[0, :6], c[0, :2]
-  cache = model.init_cache(2, 16)
-  _, cache, _, _ = decode.prefill(
-    model.config, model.params, jnp.asarray(prompts), jnp.array([6, 2], jnp.int32), cache
+  state = model.init_state(2, 16)
+  _, state, _, _ = decode.prefill(
+    model.config, model.params, jnp.asarray(prompts), jnp.array([6, 2], jnp.int32), state
   )
   block = np.stack([a[0, 6:9], c[0, 2:5]])
-  out = target_lib.forward(
-    model.config, model.params, jnp.asarray(block), cache.lengths, cache.k, cache.v
-  )
+  start = jnp.copy(state.lengths)  # not an alias of the donated state
+  out = target_lib.forward(model.config, model.params, jnp.asarray(block), start, state)
   logits = np.asarray(out.logits)
   near_ties.assert_logits_match(model, a, logits[:1], ref_a[:, 6:9], 1e-4, slice(6, 9))
   near_ties.assert_logits_match(model, c, logits[1:], ref_c[:, 2:5], 1e-4, slice(2, 5))
@@ -142,17 +129,8 @@ def test_taps_are_hf_hidden_states(saved):
   ids = np.random.default_rng(5).integers(0, model.config.vocab_size, (1, 7))
   with torch.no_grad():
     hs = hf_model(torch.as_tensor(ids), output_hidden_states=True).hidden_states
-  cache = model.init_cache(1, 7)
   taps = (0, 1)  # inner layers; HF replaces its last entry by the final-normed state
-  out = target_lib.forward(
-    model.config,
-    model.params,
-    jnp.asarray(ids, jnp.int32),
-    jnp.zeros((1,), jnp.int32),
-    cache.k,
-    cache.v,
-    taps=taps,
-  )
+  out = target_lib.forward(model.config, model.params, jnp.asarray(ids, jnp.int32), taps=taps)
   for j, layer in enumerate(taps):
     near_ties.assert_logits_match(model, ids, out.taps[j], hs[layer + 1].numpy(), atol=1e-4)
   near_ties.assert_logits_match(model, ids, out.hidden, hs[-1].numpy(), atol=1e-4)
@@ -166,22 +144,19 @@ def test_block_mask_restricts_attention(saved):
   # Block = tokens 3,4,5 after a prefix of 3. Token 5 sees 3 but not 4, at position 4.
   mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
   positions = np.array([[3, 4, 4]], np.int32)
-  cache = model.init_cache(1, 8)
   out = target_lib.forward(
     model.config,
     model.params,
     jnp.asarray(ids[:, :3], jnp.int32),
     jnp.zeros((1,), jnp.int32),
-    cache.k,
-    cache.v,
+    model.init_state(1, 8),
   )
   out = target_lib.forward(
     model.config,
     model.params,
     jnp.asarray(ids[:, 3:6], jnp.int32),
     jnp.full((1,), 3, jnp.int32),
-    out.cache_k,
-    out.cache_v,
+    out.state.commit(jnp.full((1,), 3, jnp.int32)),
     positions=jnp.asarray(positions),
     block_mask=jnp.asarray(mask),
   )
@@ -193,14 +168,17 @@ def test_block_mask_restricts_attention(saved):
   )
 
 
-def test_cache_gather_block_moves_entries():
-  cache = KVCache.create(2, 2, 8, 1, 2)
+def test_state_commit_path_moves_entries():
   k = np.arange(2 * 2 * 8 * 1 * 2, dtype=np.float32).reshape(2, 2, 8, 1, 2)
-  cache = cache.replace(k=jnp.asarray(k), v=jnp.asarray(-k), lengths=jnp.array([2, 3]))
-  moved = cache.gather_block(jnp.array([[0, 2, 3], [0, 1, 3]]))
-  mk = np.asarray(moved.k)
+  # Two one-layer segments: the path is moved in every segment.
+  segments = tuple(FloatKV(jnp.asarray(k[i : i + 1]), jnp.asarray(-k[i : i + 1])) for i in (0, 1))
+  state = DecodingState(segments=segments, lengths=jnp.array([2, 3], jnp.int32))
+  moved = state.commit_path(jnp.array([[0, 2, 3], [0, 1, 3]]))
+  mk = np.concatenate([np.asarray(s.k) for s in moved.segments], axis=0)
+  mv = np.concatenate([np.asarray(s.v) for s in moved.segments], axis=0)
   np.testing.assert_array_equal(mk[:, 0, 2:5], k[:, 0, [2, 4, 5]])
   np.testing.assert_array_equal(mk[:, 1, 3:6], k[:, 1, [3, 4, 6]])
   np.testing.assert_array_equal(mk[:, :, :2], k[:, :, :2])  # prefix untouched
-  np.testing.assert_array_equal(np.asarray(moved.v), -mk)
+  np.testing.assert_array_equal(mv, -mk)
+  assert np.asarray(moved.lengths).tolist() == [2, 3]  # commit_path leaves lengths alone
   assert np.asarray(moved.commit(jnp.array([3, 3])).lengths).tolist() == [5, 6]

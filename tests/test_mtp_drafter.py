@@ -13,7 +13,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
-from jaxspec.spec.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.state import DecodingState
 
 from tests.drafter_models import (
   random_params,
@@ -81,24 +82,15 @@ def test_cache_holds_exact_entries_after_steps(target, greedy):
   tokens, seq = jnp.asarray(state.tokens), np.asarray(state.seq_len)
   length = int(seq.max())
   zeros = jnp.zeros((2,), jnp.int32)
-  cache = target.init_cache(2, length)
-  full = target_lib.forward(
-    target.config, target.params, tokens[:, :length], zeros, cache.k, cache.v
+  full = target_lib.forward(target.config, target.params, tokens[:, :length])
+  fresh = DecodingState.create(target.config, 2, length, segment_layers=(1,))
+  _, _, mstate = target_lib.apply_mtp(
+    target.config, target.params, 0, tokens[:, 1 : length + 1], full.hidden, zeros, fresh
   )
-  mcache = jaxspec.KVCache.for_model(target.config, 2, length, num_layers=1)
-  _, _, ck, _ = target_lib.apply_mtp(
-    target.config,
-    target.params,
-    0,
-    tokens[:, 1 : length + 1],
-    full.hidden,
-    zeros,
-    mcache.k,
-    mcache.v,
-  )
+  ck = mstate.segments[0].k
   for b in range(2):
     n = int(seq[b]) - 1  # root slot; cache entries below n - 1 are committed
-    got = np.asarray(state.drafter_state.cache_k[0, b, : n - 1])
+    got = np.asarray(state.drafter_state.cache.segments[0].k[0, b, : n - 1])
     np.testing.assert_allclose(got, np.asarray(ck[0, b, : n - 1]), atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(
       np.asarray(state.drafter_state.last_hidden[b]),

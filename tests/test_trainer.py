@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from configs import tiny_code
-from jaxspec.cache import KVCache
 from jaxspec.io.tokenizer import Tokenizer
 from jaxspec.models import target as target_lib
 from jaxspec.train import data as data_lib
@@ -54,13 +53,8 @@ def test_mtp_loss_is_the_shifted_prediction(tiny_params):
   batch = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (2, 9)), jnp.int32)
   _, aux = jax.jit(lambda p, b: losses.lm_losses(config, p, b))(params, batch)
   t = batch.shape[1] - 1
-  cache = KVCache.for_model(config, 2, t)
-  start = jnp.zeros((2,), jnp.int32)
-  out = target_lib.apply_decoder(config, params, batch[:, :-1], start, cache.k, cache.v)
-  mcache = KVCache.for_model(config, 2, t - 1, num_layers=1)
-  logits, *_ = target_lib.apply_mtp(
-    config, params, 0, batch[:, 1:t], out.hidden[:, : t - 1], start, mcache.k, mcache.v
-  )
+  out = target_lib.apply_decoder(config, params, batch[:, :-1])
+  logits, *_ = target_lib.apply_mtp(config, params, 0, batch[:, 1:t], out.hidden[:, : t - 1])
 
   def ce(lg, y):
     return float(

@@ -1,4 +1,4 @@
-"""DDTree construction (spec/tree.py) and tree verification walks (spec/tree_verify.py).
+"""DDTree construction (speculative/tree.py) and tree verification walks (speculative/tree_verify.py).
 
 - Construction equals a host heapq port of DDTree's `build_ddtree_tree` node for node (with and
   without the seeded top-1 chain), and the incremental ancestor mask equals an independent one.
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxspec.spec import sampling, tree as tree_lib, tree_verify
-from jaxspec.spec.tree import build_tree
+from jaxspec.speculative import sampling, tree as tree_lib, tree_verify
+from jaxspec.speculative.tree import build_tree
 
-from tests import engine_models
+from tests import broken_rules, engine_models
 
 PASS_P = 1e-4
 FAIL_P = 1e-6
@@ -165,9 +165,12 @@ def test_tree_mask_oracle_every_node_matches_causal_forward():
   batch, budget, depth, max_len = 2, 10, 4, 32
   prefix_lens = np.array([5, 9])
   ids = rng.integers(0, cfg.vocab_size, (batch, 12)).astype(np.int32)
-  cache = model.init_cache(batch, max_len)
   out = target_lib.forward(
-    cfg, model.params, jnp.asarray(ids), jnp.zeros((batch,), jnp.int32), cache.k, cache.v
+    cfg,
+    model.params,
+    jnp.asarray(ids),
+    jnp.zeros((batch,), jnp.int32),
+    model.init_state(batch, max_len),
   )  # slots ≥ prefix_len are overwritten below
   start = jnp.asarray(prefix_lens, jnp.int32)
   roots = ids[np.arange(batch), prefix_lens]
@@ -180,8 +183,7 @@ def test_tree_mask_oracle_every_node_matches_causal_forward():
     model.params,
     tree.tokens,
     start,
-    out.cache_k,
-    out.cache_v,
+    out.state.with_lengths(jnp.asarray(prefix_lens, jnp.int32)),  # not an alias of start
     positions=tree.positions(start),
     block_mask=tree.mask,
   ).logits
@@ -295,8 +297,9 @@ def _sequences(table, tree, logits, temperature, rule, variant, depth, seed):
   """Commits one tree step per row, then extends with exact bigram samples to depth+1 tokens."""
   batch = tree.tokens.shape[0]
   params = sampling.make_sampling_params(batch, temperature)
-  fn = jax.jit(tree_verify.verify_tree, static_argnums=(4, 5, 6))
-  path, n, nxt = fn(jax.random.PRNGKey(seed), tree, logits, params, depth, rule, variant)
+  rule = tree_verify.RULE_OBJECTS[rule] if variant == "exact" else broken_rules.TREE[variant]
+  fn = jax.jit(tree_verify.verify_tree, static_argnums=(4, 5))
+  path, n, nxt = fn(jax.random.PRNGKey(seed), tree, logits, params, depth, rule)
   toks = np.asarray(tree_verify.path_tokens(tree, path))
   n, nxt = np.asarray(n), np.asarray(nxt)
   warped = table ** (1.0 / temperature)

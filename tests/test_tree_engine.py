@@ -29,8 +29,9 @@ from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.spec import engine as engine_lib
-from jaxspec.spec.engine import EngineConfig, SpecEngine
+from jaxspec.speculative import engine as engine_lib
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.state import DecodingState
 
 from tests import engine_models, near_ties
 
@@ -196,6 +197,14 @@ class FeatureRecorder(Drafter):
     return (self.inner.commit(params, inner, ctx), hid, tap)
 
 
+def _all_layers(state: DecodingState) -> tuple[jax.Array, jax.Array]:
+  """K and V [L, B, S, K, D] over every layer: the state's segments concatenated."""
+  return (
+    jnp.concatenate([s.k for s in state.segments], axis=0),
+    jnp.concatenate([s.v for s in state.segments], axis=0),
+  )
+
+
 def test_step_by_step_cache_features_and_chain_comparison(models):
   target, draft = models
   batch, max_len, gamma = 2, 64, 4
@@ -216,20 +225,19 @@ def test_step_by_step_cache_features_and_chain_comparison(models):
     cfg,
   )
   drafter, tcfg = eng.drafter, target.config
-  tree_step = jax.jit(functools.partial(engine_lib.tree_step, tcfg, drafter, eng.tree))
-  chain_step = jax.jit(functools.partial(engine_lib.step, tcfg, drafter))
+  tree_step = jax.jit(functools.partial(engine_lib.step, tcfg, drafter, eng.tree))
+  chain_step = jax.jit(functools.partial(engine_lib.step, tcfg, drafter, None))
 
   @jax.jit
   def fresh(tokens):
-    cache = target.init_cache(batch, max_len)
+    zeros = jnp.zeros((batch,), jnp.int32)
     out = target_lib.apply_decoder(
-      tcfg, target.params, tokens, jnp.zeros((batch,), jnp.int32), cache.k, cache.v, taps=(0,)
+      tcfg, target.params, tokens, zeros, target.init_state(batch, max_len), taps=(0,)
     )
-    dcache = draft.init_cache(batch, max_len)
     dout = target_lib.apply_decoder(
-      draft.config, draft.params, tokens, jnp.zeros((batch,), jnp.int32), dcache.k, dcache.v
+      draft.config, draft.params, tokens, zeros, draft.init_state(batch, max_len)
     )
-    return out.cache_k, out.cache_v, out.hidden, out.taps[0], dout.cache_k, dout.cache_v
+    return *_all_layers(out.state), out.hidden, out.taps[0], *_all_layers(dout.state)
 
   state = eng.init_state(_prompts(batch), max_new_tokens=36)
   params = (target.params, drafter.params)
@@ -243,14 +251,16 @@ def test_step_by_step_cache_features_and_chain_comparison(models):
     steps += 1
 
     seq = np.asarray(state.seq_len)
-    assert np.asarray(state.cache.lengths).tolist() == (seq - 1).tolist()
+    assert np.asarray(state.target_state.lengths).tolist() == (seq - 1).tolist()
     ck, cv, hid, tap, dk, dv = fresh(state.tokens)
-    got_k, got_v = np.asarray(state.cache.k), np.asarray(state.cache.v)
+    got_k, got_v = map(np.asarray, _all_layers(state.target_state))
     inner_state, rec_hid, rec_tap = state.drafter_state
     valid_draft = np.asarray(inner_state.cache.lengths)
+    draft_k, draft_v = map(np.asarray, _all_layers(inner_state.cache))
     # The last layer is MoE: the final hidden state is compared up to a routing near-tie (the
     # K/V and the tap come before it).
-    stable = near_ties.stable_positions(target, np.asarray(state.tokens)[:, : seq.max() - 1])
+    # (the whole buffer: one compilation; positions past seq_len cannot affect earlier ones)
+    stable = near_ties.stable_positions(target, np.asarray(state.tokens))
     for b in range(batch):
       n = seq[b] - 1  # committed tokens in the target cache
       np.testing.assert_allclose(got_k[:, b, :n], np.asarray(ck)[:, b, :n], atol=2e-5)
@@ -262,12 +272,8 @@ def test_step_by_step_cache_features_and_chain_comparison(models):
       np.testing.assert_allclose(np.asarray(rec_tap)[b, :n], np.asarray(tap)[b, :n], atol=2e-4)
       m = valid_draft[b]
       assert seq[b] - 1 - gamma <= m <= seq[b] - 1
-      np.testing.assert_allclose(
-        np.asarray(inner_state.cache.k)[:, b, :m], np.asarray(dk)[:, b, :m], atol=2e-5
-      )
-      np.testing.assert_allclose(
-        np.asarray(inner_state.cache.v)[:, b, :m], np.asarray(dv)[:, b, :m], atol=2e-5
-      )
+      np.testing.assert_allclose(draft_k[:, b, :m], np.asarray(dk)[:, b, :m], atol=2e-5)
+      np.testing.assert_allclose(draft_v[:, b, :m], np.asarray(dv)[:, b, :m], atol=2e-5)
   tree_n, chain_n = np.stack(tree_n), np.stack(chain_n)
   assert np.all(tree_n >= chain_n), (tree_n.T, chain_n.T)
   assert np.any(tree_n > chain_n)  # the extra branches are used

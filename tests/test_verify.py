@@ -1,4 +1,4 @@
-"""Tests for jaxspec.spec.verify: greedy cases, statistical losslessness, and mutation tests.
+"""Tests for jaxspec.speculative.verify: greedy cases, statistical losslessness, and mutation tests.
 
 The statistical tests draw N samples of one speculative step in a single jitted
 call (the batch axis is the sample axis) and apply a chi-square goodness-of-fit
@@ -15,15 +15,17 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxspec.spec import verify
-from jaxspec.spec.sampling import SamplingParams, make_sampling_params, warped_probs
-from jaxspec.spec.verify import verify_chain, verify_chain_greedy
+from jaxspec.speculative import verify
+from jaxspec.speculative.sampling import SamplingParams, make_sampling_params, warped_probs
+from jaxspec.speculative.verify import verify_chain, verify_chain_greedy
+
+from tests import broken_rules
 
 N = 200_000
 V = 8
 PASS_P = 1e-4
 FAIL_P = 1e-6
-BROKEN = [v for v in verify.VARIANTS if v != "exact"]
+BROKEN = sorted(broken_rules.CHAIN)
 # Rules that are wrong already for the first committed token (bonus_off_by_one is not:
 # it only changes the token after γ accepted drafts).
 BROKEN_FIRST = [v for v in BROKEN if v != "bonus_off_by_one"]
@@ -157,15 +159,6 @@ def test_shape_errors_are_clear():
       jnp.zeros((2, 4, 5)),
       sp,
     )
-  with pytest.raises(ValueError, match="unknown verification variant"):
-    verify._verify_chain(
-      jax.random.PRNGKey(0),
-      jnp.zeros((2, 1), jnp.int32),
-      None,
-      jnp.zeros((2, 2, 5)),
-      sp,
-      _variant="nope",
-    )
 
 
 # ------------------------------------------------------------ statistical: one step
@@ -186,8 +179,12 @@ def _first_token(key, p, q, gamma, variant):
     q_arr = jnp.broadcast_to(q, (N, gamma, V))
   logits = jnp.broadcast_to(jnp.log(p), (N, gamma + 1, V))
   sp = make_sampling_params_jit(N)
-  n, nxt = verify._verify_chain(k_verify, draft, q_arr, logits, sp, _variant=variant)
+  n, nxt = verify.verify_chain_sampled(k_verify, draft, q_arr, logits, sp, _rule(variant))
   return jnp.where(n > 0, draft[:, 0], nxt), n
+
+
+def _rule(variant: str) -> verify.ChainRule:
+  return verify.EXACT if variant == "exact" else broken_rules.CHAIN[variant]
 
 
 def make_sampling_params_jit(batch, temperature=1.0):
@@ -284,8 +281,8 @@ def _first_two_tokens(key, p1, ptab, q1, qtab, gamma, variant):
     draft = jnp.stack(drafts, axis=1)
     q_arr = jnp.stack(qs[:gamma], axis=1)
     logits = jnp.log(jnp.stack(ps, axis=1))
-    n, nxt = verify._verify_chain(
-      k_verify, draft, q_arr, logits, make_sampling_params_jit(N), _variant=variant
+    n, nxt = verify.verify_chain_sampled(
+      k_verify, draft, q_arr, logits, make_sampling_params_jit(N), _rule(variant)
     )
     return draft, n, nxt
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import flax.struct
 import jax
 
-from jaxspec.spec.sampling import SamplingParams
+from jaxspec.speculative.sampling import SamplingParams
 
 
 @flax.struct.dataclass

@@ -20,6 +20,12 @@ window limits what the block sees to the most recent features: per layer from th
 `sliding_window` layer types, and globally with `context_window`, which also turns the store
 into a ring of that many slots (memory O(window) for long contexts).
 
+At inference (`block_logits` / `propose`) the block reads the context store in chunks of
+`DFlashDrafter.context_chunk` slots with an online softmax, only up to the live slots (the longest
+context in the batch, capped at the store's size), so a propose costs what the sequence costs,
+not what `max_len` costs (`chunked_block_attention`). Training keeps the dense, differentiable
+`block_attention` over the whole sequence context.
+
 `train_hidden` runs the same layers in training form: many blocks at random anchors in one
 pass, each seeing the context strictly before its anchor and itself bidirectionally
 (jaxspec.train.drafter_losses builds the loss on it).
@@ -40,9 +46,9 @@ from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.hf import read_config
+from jaxspec.models.attention import NEG_INF, OnlineSoftmax
 from jaxspec.models.layers import (
   MLP,
-  NEG_INF,
   Dense,
   RMSNorm,
   apply_rope,
@@ -51,7 +57,7 @@ from jaxspec.models.layers import (
   unfused_logits,
 )
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.spec import sampling
+from jaxspec.speculative import sampling
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -340,16 +346,18 @@ class DFlashLayer(nn.Module):
     sin: jax.Array,
     ctx_k: jax.Array,
     ctx_v: jax.Array,
-    ctx_visible: jax.Array,
+    view: ContextView,
   ) -> jax.Array:
-    """x [B, N, T, H] (N blocks of T tokens); cos/sin [B, N·T, rd]; ctx_* as block_attention."""
+    """x [B, N, T, H] (N blocks of T tokens); cos/sin [B, N·T, rd]; ctx_k/ctx_v the context
+    store ([L, B, C, K, D] with view.layer, or this layer's [B, C, K, D]), read as `view` says
+    (context_attention)."""
     c = self.config
     b, n, t, hdim = x.shape
     xn = self.input_layernorm(x).reshape(b, n * t, hdim)
     q = self.self_attn.queries(xn, cos, sin)
     k, v = self.self_attn.keys_values(xn, cos, sin)
     split = lambda a: a.reshape(b, n, t, *a.shape[2:])
-    o = block_attention(split(q), ctx_k, ctx_v, ctx_visible, split(k), split(v), c.head_dim**-0.5)
+    o = context_attention(split(q), ctx_k, ctx_v, split(k), split(v), c.head_dim**-0.5, view)
     x = x + self.self_attn.output(o.reshape(b, n * t, *o.shape[3:])).reshape(x.shape)
     return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -365,6 +373,116 @@ def context_visibility(
   if window:
     vis = vis & (q_pos[..., None] - cp < window)
   return vis
+
+
+# Context slots read per step of the chunked (inference) context attention.
+DEFAULT_CONTEXT_CHUNK = 256
+
+
+@flax.struct.dataclass
+class ContextView:
+  """What a layer's block queries see of the context store, and how it is read.
+
+  q_pos [B, N, T] block positions; ctx_pos [B, C] the position held by each store slot (−1 =
+  empty); limit [B, N] block n sees positions < limit[:, n]; window (static, 0 = none) the
+  layer's effective sliding window. chunk (static): 0 = dense `block_attention` over all C
+  slots (differentiable; training); > 0 = `chunked_block_attention` in chunks of that many
+  slots up to the live ones (inference). ring (static): the store is a ring (slot = position mod
+  C, `context_window`) rather than slot = position. layer (static): with a stacked store
+  [L, B, C, K, D], the layer to read (chunks are sliced straight out of the stack: slicing the
+  layer first would copy all C slots); None for a single layer's store [B, C, K, D].
+  """
+
+  q_pos: jax.Array
+  ctx_pos: jax.Array
+  limit: jax.Array
+  window: int = flax.struct.field(pytree_node=False, default=0)
+  chunk: int = flax.struct.field(pytree_node=False, default=0)
+  ring: bool = flax.struct.field(pytree_node=False, default=False)
+  layer: Optional[int] = flax.struct.field(pytree_node=False, default=None)
+
+
+def chunked_block_attention(
+  q: jax.Array,
+  ctx_k: jax.Array,
+  ctx_v: jax.Array,
+  blk_k: jax.Array,
+  blk_v: jax.Array,
+  scale: float,
+  view: ContextView,
+) -> jax.Array:
+  """`block_attention` with `context_visibility(view...)`, reading only the live store slots.
+
+  q [B, N, T, H, D]; ctx_k/ctx_v [B, C, K, D] (or [L, B, C, K, D] with view.layer);
+  blk_k/blk_v [B, N, T, K, D] → [B, N, T, H, D].
+  The block's own (non-causal) part seeds an online softmax (attention.OnlineSoftmax); then a
+  lax.fori_loop reads the store in chunks of `view.chunk` slots up to min(max(limit), C): with
+  slot = position mod C every visible position (< limit) lives below that slot. Without a ring
+  (slot = position) and with a sliding window W, chunks wholly before min(q_pos) − W + 1 are
+  skipped too. The last chunk is clamped to end at C; slots it re-reads are masked, as in
+  attention.attend_xla. Nothing past the live slots is read, so the cost follows the sequence,
+  not C. Not reverse-differentiable (dynamic trip count); training uses block_attention.
+  """
+  b, n, t, h, d = q.shape
+  cap, kv = ctx_k.shape[-3], ctx_k.shape[-2]
+  qg = q.reshape(b, n, t, kv, h // kv, d)
+  carry = OnlineSoftmax.init((b, n, kv, h // kv, t), d)
+
+  s_blk = jnp.einsum("bntkgd,bnukd->bnkgtu", qg, blk_k, preferred_element_type=jnp.float32) * scale
+  m_new, alpha, p = OnlineSoftmax.weights(carry, s_blk, jnp.ones((), bool))
+  pv = jnp.einsum(
+    "bnkgtu,bnukd->bnkgtd", p.astype(q.dtype), blk_v, preferred_element_type=jnp.float32
+  )
+  carry = OnlineSoftmax.add(carry, m_new, alpha, p, pv)
+
+  size = min(view.chunk, cap)
+  live = jnp.minimum(jnp.max(view.limit), cap)
+  hi = (live + size - 1) // size
+  lo = 0
+  if view.window and not view.ring:
+    lo = jnp.clip(jnp.min(view.q_pos) - view.window + 1, 0, cap) // size
+    lo = jnp.minimum(lo, hi)
+
+  def read(store: jax.Array, offset: jax.Array) -> jax.Array:  # → [B, S, K, D]
+    if view.layer is None:
+      return jax.lax.dynamic_slice_in_dim(store, offset, size, axis=1)
+    start = (view.layer, 0, offset, 0, 0)
+    return jax.lax.dynamic_slice(store, start, (1, b, size, kv, d))[0]
+
+  def body(i, carry):
+    first = i * size
+    offset = jnp.minimum(first, cap - size)  # the last chunk ends at C; re-read slots are masked
+    k, v = (read(a, offset).astype(q.dtype) for a in (ctx_k, ctx_v))
+    pos = jax.lax.dynamic_slice_in_dim(view.ctx_pos, offset, size, axis=1)
+    fresh = offset + jnp.arange(size) >= first
+    vis = context_visibility(view.q_pos, pos, view.limit, view.window) & fresh  # [B, N, T, S]
+    scores = jnp.einsum("bntkgd,bskd->bnkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    m_new, alpha, p = OnlineSoftmax.weights(carry, scores, vis[:, :, None, None])
+    pv = jnp.einsum("bnkgts,bskd->bnkgtd", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+    return OnlineSoftmax.add(carry, m_new, alpha, p, pv)
+
+  carry = jax.lax.fori_loop(lo, hi, body, carry)
+  out = OnlineSoftmax.finish(carry)  # [B, N, K, G, T, D]
+  return jnp.moveaxis(out, 4, 2).reshape(b, n, t, h, d).astype(q.dtype)
+
+
+def context_attention(
+  q: jax.Array,
+  ctx_k: jax.Array,
+  ctx_v: jax.Array,
+  blk_k: jax.Array,
+  blk_v: jax.Array,
+  scale: float,
+  view: ContextView,
+) -> jax.Array:
+  """Block attention over [context store; own block]: chunked when view.chunk > 0 (inference),
+  dense over every slot otherwise (training, differentiable). Same visibility either way."""
+  if view.chunk:
+    return chunked_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, scale, view)
+  if view.layer is not None:
+    ctx_k, ctx_v = ctx_k[view.layer], ctx_v[view.layer]
+  vis = context_visibility(view.q_pos, view.ctx_pos, view.limit, view.window)
+  return block_attention(q, ctx_k, ctx_v, vis, blk_k, blk_v, scale)
 
 
 class DFlashModel(nn.Module):
@@ -399,11 +517,17 @@ class DFlashModel(nn.Module):
     ctx_pos: jax.Array,
     limit: jax.Array,
     window_cap: int = 0,
+    context_chunk: int = 0,
   ) -> jax.Array:
     """N blocks x [B, N, T, H] at positions q_pos [B, N, T] → final-normed hidden [B, N, T, H].
 
     ctx_k/ctx_v [L, B, C, K, D] hold context K/V at positions ctx_pos [B, C] (−1 = empty);
-    block n sees context positions < limit[:, n] (within each layer's window).
+    block n sees context positions < limit[:, n] (within each layer's window). window_cap > 0
+    caps every window and means the store is a ring (slot = position mod C).
+
+    context_chunk (static): 0 reads all C slots densely (training: differentiable);
+    > 0 reads the store in chunks of that many slots up to the live ones (inference: needs
+    slot = position mod C, as DFlashDrafter's store keeps them; not reverse-differentiable).
     """
     b, n, t, _ = x.shape
     cos, sin = self._rope(q_pos.reshape(b, n * t))
@@ -411,8 +535,8 @@ class DFlashModel(nn.Module):
       window = self.config.layer_windows[i]
       if window_cap:
         window = min(window, window_cap) if window else window_cap
-      vis = context_visibility(q_pos, ctx_pos, limit, window)
-      x = layer(x, cos, sin, ctx_k[i], ctx_v[i], vis)
+      view = ContextView(q_pos, ctx_pos, limit, window, context_chunk, bool(window_cap), i)
+      x = layer(x, cos, sin, ctx_k, ctx_v, view)
     return self.norm(x)
 
   def init_all(self, feats: jax.Array, x: jax.Array):
@@ -486,6 +610,10 @@ class DFlashDrafter(Drafter):
     log_softmax(logits / T) (T = 1 for greedy rows) for tree verification.
   context_window: if > 0, the block sees at most this many most recent context features, and
     the feature K/V store is a ring of that many slots.
+  context_chunk: store slots read per step of the inference context attention (default
+    DEFAULT_CONTEXT_CHUNK = 256): a propose reads ceil(live / chunk) chunks, live = the longest
+    context in the batch (at most the store's size), whatever max_len is. 0 = read every slot
+    densely (the training path's block_attention).
   params: {"draft": DFlashModel parameters, "embed": target embedding, "lm_head": target LM
     head kernel (absent for tied embeddings)}.
   """
@@ -494,6 +622,7 @@ class DFlashDrafter(Drafter):
   gamma: int = 0
   sample_drafts: bool = False
   context_window: int = 0
+  context_chunk: int = DEFAULT_CONTEXT_CHUNK
   hf_config: Optional[dict] = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
   def __post_init__(self):
@@ -508,6 +637,8 @@ class DFlashDrafter(Drafter):
         f"context_window ({self.context_window}) must hold at least one block "
         f"({self.gamma + 1} positions)"
       )
+    if self.context_chunk < 0:
+      raise ValueError(f"context_chunk must be ≥ 0 (0 = dense), got {self.context_chunk}")
 
   # -- construction ------------------------------------------------------------------------------
 
@@ -638,7 +769,7 @@ class DFlashDrafter(Drafter):
     self, params: Any, state: DFlashState, block: jax.Array, start: jax.Array
   ) -> jax.Array:
     """Drafter logits [B, T, V] of a block [B, T] at positions start..start+T−1, attending to
-    the stored context before `start`."""
+    the stored context before `start` (read in chunks of `context_chunk` live slots)."""
     c = self.config
     t = block.shape[1]
     x = embed_tokens(params, block, c.dtype)[:, None]
@@ -652,6 +783,7 @@ class DFlashDrafter(Drafter):
       state.ctx_pos,
       start[:, None],
       self.context_window,
+      self.context_chunk,
     )
     return target_head(params, h[:, 0], c.dtype)
 

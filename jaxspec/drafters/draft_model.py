@@ -7,8 +7,8 @@ verification (`tree=True`, what `for_tree()` returns) it follows its own argmax 
 the per-step log-probabilities along it (`Proposal.logprobs`, temperature-scaled, no top-k/top-p)
 from which the engine's tree builder expands the top-K tokens of every step.
 
-Cache bookkeeping: the state is the draft KV cache, whose `lengths` count the slots whose draft
-KV is known to belong to the committed text, plus the chain fed during the last propose. A
+Cache bookkeeping: the state is the draft model's decoding state, whose `lengths` count the
+slots whose draft KV is known to belong to the committed text, plus the chain fed during the last propose. A
 propose writes the root and the first γ-1 chain tokens at slots seq_len-1..seq_len+γ-2; at commit
 the chain slots stay valid as far as the committed tokens agree with the chain (always the
 accepted drafts after a chain step; after a tree step the accepted path may leave the chain at
@@ -25,19 +25,19 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.models import target as target_lib
-from jaxspec.spec import sampling
-from jaxspec.spec.verify import leading_true_count
+from jaxspec.speculative import sampling
+from jaxspec.speculative.verify import leading_true_count
+from jaxspec.state import DecodingState
 
 
 @flax.struct.dataclass
 class DraftModelState:
   """cache.lengths[b]: leading slots of valid draft KV; chain: the tokens fed last propose."""
 
-  cache: KVCache
+  cache: DecodingState
   chain: jax.Array  # [B, γ] int32
 
 
@@ -76,22 +76,20 @@ class DraftModelDrafter(Drafter):
   def init_state(self, params: Any, batch: int, max_len: int) -> DraftModelState:
     del params
     return DraftModelState(
-      KVCache.for_model(self.config, batch, max_len), jnp.zeros((batch, self.gamma), jnp.int32)
+      DecodingState.create(self.config, batch, max_len), jnp.zeros((batch, self.gamma), jnp.int32)
     )
 
   def prefill(self, params: Any, state: DraftModelState, ctx: PrefillContext) -> DraftModelState:
     prompts = ctx.tokens[:, : ctx.hidden.shape[1]]
-    cache = state.cache
     out = target_lib.apply_decoder(
       self.config,
       params,
       prompts,
       jnp.zeros_like(ctx.prompt_lens),
-      cache.k,
-      cache.v,
+      state.cache,
       last_only=True,
     )
-    return state.replace(cache=KVCache(out.cache_k, out.cache_v, ctx.prompt_lens))
+    return state.replace(cache=out.state.with_lengths(ctx.prompt_lens))
 
   def propose(
     self, params: Any, state: DraftModelState, ctx: ProposeContext
@@ -107,8 +105,7 @@ class DraftModelDrafter(Drafter):
       params,
       pending,
       valid,
-      state.cache.k,
-      state.cache.v,
+      state.cache,
       logits_index=ctx.seq_len - 1 - valid,
     )
     first_logits = out.logits[:, 0]  # at the root
@@ -125,19 +122,17 @@ class DraftModelDrafter(Drafter):
     tok, q = draw(first_logits, keys[0])
 
     def step(carry, key):
-      cache_k, cache_v, prev, pos = carry
-      o = target_lib.apply_decoder(self.config, params, prev[:, None], pos, cache_k, cache_v)
+      cache, prev, pos = carry
+      o = target_lib.apply_decoder(self.config, params, prev[:, None], pos, cache)
       nxt, qn = draw(o.logits[:, 0], key)
-      return (o.cache_k, o.cache_v, nxt, pos + 1), (nxt, qn)
+      return (o.state, nxt, pos + 1), (nxt, qn)
 
-    (cache_k, cache_v, _, _), (toks, qs) = jax.lax.scan(
-      step, (out.cache_k, out.cache_v, tok, ctx.seq_len), keys[1:]
-    )
+    (cache, _, _), (toks, qs) = jax.lax.scan(step, (out.state, tok, ctx.seq_len), keys[1:])
     tokens = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
     dists = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     proposal = Proposal(tokens, logprobs=dists) if self.tree else Proposal(tokens, dists)
     # Valid now: everything up to the root; the chain slots are judged at commit.
-    return proposal, DraftModelState(KVCache(cache_k, cache_v, ctx.seq_len), tokens)
+    return proposal, DraftModelState(cache.with_lengths(ctx.seq_len), tokens)
 
   def commit(self, params: Any, state: DraftModelState, ctx: CommitContext) -> DraftModelState:
     del params
@@ -148,4 +143,4 @@ class DraftModelDrafter(Drafter):
     agree = leading_true_count(jnp.take_along_axis(ctx.tokens, slots, axis=1) == state.chain)
     fed = jnp.minimum(agree, self.gamma - 1)
     valid = jnp.minimum(ctx.old_seq_len + fed, ctx.seq_len - 1)
-    return state.replace(cache=state.cache.replace(lengths=valid))
+    return state.replace(cache=state.cache.with_lengths(valid))

@@ -39,21 +39,20 @@ from jaxspec.drafters.dflash import check_target, shared_target_params
 from jaxspec.drafters.mtp import tree_logprobs
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.hf import CheckpointError, read_config
+from jaxspec.models import attention as attention_lib
+from jaxspec.models.attention import NEG_INF
 from jaxspec.models.layers import (
   MLP,
-  NEG_INF,
   Dense,
   RMSNorm,
   apply_rope,
-  block_visibility,
   dtype_of,
-  gqa_attention,
   rope_tables,
   unfused_logits,
-  write_block,
 )
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.spec import sampling
+from jaxspec.speculative import sampling
+from jaxspec.state import FloatKV
 
 
 def default_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
@@ -201,23 +200,17 @@ class Eagle3Layer(nn.Module):
     self,
     emb: jax.Array,
     hidden: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    kv: Any,
     start: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
   ):
-    """A causal block: writes its K/V at slots start.. of the [1, B, S, K, D] cache."""
+    """A causal block: writes its K/V at slots start.. of the one-layer state entry `kv` (or
+    attends within the block when None) and reads the prefix chunk by chunk."""
     c = self.config
     q, k, v = self.self_attn.qkv(self.attn_input(emb, hidden), cos, sin)
-    layer = jnp.int32(0)
-    cache_k = write_block(cache_k, k, layer, start)
-    cache_v = write_block(cache_v, v, layer, start)
-    visible = block_visibility(start, q.shape[1], cache_k.shape[2], None)
-    out = gqa_attention(
-      q, cache_k[0].astype(q.dtype), cache_v[0].astype(q.dtype), visible, c.head_dim**-0.5
-    )
-    return self.finish(hidden, out), cache_k, cache_v
+    out, kv = attention_lib.attention(q, k, v, kv, jnp.int32(0), start, None, c.head_dim**-0.5)
+    return self.finish(hidden, out), kv
 
 
 class Eagle3Model(nn.Module):
@@ -269,15 +262,14 @@ class Eagle3Model(nn.Module):
     self,
     emb: jax.Array,
     hidden: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    kv: Any,
     start: jax.Array,
   ):
-    """A causal block of (emb, hidden) pairs at positions start.. → (h, logits, caches)."""
+    """A causal block of (emb, hidden) pairs at positions start.. → (h, logits, kv)."""
     t = emb.shape[1]
     cos, sin = self._rope(start[:, None] + jnp.arange(t, dtype=jnp.int32)[None])
-    h, cache_k, cache_v = self.midlayer(emb, hidden, cache_k, cache_v, start, cos, sin)
-    return h, self.logits(h), cache_k, cache_v
+    h, kv = self.midlayer(emb, hidden, kv, start, cos, sin)
+    return h, self.logits(h), kv
 
   def ttt(self, emb_steps: jax.Array, feats: jax.Array) -> tuple[jax.Array, ...]:
     """Training-time test: `steps` logits [B, S, V_d] of the chain unrolled over every position.
@@ -329,8 +321,7 @@ class Eagle3Model(nn.Module):
 
   def init_all(self, feats: jax.Array, emb: jax.Array):
     b = emb.shape[0]
-    cache = jnp.zeros((1, b, 1, self.config.num_kv_heads, self.config.head_dim), emb.dtype)
-    h, logits, _, _ = self(emb, self.fuse(feats), cache, cache, jnp.zeros((b,), jnp.int32))
+    h, logits, _ = self(emb, self.fuse(feats), None, jnp.zeros((b,), jnp.int32))
     if self.config.has_embedding:
       logits = logits + jnp.sum(self.embed) * 0
     return logits
@@ -404,8 +395,7 @@ def check_vocab_maps(
 
 @flax.struct.dataclass
 class Eagle3State:
-  cache_k: jax.Array  # [1, B, L, K, D]
-  cache_v: jax.Array
+  kv: FloatKV  # the draft layer's K/V, [1, B, L, K, D]
   last_feature: jax.Array  # [B, H] fused target feature at slot seq_len − 2
 
 
@@ -553,32 +543,27 @@ class Eagle3Drafter(Drafter):
     tokens: jax.Array,
     hidden: jax.Array,
     start: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    kv: FloatKV,
   ):
-    """Causal block of (token t_{i+1}, hidden f_i) at positions start.. → (h, logits, caches)."""
+    """Causal block of (token t_{i+1}, hidden f_i) at positions start.. → (h, logits, kv)."""
     return self._model().apply(
-      {"params": params["draft"]}, self._embed(params, tokens), hidden, cache_k, cache_v, start
+      {"params": params["draft"]}, self._embed(params, tokens), hidden, kv, start
     )
 
   def init_state(self, params: Any, batch: int, max_len: int) -> Eagle3State:
     del params
     c = self.config
-    shape = (1, batch, max_len, c.num_kv_heads, c.head_dim)
     dt = dtype_of(c.dtype)
-    return Eagle3State(
-      jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, c.hidden_size), dt)
-    )
+    kv = FloatKV.create(c.body(), 1, batch, max_len)
+    return Eagle3State(kv, jnp.zeros((batch, c.hidden_size), dt))
 
   def prefill(self, params: Any, state: Eagle3State, ctx: PrefillContext) -> Eagle3State:
     b, p = ctx.hidden.shape[:2]
     feats = self.fuse(params, ctx.taps)
     tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1 : p + 1]
-    _, _, ck, cv = self.forward(
-      params, tokens, feats, jnp.zeros((b,), jnp.int32), state.cache_k, state.cache_v
-    )
+    _, _, kv = self.forward(params, tokens, feats, jnp.zeros((b,), jnp.int32), state.kv)
     last = feats[jnp.arange(b), ctx.prompt_lens - 1].astype(state.last_feature.dtype)
-    return Eagle3State(ck, cv, last)
+    return Eagle3State(kv, last)
 
   def propose(
     self, params: Any, state: Eagle3State, ctx: ProposeContext
@@ -588,8 +573,8 @@ class Eagle3Drafter(Drafter):
     keys = jax.random.split(ctx.key, self.gamma)
 
     def step(carry, key):
-      ck, cv, tok, hidden, pos = carry
-      h, logits, ck, cv = self.forward(params, tok[:, None], hidden[:, None], pos, ck, cv)
+      kv, tok, hidden, pos = carry
+      h, logits, kv = self.forward(params, tok[:, None], hidden[:, None], pos, kv)
       logits = logits[:, 0]
       if self.sample_drafts:
         q = sampling.warped_probs(logits, ctx.sampling)
@@ -600,14 +585,14 @@ class Eagle3Drafter(Drafter):
       lp = self.to_target_vocab(params, tree_logprobs(logits, ctx.sampling), -jnp.inf)
       nxt = self.to_target_ids(params, draft_id).astype(jnp.int32)
       out = (nxt, lp) + ((q,) if q is not None else ())
-      return (ck, cv, nxt, h[:, 0].astype(hidden.dtype), pos + 1), out
+      return (kv, nxt, h[:, 0].astype(hidden.dtype), pos + 1), out
 
-    init = (state.cache_k, state.cache_v, root, state.last_feature, ctx.seq_len - 2)
-    (ck, cv, _, _, _), outs = jax.lax.scan(step, init, keys)
+    init = (state.kv, root, state.last_feature, ctx.seq_len - 2)
+    (kv, _, _, _), outs = jax.lax.scan(step, init, keys)
     tokens = jnp.moveaxis(outs[0], 0, 1)
     logprobs = jnp.moveaxis(outs[1], 0, 1)
     probs = jnp.moveaxis(outs[2], 0, 1) if self.sample_drafts else None
-    return Proposal(tokens, probs, logprobs), state.replace(cache_k=ck, cache_v=cv)
+    return Proposal(tokens, probs, logprobs), state.replace(kv=kv)
 
   def commit(self, params: Any, state: Eagle3State, ctx: CommitContext) -> Eagle3State:
     b, max_len = ctx.tokens.shape
@@ -616,13 +601,11 @@ class Eagle3Drafter(Drafter):
     feats = self.fuse(params, ctx.taps)  # [B, γ+1, H]
     idx = jnp.minimum(start[:, None] + 1 + jnp.arange(self.gamma)[None, :], max_len - 1)
     tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)
-    _, _, ck, cv = self.forward(
-      params, tokens, feats[:, : self.gamma], start, state.cache_k, state.cache_v
-    )
+    _, _, kv = self.forward(params, tokens, feats[:, : self.gamma], start, state.kv)
     count = ctx.seq_len - ctx.old_seq_len
     last = feats[rows, jnp.maximum(count - 1, 0)].astype(state.last_feature.dtype)
     last = jnp.where((count > 0)[:, None], last, state.last_feature)
-    return Eagle3State(ck, cv, last)
+    return Eagle3State(kv, last)
 
   # -- training form -------------------------------------------------------------------------------
 

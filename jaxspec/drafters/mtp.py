@@ -9,8 +9,8 @@ Drafting γ tokens chains the layer (DeepSeek-V3 / vLLM reuse of the single rele
 step 0 reads (h_{n-1}, root) at position n-1, where n = seq_len - 1 is the root's slot; step j
 reads the layer's own previous output hidden beside draft j at position n-1+j.
 
-State: the layer's KV cache [1, B, L, K, D] and the target hidden of the slot just before the
-root. Cache invariant between steps: entries at positions < n-1 hold (target hidden h_i, true
+State: the layer's decoding state (one segment of one layer; `lengths` = seq_len - 2, the exact
+entries) and the target hidden of the slot just before the root. Cache invariant between steps: entries at positions < n-1 hold (target hidden h_i, true
 token t_{i+1}); propose writes n-1 (exact) and scratch after it; commit rewrites the entries of
 the newly committed positions from the verify pass's hidden states.
 """
@@ -24,17 +24,16 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import KVCache
 from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.models import target as target_lib
-from jaxspec.spec import sampling
+from jaxspec.speculative import sampling
+from jaxspec.state import DecodingState
 
 
 @flax.struct.dataclass
 class MTPState:
-  cache_k: jax.Array  # [1, B, L, K, D] the MTP layer's own KV cache
-  cache_v: jax.Array
+  cache: DecodingState  # the MTP layer's own KV cache (one segment of one layer)
   last_hidden: jax.Array  # [B, H] target final-normed hidden at slot seq_len - 2
 
 
@@ -113,27 +112,23 @@ class MTPDrafter(Drafter):
   def for_tree(self) -> "MTPDrafter":
     return dataclasses.replace(self, sample_drafts=False)
 
-  def _mtp(self, params, tokens, hidden, start, cache_k, cache_v):
-    return target_lib.apply_mtp(
-      self.config, params, self.layer, tokens, hidden, start, cache_k, cache_v
-    )
+  def _mtp(self, params, tokens, hidden, start, cache):
+    return target_lib.apply_mtp(self.config, params, self.layer, tokens, hidden, start, cache)
 
   def init_state(self, params: Any, batch: int, max_len: int) -> MTPState:
     del params
-    cache = KVCache.for_model(self.config, batch, max_len, num_layers=1)
+    cache = DecodingState.create(self.config, batch, max_len, segment_layers=(1,))
     hidden = jnp.zeros((batch, self.config.hidden_size), jnp.dtype(self.config.dtype))
-    return MTPState(cache.k, cache.v, hidden)
+    return MTPState(cache, hidden)
 
   def prefill(self, params: Any, state: MTPState, ctx: PrefillContext) -> MTPState:
     b, p = ctx.hidden.shape[:2]
     rows = jnp.arange(b)
     # Entry i reads (h_i, t_{i+1}); t_P is the first sampled token (already in the buffer).
     tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1 : p + 1]
-    _, _, ck, cv = self._mtp(
-      params, tokens, ctx.hidden, jnp.zeros((b,), jnp.int32), state.cache_k, state.cache_v
-    )
+    _, _, cache = self._mtp(params, tokens, ctx.hidden, jnp.zeros((b,), jnp.int32), state.cache)
     last = ctx.hidden[rows, ctx.prompt_lens - 1]
-    return MTPState(ck, cv, last.astype(state.last_hidden.dtype))
+    return MTPState(cache.with_lengths(ctx.prompt_lens - 1), last.astype(state.last_hidden.dtype))
 
   def propose(self, params: Any, state: MTPState, ctx: ProposeContext) -> tuple[Proposal, MTPState]:
     rows = jnp.arange(ctx.tokens.shape[0])
@@ -141,19 +136,19 @@ class MTPDrafter(Drafter):
     keys = jax.random.split(ctx.key, self.gamma)
 
     def step(carry, key):
-      ck, cv, tok, hidden, pos = carry
-      logits, h_out, ck, cv = self._mtp(params, tok[:, None], hidden[:, None], pos, ck, cv)
+      cache, tok, hidden, pos = carry
+      logits, h_out, cache = self._mtp(params, tok[:, None], hidden[:, None], pos, cache)
       logits = logits[:, 0].astype(jnp.float32)
       nxt, q = draw(key, logits, ctx.sampling, self.sample_drafts)
       out = (nxt, tree_logprobs(logits, ctx.sampling)) + ((q,) if q is not None else ())
-      return (ck, cv, nxt, h_out[:, 0].astype(hidden.dtype), pos + 1), out
+      return (cache, nxt, h_out[:, 0].astype(hidden.dtype), pos + 1), out
 
-    init = (state.cache_k, state.cache_v, root, state.last_hidden, ctx.seq_len - 2)
-    (ck, cv, _, _, _), outs = jax.lax.scan(step, init, keys)
+    init = (state.cache, root, state.last_hidden, ctx.seq_len - 2)
+    (cache, _, _, _), outs = jax.lax.scan(step, init, keys)
     tokens = jnp.moveaxis(outs[0], 0, 1)
     logprobs = jnp.moveaxis(outs[1], 0, 1)
     probs = jnp.moveaxis(outs[2], 0, 1) if self.sample_drafts else None
-    return Proposal(tokens, probs, logprobs), state.replace(cache_k=ck, cache_v=cv)
+    return Proposal(tokens, probs, logprobs), state.replace(cache=cache)
 
   def commit(self, params: Any, state: MTPState, ctx: CommitContext) -> MTPState:
     b, max_len = ctx.tokens.shape
@@ -163,13 +158,11 @@ class MTPDrafter(Drafter):
     # first num_accepted are exact, the rest lie past the committed prefix and are rewritten.
     idx = jnp.minimum(start[:, None] + 1 + jnp.arange(self.gamma)[None, :], max_len - 1)
     tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)
-    _, _, ck, cv = self._mtp(
-      params, tokens, ctx.hidden[:, : self.gamma], start, state.cache_k, state.cache_v
-    )
+    _, _, cache = self._mtp(params, tokens, ctx.hidden[:, : self.gamma], start, state.cache)
     # The hidden just before the new root: block slot (new seq_len - old seq_len - 1), which is
     # num_accepted unless the budget or a stop cut the block; rows that committed nothing (done)
     # keep theirs.
     count = ctx.seq_len - ctx.old_seq_len
     last = ctx.hidden[rows, jnp.maximum(count - 1, 0)].astype(state.last_hidden.dtype)
     last = jnp.where((count > 0)[:, None], last, state.last_hidden)
-    return MTPState(ck, cv, last)
+    return MTPState(cache.with_lengths(ctx.seq_len - 2), last)

@@ -1,14 +1,15 @@
 """The decoder: embed → scanned layer stacks → final norm → LM head; plus MTP layers.
 
 One forward serves prefill, decode and verification: a block of T new tokens per sequence is
-written into the KV cache at per-sequence slots `start[b]`, each token attends to the committed
-prefix (slots < start) and, inside the block, to what `block_mask` allows (causal by default; an
-ancestor mask for tree verification). RoPE positions default to start + t but can be given
-explicitly (tree nodes sit at start + depth).
+written into the decoding state (jaxspec/state.py) at per-sequence slots `start[b]`, each token
+attends to the committed prefix (slots < start) and, inside the block, to what `block_mask`
+allows (causal by default; an ancestor mask for tree verification). RoPE positions default to
+start + t but can be given explicitly (tree nodes sit at start + depth). Without a state
+(training, full-sequence logits) the block attends to itself only.
 
 Layers are stacked with `nn.scan`, one scan per maximal run of same-kind layers (a dense first
-layer and MoE layers after it make two runs), so compile time does not grow with depth. The KV
-cache is carried through the scans whole and updated in place at the block's slots.
+layer and MoE layers after it make two runs), so compile time does not grow with depth. Each
+run carries its own state entry whole and updates it in place at the block's slots.
 """
 
 from __future__ import annotations
@@ -31,21 +32,21 @@ from jaxspec.models.layers import (
   unfused_logits,
 )
 from jaxspec.models.moe import MoE
+from jaxspec.state import DecodingState
 
 
 class DecoderOutput(NamedTuple):
   """What a forward returns.
 
   logits: [B, T, V] float32 (or [B, 1, V] with `last_only` or `logits_index`).
-  cache_k, cache_v: the updated caches [L, B, S, K, D].
+  state: the decoding state with the block written (lengths unchanged), or None.
   taps: [n_taps, B, T, H] outputs of the tapped layers (HF hidden_states[i + 1]), or None.
   hidden: [B, T, H] final-normed output of the last layer (the LM head's input; what HF
     reports as hidden_states[-1] and what MTP layers consume).
   """
 
   logits: jax.Array
-  cache_k: jax.Array
-  cache_v: jax.Array
+  state: DecodingState | None
   taps: jax.Array | None
   hidden: jax.Array
 
@@ -65,17 +66,17 @@ class DecoderLayer(nn.Module):
     start: jax.Array,
     block_mask: jax.Array | None,
   ):
-    h, cache_k, cache_v, layer = carry
+    h, kv, layer = carry
     c = self.config
     norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, name=name)
-    attn_out, cache_k, cache_v = Attention(c, name="self_attn")(
-      norm("input_layernorm")(h), cache_k, cache_v, layer, start, cos, sin, block_mask
+    attn_out, kv = Attention(c, name="self_attn")(
+      norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask
     )
     h = h + attn_out
     x = norm("post_attention_layernorm")(h)
     ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
     h = h + ffn(x)
-    return (h, cache_k, cache_v, layer + 1), h
+    return (h, kv, layer + 1), h
 
 
 def _stack(config: ModelConfig, moe: bool, length: int, name: str) -> nn.Module:
@@ -113,18 +114,15 @@ class MTPLayer(nn.Module):
     self,
     emb: jax.Array,
     prev_hidden: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    kv: Any,
     cos: jax.Array,
     sin: jax.Array,
     start: jax.Array,
     block_mask: jax.Array | None,
   ):
     x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(prev_hidden)], axis=-1))
-    (h, cache_k, cache_v, _), _ = self.block(
-      (x, cache_k, cache_v, jnp.int32(0)), cos, sin, start, block_mask
-    )
-    return h, self.post_norm(h), cache_k, cache_v
+    (h, kv, _), _ = self.block((x, kv, jnp.int32(0)), cos, sin, start, block_mask)
+    return h, self.post_norm(h), kv
 
 
 class Decoder(nn.Module):
@@ -176,9 +174,8 @@ class Decoder(nn.Module):
   def __call__(
     self,
     tokens: jax.Array,
-    start: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    start: jax.Array | None = None,
+    state: DecodingState | None = None,
     positions: jax.Array | None = None,
     block_mask: jax.Array | None = None,
     taps: tuple[int, ...] = (),
@@ -191,17 +188,21 @@ class Decoder(nn.Module):
     per-sequence index `logits_index` [B] (e.g. each padded prompt's last token): the LM head
     is the largest matmul of a small model, so prefill should not pay it for every position.
     """
-    t = tokens.shape[1]
+    b, t = tokens.shape
+    if start is None:
+      start = jnp.zeros((b,), jnp.int32)
     if positions is None:
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cos, sin = self._rope(positions)
     h = self.embed_tokens(tokens)
-    carry = (h, cache_k, cache_v, jnp.int32(0))
-    per_layer = []
-    for stack in self.stacks:
-      carry, hs = stack(carry, cos, sin, start, block_mask)
+    per_layer, entries = [], []
+    for i, stack in enumerate(self.stacks):
+      kv = None if state is None else state.segments[i]
+      (h, kv, _), hs = stack((h, kv, jnp.int32(0)), cos, sin, start, block_mask)
       per_layer.append(hs)
-    h, cache_k, cache_v, _ = carry
+      entries.append(kv)
+    if state is not None:
+      state = state.replace(segments=tuple(entries))
     tapped = None
     if taps:
       all_h = jnp.concatenate(per_layer, axis=0) if len(per_layer) > 1 else per_layer[0]
@@ -212,38 +213,41 @@ class Decoder(nn.Module):
     else:
       picked = normed[:, -1:] if last_only else normed
     logits = self.head(picked)
-    return DecoderOutput(logits, cache_k, cache_v, tapped, normed)
+    return DecoderOutput(logits, state, tapped, normed)
 
   def mtp_forward(
     self,
     k: int,
     tokens: jax.Array,
     prev_hidden: jax.Array,
-    start: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    start: jax.Array | None = None,
+    state: DecodingState | None = None,
     positions: jax.Array | None = None,
     block_mask: jax.Array | None = None,
   ):
-    """MTP layer k over a block: returns (logits, hidden for the next depth, cache_k, cache_v).
+    """MTP layer k over a block: returns (logits, hidden for the next depth, state).
 
     `tokens` are the tokens one step ahead of `prev_hidden` (token i+1 beside hidden i); the
-    layer's own KV cache is [1, B, S, K, D].
+    layer's own state has one segment of one layer (`DecodingState.create(...,
+    segment_layers=(1,))`), or None for a cache-free forward (training).
     """
-    t = tokens.shape[1]
+    b, t = tokens.shape
+    if start is None:
+      start = jnp.zeros((b,), jnp.int32)
     if positions is None:
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cos, sin = self._rope(positions)
-    h, normed, cache_k, cache_v = self.mtp[k](
-      self.embed_tokens(tokens), prev_hidden, cache_k, cache_v, cos, sin, start, block_mask
+    kv = None if state is None else state.segments[0]
+    h, normed, kv = self.mtp[k](
+      self.embed_tokens(tokens), prev_hidden, kv, cos, sin, start, block_mask
     )
-    return self.head(normed), h, cache_k, cache_v
+    if state is not None:
+      state = state.replace(segments=(kv,))
+    return self.head(normed), h, state
 
-  def init_all(
-    self, tokens: jax.Array, start: jax.Array, cache_k: jax.Array, cache_v: jax.Array
-  ) -> Any:
+  def init_all(self, tokens: jax.Array) -> Any:
     """Touches every parameter (main stack and MTP layers) so that `init` creates them all."""
-    out = self(tokens, start, cache_k, cache_v)
+    out = self(tokens)
     for k in range(self.config.num_mtp_layers):
-      self.mtp_forward(k, tokens, out.hidden, start, cache_k[:1], cache_v[:1])
+      self.mtp_forward(k, tokens, out.hidden)
     return out.logits

@@ -1,4 +1,4 @@
-"""Transformer building blocks: RMSNorm, RoPE, dense projections, GQA attention, SwiGLU MLP.
+"""Transformer building blocks: RMSNorm, RoPE, dense projections, the attention block, SwiGLU MLP.
 
 Every parameter carries logical axis names (see jaxspec/sharding.py); no module names a mesh axis.
 Norms, softmax and RoPE are computed in float32 whatever the activation dtype.
@@ -6,15 +6,14 @@ Norms, softmax and RoPE are computed in float32 whatever the activation dtype.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
-
-NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
+from jaxspec.models import attention as attention_lib
 
 
 @jax.custom_jvp
@@ -136,62 +135,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------------------
 
 
-def block_visibility(
-  start: jax.Array, block_len: int, cache_len: int, block_mask: jax.Array | None
-) -> jax.Array:
-  """Which cache slots each block query may read: bool [B, T, S].
-
-  A query of the block written at slots start..start+T-1 sees every slot before `start` (the
-  committed prefix) and, inside the block, slot start+j iff block_mask[t, j] (causal when None).
-  block_mask may be [T, T] or per-sequence [B, T, T].
-  """
-  rel = jnp.arange(cache_len)[None, :] - start[:, None]  # [B, S]
-  prefix = rel < 0
-  in_block = (rel >= 0) & (rel < block_len)
-  t = jnp.arange(block_len)
-  if block_mask is None:
-    inside = rel[:, None, :] <= t[None, :, None]
-  else:
-    if block_mask.ndim == 2:
-      block_mask = jnp.broadcast_to(block_mask, (start.shape[0], block_len, block_len))
-    idx = jnp.clip(rel, 0, block_len - 1)[:, None, :]
-    inside = jnp.take_along_axis(
-      block_mask, jnp.broadcast_to(idx, (start.shape[0], block_len, cache_len)), axis=2
-    )
-  return prefix[:, None, :] | (in_block[:, None, :] & inside)
-
-
-def gqa_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float
-) -> jax.Array:
-  """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], visible [B,T,S] → [B,T,H,D]."""
-  b, t, h, d = q.shape
-  kv_heads = k.shape[2]
-  qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(visible[:, None, None, :, :], scores, NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum(
-    "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-  )
-  return out.reshape(b, t, h, d).astype(q.dtype)
-
-
-def write_block(
-  cache: jax.Array, block: jax.Array, layer: jax.Array, start: jax.Array
-) -> jax.Array:
-  """Writes block [B,T,K,D] into cache [L,B,S,K,D] at layer `layer`, slots start[b]..+T-1.
-
-  Slots past the end of the cache are dropped (callers check lengths before they get here).
-  """
-  b, t = block.shape[:2]
-  rows = jnp.arange(b)[:, None]
-  slots = start[:, None] + jnp.arange(t)[None, :]
-  return cache.at[layer, rows, slots].set(block.astype(cache.dtype), mode="drop")
-
-
 class Attention(nn.Module):
-  """GQA self-attention over [committed prefix in the KV cache; the new block]."""
+  """GQA self-attention of a block over [committed prefix in the decoding state; the block].
+
+  `kv` is this layer segment's state entry (jaxspec/state.py) or None (no cache: the block
+  attends to itself only); `layer` indexes the segment's stacked layers. Returns (out, kv).
+  """
 
   config: ModelConfig
 
@@ -199,14 +148,13 @@ class Attention(nn.Module):
   def __call__(
     self,
     x: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    kv: Any,
     layer: jax.Array,
     start: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
     block_mask: jax.Array | None,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  ) -> tuple[jax.Array, Any]:
     c = self.config
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
     q = Dense(
@@ -235,15 +183,17 @@ class Attention(nn.Module):
       k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm")(k)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
-
-    # Write the block's K/V at its slots (an in-place scatter into the stacked cache), then
-    # attend over the whole layer cache.
-    cache_k = write_block(cache_k, k, layer, start)
-    cache_v = write_block(cache_v, v, layer, start)
-    layer_k, layer_v = cache_k[layer], cache_v[layer]
-    visible = block_visibility(start, x.shape[1], cache_k.shape[2], block_mask)
-    out = gqa_attention(
-      q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), visible, c.head_dim**-0.5
+    out, kv = attention_lib.attention(
+      q,
+      k,
+      v,
+      kv,
+      layer,
+      start,
+      block_mask,
+      c.head_dim**-0.5,
+      c.attention_impl,
+      c.attention_chunk,
     )
     out = Dense(
       (c.hidden_size,),
@@ -253,7 +203,7 @@ class Attention(nn.Module):
       in_dims=2,
       **dense,
     )(out)
-    return out, cache_k, cache_v
+    return out, kv
 
 
 class MLP(nn.Module):

@@ -1,6 +1,6 @@
 """`TargetModel`: a config, its parameters and (optionally) a tokenizer, with jitted forwards.
 
-The forward is a pure function of (params, tokens, start, cache); `TargetModel` only bundles what
+The forward is a pure function of (params, tokens, start, decoding state); `TargetModel` only bundles what
 belongs together so that notebooks can write `model.logits(ids)` and launch scripts can pass
 `model.params` and `model.config` into jitted engines.
 """
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import CACHE_AXES, KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.models.decoder import Decoder, DecoderOutput
+from jaxspec.state import DecodingState
 
 
 class InputError(ValueError):
@@ -26,24 +26,43 @@ class InputError(ValueError):
 
 
 @functools.partial(
-  jax.jit, static_argnames=("config", "taps", "last_only"), donate_argnames=("cache_k", "cache_v")
+  jax.jit, static_argnames=("config", "taps", "last_only"), donate_argnames=("state",)
 )
-def forward(
+def _forward(
   config: ModelConfig,
   params: Any,
   tokens: jax.Array,
-  start: jax.Array,
-  cache_k: jax.Array,
-  cache_v: jax.Array,
+  start: jax.Array | None = None,
+  state: DecodingState | None = None,
   positions: jax.Array | None = None,
   block_mask: jax.Array | None = None,
   taps: tuple[int, ...] = (),
   last_only: bool = False,
 ) -> DecoderOutput:
-  """One block forward (prefill, decode or verify) with the caches donated."""
   return Decoder(config).apply(
-    {"params": params}, tokens, start, cache_k, cache_v, positions, block_mask, taps, last_only
+    {"params": params}, tokens, start, state, positions, block_mask, taps, last_only
   )
+
+
+def forward(
+  config: ModelConfig,
+  params: Any,
+  tokens: jax.Array,
+  start: jax.Array | None = None,
+  state: DecodingState | None = None,
+  positions: jax.Array | None = None,
+  block_mask: jax.Array | None = None,
+  taps: tuple[int, ...] = (),
+  last_only: bool = False,
+) -> DecoderOutput:
+  """One jitted block forward (prefill, decode or verify) with the decoding state donated.
+
+  `start` may be the state's own `lengths` (the usual decode call): it is copied first, since
+  a donated buffer cannot also be passed as another argument.
+  """
+  if state is not None and start is not None and start is state.lengths:
+    start = jnp.copy(start)
+  return _forward(config, params, tokens, start, state, positions, block_mask, taps, last_only)
 
 
 def apply_decoder(config: ModelConfig, params: Any, *args, **kwargs) -> DecoderOutput:
@@ -56,18 +75,11 @@ def apply_mtp(config: ModelConfig, params: Any, *args, **kwargs):
   return Decoder(config).apply({"params": params}, *args, method=Decoder.mtp_forward, **kwargs)
 
 
-def _init_args(config: ModelConfig):
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  start = jnp.zeros((1,), jnp.int32)
-  cache = KVCache.for_model(config, 1, 1)
-  return tokens, start, cache.k, cache.v
-
-
 @functools.lru_cache(maxsize=64)
 def _init_fn(config: ModelConfig):
   """A jitted initialiser per config (cached: re-tracing a model costs seconds on CPU)."""
   return jax.jit(
-    lambda key: Decoder(config).init(key, *_init_args(config), method=Decoder.init_all)
+    lambda key: Decoder(config).init(key, jnp.zeros((1, 1), jnp.int32), method=Decoder.init_all)
   )
 
 
@@ -112,8 +124,9 @@ class TargetModel:
     """Same weights under a changed config (e.g. moe_backend='dense', dtype='bfloat16')."""
     return dataclasses.replace(self, config=self.config.replace(**changes))
 
-  def init_cache(self, batch: int, max_len: int) -> KVCache:
-    return KVCache.for_model(self.config, batch, max_len)
+  def init_state(self, batch: int, max_len: int, kv_format: str = "float") -> DecodingState:
+    """A zero decoding state for `batch` sequences of up to `max_len` tokens."""
+    return DecodingState.create(self.config, batch, max_len, kv_format)
 
   def check_tokens(self, tokens: Any) -> np.ndarray:
     """Validates token ids: integer, 2-D, inside the vocabulary."""
@@ -134,11 +147,4 @@ class TargetModel:
   def logits(self, token_ids: Any) -> jax.Array:
     """A full causal forward: [B, T] int → [B, T, V] float32 logits (for parity checks)."""
     tokens = jnp.asarray(self.check_tokens(token_ids))
-    b, t = tokens.shape
-    cache = self.init_cache(b, t)
-    return forward(
-      self.config, self.params, tokens, jnp.zeros((b,), jnp.int32), cache.k, cache.v
-    ).logits
-
-  def cache_axes(self) -> tuple[str, ...]:
-    return CACHE_AXES
+    return forward(self.config, self.params, tokens).logits

@@ -24,13 +24,11 @@ import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from jaxspec.cache import KVCache
 from jaxspec.models.target import TargetModel
-from jaxspec.spec import decode, sampling
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.train import data as data_lib
 
 _FILES = ("tokens", "lengths", "prompt_lens", "temperature")
@@ -127,31 +125,31 @@ def generate(
   plens = np.array([len(x) for x in prompt_ids], np.int32)
   if np.any(plens < 1):
     raise ValueError("every prompt needs at least one token")
-  sp = sampling.make_sampling_params(bsz, temperature=temperature)
-  stops = jnp.asarray(np.asarray(list(stop_ids) or [-1], np.int32))
-  key = jax.random.PRNGKey(seed)
+  # Plain decoding is the engine without a drafter; one more slot than the rows hold because
+  # the engine keeps room for the token after the last one it commits.
+  engine = SpecEngine(
+    target,
+    None,
+    EngineConfig(
+      max_len=seq + 1,
+      batch_size=bsz,
+      min_prompt_bucket=p,
+      stop_ids=tuple(stop_ids),
+      use_eos=False,
+    ),
+  )
   for lo in range(0, n, bsz):
     idx = np.arange(lo, lo + bsz) % n
-    batch = np.zeros((bsz, p), np.int32)
-    for r, i in enumerate(idx):
-      batch[r, : plens[i]] = prompt_ids[i]
-    cache = KVCache.for_model(target.config, bsz, seq)
-    key, sub = jax.random.split(key)
-    out = decode.generate_plain(
-      target.config,
-      target.params,
-      jnp.asarray(batch),
-      jnp.asarray(plens[idx]),
-      cache,
-      cfg.new_tokens,
-      sp,
-      sub,
-      stops,
+    out = engine.generate(
+      [prompt_ids[i] for i in idx],
+      max_new_tokens=cfg.new_tokens,
+      temperature=temperature,
+      seed=seed * 100_003 + lo,
     )
-    got, lens = jax.device_get((out.tokens, out.lengths))
-    keep = min(bsz, n - lo)
-    tokens[lo : lo + keep] = got[:keep]
-    lengths[lo : lo + keep] = lens[:keep]
+    for r in range(min(bsz, n - lo)):
+      row = list(prompt_ids[idx[r]]) + out.tokens[r]
+      tokens[lo + r, : len(row)] = row
+      lengths[lo + r] = len(row)
   return tokens, lengths, plens
 
 

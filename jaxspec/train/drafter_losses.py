@@ -246,9 +246,8 @@ def mtp_loss(
     if n < 1:
       raise ValueError(f"sequences of {s} tokens are too short for MTP depth {k}")
     layer = k if reuse_layer is None else reuse_layer
-    cache = jnp.zeros((1, b, n, config.num_kv_heads, config.head_dim), jnp.dtype(config.dtype))
-    logits, h, _, _ = target_lib.apply_mtp(
-      config, params, layer, tokens[:, k + 1 : k + 1 + n], h[:, :n], start, cache, cache
+    logits, h, _ = target_lib.apply_mtp(
+      config, params, layer, tokens[:, k + 1 : k + 1 + n], h[:, :n], start
     )
     ce = _token_ce(logits, tokens[:, k + 2 : k + 2 + n])
     if loss_mask is None:

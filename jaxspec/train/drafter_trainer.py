@@ -25,7 +25,6 @@ import numpy as np
 import optax
 from absl import logging
 
-from jaxspec.cache import KVCache
 from jaxspec.drafters.base import Drafter
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.eagle3 import Eagle3Drafter
@@ -130,15 +129,10 @@ def target_features(
   target_config: Any, target_params: Any, tokens: jax.Array, taps: tuple[int, ...], logits: bool
 ) -> tuple[jax.Array, jax.Array | None]:
   """The frozen target over full sequences: (taps [n, B, S, H], logits [B, S, V] or None)."""
-  b, s = tokens.shape
-  cache = KVCache.for_model(target_config, b, s)
   out = target_lib.apply_decoder(
     target_config,
     target_params,
     tokens,
-    jnp.zeros((b,), jnp.int32),
-    cache.k,
-    cache.v,
     taps=taps,
     last_only=not logits,
   )

@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.models.decoder import Decoder
 
@@ -72,10 +71,7 @@ def lm_losses(
   inputs, targets = batch[:, :-1], batch[:, 1:]
   model = Decoder(config)
   start = jnp.zeros((b,), jnp.int32)
-  cache = KVCache.for_model(config, b, t)
-  out, state = model.apply(
-    {"params": params}, inputs, start, cache.k, cache.v, mutable=["intermediates"]
-  )
+  out, state = model.apply({"params": params}, inputs, start, mutable=["intermediates"])
   lm_loss = cross_entropy(out.logits, targets)
   metrics: dict[str, Any] = {"lm_loss": lm_loss}
   total = lm_loss
@@ -87,15 +83,12 @@ def lm_losses(
     # Depth k: hidden h_i (of the main model, or of MTP depth k-1) beside token t_{i+1+k},
     # predicting t_{i+2+k}; the window shrinks by one per depth.
     n = t - 1 - k
-    mtp_cache = KVCache.for_model(config, b, n, num_layers=1)
-    (logits, h_next, _, _), mstate = model.apply(
+    (logits, h_next, _), mstate = model.apply(
       {"params": params},
       k,
       batch[:, k + 1 : k + 1 + n],
       hidden[:, :n],
       start,
-      mtp_cache.k,
-      mtp_cache.v,
       method=Decoder.mtp_forward,
       mutable=["intermediates"],
     )

@@ -12,42 +12,14 @@ See docs/verification.md for why the rule is lossless and how it is tested.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.spec import sampling
-from jaxspec.spec.sampling import SamplingParams
-
-# Deliberately broken acceptance rules, used only by the statistical tests to show
-# that they detect real bugs. Each is a mistake an implementation could plausibly make:
-#   "unnormalized_cdf":    the correction is drawn by inverse CDF over the residual
-#                          max(0, p - q) without dividing by its sum; when the uniform
-#                          draw exceeds the residual's mass no index satisfies
-#                          ``cdf > u`` and ``argmax`` of an all-False row returns 0,
-#                          so the missing mass lands on token 0.
-#   "unnormalized_mixture": instead of renormalising the residual, its missing mass
-#                          1 - sum(residual) is topped up with p (a mis-remembered
-#                          "fall back to p" rule): dist = res + (1 - sum(res)) * p.
-#   "correction_from_p":   the token after a rejection is drawn from p, not from the
-#                          residual (over-represents tokens the draft already favours).
-#   "accept_always":       every token the drafter proposed (q(x) > 0) is accepted,
-#                          with no ratio test at all; the output follows q.
-#   "accept_p":            x is accepted with probability p(x) instead of
-#                          min(1, p(x) / q(x)) (the ratio's denominator is forgotten).
-#   "bonus_off_by_one":    when all γ drafts are accepted the bonus is drawn from
-#                          p[γ-1] instead of p[γ] (an indexing slip that only affects
-#                          later tokens, so only a multi-token test can catch it).
-VARIANTS = (
-  "exact",
-  "unnormalized_cdf",
-  "unnormalized_mixture",
-  "correction_from_p",
-  "accept_always",
-  "accept_p",
-  "bonus_off_by_one",
-)
+from jaxspec.speculative import sampling
+from jaxspec.speculative.sampling import SamplingParams
 
 
 def leading_true_count(mask: jax.Array) -> jax.Array:
@@ -84,46 +56,44 @@ def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
   return jnp.maximum(p.astype(jnp.float32) - q.astype(jnp.float32), 0.0)
 
 
-def _accept_mask(u: jax.Array, px: jax.Array, qx: jax.Array, variant: str) -> jax.Array:
-  """[B, γ] bool: whether each draft passes its own acceptance test."""
-  if variant == "accept_always":
-    return qx > 0  # "the drafter proposed it"
-  if variant == "accept_p":
-    return u < px
-  # Exact: accept with probability min(1, p/q), i.e. u < p/q, written without a
-  # division so that q(x) = 0 (ratio = inf) accepts whenever p(x) > 0.
-  return u * qx < px
+@dataclasses.dataclass(frozen=True)
+class ChainRule:
+  """The three decisions of sampled chain verification, as overridable methods.
 
-
-def _correction(key: jax.Array, p_n: jax.Array, q_n: jax.Array, variant: str) -> jax.Array:
-  """[B] int32: the token emitted after the accepted prefix (correction or bonus).
-
-  ``q_n`` is zero at the bonus position, so the residual there is ``p`` itself.
+  This class is the exact rule. The statistical tests subclass it with plausible mistakes
+  (tests/broken_rules.py) to show that their goodness-of-fit checks catch each one.
   """
-  if variant == "correction_from_p":
-    return sampling.sample_from_probs(key, p_n)
-  res = residual_probs(p_n, q_n)
-  mass = jnp.sum(res, axis=-1, keepdims=True)
-  if variant == "unnormalized_cdf":
-    u = jax.random.uniform(key, mass.shape, dtype=jnp.float32)
-    return sampling.argmax(jnp.cumsum(res, axis=-1) > u)
-  if variant == "unnormalized_mixture":
-    return sampling.sample_from_probs(key, res + (1.0 - mass) * p_n)
-  # Exact: normalise(residual); if it has no mass (p == q there) fall back to p.
-  return sampling.sample_from_probs(key, jnp.where(mass > 0, res, p_n))
+
+  def accept(self, u: jax.Array, px: jax.Array, qx: jax.Array) -> jax.Array:
+    """[B, γ] bool: draft x passes with probability min(1, p(x) / q(x)), written without a
+    division so that q(x) = 0 (ratio = inf) accepts whenever p(x) > 0."""
+    return u * qx < px
+
+  def target_row(self, num_accepted: jax.Array, gamma: int) -> jax.Array:
+    """[B] index of the target distribution the next token is drawn from (γ = the bonus)."""
+    del gamma
+    return num_accepted
+
+  def correction(self, key: jax.Array, p_n: jax.Array, q_n: jax.Array) -> jax.Array:
+    """[B] the token after the accepted prefix: from normalise(max(0, p − q)), or from p when
+    that residual has no mass (p == q there). q_n is zero at the bonus position."""
+    res = residual_probs(p_n, q_n)
+    mass = jnp.sum(res, axis=-1, keepdims=True)
+    return sampling.sample_from_probs(key, jnp.where(mass > 0, res, p_n))
 
 
-def _verify_chain(
+EXACT = ChainRule()
+
+
+def verify_chain_sampled(
   key: jax.Array,
   draft_tokens: jax.Array,
   draft_probs: Optional[jax.Array],
   target_logits: jax.Array,
   params: SamplingParams,
-  _variant: str = "exact",
+  rule: ChainRule = EXACT,
 ) -> Tuple[jax.Array, jax.Array]:
-  """`verify_chain` with a selectable (possibly deliberately broken) rule; tests only."""
-  if _variant not in VARIANTS:
-    raise ValueError(f"unknown verification variant {_variant!r}; expected one of {VARIANTS}")
+  """Speculative-sampling verification under `rule` (see `verify_chain`)."""
   batch, gamma = draft_tokens.shape
   vocab = target_logits.shape[-1]
   if target_logits.shape[:2] != (batch, gamma + 1):
@@ -145,14 +115,13 @@ def _verify_chain(
   px = jnp.take_along_axis(p[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]
   qx = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
   u = jax.random.uniform(key_accept, (batch, gamma), dtype=jnp.float32)
-  num_accepted = leading_true_count(_accept_mask(u, px, qx, _variant))
+  num_accepted = leading_true_count(rule.accept(u, px, qx))
 
   rows = jnp.arange(batch)
-  p_index = jnp.minimum(num_accepted, gamma - 1) if _variant == "bonus_off_by_one" else num_accepted
-  p_n = p[rows, p_index]
+  p_n = p[rows, rule.target_row(num_accepted, gamma)]
   q_pad = jnp.concatenate([q, jnp.zeros((batch, 1, vocab), jnp.float32)], axis=1)
   q_n = q_pad[rows, num_accepted]
-  next_token = _correction(key_correct, p_n, q_n, _variant)
+  next_token = rule.correction(key_correct, p_n, q_n)
 
   # Temperature-0 rows: the rule above already reduces to greedy (p is one-hot), but
   # select the greedy result explicitly so that it holds bit-for-bit whatever q is.
@@ -197,5 +166,5 @@ def verify_chain(
   return jax.lax.cond(
     jnp.all(sampling.is_greedy(params)),
     lambda: verify_chain_greedy(draft_tokens, target_logits),
-    lambda: _verify_chain(key, draft_tokens, draft_probs, target_logits, params),
+    lambda: verify_chain_sampled(key, draft_tokens, draft_probs, target_logits, params),
   )

@@ -1,16 +1,16 @@
 """The speculative engine: one compiled draft → verify → accept → commit step, looped on device.
 
-`SpecState` holds everything a generation needs (token buffer, lengths, target KV cache, the
-drafter's state, rng key, stop flags, statistics) as one pytree. `step` is a pure function of
+`SpecState` holds everything a generation needs (token buffer, lengths, the target's decoding
+state (jaxspec/state.py), the drafter's state, rng key, stop flags, statistics) as one pytree. `step` is a pure function of
 it; `generate` runs `prefill` then a `lax.while_loop` of `step` until every sequence has hit its
 `max_new_tokens` or a stop token, with no host round trip. Shapes are static per engine (batch
 and max_len are fixed at construction, prompts are padded to power-of-two buckets), sampling
 parameters and budgets are arrays: twenty calls with different prompts, lengths and
 temperatures compile each function once.
 
-With `EngineConfig(verify="tree")` the step is `tree_step` (DDTree: a best-first draft tree from
+With `EngineConfig(verify="tree")` the same step verifies a DDTree (a best-first draft tree from
 the drafter's per-position distributions, verified in one target pass under an ancestor mask,
-the accepted path gathered into place in the KV cache; see docs/tree.md).
+the accepted path committed into place in the decoding state; see docs/tree.md).
 
 With `drafter=None` the same engine is plain decoding (one token per target pass): the baseline
 every speedup is measured against.
@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, ProposeContext
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.spec import decode, metrics, sampling, tree as tree_lib, tree_verify, verify
+from jaxspec.state import KV_FORMATS, DecodingState
+from jaxspec.speculative import decode, metrics, sampling, tree as tree_lib, tree_verify, verify
 
 MAX_STOP_IDS = 8
 
@@ -52,7 +52,8 @@ class EngineConfig:
   min_prompt_bucket: smallest prompt padding bucket (buckets are powers of two above it).
   stop_ids: extra stop token ids (the model's eos ids are added unless use_eos is False).
   stream_every: steps per host round trip in `stream`.
-  block_size: block drafters' block length (DFlash).
+  kv_format: how the target's KV cache is stored: "float" (the activation dtype) or "fp8"
+    (E4M3 with a float32 scale per token and KV head; see jaxspec/state.py).
   tree_budget: draft nodes per tree, the root excluded (the target verifies budget + 1 tokens).
   tree_topk: tokens kept per draft position when building the tree; 0 = min(budget, 8).
   tree_chain_seed: insert the drafter's full top-1 chain before best-first expansion.
@@ -68,7 +69,7 @@ class EngineConfig:
   stop_ids: tuple[int, ...] = ()
   use_eos: bool = True
   stream_every: int = 4
-  block_size: int = 16
+  kv_format: str = "float"
   # Measured fastest on the bundled target + DFlash drafter on CPU (sweep 4..64 in
   # docs/benchmarks.md); accelerators, where a wider verify costs about as much as a narrow
   # one, favour larger budgets (DDTree uses 22 and more).
@@ -82,6 +83,8 @@ class EngineConfig:
       raise ValueError(f"verify={self.verify!r} is not supported (use 'chain' or 'tree')")
     if self.max_len < 2 or self.batch_size < 1:
       raise ValueError("max_len must be ≥ 2 and batch_size ≥ 1")
+    if self.kv_format not in KV_FORMATS:
+      raise ValueError(f"kv_format={self.kv_format!r}; expected one of {tuple(KV_FORMATS)}")
     if self.verify == "tree":
       if self.tree_budget < 1:
         raise ValueError(f"tree_budget must be ≥ 1 draft node, got {self.tree_budget}")
@@ -115,7 +118,7 @@ class SpecState:
   seq_len: jax.Array  # [B]
   prompt_len: jax.Array  # [B]
   max_new: jax.Array  # [B] generation budget per sequence
-  cache: KVCache  # target KV for tokens[:, :seq_len-1]
+  target_state: DecodingState  # the target's decoding state for tokens[:, :seq_len-1]
   drafter_state: Any
   key: jax.Array
   done: jax.Array  # [B] bool
@@ -136,7 +139,7 @@ class GenerateOutput(NamedTuple):
 
 @dataclasses.dataclass
 class GenerationStats:
-  """Host-side summary of one generate call (see spec.metrics.summarize for the fields)."""
+  """Host-side summary of one generate call (see speculative.metrics.summarize for the fields)."""
 
   acceptance_length: float
   acceptance_rate_per_position: list[float]
@@ -170,12 +173,18 @@ def prefill(
   key: jax.Array,
   stop_ids: jax.Array,
   max_len: int,
+  kv_format: str = "float",
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step."""
   batch, bucket = prompts.shape
   taps = drafter.taps if drafter is not None else ()
-  last_logits, cache, prompt_taps, prompt_hidden = decode.prefill(
-    config, target_params, prompts, prompt_len, KVCache.for_model(config, batch, max_len), taps
+  last_logits, target_state, prompt_taps, prompt_hidden = decode.prefill(
+    config,
+    target_params,
+    prompts,
+    prompt_len,
+    DecodingState.create(config, batch, max_len, kv_format),
+    taps,
   )
   key, sub = jax.random.split(key)
   first = sampling.sample(sub, last_logits, params)
@@ -195,7 +204,7 @@ def prefill(
     seq_len=prompt_len + 1,
     prompt_len=prompt_len,
     max_new=max_new,
-    cache=cache,
+    target_state=target_state,
     drafter_state=drafter_state,
     key=key,
     done=done,
@@ -234,145 +243,108 @@ def _commit_tokens(
   return tokens, seq_len, done, count
 
 
-def step(
-  config: ModelConfig,
-  drafter: Optional[Drafter],
-  target_params: Any,
-  drafter_params: Any,
-  state: SpecState,
-) -> SpecState:
-  """One draft → verify → accept → commit step for every sequence that is not done."""
-  batch = state.tokens.shape[0]
-  rows = jnp.arange(batch)
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
-  root = state.tokens[rows, state.seq_len - 1]
-  start = state.seq_len - 1  # the root's slot: the cache holds everything before it
-
-  if drafter is None:
-    gamma = 0
-    block = root[:, None]
-    drafter_state = state.drafter_state
-  else:
-    gamma = drafter.gamma
-    proposal, drafter_state = drafter.propose(
-      drafter_params,
-      state.drafter_state,
-      ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft),
-    )
-    block = jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1)
-
-  taps = drafter.taps if drafter is not None else ()
-  out = target_lib.apply_decoder(
-    config, target_params, block, start, state.cache.k, state.cache.v, taps=taps
-  )
-  if gamma == 0:
-    num_accepted = jnp.zeros((batch,), jnp.int32)
-    next_token = sampling.sample(k_verify, out.logits[:, 0], state.sampling)
-  else:
-    num_accepted, next_token = verify.verify_chain(
-      k_verify, proposal.tokens, proposal.probs, out.logits, state.sampling
-    )
-
-  tokens, seq_len, done, count = _commit_tokens(state, block[:, 1:], num_accepted, next_token)
-  cache = KVCache(out.cache_k, out.cache_v, seq_len - 1)
-  stats = metrics.update_stats(state.stats, num_accepted, ~state.done, count)
-
-  if drafter is not None:
-    drafter_state = drafter.commit(
-      drafter_params,
-      drafter_state,
-      CommitContext(
-        tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, out.taps, out.hidden
-      ),
-    )
-  return state.replace(
-    tokens=tokens,
-    seq_len=seq_len,
-    cache=cache,
-    drafter_state=drafter_state,
-    key=key,
-    done=done,
-    stats=stats,
-  )
-
-
-def tree_step(
-  config: ModelConfig,
-  drafter: Drafter,
-  opts: TreeOptions,
-  target_params: Any,
-  drafter_params: Any,
-  state: SpecState,
-) -> SpecState:
-  """One DDTree step: propose → build tree → verify the tree in one pass → walk → commit.
-
-  The drafter's per-position log-probs give a best-first tree of `opts.budget` nodes; the
-  target runs once over [root, nodes] at positions start + depth under the ancestor mask
-  (slots start..start+N of its cache); the walk picks the accepted path; its K/V entries are
-  gathered to slots start..start+a (the rest of the tree is scratch past the new length, so
-  tree nodes never leak into later steps) and its features are handed to the drafter in
-  committed order.
-  """
-  batch = state.tokens.shape[0]
-  rows = jnp.arange(batch)
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
-  root = state.tokens[rows, state.seq_len - 1]
-  start = state.seq_len - 1  # the root's slot: the cache holds everything before it
-
-  proposal, drafter_state = drafter.propose(
-    drafter_params,
-    state.drafter_state,
-    ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft),
-  )
+def _verify_block(
+  root: jax.Array, proposal: Optional[Proposal], tree: Optional[TreeOptions], drafter: Drafter
+) -> tuple[jax.Array, Optional[tree_lib.Tree]]:
+  """The tokens the target verifies: [root, chain] (or [root] alone without a drafter), or the
+  flattened DDTree [root, nodes] built from the proposal's per-position log-probs."""
+  if proposal is None:
+    return root[:, None], None
+  if tree is None:
+    return jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1), None
   if proposal.logprobs is None:
     raise ValueError(
       f"{drafter.name} gives no per-position distributions (Proposal.logprobs); "
       "tree verification needs them — use verify='chain' with this drafter"
     )
-  depth = proposal.logprobs.shape[1]
-  if depth != drafter.gamma:
+  if proposal.logprobs.shape[1] != drafter.gamma:
     raise ValueError(
-      f"{drafter.name}: logprobs cover {depth} positions, expected γ={drafter.gamma}"
+      f"{drafter.name}: logprobs cover {proposal.logprobs.shape[1]} positions, "
+      f"expected γ={drafter.gamma}"
     )
-  tree = tree_lib.build_tree(root, proposal.logprobs, opts.budget, opts.topk, opts.chain_seed)
+  built = tree_lib.build_tree(root, proposal.logprobs, tree.budget, tree.topk, tree.chain_seed)
+  return built.tokens, built
 
-  taps = drafter.taps
+
+def step(
+  config: ModelConfig,
+  drafter: Optional[Drafter],
+  tree: Optional[TreeOptions],
+  target_params: Any,
+  drafter_params: Any,
+  state: SpecState,
+) -> SpecState:
+  """One draft → verify → accept → commit step for every sequence that is not done.
+
+  Chain verification (`tree=None`): the target runs once over [root, γ drafts] under the causal
+  mask; `verify_chain` accepts a prefix. Without a drafter this is plain decoding.
+  Tree verification (DDTree, `tree=TreeOptions(...)`): the drafter's per-position log-probs give
+  a best-first tree of `tree.budget` nodes; the target runs once over [root, nodes] at
+  positions start + depth under the ancestor mask; the walk picks the accepted path, which the
+  decoding state commits into contiguous slots (the rest of the tree is scratch past the new
+  length, so tree nodes never leak into later steps), and the drafter receives the path's
+  features in committed order.
+  """
+  batch = state.tokens.shape[0]
+  rows = jnp.arange(batch)
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  root = state.tokens[rows, state.seq_len - 1]
+  start = state.seq_len - 1  # the root's slot: the state holds everything before it
+
+  proposal, drafter_state = None, state.drafter_state
+  if drafter is not None:
+    proposal, drafter_state = drafter.propose(
+      drafter_params,
+      state.drafter_state,
+      ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft),
+    )
+  block, built = _verify_block(root, proposal, tree, drafter)
   out = target_lib.apply_decoder(
     config,
     target_params,
-    tree.tokens,
+    block,
     start,
-    state.cache.k,
-    state.cache.v,
-    positions=tree.positions(start),
-    block_mask=tree.mask,
-    taps=taps,
-  )
-  path, num_accepted, next_token = tree_verify.verify_tree(
-    k_verify, tree, out.logits, state.sampling, depth, opts.rule
+    state.target_state,
+    positions=None if built is None else built.positions(start),
+    block_mask=None if built is None else built.mask,
+    taps=drafter.taps if drafter is not None else (),
   )
 
-  tokens, seq_len, done, count = _commit_tokens(
-    state, tree_verify.path_tokens(tree, path), num_accepted, next_token
-  )
-  # Accepted path (root first) → contiguous slots start.., then the committed length.
-  cache = KVCache(out.cache_k, out.cache_v, start).gather_block(path)
-  cache = cache.replace(lengths=seq_len - 1)
+  path = None
+  if proposal is None:
+    num_accepted = jnp.zeros((batch,), jnp.int32)
+    next_token = sampling.sample(k_verify, out.logits[:, 0], state.sampling)
+    drafts = block[:, 1:]
+  elif built is None:
+    num_accepted, next_token = verify.verify_chain(
+      k_verify, proposal.tokens, proposal.probs, out.logits, state.sampling
+    )
+    drafts = block[:, 1:]
+  else:
+    path, num_accepted, next_token = tree_verify.verify_tree(
+      k_verify, built, out.logits, state.sampling, drafter.gamma, tree.rule
+    )
+    drafts = tree_verify.path_tokens(built, path)
+
+  tokens, seq_len, done, count = _commit_tokens(state, drafts, num_accepted, next_token)
+  target_state = out.state if path is None else out.state.commit_path(path)
+  target_state = target_state.with_lengths(seq_len - 1)
   stats = metrics.update_stats(state.stats, num_accepted, ~state.done, count)
 
-  path_taps = None if out.taps is None else out.taps[:, rows[:, None], path]
-  path_hidden = out.hidden[rows[:, None], path]
-  drafter_state = drafter.commit(
-    drafter_params,
-    drafter_state,
-    CommitContext(
-      tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, path_taps, path_hidden
-    ),
-  )
+  if drafter is not None:
+    taps, hidden = out.taps, out.hidden
+    if path is not None:  # features of the accepted path, in committed order
+      taps = None if taps is None else taps[:, rows[:, None], path]
+      hidden = hidden[rows[:, None], path]
+    drafter_state = drafter.commit(
+      drafter_params,
+      drafter_state,
+      CommitContext(tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, taps, hidden),
+    )
   return state.replace(
     tokens=tokens,
     seq_len=seq_len,
-    cache=cache,
+    target_state=target_state,
     drafter_state=drafter_state,
     key=key,
     done=done,
@@ -389,8 +361,7 @@ def run_loop(
   max_steps: Optional[int] = None,
   tree: Optional[TreeOptions] = None,
 ) -> SpecState:
-  """`step` (or `tree_step` when `tree` is given) in a while_loop until every sequence is done
-  (or max_steps, for streaming)."""
+  """`step` in a while_loop until every sequence is done (or max_steps, for streaming)."""
 
   def cond(carry):
     s, i = carry
@@ -399,9 +370,7 @@ def run_loop(
 
   def body(carry):
     s, i = carry
-    if tree is not None:
-      return tree_step(config, drafter, tree, target_params, drafter_params, s), i + 1
-    return step(config, drafter, target_params, drafter_params, s), i + 1
+    return step(config, drafter, tree, target_params, drafter_params, s), i + 1
 
   state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
   return state
@@ -453,18 +422,14 @@ class SpecEngine:
     # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
     self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
     cfg, dr = target.config, drafter
-    self._prefill = jax.jit(functools.partial(prefill, cfg, dr), static_argnames=("max_len",))
+    self._prefill = jax.jit(
+      functools.partial(prefill, cfg, dr), static_argnames=("max_len", "kv_format")
+    )
     self._loop = jax.jit(
       functools.partial(run_loop, cfg, dr, tree=self.tree),
       donate_argnums=(2,),
       static_argnames=("max_steps",),
     )
-    one_step = (
-      functools.partial(step, cfg, dr)
-      if self.tree is None
-      else functools.partial(tree_step, cfg, dr, self.tree)
-    )
-    self._step = jax.jit(one_step, donate_argnums=(2,))
 
   @property
   def drafter_params(self) -> Any:
@@ -544,6 +509,7 @@ class SpecEngine:
       jax.random.PRNGKey(seed),
       jnp.asarray(self.stop_ids),
       max_len=cfg.max_len,
+      kv_format=cfg.kv_format,
     )
 
   def _outputs(self, state: SpecState, n: int) -> list[list[int]]:
@@ -622,5 +588,4 @@ class SpecEngine:
     return {
       "prefill": self._prefill._cache_size(),
       "loop": self._loop._cache_size(),
-      "step": self._step._cache_size(),
     }

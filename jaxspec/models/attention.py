@@ -1,0 +1,184 @@
+"""GQA attention of a block of new tokens over the decoding state (cost ∝ the live sequence).
+
+A block of T tokens per sequence sits at slots start[b]..start[b]+T-1 of a layer-state entry
+(jaxspec/state.py). Query t sees every committed slot before start[b] and, inside the block,
+slot start[b]+u iff block_mask[t, u] (causal when None; an ancestor mask for trees).
+
+Two implementations, chosen by `ModelConfig.attention_impl`:
+
+* "xla": the block attends to itself (the [T, T] part, with the block's K/V rounded exactly as
+  the cache stores them), then reads the committed prefix in chunks of `attention_chunk` slots
+  up to the longest live prefix in the batch, with an online softmax. Nothing is sized by
+  `max_len`: no [B, T, max_len] mask, no cast of the whole layer cache, and a quantized cache
+  is dequantized chunk by chunk. Decoding at 450 tokens costs the same with max_len 1K or 32K.
+* "pallas": the tree-attention kernel (pallas_kernels/tree_attention) over the stacked cache:
+  KV groups read once for all their query heads, long prefixes split across programs. It runs
+  in interpret mode on CPU. "auto" picks "xla" everywhere until the kernel has been compiled
+  and checked on a GPU/TPU.
+
+Without a state (training, `TargetModel.logits`) the block attends to itself only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def resolve_impl(impl: str) -> str:
+  """ "auto" → "xla" (the Pallas kernel is opt-in until it has been checked on hardware)."""
+  if impl not in IMPLS:
+    raise ValueError(f"attention_impl={impl!r}; expected one of {IMPLS}")
+  return "xla" if impl == "auto" else impl
+
+
+def block_visibility(block_mask: jax.Array | None, batch: int, t: int) -> jax.Array:
+  """bool [B, T, T]: which block tokens each block query sees (causal when block_mask is None)."""
+  if block_mask is None:
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    return jnp.broadcast_to(causal, (batch, t, t))
+  return jnp.broadcast_to(block_mask.astype(bool), (batch, t, t))
+
+
+class OnlineSoftmax:
+  """Online-softmax accumulation over key chunks (flash attention's running max m, normaliser
+  l and unnormalised output acc, all float32). Scores are [..., Q, S] for any leading query
+  layout; values are matched by the caller's einsum."""
+
+  @staticmethod
+  def init(lead: tuple[int, ...], d: int):
+    return (
+      jnp.full(lead, NEG_INF, jnp.float32),
+      jnp.zeros(lead, jnp.float32),
+      jnp.zeros((*lead, d), jnp.float32),
+    )
+
+  @staticmethod
+  def weights(carry, scores: jax.Array, visible: jax.Array):
+    """→ (new m, rescale factor for the old l/acc, p [..., S]): masked keys get weight 0."""
+    m, _, _ = carry
+    scores = jnp.where(visible, scores, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+    return m_new, jnp.exp(m - m_new), p
+
+  @staticmethod
+  def add(carry, m_new: jax.Array, alpha: jax.Array, p: jax.Array, pv: jax.Array):
+    """Folds one chunk's weights p and weighted values pv [..., D] into the carry."""
+    _, l, acc = carry
+    return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+  @staticmethod
+  def finish(carry) -> jax.Array:
+    _, l, acc = carry
+    return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def _update(carry, scores: jax.Array, visible: jax.Array, v: jax.Array):
+  """One GQA chunk: scores [B, K, G, T, S], v [B, S, K, D]."""
+  m_new, alpha, p = OnlineSoftmax.weights(carry, scores, visible)
+  pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return OnlineSoftmax.add(carry, m_new, alpha, p, pv)
+
+
+def _scores(qg: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+  return jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+
+
+def attend_xla(
+  q: jax.Array,
+  k_block: jax.Array,
+  v_block: jax.Array,
+  kv: Any,
+  layer: jax.Array,
+  start: jax.Array,
+  block_mask: jax.Array | None,
+  scale: float,
+  chunk: int,
+) -> jax.Array:
+  """q [B,T,H,D]; k/v_block [B,T,K,D] as stored; kv a state entry (or None) → [B,T,H,D]."""
+  b, t, h, d = q.shape
+  kv_heads = k_block.shape[2]
+  qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
+  carry = OnlineSoftmax.init((b, kv_heads, h // kv_heads, t), d)
+  inside = block_visibility(block_mask, b, t)[:, None, None]  # [B, 1, 1, T, T]
+  carry = _update(carry, _scores(qg, k_block.astype(q.dtype), scale), inside, v_block)
+
+  if kv is not None:
+    size = min(chunk, kv.max_len)
+    num_chunks = (jnp.max(start) + size - 1) // size
+
+    def body(c, carry):
+      # The last chunk may be clamped to end at max_len; `first` drops slots read before.
+      first = c * size
+      offset = jnp.minimum(first, kv.max_len - size)
+      k, v = kv.read(layer, offset, size)
+      slots = offset + jnp.arange(size)
+      visible = (slots[None, :] < start[:, None]) & (slots[None, :] >= first)  # [B, S]
+      scores = _scores(qg, k.astype(q.dtype), scale)
+      return _update(carry, scores, visible[:, None, None, None, :], v.astype(q.dtype))
+
+    carry = jax.lax.fori_loop(0, num_chunks, body, carry)
+
+  out = OnlineSoftmax.finish(carry)  # [B, K, G, T, D]
+  return jnp.moveaxis(out, 3, 1).reshape(b, t, h, d).astype(q.dtype)
+
+
+def attend_pallas(
+  q: jax.Array,
+  kv: Any,
+  layer: jax.Array,
+  start: jax.Array,
+  block_mask: jax.Array | None,
+  scale: float,
+) -> jax.Array:
+  """The Pallas tree-attention kernel over the stacked cache (block already written)."""
+  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.tree_attention import tree_attention
+
+  scales = {}
+  if kv.format == "fp8":
+    scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
+  elif kv.format != "float":
+    raise NotImplementedError(f"the Pallas attention kernel does not read {kv.format} caches")
+  out = tree_attention(
+    q,
+    kv.k,
+    kv.v,
+    start,
+    block_mask,
+    scale,
+    impl="pallas",
+    interpret=jax.default_backend() == "cpu",
+    layer=layer,
+    **scales,
+  )
+  return out.astype(q.dtype)
+
+
+def attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  kv: Any,
+  layer: jax.Array,
+  start: jax.Array,
+  block_mask: jax.Array | None,
+  scale: float,
+  impl: str = "auto",
+  chunk: int = 256,
+) -> tuple[jax.Array, Any]:
+  """Writes the block's k/v [B,T,K,D] into `kv` (if any) and attends; returns (out, kv)."""
+  if kv is None:
+    return attend_xla(q, k, v, None, layer, start, block_mask, scale, chunk), None
+  k_block, v_block = kv.stored(k, v)
+  kv = kv.write(layer, start, k, v)
+  if resolve_impl(impl) == "pallas":
+    return attend_pallas(q, kv, layer, start, block_mask, scale), kv
+  return attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk), kv

@@ -1,0 +1,249 @@
+"""The decoding state a forward reads and writes: one entry per layer segment.
+
+The decoder scans each maximal run of same-kind layers (`ModelConfig.segments()`); each run owns
+one entry of `DecodingState.segments`, stacked over its layers (leading axis `layers`). An entry
+is a *layer-state kind*, a pytree class that says how it is
+
+  created      `Kind.create(config, num_layers, batch, max_len)`
+  written      `write(layer, start, k, v)`: a block of T tokens at slots start..start+T-1
+  read         `read(layer, offset, size)`: float K/V of `size` slots from `offset` (attention
+               reads the committed prefix chunk by chunk, dequantizing each chunk)
+  rounded      `stored(k, v)`: what a write would read back (a block attends to its own
+               tokens exactly as later queries will see them, so chains, trees and plain
+               decoding see bit-identical values)
+  committed    `commit_path(start, path)`: the accepted chain prefix or tree path, node indices
+               root first, moved to slots start..start+a
+
+Attention kinds keep the rule "slots at or past `lengths` are scratch": a block writes past the
+committed length, and only the accepted prefix becomes part of the text when `lengths`
+advances. A recurrent kind (Gated DeltaNet) fits the same seam with per-position snapshots
+written by a block and a `commit_path` that selects the accepted one; the engine never looks
+inside an entry.
+
+Kinds here: `FloatKV` (the activation dtype) and `FP8KV` (E4M3 values with one float32 scale
+per token and KV head, quantized on write). `KV_FORMATS` maps `EngineConfig.kv_format` to them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+# Logical axes of an attention entry's K/V arrays and of the FP8 scales.
+KV_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+SCALE_AXES = ("layers", "batch", "length", "kv_heads")
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite E4M3 value
+
+
+def _slots(start: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  rows = jnp.arange(start.shape[0])[:, None]
+  return rows, start[:, None] + jnp.arange(width)[None, :]
+
+
+def _write(x: jax.Array, layer: jax.Array, start: jax.Array, block: jax.Array) -> jax.Array:
+  """x [L, B, S, ...] ← block [B, T, ...] at layer `layer`, slots start[b]..; past S dropped."""
+  rows, slots = _slots(start, block.shape[1])
+  return x.at[layer, rows, slots].set(block.astype(x.dtype), mode="drop")
+
+
+def _read(x: jax.Array, layer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
+  """x[layer, :, offset:offset+size] (offset is clamped by dynamic_slice to fit)."""
+  zeros = (0,) * (x.ndim - 3)
+  return jax.lax.dynamic_slice(x, (layer, 0, offset, *zeros), (1, x.shape[1], size, *x.shape[3:]))[
+    0
+  ]
+
+
+def _move(x: jax.Array, start: jax.Array, path: jax.Array) -> jax.Array:
+  """Slot start+j ← slot start+path[b, j] in every layer (x [L, B, S, ...])."""
+  rows = jnp.arange(path.shape[0])[:, None]
+  picked = x[:, rows, start[:, None] + path]
+  _, to_slots = _slots(start, path.shape[1])
+  return x.at[:, rows, to_slots].set(picked, mode="drop")
+
+
+@flax.struct.dataclass
+class FloatKV:
+  """Attention K/V of one segment in a float dtype: k, v [L, B, S, K, D]."""
+
+  k: jax.Array
+  v: jax.Array
+
+  format: ClassVar[str] = "float"
+
+  @classmethod
+  def create(cls, config, num_layers: int, batch: int, max_len: int) -> "FloatKV":
+    shape = (num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    dtype = jnp.dtype(config.dtype)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  def stored(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return k.astype(self.k.dtype), v.astype(self.v.dtype)
+
+  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> "FloatKV":
+    return FloatKV(_write(self.k, layer, start, k), _write(self.v, layer, start, v))
+
+  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    return _read(self.k, layer, offset, size), _read(self.v, layer, offset, size)
+
+  def commit_path(self, start: jax.Array, path: jax.Array) -> "FloatKV":
+    return FloatKV(_move(self.k, start, path), _move(self.v, start, path))
+
+  def logical_axes(self) -> "FloatKV":
+    return FloatKV(KV_AXES, KV_AXES)
+
+
+def fp8_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [..., D] → (E4M3 values [..., D], float32 scales [...]): one scale per vector.
+
+  scale = amax / 448 so the largest element maps to E4M3's largest finite value; an all-zero
+  vector gets scale 1 (its values stay 0).
+  """
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(xf), axis=-1)
+  scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+  q = jnp.clip(xf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+  return q, scale
+
+
+def fp8_dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+  return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+@flax.struct.dataclass
+class FP8KV:
+  """Attention K/V of one segment in FP8: E4M3 k, v [L, B, S, K, D] and float32 scales
+  [L, B, S, K], one per token and KV head. 1 byte per value + 4 per head vector: 2.0× smaller
+  than bfloat16 at head_dim 128 (less with tiny heads)."""
+
+  k: jax.Array
+  v: jax.Array
+  k_scale: jax.Array
+  v_scale: jax.Array
+  dtype: str = flax.struct.field(pytree_node=False, default="float32")
+
+  format: ClassVar[str] = "fp8"
+
+  @classmethod
+  def create(cls, config, num_layers: int, batch: int, max_len: int) -> "FP8KV":
+    shape = (num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    values = lambda: jnp.zeros(shape, FP8_DTYPE)  # distinct buffers: the state is donated
+    scales = lambda: jnp.ones(shape[:-1], jnp.float32)
+    return cls(values(), values(), scales(), scales(), config.dtype)
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  def stored(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return (
+      fp8_dequantize(*fp8_quantize(k), self.dtype),
+      fp8_dequantize(*fp8_quantize(v), self.dtype),
+    )
+
+  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> "FP8KV":
+    qk, sk = fp8_quantize(k)
+    qv, sv = fp8_quantize(v)
+    return self.replace(
+      k=_write(self.k, layer, start, qk),
+      v=_write(self.v, layer, start, qv),
+      k_scale=_write(self.k_scale, layer, start, sk),
+      v_scale=_write(self.v_scale, layer, start, sv),
+    )
+
+  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    k = fp8_dequantize(_read(self.k, layer, offset, size), _read(self.k_scale, layer, offset, size))
+    v = fp8_dequantize(_read(self.v, layer, offset, size), _read(self.v_scale, layer, offset, size))
+    return k.astype(self.dtype), v.astype(self.dtype)
+
+  def commit_path(self, start: jax.Array, path: jax.Array) -> "FP8KV":
+    return self.replace(
+      k=_move(self.k, start, path),
+      v=_move(self.v, start, path),
+      k_scale=_move(self.k_scale, start, path),
+      v_scale=_move(self.v_scale, start, path),
+    )
+
+  def dequantized(self) -> FloatKV:
+    """The float K/V this cache stands for (tests compare attention over both)."""
+    return FloatKV(
+      fp8_dequantize(self.k, self.k_scale, self.dtype),
+      fp8_dequantize(self.v, self.v_scale, self.dtype),
+    )
+
+  def logical_axes(self) -> "FP8KV":
+    return FP8KV(KV_AXES, KV_AXES, SCALE_AXES, SCALE_AXES, self.dtype)
+
+
+KV_FORMATS = {"float": FloatKV, "fp8": FP8KV}
+
+
+@flax.struct.dataclass
+class DecodingState:
+  """The model's decoding state: one entry per layer segment plus committed lengths [B].
+
+  A forward takes it, writes its block into every entry and returns it with `lengths`
+  unchanged; the caller then commits what was accepted (`commit` for a chain prefix,
+  `commit_path` first for a tree path).
+  """
+
+  segments: tuple
+  lengths: jax.Array  # [B] int32: committed tokens per sequence
+
+  @classmethod
+  def create(
+    cls,
+    config,
+    batch: int,
+    max_len: int,
+    kv_format: str = "float",
+    segment_layers: tuple[int, ...] | None = None,
+  ) -> "DecodingState":
+    """A zero state for `config`'s main stack (or for runs of `segment_layers` layers, e.g.
+    (1,) for one MTP or drafter layer)."""
+    if kv_format not in KV_FORMATS:
+      raise ValueError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
+    if segment_layers is None:
+      segment_layers = tuple(n for _, n, _ in config.segments())
+    kind = KV_FORMATS[kv_format]
+    return cls(
+      tuple(kind.create(config, n, batch, max_len) for n in segment_layers),
+      jnp.zeros((batch,), jnp.int32),
+    )
+
+  @property
+  def max_len(self) -> int:
+    return self.segments[0].max_len
+
+  @property
+  def batch(self) -> int:
+    return self.lengths.shape[0]
+
+  @property
+  def kv_format(self) -> str:
+    return self.segments[0].format
+
+  def with_lengths(self, lengths: jax.Array) -> "DecodingState":
+    return self.replace(lengths=lengths.astype(jnp.int32))
+
+  def commit(self, num_new: jax.Array) -> "DecodingState":
+    """Advances each sequence's committed length by num_new [B]."""
+    return self.with_lengths(self.lengths + num_new)
+
+  def commit_path(self, path: jax.Array) -> "DecodingState":
+    """Moves an accepted tree path (node indices [B, n], root first) of the block written at
+    slots lengths.. to slots lengths..lengths+n-1 in every segment; lengths are unchanged."""
+    return self.replace(segments=tuple(s.commit_path(self.lengths, path) for s in self.segments))
+
+  def logical_axes(self) -> "DecodingState":
+    """The same tree with a logical-axes tuple per array (for sharding rules)."""
+    return DecodingState(tuple(s.logical_axes() for s in self.segments), ("batch",))
