@@ -1,6 +1,6 @@
 """jaxspec: lossless speculative decoding for large language models in JAX.
 
-The public API (see docs/ and DESIGN.md): load a target model from a Hugging Face directory,
+The public API (see README.md and docs/): load a target model from a Hugging Face directory,
 build an engine, generate.
 """
 

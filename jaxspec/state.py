@@ -119,11 +119,26 @@ def fp8_dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> 
   return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
+def fp8_bits(q: jax.Array) -> jax.Array:
+  """E4M3 values → their bytes (uint8), the storage form (see FP8KV)."""
+  return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def fp8_values(bits: jax.Array) -> jax.Array:
+  """Stored bytes → E4M3 values."""
+  return jax.lax.bitcast_convert_type(bits, FP8_DTYPE)
+
+
 @flax.struct.dataclass
 class FP8KV:
   """Attention K/V of one segment in FP8: E4M3 k, v [L, B, S, K, D] and float32 scales
-  [L, B, S, K], one per token and KV head. 1 byte per value + 4 per head vector: 2.0× smaller
-  than bfloat16 at head_dim 128 (less with tiny heads)."""
+  [L, B, S, K], one per token and KV head. 1 byte per value + 4 per head vector: 1.9× smaller
+  than bfloat16 at head_dim 128 (less with tiny heads).
+
+  The E4M3 values are held as their bytes (uint8, bit-identical): XLA:CPU has no native float8
+  scatter and converts the whole array around each block write (measured 23 ms per one-token
+  write into a 32K-slot cache, against 0.04 ms for uint8). Reads bitcast each chunk back.
+  """
 
   k: jax.Array
   v: jax.Array
@@ -136,7 +151,7 @@ class FP8KV:
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int) -> "FP8KV":
     shape = (num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    values = lambda: jnp.zeros(shape, FP8_DTYPE)  # distinct buffers: the state is donated
+    values = lambda: jnp.zeros(shape, jnp.uint8)  # distinct buffers: the state is donated
     scales = lambda: jnp.ones(shape[:-1], jnp.float32)
     return cls(values(), values(), scales(), scales(), config.dtype)
 
@@ -150,19 +165,27 @@ class FP8KV:
       fp8_dequantize(*fp8_quantize(v), self.dtype),
     )
 
+  @classmethod
+  def quantized(cls, k: jax.Array, v: jax.Array, dtype: str = "float32") -> "FP8KV":
+    """An entry holding float k, v [L, B, S, K, D] quantized."""
+    (qk, sk), (qv, sv) = fp8_quantize(k), fp8_quantize(v)
+    return cls(fp8_bits(qk), fp8_bits(qv), sk, sv, dtype)
+
   def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> "FP8KV":
     qk, sk = fp8_quantize(k)
     qv, sv = fp8_quantize(v)
     return self.replace(
-      k=_write(self.k, layer, start, qk),
-      v=_write(self.v, layer, start, qv),
+      k=_write(self.k, layer, start, fp8_bits(qk)),
+      v=_write(self.v, layer, start, fp8_bits(qv)),
       k_scale=_write(self.k_scale, layer, start, sk),
       v_scale=_write(self.v_scale, layer, start, sv),
     )
 
   def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    k = fp8_dequantize(_read(self.k, layer, offset, size), _read(self.k_scale, layer, offset, size))
-    v = fp8_dequantize(_read(self.v, layer, offset, size), _read(self.v_scale, layer, offset, size))
+    k = fp8_values(_read(self.k, layer, offset, size))
+    v = fp8_values(_read(self.v, layer, offset, size))
+    k = fp8_dequantize(k, _read(self.k_scale, layer, offset, size))
+    v = fp8_dequantize(v, _read(self.v_scale, layer, offset, size))
     return k.astype(self.dtype), v.astype(self.dtype)
 
   def commit_path(self, start: jax.Array, path: jax.Array) -> "FP8KV":
@@ -176,8 +199,8 @@ class FP8KV:
   def dequantized(self) -> FloatKV:
     """The float K/V this cache stands for (tests compare attention over both)."""
     return FloatKV(
-      fp8_dequantize(self.k, self.k_scale, self.dtype),
-      fp8_dequantize(self.v, self.v_scale, self.dtype),
+      fp8_dequantize(fp8_values(self.k), self.k_scale, self.dtype),
+      fp8_dequantize(fp8_values(self.v), self.v_scale, self.dtype),
     )
 
   def logical_axes(self) -> "FP8KV":

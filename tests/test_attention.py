@@ -10,7 +10,15 @@ import pytest
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import attention as attention_lib
-from jaxspec.state import FP8_MAX, DecodingState, FloatKV, FP8KV, fp8_dequantize, fp8_quantize
+from jaxspec.state import (
+  FP8_MAX,
+  DecodingState,
+  FloatKV,
+  FP8KV,
+  fp8_dequantize,
+  fp8_quantize,
+  fp8_values,
+)
 
 B, H, KV, D, S, L = 4, 4, 2, 8, 24, 2
 CHUNK = 4
@@ -56,9 +64,7 @@ def _random_state(kind: str, seed: int = 0):
   v = rng.normal(size=(L, B, S, KV, D)).astype(np.float32)
   if kind == "float":
     return FloatKV(jnp.asarray(k), jnp.asarray(v))
-  qk, sk = fp8_quantize(jnp.asarray(k))
-  qv, sv = fp8_quantize(jnp.asarray(v))
-  return FP8KV(qk, qv, sk, sv)
+  return FP8KV.quantized(jnp.asarray(k), jnp.asarray(v))
 
 
 def _block(t: int, seed: int = 1):
@@ -197,7 +203,7 @@ def test_fp8_attention_equals_attention_over_its_dequantized_values(name, t, mas
   out, written = attention_lib.attention(
     q, k, v, kv, jnp.int32(1), start, mask, SCALE, "xla", CHUNK
   )
-  assert isinstance(written, FP8KV) and written.k.dtype == jnp.float8_e4m3fn
+  assert isinstance(written, FP8KV) and written.k.dtype == jnp.uint8
   deq = written.dequantized()
   want = dense_attention(q, deq.k[1], deq.v[1], start, mask)
   np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
@@ -209,7 +215,9 @@ def test_fp8_attention_equals_attention_over_its_dequantized_values(name, t, mas
   )
   np.testing.assert_allclose(np.asarray(out), np.asarray(via_float), atol=1e-5)
   # Ignoring the scales (a broken dequantization) is noticed.
-  unscaled = FloatKV(written.k.astype(jnp.float32), written.v.astype(jnp.float32))
+  unscaled = FloatKV(
+    fp8_values(written.k).astype(jnp.float32), fp8_values(written.v).astype(jnp.float32)
+  )
   wrong = dense_attention(q, unscaled.k[1], unscaled.v[1], start, mask)
   assert np.abs(wrong - want).max() > 1e-2
 

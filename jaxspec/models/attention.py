@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec import state as state_lib
+
 NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
 
 IMPLS = ("auto", "xla", "pallas")
@@ -142,15 +144,17 @@ def attend_pallas(
   # pylint: disable=import-outside-toplevel
   from pallas_kernels.tree_attention import tree_attention
 
-  scales = {}
+  k, v, scales = kv.k, kv.v, {}
   if kv.format == "fp8":
+    # The stored bytes viewed as E4M3 (a same-width bitcast, no conversion).
+    k, v = state_lib.fp8_values(k), state_lib.fp8_values(v)
     scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
   elif kv.format != "float":
     raise NotImplementedError(f"the Pallas attention kernel does not read {kv.format} caches")
   out = tree_attention(
     q,
-    kv.k,
-    kv.v,
+    k,
+    v,
     start,
     block_mask,
     scale,
