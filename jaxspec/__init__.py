@@ -12,9 +12,10 @@ from jaxspec.drafters.dflash import DFlashConfig, DFlashDrafter
 from jaxspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.drafters.registry import load_drafter, make_drafter, save_drafter
-from jaxspec.config import ConfigError, MeshConfig, ModelConfig
-from jaxspec.io.hf import CheckpointError, load_model, save_hf
-from jaxspec.models.target import InputError, TargetModel
+from jaxspec.config import MeshConfig, ModelConfig
+from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecError
+from jaxspec.io.hf import load_model, save_hf
+from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
   "Eagle3Drafter",
   "EngineConfig",
   "InputError",
+  "JaxspecError",
   "DecodingState",
   "FP8KV",
   "FloatKV",

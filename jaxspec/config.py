@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from jaxspec.errors import ConfigError
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
-
-
-class ConfigError(ValueError):
-  """A configuration that jaxspec cannot run faithfully."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,15 +21,12 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import CheckpointError
 from jaxspec.models import target as target_lib
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 1024**3
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that is missing, truncated, incomplete or inconsistent with its config."""
 
 
 # --------------------------------------------------------------------------------------------------

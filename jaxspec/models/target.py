@@ -17,12 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import InputError
 from jaxspec.models.decoder import Decoder, DecoderOutput
 from jaxspec.state import DecodingState
-
-
-class InputError(ValueError):
-  """Bad input to a model or engine call (ids outside the vocabulary, too long, ...)."""
 
 
 @functools.partial(

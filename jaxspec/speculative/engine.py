@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import ConfigError
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
@@ -79,19 +80,32 @@ class EngineConfig:
   tree_rule: str = "ddtree"
 
   def __post_init__(self):
-    if self.verify not in ("chain", "tree"):
-      raise ValueError(f"verify={self.verify!r} is not supported (use 'chain' or 'tree')")
-    if self.max_len < 2 or self.batch_size < 1:
-      raise ValueError("max_len must be ≥ 2 and batch_size ≥ 1")
-    if self.kv_format not in KV_FORMATS:
-      raise ValueError(f"kv_format={self.kv_format!r}; expected one of {tuple(KV_FORMATS)}")
+    def need(ok: bool, msg: str) -> None:
+      if not ok:
+        raise ConfigError(f"EngineConfig: {msg}")
+
+    def whole(name: str, low: int) -> None:
+      value = getattr(self, name)
+      ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+      need(ok and value >= low, f"{name} must be an integer ≥ {low}, got {value!r}")
+
+    need(self.verify in ("chain", "tree"), f"verify={self.verify!r} (use 'chain' or 'tree')")
+    whole("max_len", 2)
+    whole("batch_size", 1)
+    # A bucket of 0 would never grow; a stream of 0 steps per round trip would never advance.
+    whole("min_prompt_bucket", 1)
+    whole("stream_every", 1)
+    need(
+      self.kv_format in KV_FORMATS,
+      f"kv_format={self.kv_format!r}; expected one of {tuple(KV_FORMATS)}",
+    )
     if self.verify == "tree":
-      if self.tree_budget < 1:
-        raise ValueError(f"tree_budget must be ≥ 1 draft node, got {self.tree_budget}")
-      if self.tree_topk < 0:
-        raise ValueError(f"tree_topk must be ≥ 0 (0 = min(budget, 8)), got {self.tree_topk}")
-      if self.tree_rule not in tree_verify.RULES:
-        raise ValueError(f"tree_rule={self.tree_rule!r}; expected one of {tree_verify.RULES}")
+      whole("tree_budget", 1)
+      whole("tree_topk", 0)
+      need(
+        self.tree_rule in tree_verify.RULES,
+        f"tree_rule={self.tree_rule!r}; expected one of {tree_verify.RULES}",
+      )
 
   @property
   def tree_options(self) -> Optional["TreeOptions"]:
@@ -253,12 +267,12 @@ def _verify_block(
   if tree is None:
     return jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1), None
   if proposal.logprobs is None:
-    raise ValueError(
+    raise ConfigError(
       f"{drafter.name} gives no per-position distributions (Proposal.logprobs); "
       "tree verification needs them — use verify='chain' with this drafter"
     )
   if proposal.logprobs.shape[1] != drafter.gamma:
-    raise ValueError(
+    raise ConfigError(
       f"{drafter.name}: logprobs cover {proposal.logprobs.shape[1]} positions, "
       f"expected γ={drafter.gamma}"
     )
@@ -402,7 +416,7 @@ class SpecEngine:
     self.tree = config.tree_options
     if self.tree is not None:
       if drafter is None:
-        raise ValueError("verify='tree' needs a drafter that gives per-position distributions")
+        raise ConfigError("verify='tree' needs a drafter that gives per-position distributions")
       drafter = drafter.for_tree()
     self.drafter = drafter
     if drafter is not None and drafter.vocab_size not in (None, target.config.vocab_size):
@@ -415,7 +429,7 @@ class SpecEngine:
       stops += list(target.config.eos_token_ids)
     stops = list(dict.fromkeys(stops))
     if len(stops) > MAX_STOP_IDS:
-      raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {stops}")
+      raise ConfigError(f"at most {MAX_STOP_IDS} stop ids, got {stops}")
     self.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
     self.stop_ids[: len(stops)] = stops
     self.gamma = drafter.gamma if drafter is not None else 0
