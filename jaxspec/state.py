@@ -5,12 +5,11 @@ one entry of `DecodingState.segments`, stacked over its layers (leading axis `la
 is a *layer-state kind*, a pytree class that says how it is
 
   created      `Kind.create(config, num_layers, batch, max_len)`
-  written      `write(layer, start, k, v)`: a block of T tokens at slots start..start+T-1
+  written      `write(layer, start, k, v)` → (entry, k, v as stored): a block of T tokens at
+               slots start..start+T-1; the block attends to its own K/V exactly as later
+               queries will read them, so chains, trees and plain decoding see the same values
   read         `read(layer, offset, size)`: float K/V of `size` slots from `offset` (attention
                reads the committed prefix chunk by chunk, dequantizing each chunk)
-  rounded      `stored(k, v)`: what a write would read back (a block attends to its own
-               tokens exactly as later queries will see them, so chains, trees and plain
-               decoding see bit-identical values)
   committed    `commit_path(start, path)`: the accepted chain prefix or tree path, node indices
                root first, moved to slots start..start+a
 
@@ -32,7 +31,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-# Logical axes of an attention entry's K/V arrays and of the FP8 scales.
+# Logical axes of an attention entry's K/V arrays and of the FP8 scales (for sharding rules).
 KV_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 SCALE_AXES = ("layers", "batch", "length", "kv_heads")
 
@@ -86,20 +85,17 @@ class FloatKV:
   def max_len(self) -> int:
     return self.k.shape[2]
 
-  def stored(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return k.astype(self.k.dtype), v.astype(self.v.dtype)
-
-  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> "FloatKV":
-    return FloatKV(_write(self.k, layer, start, k), _write(self.v, layer, start, v))
+  def write(
+    self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array
+  ) -> tuple["FloatKV", jax.Array, jax.Array]:
+    k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+    return FloatKV(_write(self.k, layer, start, k), _write(self.v, layer, start, v)), k, v
 
   def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     return _read(self.k, layer, offset, size), _read(self.v, layer, offset, size)
 
   def commit_path(self, start: jax.Array, path: jax.Array) -> "FloatKV":
     return FloatKV(_move(self.k, start, path), _move(self.v, start, path))
-
-  def logical_axes(self) -> "FloatKV":
-    return FloatKV(KV_AXES, KV_AXES)
 
 
 def fp8_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -159,27 +155,25 @@ class FP8KV:
   def max_len(self) -> int:
     return self.k.shape[2]
 
-  def stored(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return (
-      fp8_dequantize(*fp8_quantize(k), self.dtype),
-      fp8_dequantize(*fp8_quantize(v), self.dtype),
-    )
-
   @classmethod
   def quantized(cls, k: jax.Array, v: jax.Array, dtype: str = "float32") -> "FP8KV":
     """An entry holding float k, v [L, B, S, K, D] quantized."""
     (qk, sk), (qv, sv) = fp8_quantize(k), fp8_quantize(v)
     return cls(fp8_bits(qk), fp8_bits(qv), sk, sv, dtype)
 
-  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> "FP8KV":
+  def write(
+    self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array
+  ) -> tuple["FP8KV", jax.Array, jax.Array]:
+    """Quantizes the block once: the stored bytes and scales, and the values they read as."""
     qk, sk = fp8_quantize(k)
     qv, sv = fp8_quantize(v)
-    return self.replace(
+    entry = self.replace(
       k=_write(self.k, layer, start, fp8_bits(qk)),
       v=_write(self.v, layer, start, fp8_bits(qv)),
       k_scale=_write(self.k_scale, layer, start, sk),
       v_scale=_write(self.v_scale, layer, start, sv),
     )
+    return entry, fp8_dequantize(qk, sk, self.dtype), fp8_dequantize(qv, sv, self.dtype)
 
   def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     k = fp8_values(_read(self.k, layer, offset, size))
@@ -202,9 +196,6 @@ class FP8KV:
       fp8_dequantize(fp8_values(self.k), self.k_scale, self.dtype),
       fp8_dequantize(fp8_values(self.v), self.v_scale, self.dtype),
     )
-
-  def logical_axes(self) -> "FP8KV":
-    return FP8KV(KV_AXES, KV_AXES, SCALE_AXES, SCALE_AXES, self.dtype)
 
 
 KV_FORMATS = {"float": FloatKV, "fp8": FP8KV}
@@ -248,10 +239,6 @@ class DecodingState:
     return self.segments[0].max_len
 
   @property
-  def batch(self) -> int:
-    return self.lengths.shape[0]
-
-  @property
   def kv_format(self) -> str:
     return self.segments[0].format
 
@@ -266,7 +253,3 @@ class DecodingState:
     """Moves an accepted tree path (node indices [B, n], root first) of the block written at
     slots lengths.. to slots lengths..lengths+n-1 in every segment; lengths are unchanged."""
     return self.replace(segments=tuple(s.commit_path(self.lengths, path) for s in self.segments))
-
-  def logical_axes(self) -> "DecodingState":
-    """The same tree with a logical-axes tuple per array (for sharding rules)."""
-    return DecodingState(tuple(s.logical_axes() for s in self.segments), ("batch",))

@@ -72,6 +72,17 @@ def small_target(
   return TargetModel(cfg, random_params(target_lib.param_shapes(cfg), seed, factor))
 
 
+def small_dflash(target: TargetModel, **overrides):
+  """The small DFlash drafter the tests share: 2 layers, block 4, taps (0, 2), mask id 2 (for
+  `small_target(num_layers=3)`); keyword arguments override any setting."""
+  from jaxspec.drafters.dflash import DFlashDrafter  # pylint: disable=import-outside-toplevel
+
+  settings = dict(
+    mask_token_id=2, num_layers=2, block_size=4, target_layer_ids=(0, 2), stddev=0.2, seed=1
+  )
+  return DFlashDrafter.random(target, **{**settings, **overrides})
+
+
 def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
   rng = np.random.default_rng(seed)
   lens = [5, 11, 3, 8][:batch]

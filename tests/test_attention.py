@@ -209,7 +209,7 @@ def test_fp8_attention_equals_attention_over_its_dequantized_values(name, t, mas
   np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
   # The block attends to its own K/V rounded as stored: the same as over a float cache that
   # holds the dequantized values, block included.
-  k_rt, v_rt = kv.stored(k, v)
+  _, k_rt, v_rt = kv.write(jnp.int32(1), start, k, v)
   via_float, _ = attention_lib.attention(
     q, k_rt, v_rt, deq, jnp.int32(1), start, mask, SCALE, "xla", CHUNK
   )

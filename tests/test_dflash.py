@@ -25,6 +25,7 @@ from tests.drafter_models import (
   exact_sequence_probs,
   prompts,
   sampled_pvalue,
+  small_dflash,
   small_target,
 )
 
@@ -38,15 +39,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter(target):
-  return DFlashDrafter.random(
-    target,
-    mask_token_id=MASK,
-    num_layers=2,
-    block_size=4,
-    target_layer_ids=(0, 2),
-    stddev=0.2,
-    seed=1,
-  )
+  return small_dflash(target)
 
 
 @pytest.fixture(scope="module")

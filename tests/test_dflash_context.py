@@ -17,7 +17,6 @@ import pytest
 from jaxspec.drafters.base import PrefillContext
 from jaxspec.drafters.dflash import (
   ContextView,
-  DFlashDrafter,
   block_attention,
   chunked_block_attention,
   context_visibility,
@@ -26,7 +25,7 @@ from jaxspec.drafters.dflash import (
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from tests import near_ties
-from tests.drafter_models import GreedyCheck, prompts, small_target
+from tests.drafter_models import GreedyCheck, prompts, small_dflash, small_target
 
 MASK = 2
 CHUNK = 4  # smaller than the prompts, so every propose reads several chunks
@@ -39,16 +38,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter(target):
-  return DFlashDrafter.random(
-    target,
-    mask_token_id=MASK,
-    num_layers=2,
-    block_size=4,
-    target_layer_ids=(0, 2),
-    stddev=0.2,
-    seed=1,
-    context_chunk=CHUNK,
-  )
+  return small_dflash(target, context_chunk=CHUNK)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from jaxspec.drafters.base import PrefillContext
-from jaxspec.drafters.dflash import DFlashDrafter, target_head
+from jaxspec.drafters.dflash import target_head
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.models import target as target_lib
 from jaxspec.train import drafter_losses as dl
 from jaxspec.train import losses as target_losses
 
-from tests.drafter_models import dflash_reference_logits, small_target
+from tests.drafter_models import dflash_reference_logits, small_dflash, small_target
 
 MASK = 2
 
@@ -84,15 +84,7 @@ def test_training_mask_equals_the_rule(window):
 @pytest.fixture(scope="module")
 def dflash_setup():
   target = small_target(num_layers=3)
-  drafter = DFlashDrafter.random(
-    target,
-    mask_token_id=MASK,
-    num_layers=2,
-    block_size=4,
-    target_layer_ids=(0, 2),
-    stddev=0.2,
-    seed=1,
-  )
+  drafter = small_dflash(target)
   rng = np.random.default_rng(2)
   s = 20
   tokens = rng.integers(3, 64, (2, s)).astype(np.int32)

@@ -112,21 +112,12 @@ def test_feature_drafters_in_tree_mode_equal_plain(kind):
   """DFlash (per-position marginals of one block pass) and EAGLE-3 (top-K of each chain step,
   mapped from a reduced draft vocabulary: tokens outside it are -inf and never nodes)."""
   # pylint: disable=import-outside-toplevel
-  from jaxspec.drafters.dflash import DFlashDrafter
   from jaxspec.drafters.eagle3 import Eagle3Drafter
-  from tests.drafter_models import prompts, small_target
+  from tests.drafter_models import prompts, small_dflash, small_target
 
   if kind == "dflash":
     target = small_target(num_layers=3)
-    drafter = DFlashDrafter.random(
-      target,
-      mask_token_id=2,
-      num_layers=2,
-      block_size=4,
-      target_layer_ids=(0, 2),
-      stddev=0.2,
-      seed=1,
-    )
+    drafter = small_dflash(target)
   else:
     target = small_target(num_layers=4)
     vocab = np.random.default_rng(0).choice(64, 40, replace=False)

@@ -181,8 +181,7 @@ def attention(
   """Writes the block's k/v [B,T,K,D] into `kv` (if any) and attends; returns (out, kv)."""
   if kv is None:
     return attend_xla(q, k, v, None, layer, start, block_mask, scale, chunk), None
-  k_block, v_block = kv.stored(k, v)
-  kv = kv.write(layer, start, k, v)
+  kv, k_block, v_block = kv.write(layer, start, k, v)
   if resolve_impl(impl) == "pallas":
     return attend_pallas(q, kv, layer, start, block_mask, scale), kv
   return attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk), kv

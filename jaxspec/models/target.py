@@ -1,7 +1,7 @@
 """`TargetModel`: a config, its parameters and (optionally) a tokenizer, with jitted forwards.
 
-The forward is a pure function of (params, tokens, start, decoding state); `TargetModel` only bundles what
-belongs together so that notebooks can write `model.logits(ids)` and launch scripts can pass
+The forward is a pure function of (params, tokens, start, decoding state); `TargetModel` only
+bundles what belongs together so that notebooks can write `model.logits(ids)` and launch scripts can pass
 `model.params` and `model.config` into jitted engines.
 """
 
@@ -47,19 +47,17 @@ def forward(
   tokens: jax.Array,
   start: jax.Array | None = None,
   state: DecodingState | None = None,
-  positions: jax.Array | None = None,
-  block_mask: jax.Array | None = None,
-  taps: tuple[int, ...] = (),
-  last_only: bool = False,
+  **options: Any,
 ) -> DecoderOutput:
   """One jitted block forward (prefill, decode or verify) with the decoding state donated.
 
-  `start` may be the state's own `lengths` (the usual decode call): it is copied first, since
-  a donated buffer cannot also be passed as another argument.
+  `options` are `_forward`'s (positions, block_mask, taps, last_only). `start` may be the
+  state's own `lengths` (the usual decode call): it is copied first, since a donated buffer
+  cannot also be passed as another argument.
   """
   if state is not None and start is not None and start is state.lengths:
     start = jnp.copy(start)
-  return _forward(config, params, tokens, start, state, positions, block_mask, taps, last_only)
+  return _forward(config, params, tokens, start, state, **options)
 
 
 def apply_decoder(config: ModelConfig, params: Any, *args, **kwargs) -> DecoderOutput:
