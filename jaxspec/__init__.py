@@ -17,6 +17,7 @@ from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecErro
 from jaxspec.io.hf import load_model, save_hf
 from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.request import Request
 
 __all__ = [
   "CheckpointError",
@@ -37,6 +38,7 @@ __all__ = [
   "MeshConfig",
   "ModelConfig",
   "NgramDrafter",
+  "Request",
   "SpecEngine",
   "TargetModel",
   "load_drafter",

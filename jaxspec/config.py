@@ -8,11 +8,196 @@ supported architectures and rejects anything it does not understand, rather than
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import math
+import numbers
+from typing import Any, Mapping, Sequence
 
 from jaxspec.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
+
+# ModelConfig fields → the config.json key users see, for messages about values read from it.
+_HF_NAMES = {
+  "num_layers": "num_hidden_layers",
+  "num_heads": "num_attention_heads",
+  "num_kv_heads": "num_key_value_heads",
+  "num_mtp_layers": "num_nextn_predict_layers",
+}
+_REQUIRED = object()
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+  return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _show(v: Any) -> str:
+  text = repr(v)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+class HFConfigReader:
+  """Typed reads of one HF `config.json` dict: every bad field is a ConfigError naming it.
+
+  A field that is absent or null takes its default (HF's convention for optional fields); with
+  no default it is required, and `require` names every missing one at once. Integers must be
+  JSON integers (not booleans, not 64.0), floats finite numbers, booleans JSON booleans, so
+  that nothing is silently truncated or coerced (`bool("false")` is True). `what` prefixes the
+  messages (the architecture or drafter kind).
+  """
+
+  def __init__(self, hf: Mapping[str, Any], what: str):
+    if not isinstance(hf, Mapping):
+      raise ConfigError(f"{what}: config.json must hold a JSON object, got {type(hf).__name__}")
+    self.hf = hf
+    self.what = what
+
+  def error(self, msg: str) -> ConfigError:
+    return ConfigError(f"{self.what}: {msg}")
+
+  def has(self, key: str) -> bool:
+    return self.hf.get(key) is not None
+
+  def require(self, *keys: str) -> None:
+    """Raises ConfigError naming the keys that are absent or null."""
+    absent = [k for k in keys if k not in self.hf]
+    null = [k for k in keys if k in self.hf and self.hf[k] is None]
+    parts = []
+    if absent:
+      parts.append(f"missing required field(s): {', '.join(absent)}")
+    if null:
+      parts.append(f"null required field(s): {', '.join(f'{k}=null' for k in null)}")
+    if parts:
+      raise self.error("; ".join(parts))
+
+  def _value(self, key: str, default: Any) -> Any:
+    if self.hf.get(key) is not None:
+      return self.hf[key]
+    if default is _REQUIRED:
+      self.require(key)
+    return default
+
+  def integer(self, key: str, default: Any = _REQUIRED) -> Any:
+    v = self._value(key, default)
+    if v is default:
+      return v
+    if not _is_int(v):
+      raise self.error(f"{key} must be an integer, got {_show(v)}")
+    return int(v)
+
+  def first_integer(self, keys: Sequence[str], default: Any = _REQUIRED) -> Any:
+    """The integer under the first of `keys` that is set (HF's aliases, e.g. num_experts)."""
+    for key in keys:
+      if self.has(key):
+        return self.integer(key)
+    return self.integer(keys[0], default)
+
+  def number(self, key: str, default: Any = _REQUIRED) -> Any:
+    v = self._value(key, default)
+    if v is default:
+      return v
+    if not _is_real(v) or not math.isfinite(v):
+      raise self.error(f"{key} must be a finite number, got {_show(v)}")
+    return float(v)
+
+  def flag(self, key: str, default: Any = _REQUIRED) -> Any:
+    v = self._value(key, default)
+    if v is default:
+      return v
+    if not isinstance(v, bool):
+      raise self.error(f"{key} must be true or false, got {_show(v)}")
+    return v
+
+  def string(self, key: str, default: Any = _REQUIRED) -> Any:
+    v = self._value(key, default)
+    if v is default:
+      return v
+    if not isinstance(v, str):
+      raise self.error(f"{key} must be a string, got {_show(v)}")
+    return v
+
+  def integers(self, key: str, default: Any = _REQUIRED, scalar_ok: bool = False) -> Any:
+    """A list of integers as a tuple (with `scalar_ok`, a lone integer too, as eos_token_id)."""
+    v = self._value(key, default)
+    if v is default:
+      return v
+    if scalar_ok and _is_int(v):
+      return (int(v),)
+    if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
+      kind = "an integer or a list of integers" if scalar_ok else "a list of integers"
+      raise self.error(f"{key} must be {kind}, got {_show(v)}")
+    return tuple(int(x) for x in v)
+
+  def strings(self, key: str, default: Any = _REQUIRED) -> Any:
+    v = self._value(key, default)
+    if v is default:
+      return v
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+      raise self.error(f"{key} must be a list of strings, got {_show(v)}")
+    return tuple(v)
+
+  def mapping(self, key: str) -> dict:
+    """The JSON object under `key` as a dict ({} when absent or null)."""
+    v = self._value(key, None)
+    if v is None:
+      return {}
+    if not isinstance(v, Mapping):
+      raise self.error(f"{key} must be a JSON object, got {_show(v)}")
+    return dict(v)
+
+  def rope(
+    self, default_theta: float = 10000.0, default_partial: float | None = None
+  ) -> tuple[float, float | None]:
+    """(rope_theta, partial_rotary_factor) of a config that must use the default RoPE.
+
+    transformers reads RoPE from `rope_parameters` (v5), the legacy `rope_scaling` (which it
+    prefers when both are set) and the top-level `rope_theta` / `partial_rotary_factor` (used
+    where the dict lacks them); a dict may also be nested per layer type. jaxspec implements
+    only the default RoPE, so any other type in any of these places raises, naming it; and a
+    setting given twice with different values raises too, since whichever a reader picks, the
+    other was meant. `default_partial` None means the architecture ignores the factor (Qwen3),
+    so it is neither read nor checked and None is returned.
+    """
+    sources: list[tuple[str, Mapping[str, Any]]] = []
+    for key in ("rope_parameters", "rope_scaling"):
+      d = self.mapping(key)
+      nested = {k: v for k, v in d.items() if isinstance(v, Mapping)}
+      if nested and len(nested) != len(d):
+        raise self.error(f"{key} mixes per-layer-type entries {sorted(nested)} with flat ones")
+      if nested:
+        sources += [(f"{key}.{k}", v) for k, v in nested.items()]
+      elif d:
+        sources.append((key, d))
+    for label, d in sources:
+      rope_type = d.get("rope_type") or d.get("type") or "default"
+      if rope_type != "default":
+        raise self.error(
+          f"RoPE type {_show(rope_type)} in {label} is not supported (only 'default')"
+        )
+
+    def setting(name: str, default: float) -> float:
+      found = [(f"{label}.{name}", d[name]) for label, d in sources if d.get(name) is not None]
+      if self.has(name):
+        found.append((name, self.hf[name]))
+      for label, v in found:
+        if not _is_real(v) or not math.isfinite(v):
+          raise self.error(f"{label} must be a finite number, got {_show(v)}")
+      if len({float(v) for _, v in found}) > 1:
+        raise self.error(f"conflicting {name}: {', '.join(f'{label}={v}' for label, v in found)}")
+      return float(found[0][1]) if found else default
+
+    theta = setting("rope_theta", default_theta)
+    if not theta > 0:
+      raise self.error(f"rope_theta must be positive, got {theta}")
+    if default_partial is None:
+      return theta, None
+    partial = setting("partial_rotary_factor", default_partial)
+    if not 0 < partial <= 1:
+      raise self.error(f"partial_rotary_factor must be in (0, 1], got {partial}")
+    return theta, partial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +257,7 @@ class ModelConfig:
   param_dtype: str = "float32"
 
   def __post_init__(self):
+    self._check_types()  # before layer_is_moe is derived from num_layers and the sparse step
     if not self.layer_is_moe:
       object.__setattr__(
         self,
@@ -131,8 +317,12 @@ class ModelConfig:
     truncated to its first n entries, or grown by repeating the last layer's kind. Passing
     `layer_is_moe` with `num_layers` uses it as given; it must have one entry per layer.
     """
-    if "num_layers" in changes and "layer_is_moe" not in changes:
-      changes["layer_is_moe"] = self._layer_is_moe_at_depth(int(changes["num_layers"]))
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+    if unknown:
+      raise ConfigError(f"{self.architecture}: unknown ModelConfig field(s) {', '.join(unknown)}")
+    n = changes.get("num_layers")
+    if _is_int(n) and "layer_is_moe" not in changes:
+      changes["layer_is_moe"] = self._layer_is_moe_at_depth(int(n))
     return dataclasses.replace(self, **changes)
 
   def _layer_is_moe_at_depth(self, n: int) -> tuple[bool, ...]:
@@ -151,24 +341,105 @@ class ModelConfig:
       return tuple(i >= first_dense for i in range(n))
     return old[:n] + old[-1:] * max(0, n - len(old))
 
-  def validate(self) -> None:
-    def need(cond: bool, msg: str) -> None:
-      if not cond:
-        raise ConfigError(f"{self.architecture}: {msg}")
+  # Integer fields that must be ≥ 1 and ≥ 0, float fields that must be > 0, boolean fields.
+  _POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "n_group",
+    "topk_group",
+    "decoder_sparse_step",
+    "attention_chunk",
+  )
+  _COUNTS = (
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_shared_experts",
+    "num_mtp_layers",
+  )
+  _POSITIVE_FLOATS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "partial_rotary_factor",
+    "routed_scaling_factor",
+  )
+  _BOOLS = (
+    "attention_bias",
+    "attention_out_bias",
+    "qk_norm",
+    "tie_word_embeddings",
+    "norm_topk_prob",
+  )
 
+  def _need(self, cond: bool, msg: str) -> None:
+    if not cond:
+      raise ConfigError(f"{self.architecture}: {msg}")
+
+  def _name(self, field: str) -> str:
+    """`field`, with its config.json name when that differs (messages reach HF users)."""
+    hf = _HF_NAMES.get(field)
+    return f"{field} ({hf})" if hf else field
+
+  def _check_types(self) -> None:
+    """Every numeric field a real int / finite float / bool: no bools, NaNs or 64.5 sizes."""
+    need = self._need
+    for name in self._POSITIVE_INTS + self._COUNTS:
+      v = getattr(self, name)
+      need(_is_int(v), f"{self._name(name)} must be an integer, got {_show(v)}")
+    for name in self._POSITIVE_FLOATS:
+      v = getattr(self, name)
+      need(_is_real(v) and math.isfinite(v), f"{name} must be a finite number, got {_show(v)}")
+    for name in self._BOOLS:
+      v = getattr(self, name)
+      need(isinstance(v, bool), f"{name} must be True or False, got {_show(v)}")
+    for name in ("pad_token_id", "bos_token_id"):
+      v = getattr(self, name)
+      need(v is None or _is_int(v), f"{name} must be an integer or None, got {_show(v)}")
+    need(
+      isinstance(self.eos_token_ids, tuple) and all(_is_int(t) for t in self.eos_token_ids),
+      f"eos_token_ids must be a tuple of integers, got {_show(self.eos_token_ids)}",
+    )
+    need(
+      isinstance(self.layer_is_moe, (tuple, list)),
+      f"layer_is_moe must be a tuple of booleans, got {_show(self.layer_is_moe)}",
+    )
+
+  def validate(self) -> None:
+    """Raises ConfigError naming the first field that jaxspec cannot run as given."""
+    self._check_types()
+    need = self._need
     need(
       self.architecture in SUPPORTED_ARCHITECTURES,
       f"unsupported architecture; jaxspec supports {', '.join(SUPPORTED_ARCHITECTURES)}",
     )
-    for name in (
-      "vocab_size",
-      "hidden_size",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-    ):
-      need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+    for name in self._POSITIVE_INTS:
+      v = getattr(self, name)
+      need(v > 0, f"{self._name(name)} must be positive, got {v}")
+    for name in self._COUNTS:
+      v = getattr(self, name)
+      need(v >= 0, f"{self._name(name)} must be ≥ 0, got {v}")
+    for name in self._POSITIVE_FLOATS:
+      v = getattr(self, name)
+      need(v > 0, f"{name} must be positive, got {v}")
+    need(
+      self.partial_rotary_factor <= 1,
+      f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}",
+    )
+    need(
+      all(t >= 0 for t in self.eos_token_ids),
+      f"eos token ids must be ≥ 0, got {list(self.eos_token_ids)}",
+    )
+    dense_mlp = not all(self.layer_is_moe) or (self.num_mtp_layers and not self.mtp_is_moe)
+    need(
+      self.intermediate_size > 0 or not dense_mlp,
+      f"intermediate_size must be positive for the dense MLP layers, got {self.intermediate_size}",
+    )
     need(
       self.num_heads % self.num_kv_heads == 0,
       f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
@@ -210,7 +481,12 @@ class ModelConfig:
       f"unknown attention_impl {self.attention_impl!r} (expected 'auto', 'xla' or 'pallas')",
     )
     need(self.attention_chunk >= 1, f"attention_chunk must be ≥ 1, got {self.attention_chunk}")
-    need(self.dtype in ("float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}")
+    for name in ("dtype", "param_dtype"):
+      v = getattr(self, name)
+      need(
+        v in ("float32", "bfloat16", "float16"),
+        f"unsupported {name} {_show(v)} (expected 'float32', 'bfloat16' or 'float16')",
+      )
     if self.is_moe:
       need(
         0 < self.num_experts_per_tok <= self.num_experts,
@@ -234,94 +510,104 @@ class ModelConfig:
 
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
-    """Builds a ModelConfig from a HF `config.json` dict; raises ConfigError on what it can't run."""
+    """Builds a ModelConfig from a HF `config.json` dict; raises ConfigError on what it can't run.
+
+    Every field is type-checked as it is read (see `HFConfigReader`): vocab_size, hidden_size,
+    num_hidden_layers, num_attention_heads and intermediate_size are required, the rest default
+    as in transformers when absent or null. RoPE must be the default type everywhere the config
+    can state it, with no two conflicting values (`HFConfigReader.rope`). `overrides` are
+    ModelConfig fields applied last; the result is validated as a whole.
+    """
+    if not isinstance(hf, Mapping):
+      raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
     archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+    if (
+      not isinstance(archs, (list, tuple))
+      or len(archs) != 1
+      or archs[0] not in SUPPORTED_ARCHITECTURES
+    ):
       raise ConfigError(
-        f"unsupported architectures {archs!r} in config.json; jaxspec supports exactly one of "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"unsupported architectures {_show(archs)} in config.json; jaxspec supports exactly one "
+        f"of {', '.join(SUPPORTED_ARCHITECTURES)}"
       )
     arch = archs[0]
-
-    def get(key: str, default: Any = None) -> Any:
-      return hf[key] if hf.get(key) is not None else default
-
-    rope = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-      raise ConfigError(f"{arch}: RoPE type {rope_type!r} is not supported (only 'default')")
-    rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
-    # Qwen3 rotates whole heads whatever the config says; GLM defaults to half (HF semantics).
-    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.5))
-
-    hidden = int(hf["hidden_size"])
-    heads = int(hf["num_attention_heads"])
-    num_layers = int(hf["num_hidden_layers"])
-    if get("use_sliding_window", False) or any(
-      t != "full_attention" for t in (get("layer_types", None) or [])
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ConfigError(f"{arch}: unknown ModelConfig field(s) {', '.join(unknown)} in overrides")
+    r = HFConfigReader(hf, arch)
+    r.require(
+      "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"
+    )
+    if r.flag("use_sliding_window", False) or any(
+      t != "full_attention" for t in r.strings("layer_types", ())
     ):
-      raise ConfigError(f"{arch}: sliding-window attention layers are not supported")
-    if get("hidden_act", "silu") != "silu":
-      raise ConfigError(f"{arch}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+      raise r.error("sliding-window attention layers are not supported")
+    if r.string("hidden_act", "silu") != "silu":
+      raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+    qwen = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    # Qwen3 rotates whole heads whatever the config says; GLM defaults to half (HF semantics).
+    rope_theta, partial = r.rope(10000.0, None if qwen else 0.5)
 
-    eos = get("eos_token_id", None)
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    hidden = r.integer("hidden_size")
+    heads = r.integer("num_attention_heads")
+    num_layers = r.integer("num_hidden_layers")
     kw: dict[str, Any] = dict(
       architecture=arch,
-      vocab_size=int(hf["vocab_size"]),
+      vocab_size=r.integer("vocab_size"),
       hidden_size=hidden,
       num_layers=num_layers,
       num_heads=heads,
-      num_kv_heads=int(get("num_key_value_heads", heads)),
-      head_dim=int(get("head_dim", hidden // heads)),
-      intermediate_size=int(get("intermediate_size", 0)),
-      rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-      rope_theta=float(rope_theta),
-      partial_rotary_factor=float(partial),
-      attention_bias=bool(get("attention_bias", False)),
-      tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-      max_position_embeddings=int(get("max_position_embeddings", 32768)),
-      eos_token_ids=eos_ids,
-      pad_token_id=get("pad_token_id", None),
-      bos_token_id=get("bos_token_id", None),
+      num_kv_heads=r.integer("num_key_value_heads", heads),
+      head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
+      intermediate_size=r.integer("intermediate_size"),
+      rms_norm_eps=r.number("rms_norm_eps", 1e-6),
+      rope_theta=rope_theta,
+      partial_rotary_factor=1.0 if qwen else partial,
+      attention_bias=r.flag("attention_bias", False),
+      tie_word_embeddings=r.flag("tie_word_embeddings", False),
+      max_position_embeddings=r.integer("max_position_embeddings", 32768),
+      eos_token_ids=r.integers("eos_token_id", (), scalar_ok=True),
+      pad_token_id=r.integer("pad_token_id", None),
+      bos_token_id=r.integer("bos_token_id", None),
+      num_mtp_layers=r.first_integer(("num_nextn_predict_layers", "num_mtp_layers"), 0),
     )
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-      kw.update(attention_out_bias=kw["attention_bias"], partial_rotary_factor=1.0)
-    if arch == "Qwen3ForCausalLM":
-      kw.update(qk_norm=True)
-    elif arch == "Qwen3MoeForCausalLM":
-      experts = int(get("num_experts", get("num_local_experts", 0)))
-      sparse_step = int(get("decoder_sparse_step", 1))
-      mlp_only = set(get("mlp_only_layers", []) or [])
+    if qwen:
+      kw.update(attention_out_bias=kw["attention_bias"], qk_norm=True)
+    if arch == "Qwen3MoeForCausalLM":
+      experts = r.first_integer(("num_experts", "num_local_experts"), 0)
+      sparse_step = r.integer("decoder_sparse_step", 1)
+      if experts > 0 and sparse_step < 1:
+        raise r.error(f"decoder_sparse_step must be positive, got {sparse_step}")
+      mlp_only = set(r.integers("mlp_only_layers", ()))
       kw.update(
-        qk_norm=True,
         num_experts=experts,
-        num_experts_per_tok=int(get("num_experts_per_tok", 0)),
-        moe_intermediate_size=int(get("moe_intermediate_size", 0)),
+        num_experts_per_tok=r.integer("num_experts_per_tok", 0),
+        moe_intermediate_size=r.integer("moe_intermediate_size", 0),
         router="softmax",
-        norm_topk_prob=bool(get("norm_topk_prob", False)),
+        norm_topk_prob=r.flag("norm_topk_prob", False),
         decoder_sparse_step=sparse_step if experts > 0 else 1,
         layer_is_moe=tuple(
           (i not in mlp_only) and experts > 0 and (i + 1) % sparse_step == 0
           for i in range(num_layers)
         ),
       )
-    else:  # Glm4MoeForCausalLM
-      first_dense = int(get("first_k_dense_replace", 1))
+    elif arch == "Glm4MoeForCausalLM":
+      first_dense = r.integer("first_k_dense_replace", 1)
+      if first_dense < 0:
+        raise r.error(f"first_k_dense_replace must be ≥ 0, got {first_dense}")
       kw.update(
-        qk_norm=bool(get("use_qk_norm", False)),
-        num_experts=int(get("n_routed_experts", get("num_local_experts", 0))),
-        num_experts_per_tok=int(get("num_experts_per_tok", 0)),
-        moe_intermediate_size=int(get("moe_intermediate_size", 0)),
+        qk_norm=r.flag("use_qk_norm", False),
+        num_experts=r.first_integer(("n_routed_experts", "num_local_experts"), 0),
+        num_experts_per_tok=r.integer("num_experts_per_tok", 0),
+        moe_intermediate_size=r.integer("moe_intermediate_size", 0),
         router="sigmoid",
-        norm_topk_prob=bool(get("norm_topk_prob", True)),
-        n_group=int(get("n_group", 1)),
-        topk_group=int(get("topk_group", 1)),
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
-        n_shared_experts=int(get("n_shared_experts", 0)),
+        norm_topk_prob=r.flag("norm_topk_prob", True),
+        n_group=r.integer("n_group", 1),
+        topk_group=r.integer("topk_group", 1),
+        routed_scaling_factor=r.number("routed_scaling_factor", 1.0),
+        n_shared_experts=r.integer("n_shared_experts", 0),
         layer_is_moe=tuple(i >= first_dense for i in range(num_layers)),
       )
-    kw["num_mtp_layers"] = int(get("num_nextn_predict_layers", get("num_mtp_layers", 0)))
     kw.update(overrides)
     return cls(**kw)
 

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxspec.errors import ConfigError
 
 # --- Names -----------------------------------------------------------------
 
@@ -104,7 +105,7 @@ def _as_mesh_axes(value: Any) -> MeshAxes:
     return value
   if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
     return tuple(value)
-  raise ValueError(f"a rule's mesh axes must be None, a name or a tuple of names; got {value!r}")
+  raise ConfigError(f"a rule's mesh axes must be None, a name or a tuple of names; got {value!r}")
 
 
 def rules_from(config: Any = None) -> Rules:
@@ -133,7 +134,9 @@ def rules_from(config: Any = None) -> Rules:
   out = []
   for rule in rules:
     if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-      raise ValueError(f"each sharding rule must be a (logical_name, mesh_axes) pair; got {rule!r}")
+      raise ConfigError(
+        f"each sharding rule must be a (logical_name, mesh_axes) pair; got {rule!r}"
+      )
     out.append((rule[0], _as_mesh_axes(rule[1])))
   return tuple(out)
 
@@ -150,15 +153,15 @@ def mesh_shape(config: Any) -> dict[str, int]:
   if isinstance(config, Mapping):
     unknown = sorted(set(config) - set(MESH_AXES) - {"rules"})
     if unknown:
-      raise ValueError(f"unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}")
+      raise ConfigError(f"unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}")
     shape = {a: config.get(a, 1) for a in MESH_AXES}
   else:
     shape = {a: getattr(config, a, 1) for a in MESH_AXES}
   for axis, size in shape.items():
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-      raise ValueError(f"mesh axis {axis!r} must be an int; got {size!r}")
+      raise ConfigError(f"mesh axis {axis!r} must be an int; got {size!r}")
     if size < 1 and size != -1:
-      raise ValueError(
+      raise ConfigError(
         f"mesh axis {axis!r} must be >= 1 (or -1 for 'all remaining devices'); got {size}"
       )
   return {a: int(s) for a, s in shape.items()}
@@ -187,11 +190,11 @@ def make_mesh(shape: Any, devices: Optional[Sequence[Any]] = None) -> Mesh:
   n = len(devices)
   fill = [a for a, s in sizes.items() if s == -1]
   if len(fill) > 1:
-    raise ValueError(f"at most one mesh axis may be -1; got {sizes}")
+    raise ConfigError(f"at most one mesh axis may be -1; got {sizes}")
   if fill:
     rest = math.prod(s for s in sizes.values() if s != -1)
     if n % rest:
-      raise ValueError(
+      raise ConfigError(
         f"cannot fill mesh axis {fill[0]!r}: {n} devices are not divisible "
         f"by the other axes' product {rest} ({sizes})"
       )
@@ -206,7 +209,7 @@ def make_mesh(shape: Any, devices: Optional[Sequence[Any]] = None) -> Mesh:
         f" On CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
         f"{total} before jax is imported to get {total} virtual devices."
       )
-    raise ValueError(
+    raise ConfigError(
       f"mesh {desc} needs {total} devices but {n} {platform} device(s) are "
       f"available; the product of the mesh axes must equal the device "
       f"count.{hint}"
@@ -229,7 +232,7 @@ def _check_rules_against_mesh(rules: Rules, sizes: Mapping[str, int]) -> None:
     names = (axes,) if isinstance(axes, str) else (axes or ())
     missing = [a for a in names if a not in sizes]
     if missing:
-      raise ValueError(
+      raise ConfigError(
         f"sharding rule ({logical!r}, {axes!r}) names mesh axes {missing} "
         f"that the mesh does not have (mesh axes: {list(sizes)})"
       )
@@ -271,13 +274,13 @@ def logical_to_spec(
     return PartitionSpec()
   names = tuple(logical_axes)
   if shape is not None and len(names) > len(shape):
-    raise ValueError(
+    raise ConfigError(
       f"logical axes {names} have {len(names)} entries but the array has "
       f"rank {len(shape)} (shape {tuple(shape)})"
     )
   dups = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
   if dups:
-    raise ValueError(f"logical axis names {dups} occur more than once in {names}")
+    raise ConfigError(f"logical axis names {dups} occur more than once in {names}")
   sizes = None
   unavailable: set[str] = set()
   if mesh is not None:
@@ -409,7 +412,7 @@ def shardings_for(
   rules = _resolve_rules(rules)
   if logical_tree is None:
     if not _has_boxes(shapes_tree):
-      raise ValueError(
+      raise ConfigError(
         "logical_tree is None but shapes_tree has no nn.Partitioned boxes "
         "to read logical axis names from"
       )
@@ -422,7 +425,7 @@ def shardings_for(
     try:
       mesh_spec = logical_to_spec(spec, rules, shape=shape, mesh=mesh)
     except ValueError as e:
-      raise ValueError(f"at {jax.tree_util.keystr(path)}: {e}") from None
+      raise ConfigError(f"at {jax.tree_util.keystr(path)}: {e}") from None
     return NamedSharding(mesh, mesh_spec)
 
   return jax.tree_util.tree_map_with_path(

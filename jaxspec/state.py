@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jaxspec.errors import ConfigError
 
 # Logical axes of an attention entry's K/V arrays and of the FP8 scales (for sharding rules).
 KV_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
@@ -225,7 +226,7 @@ class DecodingState:
     """A zero state for `config`'s main stack (or for runs of `segment_layers` layers, e.g.
     (1,) for one MTP or drafter layer)."""
     if kv_format not in KV_FORMATS:
-      raise ValueError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
+      raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
     if segment_layers is None:
       segment_layers = tuple(n for _, n, _ in config.segments())
     kind = KV_FORMATS[kv_format]

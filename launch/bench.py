@@ -34,6 +34,8 @@ import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
+from jaxspec.errors import ConfigError
+from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.io import hf as hf_io  # pylint: disable=wrong-import-position
 from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.speculative import engine as engine_lib  # pylint: disable=wrong-import-position
@@ -262,7 +264,7 @@ def write_random_models(
     draft_model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**draft_kw, **common))
     randomize(draft_model, seed + 11, None)
   else:
-    raise ValueError(f"draft must be 'truncated' or 'qwen3', got {draft!r}")
+    raise ConfigError(f"draft must be 'truncated' or 'qwen3', got {draft!r}")
   dirs = []
   for name, model in (("target", target), ("draft", draft_model.float().eval())):
     path = os.path.join(out_dir, name)
@@ -413,7 +415,7 @@ class HFRunner:
       hf_io.enable_transformers_mtp(model)
       self.kwargs["use_mtp"] = True
     elif mode != "generate":
-      raise ValueError(f"unknown transformers mode {mode!r}")
+      raise ConfigError(f"unknown transformers mode {mode!r}")
 
   def _count(self, *unused) -> None:
     self.passes += 1
@@ -645,21 +647,21 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   """Runs the whole benchmark; returns the results dict (also written to cfg.out if set)."""
   for m in cfg.methods:
     if m not in registry.METHODS:
-      raise ValueError(f"unknown method {m!r}; choose from {registry.METHODS}")
+      raise ConfigError(f"unknown method {m!r}; choose from {registry.METHODS}")
   for m in ("draft_model", "dflash", "eagle3"):
     if m in list(cfg.methods) + list(cfg.tree_methods if cfg.tree_budgets else ()):
       if not cfg.drafter_dir(m):
-        raise ValueError(f"method {m} needs a drafter directory (--{m})")
+        raise ConfigError(f"method {m} needs a drafter directory (--{m})")
   methods = ["plain"] + [m for m in cfg.methods if m != "plain"]  # plain is the baseline
   load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
   target = jaxspec.load_model(cfg.model)
   if target.tokenizer is None and cfg.prompts is None:
-    raise ValueError(f"{cfg.model} has no tokenizer.json: text prompts cannot be encoded")
+    raise ConfigError(f"{cfg.model} has no tokenizer.json: text prompts cannot be encoded")
   draft = jaxspec.load_model(cfg.draft_model) if "draft_model" in methods else None
   texts = load_prompts(cfg)
   if not texts:
-    raise ValueError("no prompts")
+    raise ConfigError("no prompts")
   prompts = [target.tokenizer.encode(t) for t in texts]
   drafters: dict[str, Any] = {}
   for m in dict.fromkeys(methods + (list(cfg.tree_methods) if cfg.tree_budgets else [])):
@@ -667,7 +669,11 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
       drafters[m] = jaxspec.DraftModelDrafter.from_model(draft, gamma=cfg.gamma)
     else:
       drafters[m] = registry.make_drafter(
-        m, target, gamma=cfg.gamma, ngram_n=cfg.ngram_n, draft_dir=cfg.drafter_dir(m)
+        m,
+        target,
+        gamma=None if m == "dflash" else cfg.gamma,  # DFlash drafts its trained block
+        ngram_n=cfg.ngram_n,
+        draft_dir=cfg.drafter_dir(m),
       )
   lookahead = max(
     [cfg.gamma] + [d.gamma for d in drafters.values() if d is not None] + list(cfg.tree_budgets)
@@ -675,7 +681,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   need = max(len(p) for p in prompts) + cfg.max_new_tokens + lookahead + 1
   max_len = cfg.max_len or -(-need // 64) * 64
   if need > max_len:
-    raise ValueError(f"max_len={max_len} is too small: the longest prompt needs {need}")
+    raise ConfigError(f"max_len={max_len} is too small: the longest prompt needs {need}")
 
   torch_threads = None
   hf_models = None
@@ -944,4 +950,4 @@ def _main(model: Optional[str], draft: Optional[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

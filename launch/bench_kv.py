@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Sequence
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +30,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
+from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 from jaxspec.train import data as data_lib  # pylint: disable=wrong-import-position
 
@@ -131,4 +132,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -9,13 +9,14 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
+from jaxspec import cli  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("layers", ["2", "16"], "Depths to compare.")
@@ -73,4 +74,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # pylint: disable=wrong-import-position
 
+from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.io import checkpoint  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -39,4 +40,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -5,6 +5,7 @@ weights it falls back to a tiny random model (configs/tiny_random.py) so the com
 
   python launch/generate.py --prompt "def fib(n):"
   python launch/generate.py --model=/path/to/hf_dir --method=ngram --temperature=0.8
+  python launch/generate.py --model=/path/to/hf_dir_without_tokenizer --prompt_ids=1,2,3
   python launch/generate.py --mesh=data=1,expert=2,tensor=1   # needs 2 devices
 """
 
@@ -13,14 +14,14 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
-from jaxspec import sharding  # pylint: disable=wrong-import-position
+from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
 from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 
@@ -40,8 +41,24 @@ flags.DEFINE_string(
 )
 flags.DEFINE_enum("verify", "auto", ("auto", "chain", "tree"), "Chain or DDTree verification.")
 flags.DEFINE_integer("tree_budget", 0, "Draft nodes per tree (0 = the measured default).")
-flags.DEFINE_integer("gamma", 4, "Draft tokens per step.")
-flags.DEFINE_string("prompt", "def fib(n):", "The prompt.")
+flags.DEFINE_integer(
+  "gamma",
+  None,
+  "Draft tokens per step (default: the method's own: 4 for chains; DFlash: block_size - 1).",
+  lower_bound=1,
+)
+flags.DEFINE_string("prompt", "def fib(n):", "The prompt (text; needs the model's tokenizer).")
+flags.DEFINE_list(
+  "prompt_ids",
+  None,
+  "The prompt as comma-separated token ids (instead of --prompt; works without a tokenizer).",
+)
+flags.DEFINE_bool(
+  "parse_special",
+  False,
+  "Read special-token strings typed in --prompt (say <|endoftext|>) as the control tokens; "
+  "by default the prompt is plain text.",
+)
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "0 = off.")
@@ -55,12 +72,47 @@ flags.DEFINE_bool("compare_plain", True, "Also run plain decoding and print the 
 ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 
 
+MESH_FORM = "name=size pairs over data, expert and tensor, e.g. data=1,expert=2,tensor=1"
+
+
 def _parse_mesh(spec: str) -> dict[str, int]:
+  """--mesh as {axis: size}; a malformed value is a ConfigError naming the expected form."""
   out = {}
   for part in spec.split(","):
-    name, _, value = part.partition("=")
-    out[name.strip()] = int(value)
-  return out
+    name, eq, value = part.partition("=")
+    try:
+      out[name.strip()] = int(value)
+    except ValueError:
+      raise jaxspec.ConfigError(f"--mesh={spec}: expected {MESH_FORM}") from None
+    if not eq or not name.strip():
+      raise jaxspec.ConfigError(f"--mesh={spec}: expected {MESH_FORM}")
+  try:
+    return sharding.mesh_shape(out)
+  except ValueError as e:
+    raise jaxspec.ConfigError(f"--mesh={spec}: {e}") from None
+
+
+def _prompt(target: jaxspec.TargetModel, source: str) -> tuple[str | list[int], str]:
+  """(the prompt for the engine, how to print it) from --prompt or --prompt_ids."""
+  if FLAGS.prompt_ids is not None:
+    if FLAGS["prompt"].present:
+      raise jaxspec.ConfigError("pass --prompt or --prompt_ids, not both")
+    try:
+      ids = [int(i) for i in FLAGS.prompt_ids]
+    except ValueError:
+      raise jaxspec.InputError(
+        f"--prompt_ids must be comma-separated integers, got {','.join(FLAGS.prompt_ids)!r}"
+      ) from None
+    if not ids:
+      raise jaxspec.InputError("--prompt_ids is empty")
+    shown = target.tokenizer.decode(ids) if target.tokenizer is not None else str(ids)
+    return ids, shown
+  if target.tokenizer is None:
+    raise jaxspec.InputError(
+      f"the model ({source}) has no tokenizer (tokenizer.json) to encode --prompt: "
+      "pass the prompt as token ids, e.g. --prompt_ids=1,2,3"
+    )
+  return FLAGS.prompt, FLAGS.prompt
 
 
 def _tiny_random() -> jaxspec.TargetModel:
@@ -136,11 +188,12 @@ def main(argv):
   del argv
   mesh_shape = _parse_mesh(FLAGS.mesh)
   target, source = load_target()
-  n_dev = 1
-  for v in mesh_shape.values():
-    n_dev *= v
-  if n_dev > 1:
-    mesh = sharding.make_mesh(mesh_shape)
+  prompt, shown = _prompt(target, source)
+  if any(v != 1 for v in mesh_shape.values()):
+    try:
+      mesh = sharding.make_mesh(mesh_shape)
+    except ValueError as e:  # more or fewer devices than the mesh needs
+      raise jaxspec.ConfigError(f"--mesh={FLAGS.mesh}: {e}") from None
     target = jaxspec.TargetModel(
       target.config,
       sharding.shard_tree(target.params, target_lib.logical_axes(target.config), mesh),
@@ -164,15 +217,16 @@ def main(argv):
     top_k=FLAGS.top_k,
     top_p=FLAGS.top_p,
     seed=FLAGS.seed,
+    parse_special=FLAGS.parse_special,
   )
-  prompt = [FLAGS.prompt] if target.tokenizer is not None else [[1, 2, 3]]
+  prompts = [prompt]
 
   spec_engine = jaxspec.SpecEngine(target, drafter, cfg)
-  spec_engine.generate(prompt, **sample)  # compile
-  out = spec_engine.generate(prompt, **sample)
-  text = out.texts[0] if out.texts else str(out.tokens[0])
+  spec_engine.generate(prompts, **sample)  # compile
+  out = spec_engine.generate(prompts, **sample)
+  text = out.texts[0] if out.texts else f" + {out.tokens[0]}"
   print("-" * 72)
-  print(FLAGS.prompt + text)
+  print(shown + text)
   print("-" * 72)
   st = out.stats
   print(
@@ -185,8 +239,8 @@ def main(argv):
       None,
       jaxspec.EngineConfig(method="plain", max_len=FLAGS.max_len, kv_format=FLAGS.kv_format),
     )
-    plain_engine.generate(prompt, **sample)
-    plain = plain_engine.generate(prompt, **sample)
+    plain_engine.generate(prompts, **sample)
+    plain = plain_engine.generate(prompts, **sample)
     speedup = st.tokens_per_second / max(plain.stats.tokens_per_second, 1e-9)
     same = "identical" if plain.tokens == out.tokens else "different (sampled)"
     print(
@@ -195,4 +249,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

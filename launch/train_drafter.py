@@ -27,6 +27,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from jaxspec import cli
+
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "A drafter config, e.g. configs/tiny_code.py:dflash.", lock_config=True
 )
@@ -51,7 +53,11 @@ def main(argv):
   from jaxspec.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   from jaxspec.train import distill, drafter_trainer  # pylint: disable=import-outside-toplevel
 
-  config = _CONFIG.value
+  config = cli.config_value(_CONFIG)
+  required = ["method", "drafter", "distill", "val_distill", "distill_dir", "train"]
+  required += [n for n, v in (("target_dir", _TARGET_DIR), ("workdir", _WORKDIR)) if not v.value]
+  required += ["export_dir"] if _EXPORT_DIR.value is None else []
+  cli.require_fields(_CONFIG, config, required, "a drafter config", "configs/tiny_code.py:dflash")
   target_dir = _TARGET_DIR.value or config.target_dir
   if not target_dir:
     raise app.UsageError("this config names no target: pass --target_dir")
@@ -91,7 +97,7 @@ def main(argv):
       int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(drafter.params["draft"])
     )
     summary = {
-      "config": config.name,
+      "config": config.get("name", ""),
       "method": config.method,
       "step": step,
       "trainable_params": n_params,
@@ -109,4 +115,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  cli.run(main)

@@ -20,10 +20,11 @@ import json
 import os
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from jaxspec import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "A named config file, e.g. configs/tiny_code.py:target.", lock_config=True
@@ -69,7 +70,10 @@ def main(argv):
   from jaxspec.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   from jaxspec.train import trainer  # pylint: disable=import-outside-toplevel
 
-  config = _CONFIG.value
+  config = cli.config_value(_CONFIG)
+  required = ["model", "train"] + (["workdir"] if not _WORKDIR.value else [])
+  required += ["export_dir"] if _EXPORT_DIR.value is None else []
+  cli.require_fields(_CONFIG, config, required, "a model config", "configs/tiny_code.py:target")
   workdir = _WORKDIR.value or config.workdir
   export_dir = config.export_dir if _EXPORT_DIR.value is None else _EXPORT_DIR.value
   model_config = trainer.model_config_from(config.model)
@@ -85,7 +89,7 @@ def main(argv):
     result = trainer.train(model_config, tc, workdir, tokenizer, progress=_PROGRESS.value)
     params, step = result.params, result.step
     summary = {
-      "config": config.name,
+      "config": config.get("name", ""),
       "architecture": model_config.architecture,
       "step": step,
       "params": trainer.count_params(model_config, params),
@@ -108,4 +112,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  cli.run(main)

@@ -26,6 +26,7 @@ from tokenizers import models
 from tokenizers import pre_tokenizers
 from tokenizers import trainers
 
+from jaxspec import cli
 from jaxspec.io import tokenizer as tok_lib
 from jaxspec.train import data
 
@@ -140,4 +141,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -10,7 +10,6 @@ import glob
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator, event_file_loader
+from tensorboard.compat.proto import event_pb2
 
 from configs import tiny_code
 from jaxspec.io.tokenizer import Tokenizer
@@ -109,40 +110,43 @@ def test_optimizer_freezes_bias_and_decays_only_matrices(name, tiny_params):
 # ---- metrics files -------------------------------------------------------------------------------
 
 
-def test_crc32c_known_vector():
-  assert metrics_writer.crc32c(b"123456789") == 0xE3069283
+def _events(path: str) -> list:
+  """The events of one event file, as TensorBoard's own loader reads them."""
+  return list(event_file_loader.LegacyEventFileLoader(path).Load())
 
 
 def test_event_file_is_readable_by_tensorboard(tmp_path):
   with metrics_writer.MetricsWriter(str(tmp_path)) as w:
     w.write_scalars(3, {"train/loss": 2.5, "train/lr": 1e-3})
     w.write_scalars(7, {"train/loss": 1.25})
-  # Check the TFRecord framing and CRCs ourselves ...
-  blob = open(w.path, "rb").read()
-  records, pos = [], 0
-  while pos < len(blob):
-    (n,) = struct.unpack("<Q", blob[pos : pos + 8])
-    assert struct.unpack("<I", blob[pos + 8 : pos + 12])[0] == metrics_writer._masked_crc(
-      blob[pos : pos + 8]
-    )
-    payload = blob[pos + 12 : pos + 12 + n]
-    assert struct.unpack("<I", blob[pos + 12 + n : pos + 16 + n])[0] == metrics_writer._masked_crc(
-      payload
-    )
-    records.append(payload)
-    pos += 16 + n
-  assert len(records) == 3
+  assert glob.glob(str(tmp_path / "events.out.tfevents.*")) == [w.path]
+  events = _events(w.path)
+  assert [e.WhichOneof("what") for e in events] == ["file_version", "summary", "summary"]
+  assert events[0].file_version == "brain.Event:2"
+  assert [[v.tag for v in e.summary.value] for e in events[1:]] == [
+    ["train/loss", "train/lr"],
+    ["train/loss"],
+  ]
   lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert lines == [
     {"step": 3, "train/loss": 2.5, "train/lr": 1e-3},
     {"step": 7, "train/loss": 1.25},
   ]
-  # ... and with TensorBoard's own reader when it is installed.
-  ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-  acc = ea.EventAccumulator(str(tmp_path))
+  acc = event_accumulator.EventAccumulator(str(tmp_path))
   acc.Reload()
   assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(3, 2.5), (7, 1.25)]
   assert acc.Scalars("train/lr")[0].value == pytest.approx(1e-3)
+
+
+def test_flush_puts_the_events_on_disk(tmp_path):
+  """The trainer flushes before each checkpoint: what was written is then in the file."""
+  w = metrics_writer.MetricsWriter(str(tmp_path), resume_step=0)
+  try:
+    w.write_scalars(1, {"train/loss": 1.0})
+    w.flush()
+    assert [e.step for e in _events(w.path)] == [0, 1, 1]
+  finally:
+    w.close()
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -235,3 +239,171 @@ def test_sigkill_and_resume_reaches_the_uninterrupted_parameters(tmp_path):
     jax.tree_util.tree_leaves_with_path(p_ref), jax.tree_util.tree_leaves(p_res)
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+# ---- interruption and resume ---------------------------------------------------------------------
+
+
+def _event_steps(path: str) -> list[tuple[int, bool]]:
+  """(step, is a SessionLog START) of each event of an event file."""
+  start = event_pb2.SessionLog.START
+  return [
+    (e.step, e.HasField("session_log") and e.session_log.status == start) for e in _events(path)
+  ]
+
+
+def test_resumed_metrics_drop_the_rows_past_the_checkpoint(tmp_path):
+  with metrics_writer.MetricsWriter(str(tmp_path), resume_step=0) as w:
+    for step in (2, 4, 6):
+      w.write_scalars(step, {"train/loss": float(step)})
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 8, "train/lo')  # a row cut short by SIGKILL
+  with metrics_writer.MetricsWriter(str(tmp_path), resume_step=4) as w:
+    assert w.dropped_rows == 2
+    w.write_scalars(6, {"train/loss": 60.0})
+  lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert lines == [
+    {"step": 2, "train/loss": 2.0},
+    {"step": 4, "train/loss": 4.0},
+    {"step": 6, "train/loss": 60.0},
+  ]
+  # TensorBoard drops the events of steps ≥ 5 read before a SessionLog START at step 5 ...
+  assert _event_steps(w.path) == [(0, False), (5, True), (6, False)]
+  assert sorted(glob.glob(str(tmp_path / "events.out.tfevents.*")))[-1] == w.path  # read last
+  acc = event_accumulator.EventAccumulator(str(tmp_path))  # ... as its own reader confirms.
+  acc.Reload()
+  assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(2, 2.0), (4, 4.0), (6, 60.0)]
+
+
+def _toy_loop(workdir: str, total: int, on_step=lambda step: None, wrap_save=None):
+  """run_loop on a model-free state (params: a counter), checkpoints every 4 steps."""
+  state = {
+    "step": jnp.int32(0),
+    "params": jnp.zeros(3),
+    "best_val": jnp.float32(jnp.inf),
+    "bad_evals": jnp.int32(0),
+  }
+  manager = trainer.checkpoint_manager(workdir)
+  if wrap_save is not None:
+    manager.save = wrap_save(manager.save)
+  state, restored = trainer.restore_latest(manager, state)
+  start = 0 if restored is None else int(state["step"])
+
+  def train_step(s, batch):
+    del batch
+    on_step(int(s["step"]) + 1)
+    return dict(s, step=s["step"] + 1, params=s["params"] + 1), {"loss": jnp.float32(1.0)}
+
+  return trainer.run_loop(
+    state,
+    train_step,
+    lambda s: None,
+    lambda params: {"lm_loss": 1.0},
+    manager,
+    workdir=workdir,
+    total=total,
+    start=start,
+    per_epoch=100,
+    tokens_per_step=1,
+    eval_every=1000,
+    loop=trainer.LoopConfig(log_every=1, checkpoint_every=4),
+    progress=False,
+  )
+
+
+def _ctrl_c():
+  os.kill(os.getpid(), signal.SIGINT)
+
+
+def _train_rows(workdir) -> list[int]:
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "tb", "metrics.jsonl"))]
+  return [r["step"] for r in rows if "train/loss" in r]
+
+
+def test_ctrl_c_checkpoints_the_step_and_resume_logs_each_step_once(tmp_path):
+  workdir = str(tmp_path)
+  handler = signal.getsignal(signal.SIGINT)
+  # Ctrl-C during step 6: the step completes, is checkpointed, and training stops.
+  with pytest.raises(trainer.TrainingInterrupted, match="stopped at step 6") as e:
+    _toy_loop(workdir, 10, on_step=lambda s: s == 6 and _ctrl_c())
+  assert isinstance(e.value, KeyboardInterrupt) and e.value.step == 6
+  assert signal.getsignal(signal.SIGINT) is handler  # restored
+  assert _steps(workdir) == [4, 6] and _train_rows(workdir) == [1, 2, 3, 4, 5, 6]
+  # A second Ctrl-C stops at once, inside step 9: the last checkpoint is step 8's.
+  with pytest.raises(KeyboardInterrupt) as e:
+    _toy_loop(workdir, 12, on_step=lambda s: s == 9 and (_ctrl_c(), _ctrl_c()))
+  assert not isinstance(e.value, trainer.TrainingInterrupted)
+  assert _steps(workdir) == [6, 8] and _train_rows(workdir) == list(range(1, 9))
+  # Rows past the checkpoint, as a process killed after logging steps 9 and 10 leaves them ...
+  with open(os.path.join(workdir, "tb", "metrics.jsonl"), "a") as f:
+    f.writelines(json.dumps({"step": s, "train/loss": -1.0}) + "\n" for s in (9, 10))
+  # ... are dropped by the resumed run, which logs steps 9-12 once.
+  result = _toy_loop(workdir, 12)
+  assert result.step == 12 and _train_rows(workdir) == list(range(1, 13))
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "tb", "metrics.jsonl"))]
+  assert all(r["train/loss"] == 1.0 for r in rows if "train/loss" in r)
+  assert float(result.params[0]) == 12.0
+  # TensorBoard reads the three runs' event files in order: each step once.
+  acc = event_accumulator.EventAccumulator(os.path.join(workdir, "tb"))
+  acc.Reload()
+  assert [s.step for s in acc.Scalars("train/loss")] == list(range(1, 13))
+
+
+def test_second_ctrl_c_during_a_save_lets_it_complete(tmp_path):
+  def wrap_save(save):
+    def interrupted_save(step, **kwargs):
+      _ctrl_c()  # the second Ctrl-C (the first came during step 3)
+      return save(step, **kwargs)
+
+    return interrupted_save
+
+  with pytest.raises(KeyboardInterrupt):
+    _toy_loop(str(tmp_path), 10, on_step=lambda s: s == 3 and _ctrl_c(), wrap_save=wrap_save)
+  assert _steps(str(tmp_path)) == [3]
+  assert not [d for d in os.listdir(tmp_path / "checkpoints") if "tmp" in d]
+  with trainer.checkpoint_manager(str(tmp_path)) as manager:
+    state, step = trainer.restore_latest(
+      manager,
+      {
+        "step": jnp.int32(0),
+        "params": jnp.zeros(3),
+        "best_val": jnp.float32(0),
+        "bad_evals": jnp.int32(0),
+      },
+    )
+  assert step == 3 and float(state["params"][0]) == 3.0
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_launch_script_in_one_line_and_resumes(tmp_path):
+  """SIGINT mid-run: status 130, one message and no traceback, a restorable checkpoint of the
+  step reached; the resumed run finishes with each step's metrics logged once."""
+  config, tc = _test_setup()
+  workdir = str(tmp_path / "run")
+  proc = _launch(workdir, "--config.train.step_delay_s=0.5", "--config.train.log_every=1")
+  deadline = time.time() + 600
+  while not _steps(workdir) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  log = _wait(proc, workdir, 120)
+  assert proc.returncode == 130, log[-3000:]
+  assert "Traceback" not in log, log[-3000:]
+  messages = [l for l in log.splitlines() if l.startswith("jaxspec:")]
+  assert len(messages) == 1 and messages[0].startswith("jaxspec: interrupted: training stopped")
+  assert log.rstrip().splitlines()[-1] == messages[0]
+  at_stop = max(_steps(workdir))
+  assert f"stopped at step {at_stop};" in messages[0] and at_stop < tc.num_steps
+  params, step = trainer.load_params(workdir, config, tc)
+  assert step == at_stop and jax.tree_util.tree_leaves(params)
+  resumed = _launch(workdir, "--config.train.log_every=1")
+  log = _wait(resumed, workdir, 600)
+  assert resumed.returncode == 0, log[-3000:]
+  assert f"resumed from checkpoint at step {at_stop}" in log
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "tb", "metrics.jsonl"))]
+  for kind in ("train/loss", "val/lm_loss"):
+    steps = [r["step"] for r in rows if kind in r]
+    assert steps == sorted(set(steps)), (kind, steps)
+  assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, tc.num_steps + 1))
+  acc = event_accumulator.EventAccumulator(os.path.join(workdir, "tb"))
+  acc.Reload()
+  assert [s.step for s in acc.Scalars("train/loss")] == list(range(1, tc.num_steps + 1))

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import flax.struct
 import jax
 
+from jaxspec.errors import ConfigError
 from jaxspec.speculative.sampling import SamplingParams
 
 
@@ -92,6 +93,15 @@ class CommitContext:
   seq_len: jax.Array
   taps: Optional[jax.Array]
   hidden: jax.Array
+
+
+def check_gamma(owner: str, gamma: Any, most: Optional[int] = None, why: str = "") -> None:
+  """Raises ConfigError unless `gamma` (drafts per step) is an integer in [1, most]."""
+  ok = isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 1
+  if not ok:
+    raise ConfigError(f"{owner} needs gamma (drafts per step) to be an integer ≥ 1, got {gamma!r}")
+  if most is not None and gamma > most:
+    raise ConfigError(f"{owner}: gamma={gamma} is more than {most}{why}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ pass, each seeing the context strictly before its anchor and itself bidirectiona
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -43,7 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import (
+  CommitContext,
+  Drafter,
+  PrefillContext,
+  Proposal,
+  ProposeContext,
+  check_gamma,
+)
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.hf import read_config
 from jaxspec.models.attention import NEG_INF, OnlineSoftmax
@@ -602,8 +610,8 @@ def _concat_taps(taps: jax.Array) -> jax.Array:
 class DFlashDrafter(Drafter):
   """DFlash behind the Drafter protocol.
 
-  gamma: drafts per step = block length − 1 (default: the trained block_size − 1; a shorter
-    block may be used at inference).
+  gamma: drafts per step = block length − 1 (None: the trained block_size − 1). A shorter
+    block may be used at inference; a longer one was never trained and is refused.
   sample_drafts: at T > 0 draw each block position from its warped marginal q (returned for
     lossless chain verification); False (the reference's behaviour) drafts the argmax at every
     temperature, a one-hot q. Either way `logprobs` holds the per-position log-probabilities
@@ -619,7 +627,7 @@ class DFlashDrafter(Drafter):
   """
 
   config: DFlashConfig = None  # type: ignore[assignment]
-  gamma: int = 0
+  gamma: Optional[int] = None  # type: ignore[assignment]
   sample_drafts: bool = False
   context_window: int = 0
   context_chunk: int = DEFAULT_CONTEXT_CHUNK
@@ -627,18 +635,22 @@ class DFlashDrafter(Drafter):
 
   def __post_init__(self):
     if self.config is None:
-      raise ValueError("DFlashDrafter needs a DFlashConfig")
-    if self.gamma == 0:
+      raise ConfigError("DFlashDrafter needs a DFlashConfig")
+    if self.gamma is None:
       object.__setattr__(self, "gamma", self.config.block_size - 1)
-    if self.gamma < 1:
-      raise ValueError(f"DFlashDrafter needs gamma (block length − 1) ≥ 1, got {self.gamma}")
+    check_gamma(
+      "DFlashDrafter",
+      self.gamma,
+      self.config.block_size - 1,
+      f" (the drafter was trained on blocks of {self.config.block_size} = γ + 1 tokens)",
+    )
     if self.context_window and self.context_window < self.gamma + 1:
-      raise ValueError(
+      raise ConfigError(
         f"context_window ({self.context_window}) must hold at least one block "
         f"({self.gamma + 1} positions)"
       )
     if self.context_chunk < 0:
-      raise ValueError(f"context_chunk must be ≥ 0 (0 = dense), got {self.context_chunk}")
+      raise ConfigError(f"context_chunk must be ≥ 0 (0 = dense), got {self.context_chunk}")
 
   # -- construction ------------------------------------------------------------------------------
 
@@ -692,7 +704,7 @@ class DFlashDrafter(Drafter):
     if mask_token_id is None:
       mask_token_id = getattr(target.tokenizer, "mask_id", None)
       if mask_token_id is None:
-        raise ValueError(
+        raise ConfigError(
           "DFlash needs a mask token: pass mask_token_id (the target has no tokenizer with one)"
         )
     ids = target_layer_ids or build_target_layer_ids(tc.num_layers, num_layers)
@@ -854,9 +866,9 @@ class DFlashDrafter(Drafter):
 # --------------------------------------------------------------------------------------------------
 
 
-def config_from_hf(hf: dict) -> DFlashConfig:
-  """DFlashConfig of a DFlash `config.json` dict."""
-  fields = drafter_ckpt.dflash_config_from_hf(hf)
+def config_from_hf(hf: dict, source: str = "config.json") -> DFlashConfig:
+  """DFlashConfig of a DFlash `config.json` dict (`source` names it in errors)."""
+  fields = drafter_ckpt.dflash_config_from_hf(hf, source=source)
   if fields["target_layer_ids"] is None:
     fields["target_layer_ids"] = build_target_layer_ids(
       fields["num_target_layers"], fields["num_layers"]
@@ -868,7 +880,7 @@ def load_dflash(model_dir: str, target: TargetModel, **kwargs: Any) -> DFlashDra
   """A published DFlash checkpoint (z-lab layout) bound to `target`; sizes, vocabulary and
   tapped layers are checked. `kwargs` go to DFlashDrafter (gamma, sample_drafts, ...)."""
   hf = read_config(model_dir)
-  config = config_from_hf(hf)
+  config = config_from_hf(hf, source=os.path.join(model_dir, "config.json"))
   params, _, dtype = drafter_ckpt.read_checkpoint(
     model_dir, list(drafter_ckpt.dflash_tensor_map(config)), param_shapes(config)
   )

@@ -25,8 +25,16 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxspec.errors import ConfigError
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import (
+  CommitContext,
+  Drafter,
+  PrefillContext,
+  Proposal,
+  ProposeContext,
+  check_gamma,
+)
 from jaxspec.models import target as target_lib
 from jaxspec.speculative import sampling
 from jaxspec.speculative.verify import leading_true_count
@@ -51,9 +59,8 @@ class DraftModelDrafter(Drafter):
 
   def __post_init__(self):
     if self.config is None:
-      raise ValueError("DraftModelDrafter needs the draft model's ModelConfig")
-    if self.gamma < 1:
-      raise ValueError(f"DraftModelDrafter needs gamma >= 1, got {self.gamma}")
+      raise ConfigError("DraftModelDrafter needs the draft model's ModelConfig")
+    check_gamma("DraftModelDrafter", self.gamma)
 
   @classmethod
   def from_model(

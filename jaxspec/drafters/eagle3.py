@@ -25,6 +25,7 @@ n−1 and scratch after it; commit rewrites the entries of newly committed posit
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -34,7 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import (
+  CommitContext,
+  Drafter,
+  PrefillContext,
+  Proposal,
+  ProposeContext,
+  check_gamma,
+)
 from jaxspec.drafters.dflash import check_target, shared_target_params
 from jaxspec.drafters.mtp import tree_logprobs
 from jaxspec.io import drafter_ckpt
@@ -363,7 +371,7 @@ def make_vocab_maps(used_target_ids: Any, vocab_size: int) -> tuple[np.ndarray, 
   """(d2t [V_d] int64 offsets, t2d [V] bool) for a draft vocabulary of the given target ids."""
   ids = np.sort(np.unique(np.asarray(used_target_ids, np.int64)))
   if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
-    raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size})")
+    raise ConfigError(f"draft vocabulary ids must lie in [0, {vocab_size})")
   t2d = np.zeros((vocab_size,), bool)
   t2d[ids] = True
   return ids - np.arange(ids.size, dtype=np.int64), t2d
@@ -372,20 +380,20 @@ def make_vocab_maps(used_target_ids: Any, vocab_size: int) -> tuple[np.ndarray, 
 def check_vocab_maps(
   d2t: np.ndarray, t2d: np.ndarray, vocab_size: int, draft_vocab_size: int
 ) -> None:
-  """Raises ValueError unless d2t/t2d describe the same injective draft → target map."""
+  """Raises CheckpointError unless d2t/t2d describe the same injective draft → target map."""
   d2t, t2d = np.asarray(d2t), np.asarray(t2d)
   if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
-    raise ValueError(
+    raise CheckpointError(
       f"d2t must be [{draft_vocab_size}] and t2d [{vocab_size}], got "
       f"{list(d2t.shape)} and {list(t2d.shape)}"
     )
   target_ids = np.arange(draft_vocab_size) + d2t.astype(np.int64)
   if target_ids.min() < 0 or target_ids.max() >= vocab_size:
-    raise ValueError(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
+    raise CheckpointError(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
   if len(np.unique(target_ids)) != draft_vocab_size:
-    raise ValueError("d2t maps two draft ids to the same target id")
+    raise CheckpointError("d2t maps two draft ids to the same target id")
   if not np.array_equal(np.flatnonzero(t2d.astype(bool)), np.sort(target_ids)):
-    raise ValueError("t2d does not mark exactly the target ids that d2t maps to")
+    raise CheckpointError("t2d does not mark exactly the target ids that d2t maps to")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -427,9 +435,8 @@ class Eagle3Drafter(Drafter):
 
   def __post_init__(self):
     if self.config is None:
-      raise ValueError("Eagle3Drafter needs an Eagle3Config")
-    if self.gamma < 1:
-      raise ValueError(f"Eagle3Drafter needs gamma >= 1, got {self.gamma}")
+      raise ConfigError("Eagle3Drafter needs an Eagle3Config")
+    check_gamma("Eagle3Drafter", self.gamma)
 
   @classmethod
   def for_target(
@@ -635,7 +642,11 @@ def load_eagle3(model_dir: str, target: TargetModel, **kwargs: Any) -> Eagle3Dra
   """
   hf = read_config(model_dir)
   names = drafter_ckpt.tensor_names(model_dir)
-  fields = drafter_ckpt.eagle3_config_from_hf(hf, has_embedding="embed_tokens.weight" in names)
+  fields = drafter_ckpt.eagle3_config_from_hf(
+    hf,
+    has_embedding="embed_tokens.weight" in names,
+    source=os.path.join(model_dir, "config.json"),
+  )
   if fields["target_layer_ids"] is None:
     fields["target_layer_ids"] = default_layer_ids(target.config.num_layers)
   config = Eagle3Config(**fields)

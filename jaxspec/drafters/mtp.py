@@ -25,7 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import (
+  CommitContext,
+  Drafter,
+  PrefillContext,
+  Proposal,
+  ProposeContext,
+  check_gamma,
+)
 from jaxspec.models import target as target_lib
 from jaxspec.speculative import sampling
 from jaxspec.state import DecodingState
@@ -74,18 +81,17 @@ class MTPDrafter(Drafter):
 
   def __post_init__(self):
     if self.config is None:
-      raise ValueError("MTPDrafter needs the target's ModelConfig")
+      raise ConfigError("MTPDrafter needs the target's ModelConfig")
     if self.config.num_mtp_layers < 1:
       raise ConfigError(
         f"{self.config.architecture}: the target has no MTP layers "
         f"(num_nextn_predict_layers = 0); the MTP drafter needs at least one"
       )
     if not 0 <= self.layer < self.config.num_mtp_layers:
-      raise ValueError(
+      raise ConfigError(
         f"MTP layer {self.layer} out of range: the target has {self.config.num_mtp_layers}"
       )
-    if self.gamma < 1:
-      raise ValueError(f"MTPDrafter needs gamma >= 1, got {self.gamma}")
+    check_gamma("MTPDrafter", self.gamma)
 
   @classmethod
   def from_target(

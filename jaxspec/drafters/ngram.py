@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxspec.drafters.base import Drafter, Proposal, ProposeContext
+from jaxspec.drafters.base import Drafter, Proposal, ProposeContext, check_gamma
 from jaxspec.drafters.ngram_lookup import ngram_propose
 
 
@@ -24,8 +24,7 @@ class NgramDrafter(Drafter):
   def __post_init__(self):
     if not 1 <= self.min_n <= self.n:
       raise ValueError(f"NgramDrafter needs 1 <= min_n <= n, got min_n={self.min_n}, n={self.n}")
-    if self.gamma < 1:
-      raise ValueError(f"NgramDrafter needs gamma >= 1, got {self.gamma}")
+    check_gamma("NgramDrafter", self.gamma)
 
   def propose(self, params: Any, state: Any, ctx: ProposeContext) -> tuple[Proposal, Any]:
     del params

@@ -7,12 +7,16 @@ from typing import Any, Optional
 
 from jaxspec.drafters import dflash, eagle3
 from jaxspec.drafters.base import Drafter
+from jaxspec.errors import ConfigError
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.io import drafter_ckpt
 from jaxspec.io import hf as hf_io
 from jaxspec.models.target import InputError, TargetModel
+
+# Drafts per step of the chain drafters when none is given.
+DEFAULT_GAMMA = 4
 
 METHODS = ("plain", "draft_model", "ngram", "mtp", "dflash", "eagle3")
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
@@ -39,21 +43,22 @@ def load_drafter(
 
   DFlash (`DFlashDraftModel`) and EAGLE-3 (`LlamaForCausalLMEagle3`) checkpoints load in their
   published layouts; anything else must be an HF causal LM (a draft model). `gamma` is the
-  number of draft tokens per step (default: 4 for chains, block_size − 1 for DFlash); `kwargs`
-  go to the drafter (e.g. sample_drafts, context_window).
+  number of draft tokens per step (None: 4 for chains, block_size − 1 for DFlash, which
+  refuses more); `kwargs` go to the drafter (e.g. sample_drafts, context_window).
   """
   kind = checkpoint_kind(path)
   if kind == "dflash":
-    return dflash.load_dflash(path, target, gamma=gamma or 0, **kwargs)
+    return dflash.load_dflash(path, target, gamma=gamma, **kwargs)
+  chain_gamma = DEFAULT_GAMMA if gamma is None else gamma
   if kind == "eagle3":
-    return eagle3.load_eagle3(path, target, gamma=gamma or 4, **kwargs)
+    return eagle3.load_eagle3(path, target, gamma=chain_gamma, **kwargs)
   model = hf_io.load_model(path)
   if model.config.vocab_size != target.config.vocab_size:
     raise InputError(
       f"drafter vocabulary ({model.config.vocab_size}) differs from the target's "
       f"({target.config.vocab_size})"
     )
-  return DraftModelDrafter.from_model(model, gamma=gamma or 4)
+  return DraftModelDrafter.from_model(model, gamma=chain_gamma)
 
 
 def save_drafter(drafter: Drafter, out_dir: str) -> None:
@@ -73,29 +78,39 @@ def make_drafter(
   method: str,
   target: TargetModel,
   *,
-  gamma: int = 4,
+  gamma: Optional[int] = None,
   draft_dir: Optional[str] = None,
   ngram_n: int = 3,
   block_size: Optional[int] = None,
 ) -> Optional[Drafter]:
   """The drafter for a method name; None for plain decoding.
 
-  `gamma` sets the chain length of draft_model / ngram / mtp / eagle3; a DFlash drafter drafts
-  block_size − 1 tokens (block_size defaults to the checkpoint's).
+  `gamma`: drafts per step; None = the method's default (DEFAULT_GAMMA for chains; DFlash drafts
+  its trained block_size − 1 and accepts any shorter γ). `block_size` (DFlash only) is the
+  block length γ + 1, an alternative to `gamma`.
   """
+  if block_size is not None:
+    if method != "dflash":
+      raise ConfigError(f"block_size applies to DFlash only, not method {method!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+      raise ConfigError(f"DFlash block_size (γ + 1) must be an integer ≥ 2, got {block_size!r}")
+    if gamma is not None and gamma != block_size - 1:
+      raise ConfigError(
+        f"gamma={gamma} and block_size={block_size} disagree (a DFlash block is γ + 1 tokens)"
+      )
+    gamma = block_size - 1
   if method == "plain":
     return None
+  chain_gamma = DEFAULT_GAMMA if gamma is None else gamma
   if method == "ngram":
-    return NgramDrafter(gamma=gamma, n=ngram_n)
+    return NgramDrafter(gamma=chain_gamma, n=ngram_n)
   if method == "mtp":
-    return MTPDrafter.from_target(target, gamma=gamma)
+    return MTPDrafter.from_target(target, gamma=chain_gamma)
   if method in ("draft_model", "dflash", "eagle3"):
     if not draft_dir:
-      raise ValueError(f"method {method!r} needs a drafter checkpoint directory")
+      raise ConfigError(f"method {method!r} needs a drafter checkpoint directory")
     kind = checkpoint_kind(draft_dir)
     if kind != method:
       raise InputError(f"method {method!r} but {draft_dir} holds a {kind} checkpoint")
-    if method == "dflash":
-      return load_drafter(draft_dir, target, gamma=(block_size - 1) if block_size else None)
     return load_drafter(draft_dir, target, gamma)
-  raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+  raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")

@@ -4,6 +4,10 @@ Layout of a checkpoint directory: `config.json` (the HF config, so the architect
 the weights), `params/` (an orbax StandardCheckpointer tree) and, when the model has one,
 `tokenizer.json`. Restoring takes the target shardings (from the logical axis names and a mesh),
 so a checkpoint written on one device layout loads onto another without a host gather.
+
+Bad input (a missing directory, one holding neither format, a format or dtype name jaxspec does
+not know, parameters that do not match config.json) raises CheckpointError or ConfigError with a
+one-line message naming the path, never orbax's or the filesystem's own exceptions.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ import orbax.checkpoint as ocp
 
 from jaxspec import sharding as sharding_lib
 from jaxspec.config import ModelConfig
-from jaxspec.io.hf import CheckpointError, load_model, read_config, save_hf
+from jaxspec.errors import CheckpointError, ConfigError
+from jaxspec.io.hf import load_config, load_model, save_hf
 from jaxspec.models import target as target_lib
 
 PARAMS_DIR = "params"
+FORMATS = ("hf", "orbax")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def save(model: target_lib.TargetModel, out_dir: str) -> None:
@@ -66,13 +73,15 @@ def restore(
   params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
   if not os.path.isdir(params_dir):
     raise CheckpointError(f"{ckpt_dir} is not a jaxspec orbax checkpoint (no {PARAMS_DIR}/)")
-  hf_config = read_config(ckpt_dir)
-  config = ModelConfig.from_hf(hf_config, **config_overrides)
+  config, hf_config = load_config(ckpt_dir, **config_overrides)
   checkpointer = ocp.StandardCheckpointer()
   try:
     params = checkpointer.restore(params_dir, abstract_params(config, mesh, rules))
-  except (ValueError, KeyError, FileNotFoundError) as e:
-    raise CheckpointError(f"cannot restore {params_dir} for {config.architecture}: {e}")
+  except (ValueError, KeyError, TypeError, OSError) as e:
+    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise CheckpointError(
+      f"cannot restore {params_dir} for {config.architecture}: {first_line}"
+    ) from None
   tokenizer = None
   if os.path.exists(os.path.join(ckpt_dir, "tokenizer.json")):
     from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
@@ -82,7 +91,27 @@ def restore(
 
 
 def convert(src: str, dst: str, to: str, dtype: str | None = None) -> target_lib.TargetModel:
-  """Loads src in whichever format it is and writes dst in format `to`."""
+  """Loads src in whichever format it is and writes dst in format `to` ('hf' or 'orbax').
+
+  `to`, `dtype` and the paths are checked before anything is loaded: ConfigError for a format
+  or dtype name jaxspec does not know, CheckpointError for a src that is not a checkpoint
+  directory or a dst that is an existing file.
+  """
+  if to not in FORMATS:
+    raise ConfigError(f"unknown checkpoint format {to!r}; expected 'hf' or 'orbax'")
+  if dtype is not None and dtype not in DTYPES:
+    raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+  if not os.path.isdir(src):
+    raise CheckpointError(f"checkpoint directory {src!r} does not exist")
+  if os.path.exists(dst) and not os.path.isdir(dst):
+    raise CheckpointError(f"output {dst!r} exists and is not a directory")
+  if not os.path.isdir(os.path.join(src, PARAMS_DIR)) and not os.path.exists(
+    os.path.join(src, "config.json")
+  ):
+    raise CheckpointError(
+      f"{src} holds neither a HF checkpoint (config.json) nor a jaxspec orbax checkpoint "
+      f"({PARAMS_DIR}/)"
+    )
   if os.path.isdir(os.path.join(src, PARAMS_DIR)):
     model = restore(src)
   else:
@@ -96,8 +125,6 @@ def convert(src: str, dst: str, to: str, dtype: str | None = None) -> target_lib
     )
   if to == "hf":
     save_hf(model, dst)
-  elif to == "orbax":
-    save(model, dst)
   else:
-    raise ValueError(f"unknown checkpoint format {to!r}; expected 'hf' or 'orbax'")
+    save(model, dst)
   return model

@@ -15,8 +15,10 @@ EAGLE-3 (`LlamaForCausalLMEagle3`): a Llama config with `draft_vocab_size`, opti
 `norm.weight`, `lm_head.weight`, `d2t` (int64) and `t2d` (bool) for a reduced vocabulary,
 optionally `embed_tokens.weight` and SpecForge's `fc_norm.{0,1,2}.weight`.
 
-Loading checks every tensor's presence and shape and rejects unknown ones; export writes the
-same layout back, in the dtype the weights were loaded in, so import → export is exact.
+Loading checks every field of config.json for its type (`jaxspec.config.HFConfigReader`) and every
+tensor's presence, shape and finiteness, and rejects unknown tensors (`jaxspec.io.hf.
+check_unexpected`; a sharded index is confined to the checkpoint directory as for targets); export
+writes the same layout back, in the dtype the weights were loaded in, so import → export is exact.
 
 This module maps layouts only (config dicts ↔ config fields, HF tensors ↔ parameter trees); it
 imports no drafter. `jaxspec.drafters.dflash.load_dflash` / `save_dflash` and their EAGLE-3
@@ -33,12 +35,19 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxspec.config import ConfigError
-from jaxspec.io.hf import INDEX_FILE, SINGLE_FILE, CheckpointError, _save_file, _TensorSource
+from jaxspec.config import ConfigError, HFConfigReader
+from jaxspec.io.hf import (
+  INDEX_FILE,
+  SINGLE_FILE,
+  CheckpointError,
+  _save_file,
+  _TensorSource,
+  check_finite,
+  check_unexpected,
+)
 
 DFLASH_ARCH = "DFlashDraftModel"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # (hf suffix, param path, kind); kinds as in jaxspec.io.hf:
 #   same: identical; linear: HF [out, in] ↔ [in, out]; in_heads: HF [heads·D, in] ↔ [in, heads, D];
@@ -161,6 +170,7 @@ def read_checkpoint(
   """Reads `entries` (checked against `shapes`) plus the raw `extra` tensors.
 
   Accepts names with or without a leading 'model.'; returns (params, extra tensors, dtype).
+  Tensors that neither `entries` nor `extra` name raise (`check_unexpected`); so do NaN/Inf.
   """
   src = _TensorSource(model_dir)
   try:
@@ -176,13 +186,7 @@ def read_checkpoint(
         f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the "
         f"config needs: {missing[:10]}{more}"
       )
-    known = {prefix + n for n in wanted}
-    unknown = sorted(n for n in present - known if not n.endswith(IGNORED_SUFFIXES))
-    if unknown:
-      raise CheckpointError(
-        f"checkpoint in {model_dir} has tensor(s) this drafter layout does "
-        f"not use (a different architecture or config?): {unknown[:10]}"
-      )
+    check_unexpected(model_dir, present, {prefix + n for n in wanted}, "this drafter layout")
     params: dict = {}
     dtypes = set()
     for hf, path, kind in entries:
@@ -194,6 +198,7 @@ def read_checkpoint(
           f"{list(_hf_shape(want_shape, kind))}"
         )
       w = src.get(prefix + hf)
+      check_finite(prefix + hf, w, src.file_of[prefix + hf])
       dtypes.add(_dtype_name(w.dtype))
       _set(params, path, np.ascontiguousarray(_to_jax(w, kind, want_shape)))
     raw = {n: src.get(prefix + n) for n in extra if prefix + n in present}
@@ -224,21 +229,9 @@ def write_checkpoint(out_dir: str, hf_config: dict, tensors: dict[str, np.ndarra
   _save_file(tensors, os.path.join(out_dir, SINGLE_FILE))
 
 
-def _get_key(hf: dict, key: str, default: Any = None) -> Any:
-  return hf[key] if hf.get(key) is not None else default
-
-
-def _rope_theta(hf: dict, what: str, default: float) -> float:
-  rope = dict(_get_key(hf, "rope_parameters", None) or _get_key(hf, "rope_scaling", None) or {})
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type not in ("default", None):
-    raise ConfigError(f"{what}: RoPE type {rope_type!r} is not supported (only 'default')")
-  return float(rope.get("rope_theta", _get_key(hf, "rope_theta", default)))
-
-
 def detect_kind(hf: dict) -> str:
   """'dflash', 'eagle3' or 'causal_lm' from a config.json dict."""
-  archs = hf.get("architectures") or []
+  archs = HFConfigReader(hf, "drafter checkpoint").strings("architectures", ())
   if DFLASH_ARCH in archs or "dflash_config" in hf:
     return "dflash"
   if any("eagle3" in a.lower() for a in archs) or "draft_vocab_size" in hf:
@@ -251,52 +244,65 @@ def detect_kind(hf: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def dflash_config_from_hf(hf: dict) -> dict[str, Any]:
-  """DFlashConfig fields from a DFlash config.json (target_layer_ids None: the default)."""
-  what = "DFlash checkpoint"
-  dcfg = dict(_get_key(hf, "dflash_config", {}) or {})
-  if "mask_token_id" not in dcfg or dcfg["mask_token_id"] is None:
-    raise ConfigError(f"{what}: config.json lacks dflash_config.mask_token_id")
-  if _get_key(hf, "hidden_act", "silu") != "silu":
-    raise ConfigError(f"{what}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-  hidden = int(hf["hidden_size"])
-  heads = int(hf["num_attention_heads"])
-  layers = int(hf["num_hidden_layers"])
-  num_target = int(_get_key(hf, "num_target_layers", 0))
-  ids = dcfg.get("target_layer_ids")
+def dflash_config_from_hf(hf: dict, source: str = "config.json") -> dict[str, Any]:
+  """DFlashConfig fields from a DFlash config.json (target_layer_ids None: the default).
+
+  Every field is type-checked (ConfigError naming it, prefixed with `source`); the sizes are
+  required, RoPE must be the default type (`HFConfigReader.rope`).
+  """
+  r = HFConfigReader(hf, f"DFlash checkpoint {source}")
+  r.require("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+  dcfg = HFConfigReader(r.mapping("dflash_config"), f"{r.what}: dflash_config")
+  if not dcfg.has("mask_token_id"):
+    raise r.error("dflash_config.mask_token_id is missing")
+  if r.string("hidden_act", "silu") != "silu":
+    raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+  hidden = r.integer("hidden_size")
+  heads = r.integer("num_attention_heads")
+  layers = r.integer("num_hidden_layers")
+  num_target = r.integer("num_target_layers", 0)
+  ids = dcfg.integers("target_layer_ids", None)
   if ids is None and not num_target:
-    raise ConfigError(f"{what}: neither dflash_config.target_layer_ids nor num_target_layers")
-  layer_types = _get_key(hf, "layer_types", None) or ["full_attention"] * layers
+    raise r.error("neither dflash_config.target_layer_ids nor num_target_layers")
+  layer_types = r.strings("layer_types", None) or ("full_attention",) * layers
   if len(layer_types) != layers:
-    raise ConfigError(f"{what}: layer_types has {len(layer_types)} entries for {layers} layers")
-  window = int(_get_key(hf, "sliding_window", 0) or 0)
+    raise r.error(f"layer_types has {len(layer_types)} entries for {layers} layers")
+  window = r.integer("sliding_window", 0)
   windows = []
   for t in layer_types:
     if t == "sliding_attention":
-      if not window:
-        raise ConfigError(f"{what}: a sliding_attention layer needs sliding_window")
+      if window <= 0:
+        raise r.error("a sliding_attention layer needs a positive sliding_window")
       windows.append(window)
     elif t == "full_attention":
       windows.append(0)
     else:
-      raise ConfigError(f"{what}: unsupported layer type {t!r}")
+      raise r.error(f"unsupported layer type {t!r}")
   return dict(
     hidden_size=hidden,
     num_layers=layers,
     num_heads=heads,
-    num_kv_heads=int(_get_key(hf, "num_key_value_heads", heads)),
-    head_dim=int(_get_key(hf, "head_dim", hidden // heads)),
-    intermediate_size=int(hf["intermediate_size"]),
-    target_layer_ids=None if ids is None else tuple(ids),
-    mask_token_id=int(dcfg["mask_token_id"]),
-    block_size=int(_get_key(hf, "block_size", 16)),
-    vocab_size=int(_get_key(hf, "vocab_size", 0)),
+    num_kv_heads=r.integer("num_key_value_heads", heads),
+    head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
+    intermediate_size=r.integer("intermediate_size"),
+    target_layer_ids=ids,
+    mask_token_id=dcfg.integer("mask_token_id"),
+    block_size=r.integer("block_size", 16),
+    vocab_size=r.integer("vocab_size", 0),
     num_target_layers=num_target,
-    rms_norm_eps=float(_get_key(hf, "rms_norm_eps", 1e-6)),
-    rope_theta=_rope_theta(hf, what, 10000.0),
-    attention_bias=bool(_get_key(hf, "attention_bias", False)),
+    rms_norm_eps=_positive(r, "rms_norm_eps", 1e-6),
+    rope_theta=r.rope(10000.0)[0],
+    attention_bias=r.flag("attention_bias", False),
     layer_windows=tuple(windows),
   )
+
+
+def _positive(r: HFConfigReader, key: str, default: float) -> float:
+  """A float field that must be > 0 (an RMSNorm epsilon ≤ 0 divides by zero or NaNs)."""
+  v = r.number(key, default)
+  if not v > 0:
+    raise r.error(f"{key} must be positive, got {v}")
+  return v
 
 
 def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
@@ -347,36 +353,40 @@ def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def eagle3_config_from_hf(hf: dict, has_embedding: bool = False) -> dict[str, Any]:
-  """Eagle3Config fields from an EAGLE-3 config.json (target_layer_ids None: the default)."""
-  what = "EAGLE-3 checkpoint"
-  if int(_get_key(hf, "num_hidden_layers", 1)) != 1:
-    raise ConfigError(
-      f"{what}: EAGLE-3 has one decoder layer, config says {hf['num_hidden_layers']}"
-    )
-  if _get_key(hf, "hidden_act", "silu") != "silu":
-    raise ConfigError(f"{what}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-  if _get_key(hf, "attention_bias", False):
-    raise ConfigError(f"{what}: attention biases are not part of the EAGLE-3 layout")
-  hidden = int(hf["hidden_size"])
-  heads = int(hf["num_attention_heads"])
-  eagle = dict(_get_key(hf, "eagle_config", {}) or {})
-  ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-  vocab = int(hf["vocab_size"])
+def eagle3_config_from_hf(
+  hf: dict, has_embedding: bool = False, source: str = "config.json"
+) -> dict[str, Any]:
+  """Eagle3Config fields from an EAGLE-3 config.json (target_layer_ids None: the default).
+
+  Every field is type-checked (ConfigError naming it, prefixed with `source`); the sizes are
+  required, RoPE must be the default type (`HFConfigReader.rope`).
+  """
+  r = HFConfigReader(hf, f"EAGLE-3 checkpoint {source}")
+  r.require("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+  if r.integer("num_hidden_layers", 1) != 1:
+    raise r.error(f"EAGLE-3 has one decoder layer, config says {hf['num_hidden_layers']}")
+  if r.string("hidden_act", "silu") != "silu":
+    raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+  if r.flag("attention_bias", False):
+    raise r.error("attention biases are not part of the EAGLE-3 layout")
+  hidden = r.integer("hidden_size")
+  heads = r.integer("num_attention_heads")
+  eagle = HFConfigReader(r.mapping("eagle_config"), f"{r.what}: eagle_config")
+  vocab = r.integer("vocab_size")
   return dict(
     hidden_size=hidden,
     num_heads=heads,
-    num_kv_heads=int(_get_key(hf, "num_key_value_heads", heads)),
-    head_dim=int(_get_key(hf, "head_dim", hidden // heads)),
-    intermediate_size=int(hf["intermediate_size"]),
-    target_layer_ids=None if ids is None else tuple(ids),
+    num_kv_heads=r.integer("num_key_value_heads", heads),
+    head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
+    intermediate_size=r.integer("intermediate_size"),
+    target_layer_ids=eagle.integers("eagle_aux_hidden_state_layer_ids", None),
     vocab_size=vocab,
-    draft_vocab_size=int(_get_key(hf, "draft_vocab_size", vocab)),
-    target_hidden_size=int(_get_key(hf, "target_hidden_size", hidden)),
-    rms_norm_eps=float(_get_key(hf, "rms_norm_eps", 1e-6)),
-    rope_theta=_rope_theta(hf, what, 10000.0),
-    fc_norm=bool(_get_key(hf, "fc_norm", False)),
-    norm_output=bool(_get_key(hf, "norm_output", True)),
+    draft_vocab_size=r.integer("draft_vocab_size", vocab),
+    target_hidden_size=r.integer("target_hidden_size", hidden),
+    rms_norm_eps=_positive(r, "rms_norm_eps", 1e-6),
+    rope_theta=r.rope(10000.0)[0],
+    fc_norm=r.flag("fc_norm", False),
+    norm_output=r.flag("norm_output", True),
     has_embedding=has_embedding,
   )
 

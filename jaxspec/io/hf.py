@@ -3,16 +3,22 @@
 The on-disk names are the HF ones (`model.layers.{i}.self_attn.q_proj.weight`, per-expert
 `mlp.experts.{e}.gate_proj.weight`, ...). MTP layers are stored after the main layers in the
 DeepSeek-V3 layout, `model.layers.{num_hidden_layers + k}.{enorm,hnorm,eh_proj,shared_head.norm,
-self_attn.*,mlp.*}`. Every tensor the architecture needs must be present with the right shape;
-anything else is an error, named, never a silent fallback to random weights.
+self_attn.*,mlp.*}`. Every tensor the architecture needs must be present with the right shape and
+finite values; a tensor it does not use is an error too (the checkpoint is not the model the config
+describes), except the few redundant ones published layouts carry, which are skipped with a
+warning. Everything is checked once, as it is read, and named: never a silent fallback to random
+weights, never a raw KeyError or JSONDecodeError. Files that are absent, unreadable or not valid
+JSON / safetensors raise CheckpointError; valid JSON with bad contents raises ConfigError (for
+config.json) or CheckpointError (for the shard index); both name the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +27,14 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxspec.config import ModelConfig
-from jaxspec.errors import CheckpointError
+from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.models import target as target_lib
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 1024**3
+# Non-persistent buffers some exporters save anyway; recomputed from the config, never read.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,6 +157,108 @@ def _hf_shape(target_shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------------
 
 
+def _listing(names: list[str], n: int = 5) -> str:
+  """The first `n` names and how many more: error messages stay one readable line."""
+  more = f" (and {len(names) - n} more)" if len(names) > n else ""
+  return f"{names[:n]}{more}"
+
+
+def _read_json(path: str) -> Any:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path} is not readable JSON: {e}") from None
+
+
+def _allowed_roots(model_dir: str) -> list[str]:
+  """Real directories a checkpoint's files may resolve into: the directory itself and, for a
+  Hugging Face hub cache snapshot (`models--org--name/snapshots/<rev>`), whose files are
+  symlinks into the repository's `blobs/`, that `blobs/` too."""
+  root = os.path.realpath(model_dir)
+  roots = [root]
+  parts = root.split(os.sep)
+  if "snapshots" in parts[:-1]:
+    repo = os.sep.join(parts[: len(parts) - 1 - parts[::-1].index("snapshots")])
+    if os.path.isdir(os.path.join(repo, "blobs")):
+      roots.append(os.path.join(repo, "blobs"))
+  return roots
+
+
+def confined_path(model_dir: str, name: str, index_path: str) -> str:
+  """`model_dir/name` for a shard file that an index names, if it stays inside model_dir.
+
+  An index is data from wherever the checkpoint came from: an absolute name, a `..` or a
+  symlink leading out of the directory would make loading read an arbitrary file, so each is
+  a CheckpointError (symlinks into the HF hub cache's `blobs/` are how that cache stores
+  files, and are allowed).
+  """
+  if not isinstance(name, str) or not name or "\0" in name:
+    raise CheckpointError(f"{index_path}: shard file name {name!r} is not a file name")
+  path = os.path.join(model_dir, name)
+  real = os.path.realpath(path)
+  if os.path.isabs(name) or not any(
+    os.path.commonpath([root, real]) == root for root in _allowed_roots(model_dir)
+  ):
+    raise CheckpointError(
+      f"{index_path}: shard path {name!r} is outside the model directory {model_dir}"
+    )
+  return os.path.normpath(path)
+
+
+def _read_weight_map(model_dir: str, index_path: str) -> dict[str, str]:
+  """tensor name → shard path of a `model.safetensors.index.json`, every shard confined."""
+  data = _read_json(index_path)
+  weight_map = data.get("weight_map") if isinstance(data, dict) else None
+  if not isinstance(weight_map, dict) or not weight_map:
+    raise CheckpointError(
+      f"{index_path} has no weight_map object mapping tensor names to shard files"
+    )
+  bad = [f"{k}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)]
+  if bad:
+    raise CheckpointError(
+      f"{index_path}: weight_map must map tensor names to shard file names, got {_listing(bad)}"
+    )
+  shard = {v: confined_path(model_dir, v, index_path) for v in set(weight_map.values())}
+  return {k: shard[v] for k, v in weight_map.items()}
+
+
+def check_unexpected(
+  model_dir: str,
+  present: Iterable[str],
+  known: Iterable[str],
+  layout: str,
+  ignorable: Callable[[str], bool] = lambda name: False,
+) -> None:
+  """Raises CheckpointError naming the tensors in `present` that nothing reads.
+
+  A tensor the layout does not use means the checkpoint is not what the config describes
+  (another architecture, more layers, biases the config turns off): loading the rest would run
+  a different model than the one saved. Names ending in IGNORED_SUFFIXES and those `ignorable`
+  accepts are redundant in published layouts: they are skipped with a warning naming them.
+  """
+  extra = sorted(set(present) - set(known))
+  skipped = [n for n in extra if n.endswith(IGNORED_SUFFIXES) or ignorable(n)]
+  unknown = sorted(set(extra) - set(skipped))
+  if unknown:
+    raise CheckpointError(
+      f"checkpoint in {model_dir} has {len(unknown)} tensor(s) {layout} does not use "
+      f"(another architecture or config?): {_listing(unknown)}"
+    )
+  if skipped:
+    warnings.warn(
+      f"checkpoint in {model_dir}: ignoring {len(skipped)} tensor(s) {layout} does not use: "
+      f"{_listing(skipped)}",
+      stacklevel=3,
+    )
+
+
+def check_finite(name: str, w: np.ndarray, where: str) -> None:
+  """CheckpointError if tensor `name` (already in memory) holds NaN or Inf: one cheap pass."""
+  if not np.isfinite(w).all():
+    raise CheckpointError(f"tensor {name} in {where} holds NaN or Inf values")
+
+
 class _TensorSource:
   """Lazy access to the tensors of one checkpoint directory (single file or sharded)."""
 
@@ -156,9 +266,7 @@ class _TensorSource:
     single = os.path.join(model_dir, SINGLE_FILE)
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.exists(index):
-      with open(index) as f:
-        weight_map = json.load(f).get("weight_map", {})
-      self.file_of = {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+      self.file_of = _read_weight_map(model_dir, index)
       missing = sorted({v for v in self.file_of.values() if not os.path.exists(v)})
       if missing:
         raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
@@ -183,7 +291,10 @@ class _TensorSource:
     return set(self.file_of)
 
   def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._handle(name).get_slice(name).get_shape())
+    try:
+      return tuple(self._handle(name).get_slice(name).get_shape())
+    except (SafetensorError, OSError, ValueError) as e:
+      raise CheckpointError(f"cannot read tensor {name} from {self.file_of[name]}: {e}") from None
 
   def _handle(self, name: str):
     path = self.file_of[name]
@@ -222,18 +333,52 @@ def _get_path(tree: Any, path: tuple[str, ...]) -> Any:
 
 
 def read_config(model_dir: str) -> dict:
+  """The config.json of `model_dir` as a dict.
+
+  Absent, unreadable or not valid JSON: CheckpointError (the checkpoint is damaged). Valid JSON
+  that is not an object: ConfigError (a bad config). Both name the file.
+  """
   path = os.path.join(model_dir, "config.json")
   if not os.path.exists(path):
     raise CheckpointError(f"no config.json in {model_dir}")
+  hf = _read_json(path)
+  if not isinstance(hf, dict):
+    raise ConfigError(f"{path} must hold a JSON object, got a JSON {type(hf).__name__}")
+  return hf
+
+
+def load_config(model_dir: str, **overrides: Any) -> tuple[ModelConfig, dict]:
+  """(ModelConfig, config.json dict) of a checkpoint directory; a ConfigError names the file."""
+  hf_config = read_config(model_dir)
   try:
-    with open(path) as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{path} is not valid JSON: {e}")
+    return ModelConfig.from_hf(hf_config, **overrides), hf_config
+  except ConfigError as e:
+    path = os.path.join(model_dir, "config.json")
+    given = f" (with overrides {', '.join(sorted(overrides))})" if overrides else ""
+    raise ConfigError(f"{path}{given}: {e}") from None
 
 
-def load_params(model_dir: str, config: ModelConfig) -> Any:
-  """Reads the parameters of `config` from a HF checkpoint directory (numpy, param_dtype)."""
+def _layer_index(name: str) -> int | None:
+  m = re.match(r"model\.layers\.(\d+)\.", name)
+  return int(m.group(1)) if m else None
+
+
+def load_params(model_dir: str, config: ModelConfig, *, extra_layers_ok: bool = False) -> Any:
+  """Reads the parameters of `config` from a HF checkpoint directory (numpy, param_dtype).
+
+  Each tensor is checked as it is read: present, of the config's shape, finite once cast to
+  param_dtype. Tensors the config does not use raise (`check_unexpected`), except a tied
+  `lm_head.weight` (transformers ignores it too) and, with `extra_layers_ok` (the caller asked
+  for fewer layers than stored), the layers past the ones loaded: those warn.
+  """
+  depth = config.num_layers + config.num_mtp_layers
+
+  def ignorable(name: str) -> bool:
+    if config.tie_word_embeddings and name == "lm_head.weight":
+      return True
+    i = _layer_index(name)
+    return extra_layers_ok and i is not None and i >= depth
+
   src = _TensorSource(model_dir)
   shapes = target_lib.param_shapes(config)
   dtype = (
@@ -252,6 +397,7 @@ def load_params(model_dir: str, config: ModelConfig) -> Any:
       f"config needs: {missing[:10]}{more}"
     )
   try:
+    check_unexpected(model_dir, src.keys(), [hf for hf, *_ in needed], "the config", ignorable)
     for hf, path, layer_idx, kind in needed:
       expert = None
       if path[-1].startswith("#"):
@@ -265,7 +411,14 @@ def load_params(model_dir: str, config: ModelConfig) -> Any:
         raise CheckpointError(
           f"tensor {hf} has shape {list(got)}, but the config implies {list(want)}"
         )
-      w = _to_jax_layout(src.get(hf), kind, per_item).astype(dtype)
+      raw = src.get(hf)
+      with np.errstate(over="ignore"):  # an overflow is reported below, naming the tensor
+        w = _to_jax_layout(raw, kind, per_item).astype(dtype)
+      if not np.isfinite(w).all():
+        check_finite(hf, raw, src.file_of[hf])
+        raise CheckpointError(
+          f"tensor {hf} in {src.file_of[hf]} overflows param_dtype {config.param_dtype}"
+        )
       try:
         buf = _get_path(params, path)
       except KeyError:
@@ -317,11 +470,12 @@ def load_model(model_dir: str, **config_overrides: Any) -> target_lib.TargetMode
   """
   if not os.path.isdir(model_dir):
     raise CheckpointError(f"model directory {model_dir!r} does not exist")
-  hf_config = read_config(model_dir)
-  config = ModelConfig.from_hf(hf_config, **config_overrides)
+  config, hf_config = load_config(model_dir, **config_overrides)
   if config.num_mtp_layers and "num_mtp_layers" not in config_overrides:
     config, hf_config = _without_absent_mtp_layers(model_dir, config, hf_config)
-  params = jax.tree_util.tree_map(jnp.asarray, load_params(model_dir, config))
+  fewer_layers = bool({"num_layers", "num_mtp_layers"} & set(config_overrides))
+  params = load_params(model_dir, config, extra_layers_ok=fewer_layers)
+  params = jax.tree_util.tree_map(jnp.asarray, params)
   tokenizer = None
   if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
     from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel

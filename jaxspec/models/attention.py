@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec.errors import ConfigError
 from jaxspec import state as state_lib
 
 NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
@@ -36,7 +37,7 @@ IMPLS = ("auto", "xla", "pallas")
 def resolve_impl(impl: str) -> str:
   """ "auto" → "xla" (the Pallas kernel is opt-in until it has been checked on hardware)."""
   if impl not in IMPLS:
-    raise ValueError(f"attention_impl={impl!r}; expected one of {IMPLS}")
+    raise ConfigError(f"attention_impl={impl!r}; expected one of {IMPLS}")
   return "xla" if impl == "auto" else impl
 
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import plan
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
@@ -35,6 +36,7 @@ from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.state import KV_FORMATS, DecodingState
 from jaxspec.speculative import decode, metrics, sampling, tree as tree_lib, tree_verify, verify
+from jaxspec.speculative.request import Request
 
 MAX_STOP_IDS = 8
 
@@ -91,10 +93,20 @@ class EngineConfig:
 
     need(self.verify in ("chain", "tree"), f"verify={self.verify!r} (use 'chain' or 'tree')")
     whole("max_len", 2)
+    need(self.max_len < 2**31, f"max_len must be < 2**31 (int32 positions), got {self.max_len}")
     whole("batch_size", 1)
     # A bucket of 0 would never grow; a stream of 0 steps per round trip would never advance.
     whole("min_prompt_bucket", 1)
     whole("stream_every", 1)
+    need(
+      isinstance(self.stop_ids, tuple)
+      and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < 2**31
+        for t in self.stop_ids
+      ),
+      f"stop_ids must be a tuple of token ids (integers in [0, 2**31)), got {self.stop_ids!r}",
+    )
+    need(isinstance(self.use_eos, bool), f"use_eos must be a bool, got {self.use_eos!r}")
     need(
       self.kv_format in KV_FORMATS,
       f"kv_format={self.kv_format!r}; expected one of {tuple(KV_FORMATS)}",
@@ -427,7 +439,12 @@ class SpecEngine:
     stops = list(config.stop_ids)
     if config.use_eos:
       stops += list(target.config.eos_token_ids)
-    stops = list(dict.fromkeys(stops))
+    stops = list(dict.fromkeys(int(t) for t in stops))
+    outside = [t for t in stops if t >= target.config.vocab_size]
+    if outside:
+      raise ConfigError(
+        f"stop ids {outside} are outside the vocabulary (size {target.config.vocab_size})"
+      )
     if len(stops) > MAX_STOP_IDS:
       raise ConfigError(f"at most {MAX_STOP_IDS} stop ids, got {stops}")
     self.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
@@ -435,6 +452,11 @@ class SpecEngine:
     self.gamma = drafter.gamma if drafter is not None else 0
     # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
     self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
+    # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
+    self.memory = plan.engine_plan(
+      target, drafter, config.batch_size, config.max_len, config.kv_format
+    )
+    plan.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
     cfg, dr = target.config, drafter
     self._prefill = jax.jit(
       functools.partial(prefill, cfg, dr), static_argnames=("max_len", "kv_format")
@@ -451,42 +473,59 @@ class SpecEngine:
 
   # -- input handling --------------------------------------------------------------------------
 
-  def _encode(self, prompts: Sequence[Any]) -> list[list[int]]:
+  def _request(self, prompts: Any, **kwargs: Any) -> Request:
+    """Validates a call's arguments once (jaxspec/speculative/request.py)."""
+    return Request.build(prompts, max_prompts=self.config.batch_size, **kwargs)
+
+  def _encode(self, request: Request) -> list[list[int]]:
     out = []
-    for p in prompts:
+    tok = self.target.tokenizer
+    for i, p in enumerate(request.prompts):
       if isinstance(p, str):
-        if self.target.tokenizer is None:
+        if tok is None:
           raise InputError("text prompts need a model with a tokenizer; pass token ids instead")
-        ids = self.target.tokenizer.encode(p)
+        # User text is plain text: a typed "<|mask|>" is characters, not the control token,
+        # unless the caller asks for special tokens to be parsed.
+        ids = tok.encode(p, split_special_tokens=not request.parse_special)
+        if not ids:
+          raise InputError(f"prompt {i} encodes to no tokens")
       else:
-        ids = [int(t) for t in np.asarray(p).reshape(-1)]
-      if not ids:
-        raise InputError("empty prompt: a prompt needs at least one token")
+        ids = list(p)
       self.target.check_tokens(np.asarray([ids]))
       out.append(ids)
     return out
 
   def init_state(
     self,
-    prompts: Sequence[Any],
-    max_new_tokens: int | Sequence[int] = 128,
+    prompts: Any,
+    max_new_tokens: Any = 128,
     temperature: Any = 0.0,
     top_k: Any = 0,
     top_p: Any = 1.0,
     seed: int = 0,
+    *,
+    parse_special: bool = False,
   ) -> SpecState:
-    """Validates and pads the inputs and runs the prefill (jitted once per prompt bucket)."""
-    ids = self._encode(prompts)
+    """Validates and pads the inputs and runs the prefill (jitted once per prompt bucket).
+
+    Arguments as for `generate`.
+    """
+    request = self._request(
+      prompts,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      seed=seed,
+      parse_special=parse_special,
+    )
+    return self._start(request)
+
+  def _start(self, request: Request) -> SpecState:
+    ids = self._encode(request)
     b, cfg = self.config.batch_size, self.config
-    if not 1 <= len(ids) <= b:
-      raise InputError(
-        f"got {len(ids)} prompts; this engine runs 1..{b} per call (EngineConfig.batch_size)"
-      )
-    max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (len(ids),))
-    if np.any(max_new < 1):
-      raise InputError(f"max_new_tokens must be ≥ 1, got {max_new.tolist()}")
-    for i, (p, m) in enumerate(zip(ids, max_new)):
-      need = len(p) + int(m) + self.lookahead + 1
+    for i, (p, m) in enumerate(zip(ids, request.max_new_tokens)):
+      need = len(p) + m + self.lookahead + 1
       if need > cfg.max_len:
         what = (
           f"{self.gamma} draft tokens"
@@ -494,33 +533,27 @@ class SpecEngine:
           else f"a tree of {self.tree.budget} draft nodes (depth ≤ {self.gamma})"
         )
         raise InputError(
-          f"prompt {i} has {len(p)} tokens; with max_new_tokens={int(m)} and {what} per step "
+          f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} and {what} per step "
           f"it needs {need} slots, more than max_len={cfg.max_len}"
         )
     bucket = _bucket(max(len(p) for p in ids), cfg.min_prompt_bucket, cfg.max_len)
     prompts_arr = np.zeros((b, bucket), np.int32)
     lens = np.ones((b,), np.int32)
-    budgets = np.ones((b,), np.int32)
     for i, p in enumerate(ids):
       prompts_arr[i, : len(p)] = p
-      lens[i], budgets[i] = len(p), max_new[i]
+      lens[i] = len(p)
+    rows = request.padded(b)
     active = np.arange(b) < len(ids)
-    pad = lambda x, fill: np.concatenate(
-      [
-        np.asarray(x).reshape(-1)[: len(ids)] if np.ndim(x) else np.full(len(ids), x),
-        np.full(b - len(ids), fill),
-      ]
-    )
-    params = sampling.make_sampling_params(b, pad(temperature, 0.0), pad(top_k, 0), pad(top_p, 1.0))
+    params = sampling.make_sampling_params(b, rows["temperature"], rows["top_k"], rows["top_p"])
     return self._prefill(
       self.target.params,
       self.drafter_params,
       jnp.asarray(prompts_arr),
       jnp.asarray(lens),
-      jnp.asarray(budgets),
+      jnp.asarray(rows["max_new_tokens"]),
       jnp.asarray(active),
       params,
-      jax.random.PRNGKey(seed),
+      jax.random.PRNGKey(request.seed),
       jnp.asarray(self.stop_ids),
       max_len=cfg.max_len,
       kv_format=cfg.kv_format,
@@ -539,38 +572,77 @@ class SpecEngine:
 
   def generate(
     self,
-    prompts: Sequence[Any],
-    max_new_tokens: int | Sequence[int] = 128,
+    prompts: Any,
+    max_new_tokens: Any = 128,
     temperature: Any = 0.0,
     top_k: Any = 0,
     top_p: Any = 1.0,
     seed: int = 0,
+    *,
+    parse_special: bool = False,
   ) -> GenerateOutput:
-    """Generates for up to batch_size prompts (text or token ids); returns texts, tokens, stats."""
+    """Generates for up to batch_size prompts; returns texts, tokens and stats.
+
+    Args:
+      prompts: one str, or a sequence of prompts, each a str or a 1-D sequence of token ids.
+      max_new_tokens: an integer ≥ 1, or one per prompt.
+      temperature: ≥ 0 (0 = greedy), or one per prompt.
+      top_k: ≥ 0 (0 = off), or one per prompt.
+      top_p: in (0, 1] (1 = off), or one per prompt.
+      seed: the sampling seed.
+      parse_special: parse special-token strings typed in text prompts (say "<|endoftext|>")
+        as the control tokens; by default text is plain text.
+
+    Raises:
+      InputError: for anything else (jaxspec/speculative/request.py lists the accepted forms).
+    """
     t0 = time.perf_counter()
-    state = self.init_state(prompts, max_new_tokens, temperature, top_k, top_p, seed)
+    request = self._request(
+      prompts,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      seed=seed,
+      parse_special=parse_special,
+    )
+    state = self._start(request)
     jax.block_until_ready(state.tokens)
     t1 = time.perf_counter()
     state = self._loop(self.target.params, self.drafter_params, state)
     jax.block_until_ready(state.tokens)
     t2 = time.perf_counter()
-    tokens = self._outputs(state, len(prompts))
-    return GenerateOutput(
-      self._texts(tokens), tokens, self._stats(state, t1 - t0, t2 - t1, len(prompts))
-    )
+    n = len(request)
+    tokens = self._outputs(state, n)
+    return GenerateOutput(self._texts(tokens), tokens, self._stats(state, t1 - t0, t2 - t1, n))
 
   def stream(
     self,
-    prompts: Sequence[Any],
-    max_new_tokens: int | Sequence[int] = 128,
+    prompts: Any,
+    max_new_tokens: Any = 128,
     temperature: Any = 0.0,
     top_k: Any = 0,
     top_p: Any = 1.0,
     seed: int = 0,
+    *,
+    parse_special: bool = False,
   ) -> Iterator[list[list[int]]]:
-    """Yields each sequence's newly committed tokens every `stream_every` steps."""
-    state = self.init_state(prompts, max_new_tokens, temperature, top_k, top_p, seed)
-    n = len(prompts)
+    """Yields each sequence's newly committed tokens every `stream_every` steps.
+
+    Arguments as for `generate`; they are checked when this is called, not when iterated.
+    """
+    request = self._request(
+      prompts,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      seed=seed,
+      parse_special=parse_special,
+    )
+    return self._stream(self._start(request), len(request))
+
+  def _stream(self, state: SpecState, n: int) -> Iterator[list[list[int]]]:
     sent = [0] * n
     while True:
       toks = self._outputs(state, n)

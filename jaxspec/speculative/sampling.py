@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.errors import InputError
+
 ArrayLike = Union[jax.Array, np.ndarray, float, int, Sequence[float], Sequence[int]]
 
 NEG_INF = float("-inf")
@@ -46,7 +48,7 @@ class SamplingParams:
 def _broadcast_param(name: str, value: ArrayLike, batch: int, dtype) -> np.ndarray:
   arr = np.asarray(value)
   if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
-    raise ValueError(
+    raise InputError(
       f"sampling parameter {name!r} must be a scalar or have length batch={batch}, "
       f"got shape {arr.shape}"
     )
@@ -71,16 +73,16 @@ def make_sampling_params(
     SamplingParams with float32 / int32 arrays of shape [B].
   """
   if batch <= 0:
-    raise ValueError(f"batch must be positive, got {batch}")
+    raise InputError(f"batch must be positive, got {batch}")
   t = _broadcast_param("temperature", temperature, batch, np.float32)
   k = _broadcast_param("top_k", top_k, batch, np.int32)
   p = _broadcast_param("top_p", top_p, batch, np.float32)
   if not np.all(np.isfinite(t)) or np.any(t < 0):
-    raise ValueError(f"temperature must be finite and >= 0, got {t.tolist()}")
+    raise InputError(f"temperature must be finite and >= 0, got {t.tolist()}")
   if np.any(k < 0):
-    raise ValueError(f"top_k must be >= 0 (0 = off), got {k.tolist()}")
+    raise InputError(f"top_k must be >= 0 (0 = off), got {k.tolist()}")
   if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
-    raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p.tolist()}")
+    raise InputError(f"top_p must be in (0, 1] (1 = off), got {p.tolist()}")
   return SamplingParams(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p))
 
 

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
+from jaxspec.errors import ConfigError
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -105,7 +106,7 @@ def split_of(rel_path: str, val_fraction: float = DEFAULT_VAL_FRACTION) -> str:
   independent of which other files exist.
   """
   if not 0.0 <= val_fraction <= 1.0:
-    raise ValueError(f"val_fraction must be in [0, 1], got {val_fraction}")
+    raise ConfigError(f"val_fraction must be in [0, 1], got {val_fraction}")
   rel = rel_path.replace(os.sep, "/").lstrip("/")
   digest = hashlib.sha256((_SPLIT_SALT + rel).encode("utf-8")).digest()
   u = int.from_bytes(digest[:8], "big") / 2.0**64  # Uniform in [0, 1).
@@ -157,7 +158,7 @@ def read_documents(files: Sequence[str], root: str | os.PathLike[str] | None = N
 
 def _check_split(split: str) -> None:
   if split not in SPLITS:
-    raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    raise ConfigError(f"unknown split {split!r}; expected one of {SPLITS}")
 
 
 # ---- the token stream ------------------------------------------------------------------
@@ -188,7 +189,7 @@ def tokenize_documents(
   """
   eos = tokenizer.eos_id
   if eos is None:
-    raise ValueError("tokenizer has no <|endoftext|> token to separate documents")
+    raise ConfigError("tokenizer has no <|endoftext|> token to separate documents")
   dtype = _token_dtype(tokenizer.vocab_size)
   docs = [d for d in documents if d]
   parts = []
@@ -236,7 +237,7 @@ def token_stream(
     split, root, val_fraction=val_fraction, suffixes=suffixes, exclude_dirs=exclude_dirs
   )
   if not files:
-    raise ValueError(
+    raise ConfigError(
       f"split {split!r} of {root!r} has no files "
       f"(suffixes={tuple(suffixes)}, val_fraction={val_fraction})"
     )
@@ -312,13 +313,13 @@ class PackedDataset:
     """
     tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
     if tokens.ndim != 1:
-      raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+      raise ConfigError(f"tokens must be 1-D, got shape {tokens.shape}")
     if seq_len < 1 or batch_size < 1:
-      raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
+      raise ConfigError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
     if not 0 <= process_index < process_count:
-      raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+      raise ConfigError(f"process_index {process_index} not in [0, {process_count})")
     if batch_size % process_count:
-      raise ValueError(f"batch_size {batch_size} not divisible by process_count {process_count}")
+      raise ConfigError(f"batch_size {batch_size} not divisible by process_count {process_count}")
     self.tokens = tokens
     self.seq_len = int(seq_len)
     self.batch_size = int(batch_size)
@@ -333,7 +334,7 @@ class PackedDataset:
     )
     self.batches_per_epoch = self.windows_per_epoch // self.batch_size
     if self.batches_per_epoch == 0:
-      raise ValueError(
+      raise ConfigError(
         f"stream of {n} tokens is too short for one batch of {batch_size} x "
         f"{seq_len + 1} tokens ({self.windows_per_epoch} windows per epoch)"
       )
@@ -407,7 +408,7 @@ class PackedDataset:
     """
     step = int(step)
     if step < 0:
-      raise ValueError(f"step must be >= 0, got {step}")
+      raise ConfigError(f"step must be >= 0, got {step}")
     epoch, i = divmod(step, self.batches_per_epoch)
     offset, order = self.epoch_plan(epoch)
     rows = order[i * self.batch_size : (i + 1) * self.batch_size]
@@ -515,7 +516,7 @@ def function_prompts(
     exclude_dirs: see `list_text_files`.
   """
   if max_lines < 2:
-    raise ValueError(f"max_lines must be >= 2 (signature and body), got {max_lines}")
+    raise ConfigError(f"max_lines must be >= 2 (signature and body), got {max_lines}")
   files = corpus_files(
     split, root, val_fraction=val_fraction, suffixes=suffixes, exclude_dirs=exclude_dirs
   )

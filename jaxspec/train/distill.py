@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from jaxspec.errors import ConfigError
 from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.train import data as data_lib
@@ -50,11 +51,11 @@ class DistillConfig:
   def __post_init__(self):
     object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
     if not self.temperatures or any(t < 0 for t in self.temperatures):
-      raise ValueError(
+      raise ConfigError(
         f"temperatures must be a non-empty list of values ≥ 0, got {self.temperatures}"
       )
     if self.max_prompt_tokens < 1 or self.new_tokens < 2 or self.batch_size < 1:
-      raise ValueError("max_prompt_tokens ≥ 1, new_tokens ≥ 2 and batch_size ≥ 1 are required")
+      raise ConfigError("max_prompt_tokens ≥ 1, new_tokens ≥ 2 and batch_size ≥ 1 are required")
 
   @property
   def seq_len(self) -> int:
@@ -63,6 +64,9 @@ class DistillConfig:
   @classmethod
   def from_mapping(cls, m: Any) -> "DistillConfig":
     d = dict(m)
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ConfigError(f"unknown distillation setting(s) {unknown}")
     if "temperatures" in d:
       d["temperatures"] = tuple(d["temperatures"])
     return cls(**d)
@@ -124,7 +128,7 @@ def generate(
   lengths = np.zeros((n,), np.int32)
   plens = np.array([len(x) for x in prompt_ids], np.int32)
   if np.any(plens < 1):
-    raise ValueError("every prompt needs at least one token")
+    raise ConfigError("every prompt needs at least one token")
   # Plain decoding is the engine without a drafter; one more slot than the rows hold because
   # the engine keeps room for the token after the last one it commits.
   engine = SpecEngine(
@@ -161,7 +165,7 @@ def build(
     cfg.split, n=cfg.num_prompts or None, seed=cfg.seed, root=cfg.corpus_root or None
   )
   if not prompts:
-    raise ValueError(f"split {cfg.split!r} has no function openings to prompt with")
+    raise ConfigError(f"split {cfg.split!r} has no function openings to prompt with")
   meta = _meta(target, tokenizer, cfg, len(prompts))
   if not force and _matches(out_dir, meta):
     logging.info("reusing the distillation data in %s", out_dir)
@@ -216,7 +220,7 @@ class DistillDataset:
     self.shuffle = shuffle
     self.batches_per_epoch = len(self.tokens) // self.batch_size
     if self.batches_per_epoch == 0:
-      raise ValueError(f"{len(self.tokens)} sequences are too few for a batch of {batch_size}")
+      raise ConfigError(f"{len(self.tokens)} sequences are too few for a batch of {batch_size}")
 
   @property
   def seq_len(self) -> int:

@@ -28,6 +28,7 @@ from absl import logging
 from jaxspec.drafters.base import Drafter
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.eagle3 import Eagle3Drafter
+from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
 from jaxspec.train import distill, drafter_losses, optim, trainer
@@ -108,11 +109,11 @@ def init_drafter(
     vocab = None
     if d.draft_vocab_size < target.config.vocab_size:
       if vocab_counts is None:
-        raise ValueError("a reduced EAGLE-3 vocabulary needs token counts")
+        raise ConfigError("a reduced EAGLE-3 vocabulary needs token counts")
       vocab = np.sort(np.argsort(-vocab_counts, kind="stable")[: d.draft_vocab_size])
     drafter = Eagle3Drafter.random(target, draft_vocab=vocab, **common)
   else:
-    raise ValueError(f"unknown drafter method {method!r}; expected dflash or eagle3")
+    raise ConfigError(f"unknown drafter method {method!r}; expected dflash or eagle3")
   draft = dict(drafter.params["draft"])
   draft["norm"] = {"scale": jnp.asarray(target.params["norm"]["scale"])}
   if method == "eagle3":

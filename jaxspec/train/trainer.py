@@ -7,16 +7,24 @@ orbax every `checkpoint_every` steps; a run killed at any moment (even SIGKILL) 
 again restores the last checkpoint and continues with the very batches it would have seen, so
 it ends with the same parameters as an uninterrupted run. The validation split is evaluated
 every `eval_every` steps (default: once per epoch) and never trained on.
+
+Ctrl-C (SIGINT) stops a run cleanly: the step under way finishes, its state is checkpointed, and
+`TrainingInterrupted` (a KeyboardInterrupt) is raised; a second Ctrl-C stops at once, except
+during a checkpoint save or a metrics write, which always complete. A resumed run drops the
+metrics that an earlier process logged past its last checkpoint, so every step is logged once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
+import signal
+import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +36,7 @@ import tqdm
 from absl import logging
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.train import data as data_lib
 from jaxspec.train import losses, optim
@@ -76,7 +85,7 @@ def dataclass_from_mapping(cls: type, m: Mapping[str, Any], what: str) -> Any:
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(m) - names)
   if unknown:
-    raise ValueError(f"unknown {what} field(s): {unknown}")
+    raise ConfigError(f"unknown {what} field(s): {unknown}")
   return cls(**dict(m))
 
 
@@ -226,13 +235,23 @@ def mean_metrics(metrics_at: Callable[[int], Mapping[str, Any]], n: int) -> dict
 # --------------------------------------------------------------------------------------------------
 
 
-def checkpoint_manager(workdir: str, keep: int = 2) -> ocp.CheckpointManager:
-  """Synchronous orbax manager under <workdir>/checkpoints (atomic: a killed save leaves no
-  half-written step behind)."""
+def checkpoint_manager(
+  workdir: str, keep: int = 2, remove_partial: bool = True
+) -> ocp.CheckpointManager:
+  """Synchronous orbax manager under <workdir>/checkpoints.
+
+  Saves are atomic: orbax writes a step to `<step>.orbax-checkpoint-tmp-*` and renames it when
+  complete, so a killed save leaves no half-written step that `latest_step` would pick;
+  `remove_partial` deletes such leftovers when the manager opens (a training run's manager;
+  a reader beside a running job should pass False).
+  """
   return ocp.CheckpointManager(
     os.path.abspath(os.path.join(workdir, "checkpoints")),
     options=ocp.CheckpointManagerOptions(
-      max_to_keep=keep, enable_async_checkpointing=False, create=True
+      max_to_keep=keep,
+      enable_async_checkpointing=False,
+      create=True,
+      cleanup_tmp_directories=remove_partial,
     ),
   )
 
@@ -254,7 +273,7 @@ def load_params(workdir: str, config: ModelConfig, tc: TrainConfig) -> tuple[Any
 
 def latest_params(workdir: str, state: Any) -> tuple[Any, int]:
   """(params, step) of the latest checkpoint under workdir, restored into `state`'s structure."""
-  with checkpoint_manager(workdir) as manager:
+  with checkpoint_manager(workdir, remove_partial=False) as manager:
     state, step = restore_latest(manager, state)
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
@@ -264,6 +283,66 @@ def latest_params(workdir: str, state: Any) -> tuple[Any, int]:
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+  """Ctrl-C stopped training at `step`, after checkpointing it (`checkpoint` is None when no
+  checkpoint exists yet); running the same command again resumes there."""
+
+  def __init__(self, step: int, checkpoint: str | None):
+    if checkpoint is None:
+      message = f"training stopped at step {step}, before its first checkpoint"
+    else:
+      message = f"training stopped at step {step}; its checkpoint in {checkpoint} resumes the run"
+    super().__init__(message)
+    self.step = step
+    self.checkpoint = checkpoint
+
+
+class _InterruptGuard:
+  """SIGINT handling for the training loop (main thread only; elsewhere a no-op).
+
+  The first Ctrl-C only sets `requested`, which the loop checks between steps; a second one
+  raises KeyboardInterrupt at once, unless it lands inside `critical()`, which then completes
+  first. A signal handler cannot safely write to a stream, so it prints nothing.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._depth = 0
+    self._pending = False
+    self._previous: Any = None
+
+  def __enter__(self) -> "_InterruptGuard":
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+      self._previous = None
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    del signum, frame
+    if not self.requested:
+      self.requested = True
+    elif self._depth:
+      self._pending = True
+    else:
+      raise KeyboardInterrupt
+
+  @contextlib.contextmanager
+  def critical(self) -> Iterator[None]:
+    """A section that a second Ctrl-C does not cut short (checkpoint saves, metrics rows)."""
+    self._depth += 1
+    try:
+      yield
+    finally:
+      self._depth -= 1
+      if not self._depth and self._pending:
+        self._pending = False
+        raise KeyboardInterrupt
 
 
 @dataclasses.dataclass
@@ -291,7 +370,7 @@ def train(
     The final parameters, the last step and the evaluation history of this process.
   """
   if tokenizer.vocab_size != config.vocab_size:
-    raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model {config.vocab_size}")
+    raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids, model {config.vocab_size}")
   root = tc.corpus_root or None
   train_ds = data_lib.PackedDataset.from_corpus(
     tokenizer,
@@ -387,8 +466,14 @@ def run_loop(
   `eval_fn(params)` → validation metrics (must include `loop.val_key`). Metrics go to
   <workdir>/tb; the state is saved with `manager` every `loop.checkpoint_every` steps, after
   every evaluation and at the end. The manager is closed on return.
+
+  `start` is the step of the restored checkpoint (0: a fresh run); metrics rows an earlier
+  process logged past it are dropped, since the steps after it run again. Ctrl-C checkpoints
+  the current step and raises `TrainingInterrupted` (see the module docstring).
   """
-  writer = MetricsWriter(os.path.join(workdir, "tb"))
+  writer = MetricsWriter(os.path.join(workdir, "tb"), resume_step=start)
+  guard = _InterruptGuard()
+  saved = start if start > 0 else None  # the step of the newest checkpoint
   history: list[dict[str, float]] = []
   stopped = False
   t_start = time.time()
@@ -402,49 +487,62 @@ def run_loop(
   )
   t_log, step_log = time.time(), start
   step = start
-  try:
-    while step < total and not stopped:
-      state, metrics = train_step(state, batch_at(step))
-      step += 1
-      if loop.step_delay_s:
-        time.sleep(loop.step_delay_s)
-      if step % loop.log_every == 0 or step == total:
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.time()
-        m["tokens_per_s"] = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
-        m["epoch"] = step / per_epoch
-        t_log, step_log = now, step
-        writer.write_scalars(step, {f"train/{k}": v for k, v in m.items()})
-        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
-        if not progress:
-          logging.info("step %d loss %.4f tok/s %.0f", step, m["loss"], m["tokens_per_s"])
-      bar.update(1)
-      evaluated = False
-      if step % eval_every == 0 or step == total:
-        ev = eval_fn(state["params"])
-        ev["step"], ev["epoch"] = step, step / per_epoch
-        history.append(ev)
-        writer.write_scalars(
-          step, {f"val/{k}": v for k, v in ev.items() if k not in ("step", "epoch")}
-        )
-        logging.info("eval at step %d (epoch %.2f): %s", step, step / per_epoch, ev)
-        bar.write(
-          f"eval step {step}: "
-          + ", ".join(f"{k}={v:.4f}" for k, v in ev.items() if k not in ("step",))
-        )
-        best, bad = float(state["best_val"]), int(state["bad_evals"])
-        bad = 0 if ev[loop.val_key] < best else bad + 1
-        state = dict(
-          state, best_val=jnp.float32(min(best, ev[loop.val_key])), bad_evals=jnp.int32(bad)
-        )
-        stopped = loop.patience > 0 and bad >= loop.patience
-        evaluated = True
-      writer.flush()
-      if step % loop.checkpoint_every == 0 or evaluated or step == total or stopped:
-        manager.save(step, args=ocp.args.StandardSave(state), force=True)
-  finally:
-    bar.close()
-    writer.close()
-    manager.wait_until_finished()
-    manager.close()
+  with guard:
+    try:
+      while step < total and not stopped and not guard.requested:
+        state, metrics = train_step(state, batch_at(step))
+        step += 1
+        if loop.step_delay_s:
+          time.sleep(loop.step_delay_s)
+        if step % loop.log_every == 0 or step == total:
+          m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          now = time.time()
+          m["tokens_per_s"] = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
+          m["epoch"] = step / per_epoch
+          t_log, step_log = now, step
+          with guard.critical():
+            writer.write_scalars(step, {f"train/{k}": v for k, v in m.items()})
+          bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
+          if not progress:
+            logging.info("step %d loss %.4f tok/s %.0f", step, m["loss"], m["tokens_per_s"])
+        bar.update(1)
+        evaluated = False
+        if step % eval_every == 0 or step == total:
+          ev = eval_fn(state["params"])
+          ev["step"], ev["epoch"] = step, step / per_epoch
+          history.append(ev)
+          with guard.critical():
+            writer.write_scalars(
+              step, {f"val/{k}": v for k, v in ev.items() if k not in ("step", "epoch")}
+            )
+          logging.info("eval at step %d (epoch %.2f): %s", step, step / per_epoch, ev)
+          bar.write(
+            f"eval step {step}: "
+            + ", ".join(f"{k}={v:.4f}" for k, v in ev.items() if k not in ("step",))
+          )
+          best, bad = float(state["best_val"]), int(state["bad_evals"])
+          bad = 0 if ev[loop.val_key] < best else bad + 1
+          state = dict(
+            state, best_val=jnp.float32(min(best, ev[loop.val_key])), bad_evals=jnp.int32(bad)
+          )
+          stopped = loop.patience > 0 and bad >= loop.patience
+          evaluated = True
+        with guard.critical():
+          writer.flush()
+          if step % loop.checkpoint_every == 0 or evaluated or step == total or stopped:
+            manager.save(step, args=ocp.args.StandardSave(state), force=True)
+            saved = step
+      if guard.requested:
+        if saved != step and step > 0:
+          with guard.critical():
+            manager.save(step, args=ocp.args.StandardSave(state), force=True)
+            saved = step
+        directory = os.fspath(manager.directory) if saved is not None else None
+        raise TrainingInterrupted(step, directory)
+    finally:
+      with guard.critical():
+        bar.close()
+        writer.close()
+        manager.wait_until_finished()
+        manager.close()
   return TrainResult(state["params"], step, history, time.time() - t_start, stopped)
