@@ -246,6 +246,12 @@ class ModelConfig:
   # the XLA path reads the committed prefix in chunks of `attention_chunk` slots.
   attention_impl: str = "auto"
   attention_chunk: int = 256
+  # Layer runs as one `nn.scan` over stacked parameters [n, ...] (True: compile time flat in
+  # depth; training's layout), or unrolled over per-layer parameter buffers (False: decoding's
+  # layout, since a scanned layer's weights are sliced out of the stack, a copy on backends
+  # that cannot feed a matmul from a slice; see docs/benchmarks.md). Convert with
+  # `TargetModel.with_scan_layers`.
+  scan_layers: bool = True
   # Multi-token-prediction layers stored after the main layers (DeepSeek-V3 layout).
   num_mtp_layers: int = 0
   # Special tokens.
@@ -370,6 +376,7 @@ class ModelConfig:
     "routed_scaling_factor",
   )
   _BOOLS = (
+    "scan_layers",
     "attention_bias",
     "attention_out_bias",
     "qk_norm",

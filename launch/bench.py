@@ -101,6 +101,19 @@ flags.DEFINE_enum(
   "Benchmark random models of this size instead (no trained assets needed).",
 )
 flags.DEFINE_enum(
+  "mode",
+  "generate",
+  ["generate", "cost_curve"],
+  "generate: methods on real prompts (the default); cost_curve: forward cost against T on "
+  "random models of realistic shape, the memory roofline, and projected speedups.",
+)
+flags.DEFINE_enum(
+  "cost_size", "1gb", ["1gb", "tiny"], "cost_curve: model sizes (tiny: seconds, for tests)."
+)
+flags.DEFINE_list("cost_tokens", ["1", "2", "4", "8", "16", "32", "64"], "cost_curve: T values.")
+flags.DEFINE_integer("cost_max_len", 1024, "cost_curve: cache length (forwards at max_len/2).")
+flags.DEFINE_integer("cost_prompts", 8, "cost_curve: bundled-pair prompts measuring τ.")
+flags.DEFINE_enum(
   "random_draft",
   "truncated",
   ["truncated", "qwen3"],
@@ -655,10 +668,12 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   methods = ["plain"] + [m for m in cfg.methods if m != "plain"]  # plain is the baseline
   load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
-  target = jaxspec.load_model(cfg.model)
+  target = jaxspec.load_model(cfg.model, scan_layers=False)  # decoding's layout
   if target.tokenizer is None and cfg.prompts is None:
     raise ConfigError(f"{cfg.model} has no tokenizer.json: text prompts cannot be encoded")
-  draft = jaxspec.load_model(cfg.draft_model) if "draft_model" in methods else None
+  draft = (
+    jaxspec.load_model(cfg.draft_model, scan_layers=False) if "draft_model" in methods else None
+  )
   texts = load_prompts(cfg)
   if not texts:
     raise ConfigError("no prompts")
@@ -796,9 +811,234 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   report["table"] = format_table(report)
   if cfg.out:
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+    report["plot"] = plot_report(report, os.path.splitext(cfg.out)[0] + ".png")
     with open(cfg.out, "w", encoding="utf-8") as f:
       json.dump(report, f, indent=1, default=float)
       f.write("\n")
+  return report
+
+
+def plot_report(report: dict[str, Any], path: str) -> Optional[str]:
+  """Acceptance rate by draft position (one panel per temperature) and, with a DDTree budget
+  sweep, acceptance length and speedup against the budget; a PNG at `path`, or None without
+  matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  temps = list(report["results"])
+  sweep = {
+    t: sorted(
+      (int(n.rsplit("tree", 1)[1]), s)
+      for n, s in report["results"][t]["runners"].items()
+      if "+tree" in n
+    )
+    for t in temps
+  }
+  has_sweep = any(sweep.values())
+  fig, axes = plt.subplots(
+    1, len(temps) + has_sweep, figsize=(5 * (len(temps) + has_sweep), 4), squeeze=False
+  )
+  for ax, t in zip(axes[0], temps):
+    for name, s in report["results"][t]["runners"].items():
+      rates = s.get("acceptance_rate_per_position") or []
+      if len(rates) and "+tree" not in name:
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name.split("/", 1)[1])
+    ax.set_title(f"P(draft i accepted | reached), T={t}")
+    ax.set_xlabel("draft position i")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+  if has_sweep:
+    ax = axes[0][-1]
+    for t, points in sweep.items():
+      if points:
+        budgets = [b for b, _ in points]
+        ax.plot(
+          budgets,
+          [s["acceptance_length"] for _, s in points],
+          marker="o",
+          label=f"acceptance length, T={t}",
+        )
+        ax.plot(
+          budgets,
+          [s.get("speedup_vs_plain", float("nan")) for _, s in points],
+          marker="s",
+          ls="--",
+          label=f"speedup vs plain, T={t}",
+        )
+    ax.set_title("DDTree budget sweep")
+    ax.set_xlabel("tree budget (draft nodes)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost curves (--mode=cost_curve)
+# --------------------------------------------------------------------------------------------------
+
+# (dense, MoE) model shapes of ≥ 1 GB of float32 weights, and tiny ones for tests.
+COST_MODELS = {
+  "1gb": {
+    "dense": dict(hidden=2048, layers=4, intermediate=8192, vocab=32768),
+    "moe": dict(
+      hidden=2048, layers=2, experts=32, experts_per_tok=4, expert_intermediate=768, vocab=32768
+    ),
+  },
+  "tiny": {
+    "dense": dict(hidden=64, layers=2, intermediate=128, vocab=512, head_dim=16, kv_heads=2),
+    "moe": dict(
+      hidden=64,
+      layers=2,
+      experts=8,
+      experts_per_tok=2,
+      expert_intermediate=32,
+      vocab=512,
+      head_dim=16,
+      kv_heads=2,
+    ),
+  },
+}
+
+# What the bundled pair runs for the projection: (label, drafter method, γ, tree budget or 0).
+PROJECTED_METHODS = (
+  ("eagle3 chain γ=4", "eagle3", 4, 0),
+  ("eagle3 chain γ=15", "eagle3", 15, 0),
+  ("dflash chain γ=15", "dflash", 15, 0),
+  ("dflash + ddtree 8", "dflash", 15, 8),
+  ("dflash + ddtree 22", "dflash", 15, 22),
+  ("dflash + ddtree 32", "dflash", 15, 32),
+)
+
+
+def measure_acceptance(num_prompts: int, max_new_tokens: int = 96) -> dict[str, float]:
+  """Pooled acceptance length τ (tokens per verify pass, bonus included) of each
+  PROJECTED_METHODS entry on the bundled target and drafters, greedy; {} without them."""
+  target_dir = registry.bundled_dir("target")
+  if target_dir is None or num_prompts < 1:
+    return {}
+  target = jaxspec.load_model(target_dir, scan_layers=False)
+  texts = data_prompts(num_prompts)
+  prompts = [target.tokenizer.encode(t) for t in texts]
+  max_len = -(-(max(map(len, prompts)) + max_new_tokens + 34) // 64) * 64
+  taus = {}
+  for label, method, gamma, budget in PROJECTED_METHODS:
+    if registry.bundled_dir(method) is None:
+      continue
+    drafter = registry.make_drafter(
+      method, target, gamma=gamma, draft_dir=registry.bundled_dir(method)
+    )
+    tree = dict(verify="tree", tree_budget=budget) if budget else {}
+    engine = jaxspec.SpecEngine(
+      target, drafter, jaxspec.EngineConfig(max_len=max_len, use_eos=False, **tree)
+    )
+    tokens = passes = 0
+    for p in prompts:
+      out = engine.generate([p], max_new_tokens=max_new_tokens)
+      tokens += out.stats.tokens_generated
+      passes += out.stats.target_passes
+    taus[label] = tokens / max(passes, 1)
+  return taus
+
+
+def data_prompts(n: int) -> list[str]:
+  from jaxspec.train import data  # pylint: disable=import-outside-toplevel
+
+  return data.function_prompts(split="validation", n=n, seed=0)
+
+
+def run_cost_curves(
+  size: str, tokens: Sequence[int], max_len: int, num_prompts: int, out: str
+) -> dict[str, Any]:
+  """Cost curves of the COST_MODELS[size] models (both layer layouts for the dense one), the
+  reference bandwidth, drafter step costs at each model's scale, and projected speedups
+  τ · t(1) / (t_verify + t_draft) with τ measured on the bundled pair. Saves JSON and a PNG."""
+  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+
+  shapes = COST_MODELS[size]
+  bandwidth = roofline.reference_bandwidth(roofline.GIB if size == "1gb" else 1 << 24)
+  position = max_len // 2
+  curves: dict[str, list] = {}
+  drafts: dict[str, dict[str, float]] = {}
+  lines = [
+    f"reference bandwidth: stream {bandwidth['stream'] / 1e9:.1f} GB/s, matvec "
+    f"{bandwidth['matvec'] / 1e9:.1f} GB/s (float32, jax {jax.__version__}, "
+    f"{jax.default_backend()}); forwards at position {position} of {max_len}",
+    "",
+  ]
+  for kind, kw in shapes.items():
+    make = roofline.dense_config if kind == "dense" else roofline.moe_config
+    layouts = (False, True) if kind == "dense" else (False,)
+    for scan in layouts:
+      config = make(**kw).replace(scan_layers=scan)
+      params = roofline.random_params(config)
+      name = f"{kind} ({'scanned' if scan else 'unrolled'} layers)"
+      curves[name] = roofline.cost_curve(config, params, tokens, max_len, position)
+      lines += roofline.curve_table(name, curves[name], bandwidth["best"]) + [""]
+      if not scan:
+        target = jaxspec.TargetModel(config, params)
+        drafts[kind] = {}
+        for label, method, gamma, _ in PROJECTED_METHODS:
+          key = f"{method} γ={gamma}"
+          if key not in drafts[kind]:
+            drafter = roofline.random_drafter(method, target, gamma)
+            drafts[kind][key] = roofline.drafter_step_seconds(
+              drafter, config.hidden_size, max_len, position
+            )
+      del params
+  taus = measure_acceptance(num_prompts)
+  projections: dict[str, dict[str, float]] = {}
+  if taus:
+    lines.append(
+      "projected speedup over plain decoding: τ · t(1) / (t_verify + t_draft), τ "
+      "pooled on the bundled pair (greedy), costs of the random models above"
+    )
+    lines.append(f"{'method':<22}{'τ':>6}" + "".join(f"{k:>14}" for k in drafts))
+    for label, method, gamma, budget in PROJECTED_METHODS:
+      if label not in taus:
+        continue
+      width = (budget or gamma) + 1
+      row = f"{label:<22}{taus[label]:>6.2f}"
+      for kind in drafts:
+        pts = curves[f"{kind} (unrolled layers)"]
+        t_draft = drafts[kind][f"{method} γ={gamma}"]
+        sp = roofline.project_speedup(
+          taus[label], pts[0].seconds, roofline.interpolate(pts, width), t_draft
+        )
+        projections.setdefault(label, {})[kind] = sp
+        row += f"{sp:>13.2f}×"
+      lines.append(row)
+    lines.append(
+      "drafter step ms: "
+      + "; ".join(
+        f"{kind}: " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in d.items())
+        for kind, d in drafts.items()
+      )
+    )
+  report = {
+    "bandwidth_bytes_per_s": bandwidth,
+    "max_len": max_len,
+    "position": position,
+    "curves": {name: [dataclasses.asdict(p) for p in pts] for name, pts in curves.items()},
+    "drafter_step_s": drafts,
+    "acceptance_length": taus,
+    "projected_speedup": projections,
+    "machine": machine_facts(None, list(os.getloadavg()) if hasattr(os, "getloadavg") else None),
+    "table": "\n".join(lines),
+    "out": out,
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1, default=float)
+  png = os.path.splitext(out)[0] + ".png"
+  report["plot"] = png if roofline.plot_curves(curves, bandwidth["best"], png) else None
   return report
 
 
@@ -895,6 +1135,17 @@ def _default_out() -> str:
 
 def main(argv: Sequence[str]) -> None:
   del argv
+  if FLAGS.mode == "cost_curve":
+    report = run_cost_curves(
+      size=FLAGS.cost_size,
+      tokens=tuple(int(t) for t in FLAGS.cost_tokens),
+      max_len=FLAGS.cost_max_len,
+      num_prompts=FLAGS.cost_prompts,
+      out=FLAGS.out or _default_out().replace("bench_results", "cost_curve"),
+    )
+    print(report["table"])
+    print(f"\nsaved {report['out']} and {report['plot'] or '(no plot: matplotlib missing)'}")
+    return
   if FLAGS.random:
     with tempfile.TemporaryDirectory(prefix="jaxspec_bench_") as tmp:
       _main(*write_random_models(tmp, FLAGS.random, FLAGS.seed, FLAGS.random_draft))

@@ -111,7 +111,7 @@ def fidelity(target: jaxspec.TargetModel, num_prompts: int, new: int) -> dict[st
 def main(argv: Sequence[str]) -> None:
   del argv
   model = FLAGS.model or os.path.join(os.path.dirname(jaxspec.__file__), "assets", "target")
-  target = jaxspec.load_model(model)
+  target = jaxspec.load_model(model, scan_layers=False)
   prompt = _long_prompt(target.tokenizer, FLAGS.prompt_tokens)
   lens = [int(x) for x in FLAGS.max_lens]
   print(f"plain decoding, {len(prompt)}-token prompt + {FLAGS.new_tokens} tokens, {model}")

@@ -137,15 +137,16 @@ def _tiny_random() -> jaxspec.TargetModel:
     eos_token_ids=(c.eos_token_id,),
     pad_token_id=c.pad_token_id,
   )
-  return target_lib.TargetModel.random(cfg, seed=c.seed, tokenizer=Tokenizer.bundled())
+  model = target_lib.TargetModel.random(cfg, seed=c.seed, tokenizer=Tokenizer.bundled())
+  return model.with_scan_layers(False)
 
 
 def load_target() -> tuple[jaxspec.TargetModel, str]:
   if FLAGS.model:
-    return jaxspec.load_model(FLAGS.model), FLAGS.model
+    return jaxspec.load_model(FLAGS.model, scan_layers=False), FLAGS.model
   bundled = os.path.join(ASSETS, "target")
   if os.path.exists(os.path.join(bundled, "config.json")):
-    return jaxspec.load_model(bundled), "bundled target"
+    return jaxspec.load_model(bundled, scan_layers=False), "bundled target"
   return _tiny_random(), "tiny random model (no bundled weights found)"
 
 

@@ -80,11 +80,14 @@ def routing_margins(model: target_lib.TargetModel, ids: Any) -> np.ndarray:
   if not config.num_experts:
     return np.full((b, t), np.inf)
   margins = np.full((b, t), np.inf)
-  for stack, sown in _intermediates(config, model.params, tokens).items():
+  # The scanned layout (model.config.scan_layers) stacks the per-layer values; make it so.
+  params = model.with_scan_layers(True).params
+  scanned = config.replace(scan_layers=True)
+  for stack, sown in _intermediates(scanned, params, tokens).items():
     if "mlp" not in sown or "router_logits" not in sown["mlp"]:
       continue
     per_layer = np.asarray(sown["mlp"]["router_logits"][0])  # [L_stack, B*T, E]
-    biases = model.params[stack]["mlp"].get("e_score_correction_bias")
+    biases = params[stack]["mlp"].get("e_score_correction_bias")
     for layer, logits in enumerate(per_layer):
       bias = None if biases is None else np.asarray(biases[layer])
       margins = np.minimum(margins, _routing_margins_one(config, logits, bias).reshape(b, t))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -57,6 +58,8 @@ def test_bench_with_transformers_peers(model_dirs, tmp_path):
   with open(out, encoding="utf-8") as f:
     saved = json.load(f)
   assert saved["table"] == report["table"]
+  # Acceptance by position, beside the JSON.
+  assert report["plot"] == str(tmp_path / "bench.png") and os.path.getsize(report["plot"]) > 1000
   for key in (
     "config",
     "machine",
@@ -124,3 +127,36 @@ def test_profile_forwards(model_dirs):
     "draft_step_floor_s",
   }
   assert all(v > 0 for v in prof.values())
+
+
+def test_cost_curve_mode(tmp_path):
+  """--mode=cost_curve on tiny random models: curves for both layer layouts, drafter step
+  costs, a JSON report and a plot (τ measurement skipped: no prompts)."""
+  out = str(tmp_path / "cost.json")
+  report = bench.run_cost_curves(size="tiny", tokens=(1, 2, 4), max_len=64, num_prompts=0, out=out)
+  names = set(report["curves"])
+  assert names == {"dense (unrolled layers)", "dense (scanned layers)", "moe (unrolled layers)"}
+  for pts in report["curves"].values():
+    assert [p["tokens"] for p in pts] == [1, 2, 4]
+    assert all(p["seconds"] > 0 and p["weight_bytes"] > 0 for p in pts)
+    # More tokens read more embedding rows (and, for MoE, more experts).
+    assert pts[0]["weight_bytes"] < pts[-1]["weight_bytes"]
+  assert set(report["drafter_step_s"]) == {"dense", "moe"}
+  assert report["bandwidth_bytes_per_s"]["best"] > 0
+  assert "reference bandwidth" in report["table"] and "t(T)/t(1)" in report["table"]
+  with open(out) as f:
+    assert json.load(f)["curves"] == report["curves"]
+  assert report["plot"] and os.path.getsize(report["plot"]) > 1000
+
+
+def test_projection_formula():
+  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+
+  # τ tokens for one verify and one draft step, against τ plain steps.
+  assert roofline.project_speedup(4.0, 1.0, 1.5, 0.5) == pytest.approx(2.0)
+  pts = [roofline.CostPoint(1, 1.0, 10.0), roofline.CostPoint(4, 2.0, 10.0)]
+  assert roofline.interpolate(pts, 2) == pytest.approx(1.5)  # halfway in log2(T)
+  assert roofline.interpolate(pts, 8) == pytest.approx(4.0)  # linear past the last point
+  # Expected distinct experts: all of them for many tokens, k for one token.
+  assert roofline.expected_distinct_experts(64, 8, 1) == pytest.approx(8)
+  assert roofline.expected_distinct_experts(64, 8, 1000) == pytest.approx(64)

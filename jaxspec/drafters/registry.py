@@ -52,7 +52,7 @@ def load_drafter(
   chain_gamma = DEFAULT_GAMMA if gamma is None else gamma
   if kind == "eagle3":
     return eagle3.load_eagle3(path, target, gamma=chain_gamma, **kwargs)
-  model = hf_io.load_model(path)
+  model = hf_io.load_model(path, scan_layers=False)  # a draft model decodes
   if model.config.vocab_size != target.config.vocab_size:
     raise InputError(
       f"drafter vocabulary ({model.config.vocab_size}) differs from the target's "

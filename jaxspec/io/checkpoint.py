@@ -40,7 +40,8 @@ def save(model: target_lib.TargetModel, out_dir: str) -> None:
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.join(out_dir, PARAMS_DIR), model.params, force=True)
+  params = model.with_scan_layers(True).params  # one on-disk layout: stacked layers
+  checkpointer.save(os.path.join(out_dir, PARAMS_DIR), params, force=True)
   checkpointer.wait_until_finished()
   if model.tokenizer is not None:
     model.tokenizer.save_hf(out_dir)
@@ -74,9 +75,10 @@ def restore(
   if not os.path.isdir(params_dir):
     raise CheckpointError(f"{ckpt_dir} is not a jaxspec orbax checkpoint (no {PARAMS_DIR}/)")
   config, hf_config = load_config(ckpt_dir, **config_overrides)
+  stored = config.replace(scan_layers=True)  # `save` writes stacked layers
   checkpointer = ocp.StandardCheckpointer()
   try:
-    params = checkpointer.restore(params_dir, abstract_params(config, mesh, rules))
+    params = checkpointer.restore(params_dir, abstract_params(stored, mesh, rules))
   except (ValueError, KeyError, TypeError, OSError) as e:
     first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
     raise CheckpointError(
@@ -87,7 +89,8 @@ def restore(
     from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
     tokenizer = tokenizer_lib.Tokenizer.from_dir(ckpt_dir)
-  return target_lib.TargetModel(config, params, tokenizer, hf_config)
+  model = target_lib.TargetModel(stored, params, tokenizer, hf_config)
+  return model.with_scan_layers(config.scan_layers)
 
 
 def convert(src: str, dst: str, to: str, dtype: str | None = None) -> target_lib.TargetModel:

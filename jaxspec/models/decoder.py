@@ -8,8 +8,10 @@ start + t but can be given explicitly (tree nodes sit at start + depth). Without
 (training, full-sequence logits) the block attends to itself only.
 
 Layers are stacked with `nn.scan`, one scan per maximal run of same-kind layers (a dense first
-layer and MoE layers after it make two runs), so compile time does not grow with depth. Each
-run carries its own state entry whole and updates it in place at the block's slots.
+layer and MoE layers after it make two runs), so compile time does not grow with depth; with
+`config.scan_layers=False` each run is unrolled over per-layer parameters instead (`LayerRun`,
+decoding's layout). Each run carries its own state entry whole and updates it in place at the
+block's slots.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.models.layers import (
@@ -79,7 +82,62 @@ class DecoderLayer(nn.Module):
     return (h, kv, layer + 1), h
 
 
+class LayerRun(nn.Module):
+  """A run of same-kind layers unrolled over per-layer parameters ("0", "1", … subtrees).
+
+  The same interface as the scanned run: ((h, kv, layer), per-layer outputs [n, B, T, H]).
+  Each matmul reads its layer's weights where they are; a scanned run slices them out of the
+  stack first, which costs a copy of every weight per step where the backend cannot feed a
+  matmul from a dynamic slice (XLA:CPU). Compile time grows with depth.
+  """
+
+  config: ModelConfig
+  moe: bool
+  length: int
+
+  @nn.compact
+  def __call__(self, carry: tuple, cos, sin, start, block_mask):
+    outs = []
+    for j in range(self.length):
+      carry, h = DecoderLayer(self.config, self.moe, name=str(j))(
+        carry, cos, sin, start, block_mask
+      )
+      outs.append(h)
+    return carry, jnp.stack(outs)
+
+
+def stack_layer_params(config: ModelConfig, params: Any) -> Any:
+  """Per-layer parameters (`scan_layers=False` layout) → stacked [n, ...] (the scanned one).
+
+  numpy leaves stay numpy (host), device leaves are stacked on their device.
+  """
+  out = dict(params)
+  for i, (_, n, _) in enumerate(config.segments()):
+    run = params[f"layers_{i}"]
+    out[f"layers_{i}"] = jax.tree_util.tree_map(
+      lambda *xs: (np.stack if isinstance(xs[0], np.ndarray) else jnp.stack)(xs),
+      *[run[str(j)] for j in range(n)],
+    )
+  return out
+
+
+def unstack_layer_params(config: ModelConfig, params: Any) -> Any:
+  """Stacked [n, ...] layer parameters → one subtree per layer, each leaf its own buffer.
+
+  Host (numpy) leaves are sliced as views and stay host arrays; device leaves are split once.
+  """
+  out = dict(params)
+  for i, (_, n, _) in enumerate(config.segments()):
+    run = params[f"layers_{i}"]
+    out[f"layers_{i}"] = {
+      str(j): jax.tree_util.tree_map(lambda x, j=j: x[j], run) for j in range(n)
+    }
+  return out
+
+
 def _stack(config: ModelConfig, moe: bool, length: int, name: str) -> nn.Module:
+  if not config.scan_layers:
+    return LayerRun(config, moe, length, name=name)
   scanned = nn.scan(
     DecoderLayer,
     variable_axes={"params": 0, "intermediates": 0},

@@ -18,7 +18,12 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import InputError
-from jaxspec.models.decoder import Decoder, DecoderOutput
+from jaxspec.models.decoder import (
+  Decoder,
+  DecoderOutput,
+  stack_layer_params,
+  unstack_layer_params,
+)
 from jaxspec.state import DecodingState
 
 
@@ -116,8 +121,27 @@ class TargetModel:
     return self.config.vocab_size
 
   def with_config(self, **changes: Any) -> "TargetModel":
-    """Same weights under a changed config (e.g. moe_backend='dense', dtype='bfloat16')."""
-    return dataclasses.replace(self, config=self.config.replace(**changes))
+    """Same weights under a changed config (e.g. moe_backend='dense', dtype='bfloat16').
+
+    A change of `scan_layers` re-lays the weights out (see `with_scan_layers`).
+    """
+    scan = changes.pop("scan_layers", self.config.scan_layers)
+    model = dataclasses.replace(self, config=self.config.replace(**changes))
+    return model.with_scan_layers(scan)
+
+  def with_scan_layers(self, scan: bool) -> "TargetModel":
+    """The same model with its layer weights stacked for `nn.scan` (True) or one buffer per
+    layer (False, decoding's layout: no per-step weight copies; see ModelConfig.scan_layers).
+
+    Converts once, holding both layouts until the old model is dropped; to decode a large
+    checkpoint unscanned, load it so (`load_model(dir, scan_layers=False)`), which slices the
+    host arrays as they are read.
+    """
+    if scan == self.config.scan_layers:
+      return self
+    convert = stack_layer_params if scan else unstack_layer_params
+    params = convert(self.config, self.params)
+    return dataclasses.replace(self, config=self.config.replace(scan_layers=scan), params=params)
 
   def init_state(self, batch: int, max_len: int, kv_format: str = "float") -> DecodingState:
     """A zero decoding state for `batch` sequences of up to `max_len` tokens."""

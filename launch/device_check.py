@@ -1,0 +1,1272 @@
+"""Check jaxspec on a lent accelerator in one command: one table of pass/fail/timeout/skip rows.
+
+  PYTHONPATH=. python launch/device_check.py --out=$OUT     # on the GPU machine, < 5 minutes
+  python launch/device_check.py --cpu --out=/tmp/dc         # smoke run: CPU, tiny shapes
+
+Sections, each in a subprocess of its own with its own time limit, so that a hang, a crash or a
+slow compile in one becomes a row ("timeout" or "fail") and the next section still runs:
+
+1. environment: library versions, backend, device kind, memory (`device.memory_stats()`).
+2. pallas: every kernel under pallas_kernels/ compiled for the device (interpret mode only with
+   --cpu) against its jnp reference, float32 and bf16 (and FP8 cache) shapes, under each GPU
+   lowering (Triton, Mosaic GPU); then the model path, `attention_impl="pallas"` against "xla"
+   on the bundled target (prefill + a tree-verify block, and a DDTree generation).
+3. lossless: greedy speculative decoding equals plain decoding on the bundled models, in
+   float32 with full-precision matmuls (chain: EAGLE-3, DFlash, MTP, draft model; tree: DFlash
+   + DDTree), and in bf16 up to each sequence's first near-tie (top-2 logit gap < 1e-2).
+4. cost: t(T) / t(1) of one forward of a random 8B-shaped dense model in bf16 (Qwen3-8B
+   proportions) at a mid-cache position, T = 1 … 64, per-layer weight buffers (and T = 1 with
+   scanned layers), and plain decoding's fraction of the measured memory bandwidth.
+5. speedup: tokens/s and acceptance length of plain, EAGLE-3 (chain) and DFlash + DDTree on the
+   bundled models.
+
+Each row: section, check, result, numbers, seconds. The table is printed and saved under --out
+as device_check.json and device_check.md, with the sections' own output in device_check.log.
+Exit status 1 when a row failed. Compiled programs are kept in --compile_cache, so a rerun on a
+warm machine (and a section that builds the same engine as an earlier one) skips compilation.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+import jaxspec  # pylint: disable=wrong-import-position
+from jaxspec import cli  # pylint: disable=wrong-import-position
+from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
+from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
+from jaxspec.state import DecodingState  # pylint: disable=wrong-import-position
+
+SECTIONS = ("environment", "pallas", "lossless", "cost", "speedup")
+RESULTS = ("pass", "fail", "timeout", "skip")
+# Nominal time limits (s) per section. They sum to under the default budget, and time a
+# section leaves unused goes to the later ones (see `_section_limit`).
+DEVICE_LIMITS = {"environment": 30, "pallas": 60, "lossless": 80, "cost": 70, "speedup": 40}
+CPU_LIMITS = {"environment": 60, "pallas": 90, "lossless": 120, "cost": 90, "speedup": 90}
+DEVICE_BUDGET_S = 285  # the whole run: 5 minutes on one GPU, less a margin
+CPU_BUDGET_S = 400
+# Vendor datasheet memory bandwidth (bytes/s) by device kind, a cross-check of the measured one.
+NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+# Greedy near-tie thresholds (top-2 logit gap under plain decoding): float32 as in
+# tests/near_ties.py, bf16 wider (its logits round at ~1e-2).
+TIE_GAP = {"float32": 1e-3, "bfloat16": 1e-2}
+PROMPT_CAP = 64  # prompt tokens kept; with min_prompt_bucket = 64, one prefill program
+MAX_LOOKAHEAD = 32  # γ or tree budget of every method below (DFlash's γ is 15, DDTree's 22)
+FALLBACK_PROMPTS = (
+  "def fib(n):\n",
+  "class Stack:\n    def __init__(self):\n",
+  'def read_json(path):\n    """Read a JSON file and return its contents."""\n',
+  "def merge_sorted(a, b):\n    result = []\n",
+)
+# label -> (method, DDTree budget or 0 for chain verification).
+METHOD_SPECS = {
+  "plain": ("plain", 0),
+  "eagle3-chain": ("eagle3", 0),
+  "dflash-chain": ("dflash", 0),
+  "mtp-chain": ("mtp", 0),
+  "draft_model-chain": ("draft_model", 0),
+  "dflash-ddtree22": ("dflash", 22),
+}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("cpu", False, "Smoke mode: every section on CPU with tiny shapes (< 1 minute).")
+flags.DEFINE_string(
+  "out",
+  None,
+  "Folder for device_check.{json,md,log} (default: $OUT if set, else /tmp/device_check).",
+)
+flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, of {', '.join(SECTIONS)}.")
+flags.DEFINE_integer(
+  "budget_s", None, f"Seconds for the whole run (default {DEVICE_BUDGET_S}; --cpu {CPU_BUDGET_S})."
+)
+flags.DEFINE_list(
+  "limits",
+  [],
+  "Per-section time limits (s) overriding the defaults, e.g. cost=90,lossless=60. A section "
+  "may also use the time earlier ones left unused; the run never exceeds the sum of the "
+  "selected sections' limits, nor --budget_s.",
+)
+flags.DEFINE_string(
+  "compile_cache",
+  "/tmp/jaxspec_device_check_cache",
+  "JAX persistent compilation cache shared by the sections ('' = off).",
+)
+flags.DEFINE_enum("section", None, SECTIONS, "Internal: run this one section in this process.")
+flags.DEFINE_string("rows_file", None, "Internal: where --section appends its rows (JSON lines).")
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes: the device run and the CPU smoke run
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+  """One tree-attention shape: q [B, T, H, D] over a cache of S slots (stacked over `layers`)."""
+
+  name: str
+  batch: int
+  block: int  # T: 1 = plain decoding, 23 = DDTree's budget 22 + the root
+  heads: int
+  kv_heads: int
+  head_dim: int
+  cache_len: int
+  layers: Optional[int]  # stacked [L, B, S, K, D] cache read at layer L - 1; None: one layer
+  dtype: str  # float32, bfloat16, or fp8 (float8_e4m3fn cache with float32 scales)
+  tree: bool  # a random ancestor mask; False: causal in the block
+  block_k: int = 64
+  num_splits: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """Everything that differs between the device run and the CPU smoke run."""
+
+  kernel_cases: tuple[KernelCase, ...]
+  lowerings: tuple[str, ...]  # GPU Pallas lowerings to try ("interpret" on CPU)
+  kernel_tolerance: dict  # dtype -> largest ‖out − ref‖ / ‖ref‖
+  time_kernels: bool
+  model_prefill: bool  # compare a Pallas prefill too (else only the verify block)
+  model_generate: bool  # also a DDTree generation through the Pallas model path
+  prompts: int
+  new_tokens: int
+  lossless_f32: tuple[str, ...]
+  lossless_bf16: tuple[str, ...]
+  speed_methods: tuple[str, ...]
+  speed_prompts: int
+  speed_tokens: int
+  speed_repeats: int
+  cost_model: dict  # roofline.dense_config kwargs
+  cost_tokens: tuple[int, ...]
+  cost_max_len: int
+  cost_repeats: int
+  bandwidth_bytes: int
+
+
+DEVICE_CASES = (
+  KernelCase("decode_s4096", 1, 1, 32, 8, 128, 4096, None, "float32", False),
+  KernelCase("ddtree23_s2048", 2, 23, 32, 8, 128, 2048, 3, "float32", True),
+  KernelCase("ddtree23_s2048", 2, 23, 32, 8, 128, 2048, 3, "bfloat16", True),
+  KernelCase("ddtree23_s1024", 2, 23, 16, 4, 128, 1024, 2, "fp8", True),
+  KernelCase("bundled_t23_s256", 1, 23, 4, 2, 32, 256, 4, "float32", True),
+)
+CPU_CASES = (
+  KernelCase("ddtree7_s48", 2, 7, 4, 2, 16, 48, 2, "float32", True, block_k=16, num_splits=2),
+  KernelCase("ddtree7_s48", 2, 7, 4, 2, 16, 48, 2, "bfloat16", True, block_k=16, num_splits=2),
+)
+
+DEVICE = Sizes(
+  kernel_cases=DEVICE_CASES,
+  lowerings=("triton", "mosaic_gpu"),
+  # float32 dots may run as TF32 on the GPU (~3e-4); bf16 outputs round at ~4e-3.
+  kernel_tolerance={"float32": 2e-3, "fp8": 2e-3, "bfloat16": 1e-2},
+  time_kernels=True,
+  model_prefill=True,
+  model_generate=True,
+  prompts=4,
+  new_tokens=64,
+  lossless_f32=(
+    "eagle3-chain",
+    "dflash-chain",
+    "mtp-chain",
+    "draft_model-chain",
+    "dflash-ddtree22",
+  ),
+  lossless_bf16=("eagle3-chain", "dflash-ddtree22"),
+  speed_methods=("plain", "eagle3-chain", "dflash-ddtree22"),
+  speed_prompts=4,
+  speed_tokens=128,
+  speed_repeats=2,
+  cost_model=dict(
+    hidden=4096, layers=36, intermediate=12288, vocab=151936, head_dim=128, kv_heads=8
+  ),  # Qwen3-8B: 32 query heads of 128
+  cost_tokens=(1, 2, 4, 8, 16, 32, 64),
+  cost_max_len=4096,
+  cost_repeats=5,
+  bandwidth_bytes=1 << 30,
+)
+# The CPU run shares engines between sections through the compilation cache: the lossless
+# float32 engines (batch 1, same max_len) are the speedup section's.
+CPU = Sizes(
+  kernel_cases=CPU_CASES,
+  lowerings=("interpret",),
+  kernel_tolerance={"float32": 1e-5, "fp8": 1e-5, "bfloat16": 1e-2},
+  time_kernels=False,
+  model_prefill=False,
+  model_generate=False,
+  prompts=1,
+  new_tokens=12,
+  lossless_f32=("dflash-ddtree22",),
+  lossless_bf16=("eagle3-chain",),
+  speed_methods=("plain", "dflash-ddtree22"),
+  speed_prompts=1,
+  speed_tokens=12,
+  speed_repeats=1,
+  cost_model=dict(hidden=64, layers=2, intermediate=128, vocab=512, head_dim=16, kv_heads=2),
+  cost_tokens=(1, 2, 4),
+  cost_max_len=64,
+  cost_repeats=3,
+  bandwidth_bytes=1 << 24,
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------------
+
+
+class SkipCheck(Exception):
+  """Raised inside a check: the row is "skip", with the message as its reason."""
+
+
+def _jsonable(value: Any) -> Any:
+  """Numbers for JSON: numpy scalars as Python ones, non-finite floats as strings."""
+  if isinstance(value, (np.generic,)):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  return value
+
+
+class Recorder:
+  """Runs a section's checks and appends each one's row to the rows file as it finishes.
+
+  Before a check starts, a {"start": check} line names it, so that the parent process can
+  report the check a timeout or a crash interrupted.
+  """
+
+  def __init__(self, section: str, path: str):
+    self.section = section
+    self.path = path
+
+  def _write(self, obj: dict) -> None:
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(_jsonable(obj)) + "\n")
+
+  def row(self, check: str, result: str, numbers: dict, seconds: float) -> None:
+    assert result in RESULTS, result
+    self._write(
+      {
+        "row": dict(
+          section=self.section,
+          check=check,
+          result=result,
+          numbers=numbers,
+          seconds=round(seconds, 3),
+        )
+      }
+    )
+
+  def run(self, check: str, fn: Callable[[], Any]) -> bool:
+    """Runs fn() as one row; True when it passed.
+
+    fn returns the row's numbers (a pass) or (result, numbers); raising SkipCheck makes a
+    "skip" row and any other exception a "fail" row with its one-line message (the traceback
+    goes to the log).
+    """
+    self._write({"start": check, "t": time.time()})
+    t0 = time.perf_counter()
+    try:
+      out = fn()
+      result, numbers = out if isinstance(out, tuple) else ("pass", out)
+    except SkipCheck as e:
+      result, numbers = "skip", {"reason": str(e)}
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      message = cli.one_line(f"{type(e).__name__}: {e}")
+      result, numbers = "fail", {"error": message[:400]}
+    self.row(check, result, numbers or {}, time.perf_counter() - t0)
+    print(f"[{self.section}] {check}: {result}", flush=True)
+    return result == "pass"
+
+
+def _parallel(thunks: Sequence[Callable[[], Any]]) -> list[Any]:
+  """Runs thunks in threads (XLA compiles release the GIL), returning results or exceptions."""
+
+  def guarded(fn):
+    try:
+      return fn()
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      return e
+
+  workers = max(1, min(len(thunks), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(guarded, thunks))
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _rel_err(got: Any, want: Any) -> tuple[float, float, int]:
+  """(‖got − want‖ / ‖want‖, max |got − want|, NaN count of got), in float64."""
+  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+  nans = int(np.isnan(got).sum())
+  diff = got - want
+  return (
+    float(np.linalg.norm(diff) / max(np.linalg.norm(want), 1e-30)),
+    float(np.abs(diff).max()),
+    nans,
+  )
+
+
+def _full_precision() -> contextlib.AbstractContextManager:
+  """float32 matmuls in full float32 (GPUs default to TF32). XLA:CPU computes them so at any
+  setting; there the context would only change the compiled programs' cache keys."""
+  if jax.default_backend() == "cpu":
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision("highest")
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. environment
+# --------------------------------------------------------------------------------------------------
+
+DISTRIBUTIONS = (
+  "jax",
+  "jaxlib",
+  "jax-cuda13-plugin",
+  "jax-cuda12-plugin",
+  "flax",
+  "optax",
+  "orbax-checkpoint",
+  "numpy",
+  "triton",
+)
+
+
+def _pallas_default_lowering() -> str:
+  """The GPU lowering a pallas_call without compiler_params gets in this JAX: Mosaic GPU by
+  default in JAX 0.10 (option jax_pallas_use_mosaic_gpu); always Triton in 0.11, which dropped
+  the option (Mosaic GPU kernels are written with plgpu.kernel there)."""
+  try:
+    return "mosaic_gpu" if jax.config.jax_pallas_use_mosaic_gpu else "triton"
+  except AttributeError:
+    return "triton"
+
+
+def section_environment(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
+  del sizes
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+
+  def versions():
+    out = {"python": platform.python_version()}
+    for name in DISTRIBUTIONS:
+      try:
+        out[name] = importlib.metadata.version(name)
+      except importlib.metadata.PackageNotFoundError:
+        pass
+    return out
+
+  def backend():
+    devices = jax.devices()
+    d = devices[0]
+    numbers = dict(
+      backend=jax.default_backend(),
+      devices=len(devices),
+      kind=d.device_kind,
+      compute_capability=getattr(d, "compute_capability", None),
+      pallas_gpu_lowering=_pallas_default_lowering(),
+      matmul_precision=str(jax.config.jax_default_matmul_precision),
+    )
+    if jax.default_backend() == "cpu" and not cpu:
+      numbers["error"] = "no accelerator: pass --cpu for the CPU smoke run"
+      return "fail", numbers
+    return numbers
+
+  def memory():
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+      raise SkipCheck(f"memory_stats() is {stats!r} on {jax.default_backend()}")
+    keys = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "bytes_reservable_limit")
+    out = {f"{k.replace('bytes_', '')}_gib": stats[k] / 2**30 for k in keys if k in stats}
+    out["preallocate"] = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "default")
+    return out
+
+  rec.run("versions", versions)
+  rec.run("backend", backend)
+  rec.run("memory", memory)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. pallas kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _lowering(name: str) -> Iterator[None]:
+  """Pins the GPU Pallas lowering ("triton" or "mosaic_gpu"); "interpret" changes nothing."""
+  if name == "interpret":
+    yield
+    return
+  flag = "jax_pallas_use_mosaic_gpu"
+  try:
+    old = getattr(jax.config, flag)
+  except AttributeError:  # JAX 0.11+: pallas_call always lowers to Triton on GPUs
+    if name == "mosaic_gpu":
+      raise SkipCheck(f"JAX {jax.__version__} lowers pallas_call to Triton only") from None
+    yield
+    return
+  jax.config.update(flag, name == "mosaic_gpu")
+  try:
+    yield
+  finally:
+    jax.config.update(flag, old)
+
+
+def _tree_masks(rng: np.random.Generator, batch: int, t: int) -> np.ndarray:
+  """bool [B, T, T] ancestor-or-self masks of random trees (node i's parent in [0, i))."""
+  masks = np.zeros((batch, t, t), bool)
+  for b in range(batch):
+    for i in range(t):
+      if i:
+        masks[b, i] = masks[b, rng.integers(0, i)]
+      masks[b, i, i] = True
+  return masks
+
+
+def _fp8(x: jax.Array, rng: np.random.Generator) -> tuple[jax.Array, jax.Array]:
+  """x ≈ x8.astype(f32) * scale[..., None], per-(slot, head) scales (as the FP8 KV cache)."""
+  amax = jnp.max(jnp.abs(x), axis=-1)
+  scale = amax / 448.0 * jnp.asarray(rng.uniform(1.0, 2.0, size=amax.shape), jnp.float32)
+  return (x / scale[..., None]).astype(jnp.float8_e4m3fn), scale.astype(jnp.float32)
+
+
+def _attention_inputs(case: KernelCase, seed: int = 0) -> tuple[dict, dict]:
+  """(kernel arguments, reference arguments): the kernel's cache holds NaN past each block,
+  the reference reads the same values (upcast to float32) with those slots clean."""
+  rng = np.random.default_rng(seed)
+  b, t, s = case.batch, case.block, case.cache_len
+  lead = () if case.layers is None else (case.layers,)
+  q = jnp.asarray(rng.normal(size=(b, t, case.heads, case.head_dim)), jnp.float32)
+  kv_shape = lead + (b, s, case.kv_heads, case.head_dim)
+  k = jnp.asarray(rng.normal(size=kv_shape), jnp.float32)
+  v = jnp.asarray(rng.normal(size=kv_shape), jnp.float32)
+  starts = [s - t] if b == 1 else [0] + [int(x) for x in rng.integers(1, s - t + 1, b - 1)]
+  start = jnp.asarray(starts, jnp.int32)
+  mask = jnp.asarray(_tree_masks(rng, b, t)) if case.tree else None
+  extra: dict = {}
+  if case.layers is not None:
+    extra["layer"] = jnp.int32(case.layers - 1)
+  scales: dict = {}
+  if case.dtype == "fp8":
+    k, k_scale = _fp8(k, rng)
+    v, v_scale = _fp8(v, rng)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+  elif case.dtype == "bfloat16":
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  live = jnp.arange(s)[:, None, None] < (start + t)[:, None, None, None]  # [B, S, 1, 1]
+  poison = lambda x: jnp.where(live, x, jnp.asarray(jnp.nan, x.dtype))
+  kernel = dict(q=q, k=poison(k), v=poison(v), start=start, block_mask=mask, **extra, **scales)
+  up = lambda x: x if case.dtype == "fp8" else x.astype(jnp.float32)
+  reference = dict(
+    q=q.astype(jnp.float32), k=up(k), v=up(v), start=start, block_mask=mask, **extra, **scales
+  )
+  return kernel, reference
+
+
+def _check_tree_attention(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
+  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.tree_attention import tree_attention_pallas, tree_attention_reference
+
+  reference = jax.jit(tree_attention_reference)
+  for case in sizes.kernel_cases:
+    kernel_args, ref_args = _attention_inputs(case)
+    with jax.default_matmul_precision("highest"):
+      want = reference(**ref_args)
+    tol = sizes.kernel_tolerance[case.dtype]
+    timed = False
+    for lowering in sizes.lowerings:
+      run = functools.partial(
+        tree_attention_pallas,
+        block_k=case.block_k,
+        interpret=cpu,
+        num_splits=case.num_splits,
+        **kernel_args,
+      )
+
+      def check(run=run, lowering=lowering):
+        nonlocal timed
+        with _lowering(lowering):
+          got = run()
+          err, max_abs, nans = _rel_err(got, want)
+          numbers = dict(rel_err=err, max_abs=max_abs, nan=nans, tol=tol)
+          ok = nans == 0 and err <= tol
+          if ok and sizes.time_kernels and not timed:
+            timed = True
+            numbers["kernel_us"] = 1e6 * _median_s(run, 20)
+            numbers["xla_us"] = 1e6 * _median_s(lambda: reference(**kernel_args), 20)
+        return ("pass" if ok else "fail"), numbers
+
+      rec.run(f"tree_attention/{case.name}/{case.dtype}/{lowering}", check)
+
+
+KERNEL_CHECKS = {"tree_attention": _check_tree_attention}
+
+
+def _bundled_target(**changes: Any) -> jaxspec.TargetModel:
+  path = registry.bundled_dir("target")
+  if path is None:
+    raise SkipCheck("no bundled target in jaxspec/assets/target")
+  target = jaxspec.load_model(path, scan_layers=False)  # decoding's layout
+  return target.with_config(**changes) if changes else target
+
+
+def _prompt_ids(target: jaxspec.TargetModel, n: int) -> list[list[int]]:
+  """n validation-split function openings (simple code prompts where the split has too few),
+  encoded and cut to PROMPT_CAP tokens."""
+  texts: list[str] = []
+  try:
+    from jaxspec.train import data  # pylint: disable=import-outside-toplevel
+
+    texts = data.function_prompts("validation", n=n, seed=0)
+  except Exception:  # pylint: disable=broad-except  # no corpus on this machine
+    traceback.print_exc()
+  texts += list(FALLBACK_PROMPTS) * n
+  return [target.tokenizer.encode(t)[:PROMPT_CAP] for t in texts[:n]]
+
+
+def _model_path(rec: Recorder, sizes: Sizes, lowering: str) -> bool:
+  """Bundled target, attention_impl pallas vs xla: a prefill (device runs only), then a
+  23-token tree block on the same cache."""
+  tol = sizes.kernel_tolerance["float32"]
+
+  def check():
+    with _lowering(lowering):
+      models = {impl: _bundled_target(attention_impl=impl) for impl in ("xla", "pallas")}
+      prompt = _prompt_ids(models["xla"], 1)[0]
+      rng = np.random.default_rng(1)
+      t = 23
+      mask = jnp.asarray(_tree_masks(rng, 1, t))
+      block = jnp.asarray(rng.integers(3, models["xla"].vocab_size, (1, t)), jnp.int32)
+      ids, zero = jnp.asarray([prompt], jnp.int32), jnp.zeros((1,), jnp.int32)
+      start = jnp.asarray([len(prompt)], jnp.int32)
+      positions = start[:, None] + jnp.sum(mask, -1, dtype=jnp.int32) - 1  # tree depths
+      logits: dict = {"prefill": {}, "verify": {}}
+      impls = ("xla", "pallas") if sizes.model_prefill else ("xla",)
+      for impl in impls:
+        m = models[impl]
+        pre = target_lib.forward(m.config, m.params, ids, zero, m.init_state(1, 128))
+        logits["prefill"][impl] = pre.logits
+        if impl == "xla":
+          state = pre.state.commit(start)
+      for impl, m in models.items():
+        copy = jax.tree_util.tree_map(jnp.copy, state)  # each forward donates its state
+        ver = target_lib.forward(
+          m.config, m.params, block, start, copy, positions=positions, block_mask=mask
+        )
+        logits["verify"][impl] = ver.logits
+      numbers: dict = {"tol": tol}
+      ok = True
+      for part, got in logits.items():
+        if "pallas" not in got:
+          continue
+        err, _, nans = _rel_err(got["pallas"], got["xla"])
+        agree = np.mean(np.argmax(got["pallas"], -1) == np.argmax(got["xla"], -1))
+        numbers.update({f"{part}_rel_err": err, f"{part}_argmax_agree": float(agree)})
+        ok = ok and nans == 0 and err <= tol
+      return ("pass" if ok else "fail"), numbers
+
+  name = "prefill+verify" if sizes.model_prefill else "verify"
+  return rec.run(f"model_path/{name}/{lowering}", check)
+
+
+def _model_generate(rec: Recorder, sizes: Sizes, lowering: str) -> None:
+  """DFlash + DDTree decoding through the Pallas attention against plain XLA decoding."""
+
+  def check():
+    with _lowering(lowering):
+      xla = _bundled_target(attention_impl="xla")
+      pallas = _bundled_target(attention_impl="pallas")
+      prompts = _prompt_ids(xla, sizes.prompts)
+      cfg = _engine_config(len(prompts), sizes.new_tokens)
+      plain = jaxspec.SpecEngine(xla, None, cfg).generate(prompts, sizes.new_tokens)
+      method, budget = METHOD_SPECS["dflash-ddtree22"]
+      spec_cfg = dataclasses.replace(cfg, verify="tree", tree_budget=budget)
+      spec = jaxspec.SpecEngine(pallas, _drafter(method, pallas), spec_cfg).generate(
+        prompts, sizes.new_tokens
+      )
+      gaps = _top2_gaps(xla, prompts, plain.tokens, cfg.max_len)
+      return _agreement(plain.tokens, spec.tokens, gaps, TIE_GAP["float32"], spec.stats)
+
+  rec.run(f"model_path/ddtree_generate/{lowering}", check)
+
+
+def section_pallas(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
+  import pkgutil  # pylint: disable=import-outside-toplevel
+
+  import pallas_kernels  # pylint: disable=import-outside-toplevel
+
+  warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
+  kernels = sorted(m.name for m in pkgutil.iter_modules(pallas_kernels.__path__) if m.ispkg)
+  for name in kernels:
+    if name in KERNEL_CHECKS:
+      KERNEL_CHECKS[name](rec, sizes, cpu)
+    else:
+      rec.run(
+        name,
+        lambda name=name: (
+          "fail",
+          {"error": f"no check for pallas_kernels/{name}: add one to launch/device_check.py"},
+        ),
+      )
+  for lowering in sizes.lowerings:
+    if _model_path(rec, sizes, lowering) and sizes.model_generate:
+      _model_generate(rec, sizes, lowering)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. lossless decoding
+# --------------------------------------------------------------------------------------------------
+
+
+def _engine_config(batch: int, new_tokens: int) -> jaxspec.EngineConfig:
+  """One prompt bucket (PROMPT_CAP) and one max_len for every method of a run."""
+  max_len = -(-(PROMPT_CAP + new_tokens + MAX_LOOKAHEAD + 1) // 64) * 64
+  return jaxspec.EngineConfig(
+    max_len=max_len, batch_size=batch, use_eos=False, min_prompt_bucket=PROMPT_CAP
+  )
+
+
+def _drafter(method: str, target: jaxspec.TargetModel) -> Optional[jaxspec.Drafter]:
+  asset = {"draft_model": "draft"}.get(method, method)
+  draft_dir = registry.bundled_dir(asset) if method in ("draft_model", "dflash", "eagle3") else None
+  if method in ("draft_model", "dflash", "eagle3") and draft_dir is None:
+    raise SkipCheck(f"no bundled {asset} drafter in jaxspec/assets")
+  return registry.make_drafter(method, target, draft_dir=draft_dir)
+
+
+def _engine(label: str, target: jaxspec.TargetModel, cfg: jaxspec.EngineConfig):
+  method, budget = METHOD_SPECS[label]
+  tree = dict(verify="tree", tree_budget=budget) if budget else {}
+  return jaxspec.SpecEngine(target, _drafter(method, target), dataclasses.replace(cfg, **tree))
+
+
+def _top2_gaps(
+  target: jaxspec.TargetModel, prompts: list[list[int]], outputs: list[list[int]], length: int
+) -> list[np.ndarray]:
+  """Per sequence, the top-2 logit gap of plain decoding at each generated token: one causal
+  forward over prompt + output[:-1], right-padded to `length` (one compile per dtype)."""
+  ids = np.zeros((len(prompts), length), np.int32)
+  for i, (p, o) in enumerate(zip(prompts, outputs)):
+    seq = list(p) + list(o[:-1])
+    ids[i, : len(seq)] = seq
+  top2 = jax.lax.top_k(target.logits(ids), 2)[0]
+  gap = np.asarray(top2[..., 0] - top2[..., 1])
+  return [
+    gap[i, len(p) - 1 : len(p) - 1 + len(o)] for i, (p, o) in enumerate(zip(prompts, outputs))
+  ]
+
+
+def _agreement(
+  reference: list[list[int]], got: list[list[int]], gaps: list[np.ndarray], tie: float, stats: Any
+) -> tuple[str, dict]:
+  """Greedy outputs against plain decoding's: equal before each sequence's first near-tie."""
+  exact = compared = total = 0
+  first_diff, ok = [], True
+  for ref, out, gap in zip(reference, got, gaps):
+    n = len(ref)
+    ties = np.flatnonzero(gap < tie)
+    first_tie = int(ties[0]) if ties.size else n
+    diff = next((j for j in range(n) if j >= len(out) or out[j] != ref[j]), None)
+    if diff is None and len(out) != n:
+      diff = n
+    exact += diff is None
+    first_diff.append(-1 if diff is None else diff)
+    ok = ok and (diff is None or diff >= first_tie)
+    compared += first_tie
+    total += n
+  numbers = dict(
+    sequences=len(reference),
+    tokens=total,
+    exact=f"{exact}/{len(reference)}",
+    first_diff=first_diff,
+    compared=compared / max(total, 1),
+    accept_len=stats.acceptance_length,
+  )
+  return ("pass" if ok and compared > 0 else "fail"), numbers
+
+
+def _lossless(rec: Recorder, sizes: Sizes, dtype: str, labels: Sequence[str]) -> None:
+  prec = _full_precision if dtype == "float32" else contextlib.nullcontext  # one per thread
+  holder: dict = {}
+
+  changes = {} if dtype == "float32" else {"dtype": dtype}
+  if dtype == "bfloat16" and jax.default_backend() == "cpu":
+    # XLA:CPU has no bf16 x bf16 -> f32 dot for the dense MoE oracle that "auto" picks there
+    # for prefill (UNIMPLEMENTED in DotThunk); the gather backend runs.
+    changes["moe_backend"] = "gather"
+
+  def load():
+    target = _bundled_target(**changes)
+    holder["target"] = target
+    holder["prompts"] = _prompt_ids(target, sizes.prompts)
+    return dict(
+      dtype=target.config.dtype,
+      param_dtype=target.config.param_dtype,
+      moe_backend=target.config.moe_backend,
+      scan_layers=target.config.scan_layers,
+      prompts=len(holder["prompts"]),
+      prompt_tokens=[len(p) for p in holder["prompts"]],
+    )
+
+  name = "float32 (matmul precision highest)" if dtype == "float32" else "bf16 target.with_config"
+  if not rec.run(f"{dtype}/load: {name}", load):
+    return
+  target, prompts = holder["target"], holder["prompts"]
+  cfg = _engine_config(len(prompts), sizes.new_tokens)
+
+  def generate(label):
+    with prec():
+      engine = (
+        jaxspec.SpecEngine(target, None, cfg) if label == "plain" else _engine(label, target, cfg)
+      )
+      return engine.generate(prompts, max_new_tokens=sizes.new_tokens)
+
+  # Every engine at once: their compiles overlap; greedy outputs do not depend on timing.
+  labels = ("plain",) + tuple(labels)
+  t0 = time.perf_counter()
+  outs = dict(zip(labels, _parallel([functools.partial(generate, l) for l in labels])))
+  wall = time.perf_counter() - t0
+
+  def plain():
+    if isinstance(outs["plain"], Exception):
+      raise outs["plain"]
+    with prec():
+      holder["gaps"] = _top2_gaps(target, prompts, outs["plain"].tokens, cfg.max_len)
+    gaps = np.concatenate(holder["gaps"]) if holder["gaps"] else np.zeros(0)
+    return dict(
+      tokens=sum(len(t) for t in outs["plain"].tokens),
+      min_top2_gap=float(gaps.min()) if gaps.size else float("nan"),
+      engines_wall_s=wall,
+    )
+
+  if not rec.run(f"{dtype}/plain", plain):
+    return
+  for label in labels[1:]:
+
+    def compare(label=label):
+      out = outs[label]
+      if isinstance(out, Exception):
+        raise out
+      ref = outs["plain"].tokens
+      return _agreement(ref, out.tokens, holder["gaps"], TIE_GAP[dtype], out.stats)
+
+    rec.run(f"{dtype}/{label}", compare)
+
+
+def section_lossless(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
+  del cpu
+  _lossless(rec, sizes, "float32", sizes.lossless_f32)
+  _lossless(rec, sizes, "bfloat16", sizes.lossless_bf16)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. cost curve
+# --------------------------------------------------------------------------------------------------
+
+
+def _roofline():
+  """jaxspec's roofline module (jaxspec/speculative/roofline.py; jaxspec/models/ earlier)."""
+  # pylint: disable=import-outside-toplevel
+  try:
+    from jaxspec.speculative import roofline
+  except ImportError:
+    from jaxspec.models import roofline  # type: ignore[no-redef]
+  return roofline
+
+
+def _precompile_forwards(
+  config: jaxspec.ModelConfig, params: Any, tokens: Sequence[int], max_len: int, position: int
+) -> None:
+  """Compiles the target forward of every T in `tokens` in parallel threads, as
+  roofline.cost_curve will call it (batch 1, state at `position`), so that the curve's
+  warm-up finds them compiled. Only time is lost if the call misses these programs."""
+  state = jax.eval_shape(
+    lambda: DecodingState.create(config, 1, max_len).with_lengths(
+      jnp.full((1,), position, jnp.int32)
+    )
+  )
+  start = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+  def compile_one(t):
+    ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    # pylint: disable-next=protected-access
+    return target_lib._forward.lower(config, params, ids, start, state).compile()
+
+  errors = [
+    e
+    for e in _parallel([functools.partial(compile_one, t) for t in tokens])
+    if isinstance(e, Exception)
+  ]
+  if errors:
+    raise errors[0]
+
+
+def _nominal_bandwidth() -> tuple[Optional[str], Optional[float]]:
+  kind = jax.devices()[0].device_kind
+  for name, value in NOMINAL_BANDWIDTH.items():
+    if name.lower() in kind.lower():
+      return name, value
+  return None, None
+
+
+def section_cost(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
+  del cpu
+  roofline = _roofline()
+  m = sizes.cost_model
+  base = roofline.dense_config(dtype="bfloat16", **m)
+  max_len, position = sizes.cost_max_len, sizes.cost_max_len // 2
+  tokens = tuple(sizes.cost_tokens)
+  nominal_name, nominal = _nominal_bandwidth()
+  state: dict = {}
+
+  def bandwidth():
+    bw = roofline.reference_bandwidth(sizes.bandwidth_bytes)
+    state["bw"] = bw["best"]
+    out = {f"{k}_gb_s": v / 1e9 for k, v in bw.items()}
+    if nominal:
+      out[f"nominal_{nominal_name}_gb_s"] = nominal / 1e9
+      out["best_of_nominal"] = bw["best"] / nominal
+    return out
+
+  def draw():
+    # Drawn stacked (few, large leaves: a quick compile), split per layer below.
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(roofline.random_params(base.replace(scan_layers=True)))
+    state["stacked"] = params
+    return dict(
+      model=f"dense h{m['hidden']} L{m['layers']} i{m['intermediate']} v{m['vocab']} bf16",
+      weight_gib=roofline.weight_bytes_read(base, params, 1) / 2**30,
+      draw_s=time.perf_counter() - t0,
+    )
+
+  def scanned_t1():
+    cfg = base.replace(scan_layers=True)
+    (p,) = roofline.cost_curve(
+      cfg, state["stacked"], (1,), max_len, position, repeats=sizes.cost_repeats
+    )
+    state["scan_t1"] = p.seconds
+    return dict(ms=1e3 * p.seconds, weight_gb_s=p.weight_bytes / p.seconds / 1e9)
+
+  def unrolled_t1():
+    model = jaxspec.TargetModel(base.replace(scan_layers=True), state.pop("stacked"))
+    unrolled = model.with_scan_layers(False)
+    del model
+    cfg, params = unrolled.config, jax.block_until_ready(unrolled.params)
+    state["cfg"], state["params"] = cfg, params
+    _precompile_forwards(cfg, params, (1,), max_len, position)
+    (p,) = roofline.cost_curve(cfg, params, (1,), max_len, position, repeats=sizes.cost_repeats)
+    state["t1"] = p
+    out = dict(ms=1e3 * p.seconds, weight_gb_s=p.weight_bytes / p.seconds / 1e9)
+    if "scan_t1" in state:
+      out["scanned_over_unrolled"] = state["scan_t1"] / p.seconds
+    return out
+
+  def roofline_fraction():
+    p, bw = state["t1"], state["bw"]
+    kv = roofline.kv_bytes_read(state["cfg"], position)
+    out = dict(
+      of_measured=p.weight_bytes / p.seconds / bw,
+      with_kv_of_measured=(p.weight_bytes + kv) / p.seconds / bw,
+      measured_gb_s=bw / 1e9,
+    )
+    if nominal:
+      out[f"of_nominal_{nominal_name}"] = p.weight_bytes / p.seconds / nominal
+    return out
+
+  def curve():
+    cfg, params = state["cfg"], state["params"]
+    _precompile_forwards(cfg, params, tokens, max_len, position)
+    points = roofline.cost_curve(cfg, params, tokens, max_len, position, repeats=sizes.cost_repeats)
+    t1 = points[0].seconds
+    return dict(
+      position=f"{position}/{max_len}",
+      **{f"T{p.tokens}": p.seconds / t1 for p in points},
+      t1_ms=1e3 * t1,
+      t_max_ms=1e3 * points[-1].seconds,
+    )
+
+  rec.run("reference_bandwidth", bandwidth)
+  if not rec.run("random 8B-shaped params" if sizes is DEVICE else "random tiny params", draw):
+    return
+  rec.run("T=1 scan_layers=True", scanned_t1)
+  if not rec.run("T=1 scan_layers=False", unrolled_t1):
+    return
+  if "bw" in state:
+    rec.run("plain decoding: weight bytes/t(1) of bandwidth", roofline_fraction)
+  rec.run("t(T)/t(1) scan_layers=False", curve)
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. speedup
+# --------------------------------------------------------------------------------------------------
+
+
+def section_speedup(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
+  del cpu
+  holder: dict = {}
+
+  def build():
+    target = _bundled_target()
+    prompts = _prompt_ids(target, sizes.speed_prompts)
+    cfg = _engine_config(1, sizes.speed_tokens)
+    engines = {
+      label: jaxspec.SpecEngine(target, None, cfg)
+      if label == "plain"
+      else _engine(label, target, cfg)
+      for label in sizes.speed_methods
+    }
+    t0 = time.perf_counter()
+    warm = [
+      functools.partial(e.generate, [prompts[0]], max_new_tokens=sizes.speed_tokens)
+      for e in engines.values()
+    ]
+    errors = [e for e in _parallel(warm) if isinstance(e, Exception)]
+    if errors:
+      raise errors[0]
+    holder.update(engines=engines, prompts=prompts)
+    return dict(
+      methods=len(engines),
+      prompts=len(prompts),
+      new_tokens=sizes.speed_tokens,
+      compile_s=time.perf_counter() - t0,
+      dtype=target.config.dtype,
+    )
+
+  if not rec.run("build + compile", build):
+    return
+  engines, prompts = holder["engines"], holder["prompts"]
+  runs = {label: [] for label in engines}
+  # Interleaved prompt by prompt, fastest of the repeats (as launch/bench.py).
+  for p in prompts:
+    for label, engine in engines.items():
+      best = None
+      for _ in range(sizes.speed_repeats):
+        t0 = time.perf_counter()
+        out = engine.generate([p], max_new_tokens=sizes.speed_tokens)
+        seconds = time.perf_counter() - t0
+        if best is None or seconds < best[0]:
+          best = (seconds, out)
+      runs[label].append(best)
+
+  def tok_s(label):
+    return sum(len(o.tokens[0]) for _, o in runs[label]) / sum(s for s, _ in runs[label])
+
+  for label in engines:
+
+    def row(label=label):
+      tokens = sum(len(o.tokens[0]) for _, o in runs[label])
+      passes = sum(o.stats.target_passes for _, o in runs[label])  # verify passes
+      accepted = sum(o.stats.acceptance_length * o.stats.target_passes for _, o in runs[label])
+      same = all(
+        o.tokens == ref.tokens
+        for (_, o), (_, ref) in zip(runs[label], runs[sizes.speed_methods[0]])
+      )
+      return dict(
+        tok_s=tok_s(label),
+        tokens=tokens,
+        accept_len=accepted / max(passes, 1),
+        speedup=tok_s(label) / tok_s(sizes.speed_methods[0]),
+        same_as_plain=same,
+        ms_per_token=1e3 / tok_s(label),
+      )
+
+    rec.run(label, row)
+
+
+SECTION_FNS = {
+  "environment": section_environment,
+  "pallas": section_pallas,
+  "lossless": section_lossless,
+  "cost": section_cost,
+  "speedup": section_speedup,
+}
+
+
+def run_section(name: str, rows_file: str, cpu: bool) -> None:
+  """Child process: one section's checks, rows appended to `rows_file`."""
+  if FLAGS.compile_cache:
+    jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  rec = Recorder(name, rows_file)
+  sizes = CPU if cpu else DEVICE
+  if not cpu and jax.default_backend() == "cpu" and name != "environment":
+    rec.row("(section)", "skip", {"reason": "no accelerator; pass --cpu"}, 0.0)
+    return
+  SECTION_FNS[name](rec, sizes, cpu)
+
+
+# --------------------------------------------------------------------------------------------------
+# The parent: sections as subprocesses, time limits, the table
+# --------------------------------------------------------------------------------------------------
+
+
+def _section_limit(i: int, names: Sequence[str], limits: dict, remaining: float) -> float:
+  """Section i's limit: at least its nominal one, plus whatever earlier sections left unused,
+  keeping the later sections' nominal limits in reserve; never past the remaining budget."""
+  reserve = sum(limits[n] for n in names[i + 1 :])
+  return min(remaining, max(limits[names[i]], remaining - reserve))
+
+
+def _read_rows(path: str) -> tuple[list[dict], Optional[tuple[str, float]]]:
+  """(rows, the check started but not finished, with its start time) from a rows file."""
+  rows, open_check = [], None
+  if not os.path.exists(path):
+    return rows, None
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a line cut short by a kill
+      if "start" in obj:
+        open_check = (obj["start"], obj["t"])
+      elif "row" in obj:
+        rows.append(obj["row"])
+        if open_check and open_check[0] == obj["row"]["check"]:
+          open_check = None
+  return rows, open_check
+
+
+def _run_child(name: str, limit: float, work: str, log: Any, cpu: bool) -> tuple[list[dict], dict]:
+  """Runs one section in a subprocess; a timeout or a crash becomes a row."""
+  rows_file = os.path.join(work, f"rows_{name}.jsonl")
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    f"--section={name}",
+    f"--rows_file={rows_file}",
+    f"--compile_cache={FLAGS.compile_cache}",
+  ] + (["--cpu"] if cpu else [])
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  if cpu:
+    # Smoke mode checks that everything runs, not how fast: XLA:CPU's cheapest codegen
+    # compiles the engines about a third faster.
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  log.write(f"\n===== {name} (limit {limit:.0f} s) =====\n")
+  log.flush()
+  t0 = time.perf_counter()
+  # A process group of its own (not a session: whatever stops this script stops it too), so
+  # that a timeout also ends what the section started (say, a compiler).
+  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=os.setpgrp)
+  timed_out = False
+  try:
+    proc.wait(timeout=limit)
+  except subprocess.TimeoutExpired:
+    timed_out = True
+  finally:  # also on Ctrl-C or SIGTERM of this script
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)  # the section's process group only
+      proc.wait()
+  seconds = time.perf_counter() - t0
+  rows, open_check = _read_rows(rows_file)
+  check = open_check[0] if open_check else "(section)"
+  since = time.time() - open_check[1] if open_check else seconds
+  if timed_out:
+    rows.append(
+      dict(
+        section=name,
+        check=check,
+        result="timeout",
+        numbers={"limit_s": round(limit)},
+        seconds=round(since, 3),
+      )
+    )
+  elif proc.returncode != 0 or open_check or not rows:
+    error = f"exit status {proc.returncode}" + ("" if rows else ", no rows")
+    rows.append(
+      dict(section=name, check=check, result="fail", numbers={"error": error}, seconds=since)
+    )
+  return rows, dict(limit_s=round(limit), seconds=round(seconds, 2), exit=proc.returncode)
+
+
+def _fmt(value: Any) -> str:
+  if isinstance(value, float):
+    return f"{value:.4g}"
+  if isinstance(value, (list, tuple)):
+    return "[" + ",".join(_fmt(v) for v in value) + "]"
+  return str(value)
+
+
+def _numbers_text(numbers: dict) -> str:
+  return ", ".join(f"{k}={_fmt(v)}" for k, v in numbers.items())
+
+
+def format_table(rows: Sequence[dict]) -> str:
+  """The rows as a fixed-width text table."""
+  head = ("section", "check", "result", "numbers", "seconds")
+  body = [
+    (r["section"], r["check"], r["result"], _numbers_text(r["numbers"]), f"{r['seconds']:.1f}")
+    for r in rows
+  ]
+  widths = [max(len(x[i]) for x in [head] + body) for i in range(4)]
+  lines = []
+  for cells in [head] + body:
+    lines.append(
+      "  ".join(c.ljust(w) for c, w in zip(cells[:3], widths))
+      + "  "
+      + cells[4].rjust(7)
+      + "  "
+      + cells[3]
+    )
+  lines.insert(1, "-" * min(160, max(len(l) for l in lines)))
+  return "\n".join(lines)
+
+
+def format_markdown(rows: Sequence[dict], header: str) -> str:
+  esc = lambda s: str(s).replace("|", "\\|")
+  lines = [header, "", "| section | check | result | numbers | s |", "|---|---|---|---|---:|"]
+  for r in rows:
+    lines.append(
+      f"| {esc(r['section'])} | {esc(r['check'])} | {r['result']} | "
+      f"{esc(_numbers_text(r['numbers']))} | {r['seconds']:.1f} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def _parse_limits(cpu: bool) -> dict[str, float]:
+  limits = dict(CPU_LIMITS if cpu else DEVICE_LIMITS)
+  for item in FLAGS.limits:
+    name, eq, value = item.partition("=")
+    if not eq or name not in limits:
+      raise jaxspec.ConfigError(f"--limits={item!r}: expected section=seconds, of {SECTIONS}")
+    try:
+      limits[name] = float(value)
+    except ValueError:
+      raise jaxspec.ConfigError(f"--limits={item!r}: {value!r} is not a number") from None
+  return limits
+
+
+def _terminated(signum: int, frame: Any) -> None:
+  del signum, frame
+  raise KeyboardInterrupt("terminated")
+
+
+def _skip_row(section: str, reason: str) -> dict:
+  return dict(
+    section=section, check="(section)", result="skip", numbers={"reason": reason}, seconds=0.0
+  )
+
+
+def _write_report(out_dir: str, report: dict) -> str:
+  """Writes device_check.json and .md (after every section, so a killed run leaves its rows);
+  returns the header line."""
+  mode = "CPU smoke run" if report["mode"] == "cpu" else "device run"
+  header = (
+    f"jaxspec device check, {report['started']}, {mode}, "
+    f"{report['total_seconds']:.0f} s of a {report['budget_s']:.0f} s budget"
+  )
+  with open(os.path.join(out_dir, "device_check.json"), "w", encoding="utf-8") as f:
+    json.dump(_jsonable(report), f, indent=1)
+  with open(os.path.join(out_dir, "device_check.md"), "w", encoding="utf-8") as f:
+    f.write(format_markdown(report["rows"], header))
+  return header
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  cpu = FLAGS.cpu
+  if FLAGS.section:
+    if not FLAGS.rows_file:
+      raise jaxspec.ConfigError("--section needs --rows_file")
+    run_section(FLAGS.section, FLAGS.rows_file, cpu)
+    return
+  signal.signal(signal.SIGTERM, _terminated)  # end the running section too
+  names = [s for s in SECTIONS if s in FLAGS.sections]
+  unknown = sorted(set(FLAGS.sections) - set(SECTIONS))
+  if unknown:
+    raise jaxspec.ConfigError(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
+  limits = _parse_limits(cpu)
+  budget = FLAGS.budget_s or (CPU_BUDGET_S if cpu else DEVICE_BUDGET_S)
+  budget = min(budget, sum(limits[n] for n in names))
+  out_dir = FLAGS.out or os.environ.get("OUT") or "/tmp/device_check"
+  os.makedirs(out_dir, exist_ok=True)
+  t_start = time.perf_counter()
+  report = dict(
+    started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    mode="cpu" if cpu else "device",
+    total_seconds=0.0,
+    budget_s=budget,
+    argv=sys.argv[1:],
+    sections={},
+    rows=[],
+  )
+  rows = report["rows"]
+  work = tempfile.mkdtemp(prefix="device_check_")  # the sections' row files
+  try:
+    with open(os.path.join(out_dir, "device_check.log"), "w", encoding="utf-8") as log:
+      for i, name in enumerate(names):
+        remaining = budget - (time.perf_counter() - t_start)
+        limit = _section_limit(i, names, limits, remaining)
+        if limit < 1:
+          rows.append(_skip_row(name, f"budget of {budget:.0f} s spent"))
+          continue
+        got, report["sections"][name] = _run_child(name, limit, work, log, cpu)
+        rows += got
+        counts = {r: sum(x["result"] == r for x in got) for r in RESULTS}
+        print(
+          f"{name}: {report['sections'][name]['seconds']:.1f} s of {limit:.0f}; "
+          + ", ".join(f"{v} {k}" for k, v in counts.items() if v),
+          flush=True,
+        )
+        report["total_seconds"] = round(time.perf_counter() - t_start, 2)
+        _write_report(out_dir, report)
+        backend = next((r["numbers"].get("backend") for r in got if r["check"] == "backend"), 0)
+        if name == "environment" and backend == "cpu" and not cpu:
+          print("no accelerator found: the other sections are skipped (--cpu runs them)")
+          rows += [_skip_row(later, "no accelerator; pass --cpu") for later in names[i + 1 :]]
+          break
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  report["total_seconds"] = round(time.perf_counter() - t_start, 2)
+  header = _write_report(out_dir, report)
+  print()
+  print(header)
+  print(format_table(rows))
+  print(f"saved {out_dir}/device_check.{{json,md,log}}")
+  if any(r["result"] == "fail" for r in rows):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  cli.run(main)
