@@ -154,3 +154,28 @@ def check_fits(plan: MemoryPlan, batch: int, max_len: int, kv_format: str) -> No
     f"max_len={max_len}, batch_size={batch} needs {plan.describe()}, but the devices have "
     f"{human_bytes(plan.free)} free: {hint}"
   )
+
+
+def kv_bytes_per_token(config: Any, kv_format: str = "float") -> float:
+  """Decoding-state bytes one token adds in `config`'s main stack (all layers, K and V)."""
+  one = decoding_state_bytes(config, 1, 1, kv_format) - 4  # less the int32 length
+  two = decoding_state_bytes(config, 1, 2, kv_format) - 4
+  return float(two - one)
+
+
+def kv_table(config: Any, contexts: Sequence[int] = (8192, 32768, 131072)) -> list[str]:
+  """Rows: each KV format's bytes per token and at each context length, batch 1."""
+  from jaxspec.state import KV_FORMATS  # pylint: disable=import-outside-toplevel
+
+  head = f"{'kv':>6} {'bytes/token':>12}" + "".join(f"{f'{n // 1024}K':>11}" for n in contexts)
+  rows = [head]
+  for fmt in KV_FORMATS:
+    try:
+      per = kv_bytes_per_token(config, fmt)
+    except ConfigError as e:  # e.g. q4_0 with a head_dim that is not a multiple of 32
+      rows.append(f"{fmt:>6} {'-':>12}  ({e})")
+      continue
+    rows.append(
+      f"{fmt:>6} {per:>12,.0f}" + "".join(f"{human_bytes(per * n):>11}" for n in contexts)
+    )
+  return rows

@@ -199,7 +199,118 @@ class FP8KV:
     )
 
 
-KV_FORMATS = {"float": FloatKV, "fp8": FP8KV}
+Q4_BLOCK = 32  # values per Q4_0 block (llama.cpp's QK4_0)
+
+
+def q4_0_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [..., D] (D a multiple of 32) → (packed nibbles uint8 [..., D/2], float16 scales
+  [..., D/32]): llama.cpp's `quantize_row_q4_0_ref`, bit for bit.
+
+  Per block of 32: the element of largest magnitude (the first, on ties) is `max`; d = max / −8;
+  q = min(15, trunc(x / d + 8.5)) (x · (1/d) in float32, as the reference computes it); byte j
+  of a block holds q[j] in its low nibble and q[j + 16] in its high one; d is stored as fp16.
+  """
+  xf = x.astype(jnp.float32)
+  blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // Q4_BLOCK, Q4_BLOCK)
+  first_max = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
+  peak = jnp.take_along_axis(blocks, first_max, axis=-1)  # signed
+  d = peak / -8.0
+  inv = jnp.where(d != 0, 1.0 / jnp.where(d != 0, d, 1.0), 0.0)
+  scaled = jax.lax.optimization_barrier(blocks * inv)  # rounded before the add, as in C
+  q = jnp.minimum(15, jnp.trunc(scaled + 8.5)).astype(jnp.uint8)
+  half = Q4_BLOCK // 2
+  packed = q[..., :half] | (q[..., half:] << 4)
+  return packed.reshape(*xf.shape[:-1], xf.shape[-1] // 2), d[..., 0].astype(jnp.float16)
+
+
+def q4_0_dequantize(packed: jax.Array, d: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+  """Inverse of `q4_0_quantize`: (q − 8) · d per value (llama.cpp's `dequantize_row_q4_0`)."""
+  half = Q4_BLOCK // 2
+  blocks = packed.reshape(*packed.shape[:-1], packed.shape[-1] // half, half)
+  lo = (blocks & 0x0F).astype(jnp.int32) - 8
+  hi = (blocks >> 4).astype(jnp.int32) - 8
+  q = jnp.concatenate([lo, hi], axis=-1).astype(jnp.float32)
+  x = q * d.astype(jnp.float32)[..., None]
+  return x.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(dtype)
+
+
+@flax.struct.dataclass
+class Q4KV:
+  """Attention K/V of one segment in llama.cpp's Q4_0: nibbles k, v [L, B, S, K, D/2] (uint8)
+  and float16 scales [L, B, S, K, D/32], one per block of 32 values along head_dim. 18 bytes
+  per 32 values: 4.5/32 of float32. Quantized once on write; each read dequantizes only the
+  chunk it reads.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  k_scale: jax.Array
+  v_scale: jax.Array
+  dtype: str = flax.struct.field(pytree_node=False, default="float32")
+
+  format: ClassVar[str] = "q4_0"
+
+  @classmethod
+  def create(cls, config, num_layers: int, batch: int, max_len: int) -> "Q4KV":
+    if config.head_dim % Q4_BLOCK:
+      raise ConfigError(
+        f"kv_format='q4_0' needs head_dim to be a multiple of {Q4_BLOCK}, got {config.head_dim}"
+      )
+    lead = (num_layers, batch, max_len, config.num_kv_heads)
+    values = lambda: jnp.zeros((*lead, config.head_dim // 2), jnp.uint8)
+    scales = lambda: jnp.zeros((*lead, config.head_dim // Q4_BLOCK), jnp.float16)
+    return cls(values(), values(), scales(), scales(), config.dtype)
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  @classmethod
+  def quantized(cls, k: jax.Array, v: jax.Array, dtype: str = "float32") -> "Q4KV":
+    """An entry holding float k, v [L, B, S, K, D] quantized."""
+    (qk, sk), (qv, sv) = q4_0_quantize(k), q4_0_quantize(v)
+    return cls(qk, qv, sk, sv, dtype)
+
+  def write(
+    self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array
+  ) -> tuple["Q4KV", jax.Array, jax.Array]:
+    """Quantizes the block once: the stored nibbles and scales, and the values they read as."""
+    qk, sk = q4_0_quantize(k)
+    qv, sv = q4_0_quantize(v)
+    entry = self.replace(
+      k=_write(self.k, layer, start, qk),
+      v=_write(self.v, layer, start, qv),
+      k_scale=_write(self.k_scale, layer, start, sk),
+      v_scale=_write(self.v_scale, layer, start, sv),
+    )
+    return entry, q4_0_dequantize(qk, sk, self.dtype), q4_0_dequantize(qv, sv, self.dtype)
+
+  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    k = q4_0_dequantize(
+      _read(self.k, layer, offset, size), _read(self.k_scale, layer, offset, size), self.dtype
+    )
+    v = q4_0_dequantize(
+      _read(self.v, layer, offset, size), _read(self.v_scale, layer, offset, size), self.dtype
+    )
+    return k, v
+
+  def commit_path(self, start: jax.Array, path: jax.Array) -> "Q4KV":
+    return self.replace(
+      k=_move(self.k, start, path),
+      v=_move(self.v, start, path),
+      k_scale=_move(self.k_scale, start, path),
+      v_scale=_move(self.v_scale, start, path),
+    )
+
+  def dequantized(self) -> FloatKV:
+    """The float K/V this cache stands for (tests compare attention over both)."""
+    return FloatKV(
+      q4_0_dequantize(self.k, self.k_scale, self.dtype),
+      q4_0_dequantize(self.v, self.v_scale, self.dtype),
+    )
+
+
+KV_FORMATS = {"float": FloatKV, "fp8": FP8KV, "q4_0": Q4KV}
 
 
 @flax.struct.dataclass

@@ -93,7 +93,9 @@ flags.DEFINE_integer(
   "can make all-cores torch many times slower than one thread).",
 )
 flags.DEFINE_bool("profile", True, "Also time single target/draft forwards (a cost model).")
-flags.DEFINE_enum("kv_format", "float", ("float", "fp8"), "How jaxspec stores the target's KV.")
+flags.DEFINE_enum(
+  "kv_format", "float", ("float", "fp8", "q4_0"), "How jaxspec stores the target's KV."
+)
 flags.DEFINE_enum(
   "random",
   None,

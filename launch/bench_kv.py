@@ -12,7 +12,7 @@ Two measurements on the bundled target (or --model), printed as ratios from one 
    to the first divergence, and overall.
 
   python launch/bench_kv.py
-  python launch/bench_kv.py --max_lens=1024,8192,32768 --kv_formats=float,fp8
+  python launch/bench_kv.py --max_lens=1024,8192,32768 --kv_formats=float,fp8,q4_0
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
+from jaxspec import plan  # pylint: disable=wrong-import-position
+from jaxspec.speculative import roofline  # pylint: disable=wrong-import-position
 from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 from jaxspec.train import data as data_lib  # pylint: disable=wrong-import-position
@@ -37,7 +39,7 @@ from jaxspec.train import data as data_lib  # pylint: disable=wrong-import-posit
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Target HF directory (default: the bundled target).")
 flags.DEFINE_list("max_lens", ["1024", "8192", "32768"], "Engine max_len values to compare.")
-flags.DEFINE_list("kv_formats", ["float", "fp8"], "KV formats to time.")
+flags.DEFINE_list("kv_formats", ["float", "fp8", "q4_0"], "KV formats to time.")
 flags.DEFINE_integer("prompt_tokens", 450, "Prompt length for the timing runs.")
 flags.DEFINE_integer("new_tokens", 64, "Tokens generated per timing run.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per engine (the minimum is reported).")
@@ -69,37 +71,39 @@ def time_plain(
   return best
 
 
-def fidelity(target: jaxspec.TargetModel, num_prompts: int, new: int) -> dict[str, float]:
-  """Greedy FP8-KV output against float32-KV output on validation prompts."""
+def fidelity(
+  target: jaxspec.TargetModel, num_prompts: int, new: int, kv_format: str = "fp8"
+) -> dict[str, float]:
+  """Greedy output on a `kv_format` cache against a float32 cache, on validation prompts."""
   prompts = [
     target.tokenizer.encode(p)
     for p in data_lib.function_prompts("validation", n=num_prompts, seed=0)
   ]
   max_len = max(len(p) for p in prompts) + new + 8
   outs = {}
-  for kv in ("float", "fp8"):
+  for kv in ("float", kv_format):
     cfg = jaxspec.EngineConfig(
       max_len=max_len, batch_size=len(prompts), use_eos=False, kv_format=kv
     )
     outs[kv] = jaxspec.SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=new).tokens
   same = prefix = total = 0
-  for a, b in zip(outs["float"], outs["fp8"]):
+  for a, b in zip(outs["float"], outs[kv_format]):
     eq = np.asarray(a) == np.asarray(b)
     same += int(eq.sum())
     prefix += int(np.argmin(eq)) if not eq.all() else len(eq)
     total += len(eq)
   # Teacher-forced along the float continuation: one forward per format over prompt + output
-  # (a block attends to its own K/V as the cache stores them, so this is exactly what an FP8
-  # cache gives at every position), top-1 agreement at the generated positions.
+  # (a block attends to its own K/V as the cache stores them, so this is exactly what a
+  # quantized cache gives at every position), top-1 agreement at the generated positions.
   agree = count = 0
   for p, gen in zip(prompts, outs["float"]):
     seq = jnp.asarray([p + gen[:-1]], jnp.int32)
     top = {}
-    for kv in ("float", "fp8"):
+    for kv in ("float", kv_format):
       state = target.init_state(1, seq.shape[1], kv)
       logits = target_lib.forward(target.config, target.params, seq, None, state).logits
       top[kv] = np.asarray(jnp.argmax(logits[0, len(p) - 1 :], axis=-1))
-    agree += int(np.sum(top["float"] == top["fp8"]))
+    agree += int(np.sum(top["float"] == top[kv_format]))
     count += len(gen)
   return {
     "match_overall": same / total,
@@ -122,13 +126,21 @@ def main(argv: Sequence[str]) -> None:
       s = time_plain(target, prompt, FLAGS.new_tokens, n, kv, FLAGS.repeats)
       base = base or s
       print(f"{kv:>6} {n:>8} {s * 1e3:>9.2f} {s / base:>11.2f}")
-  f = fidelity(target, FLAGS.num_prompts, FLAGS.fidelity_tokens)
-  print(
-    f"\nFP8 KV vs float32 KV, greedy, {FLAGS.num_prompts} validation prompts × "
-    f"{FLAGS.fidelity_tokens} tokens: {f['match_overall']:.1%} of tokens equal, "
-    f"{f['match_before_divergence']:.1%} before each sequence's first divergence; "
-    f"teacher-forced top-1 agreement {f['teacher_forced_top1']:.1%}"
+  print(f"\nKV memory, batch 1 ({model}):")
+  print("\n".join(plan.kv_table(target.config)))
+  qwen3_8b = roofline.dense_config(
+    hidden=4096, layers=36, intermediate=12288, vocab=151936, kv_heads=8, dtype="bfloat16"
   )
+  print("KV memory, batch 1, a Qwen3-8B-shaped config (36 layers, 8 KV heads × 128, bf16):")
+  print("\n".join(plan.kv_table(qwen3_8b)))
+  for kv in (k for k in FLAGS.kv_formats if k != "float"):
+    f = fidelity(target, FLAGS.num_prompts, FLAGS.fidelity_tokens, kv)
+    print(
+      f"\n{kv} KV vs float32 KV, greedy, {FLAGS.num_prompts} validation prompts × "
+      f"{FLAGS.fidelity_tokens} tokens: {f['match_overall']:.1%} of tokens equal, "
+      f"{f['match_before_divergence']:.1%} before each sequence's first divergence; "
+      f"teacher-forced top-1 agreement {f['teacher_forced_top1']:.1%}"
+    )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ flags.DEFINE_integer("top_k", 0, "0 = off.")
 flags.DEFINE_float("top_p", 1.0, "1 = off.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("max_len", 1024, "Cache length (prompt + generated + draft slack).")
-flags.DEFINE_enum("kv_format", "float", ("float", "fp8"), "How the target's KV cache is stored.")
+flags.DEFINE_enum(
+  "kv_format", "float", ("float", "fp8", "q4_0"), "How the target's KV cache is stored."
+)
 flags.DEFINE_string("mesh", "data=1,expert=1,tensor=1", "Device mesh shape.")
 flags.DEFINE_bool("compare_plain", True, "Also run plain decoding and print the speedup.")
 

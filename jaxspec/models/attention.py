@@ -151,7 +151,9 @@ def attend_pallas(
     k, v = state_lib.fp8_values(k), state_lib.fp8_values(v)
     scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
   elif kv.format != "float":
-    raise NotImplementedError(f"the Pallas attention kernel does not read {kv.format} caches")
+    raise ConfigError(
+      f"the Pallas attention kernel does not read {kv.format} caches; use attention_impl='xla'"
+    )
   out = tree_attention(
     q,
     k,
