@@ -54,6 +54,7 @@ class HFConfigReader:
       raise ConfigError(f"{what}: config.json must hold a JSON object, got {type(hf).__name__}")
     self.hf = hf
     self.what = what
+    self._rope_sources: list[tuple[str, Mapping[str, Any]]] = []  # set by `rope`
 
   def error(self, msg: str) -> ConfigError:
     return ConfigError(f"{self.what}: {msg}")
@@ -149,7 +150,10 @@ class HFConfigReader:
     return dict(v)
 
   def rope(
-    self, default_theta: float = 10000.0, default_partial: float | None = None
+    self,
+    default_theta: float = 10000.0,
+    default_partial: float | None = None,
+    allowed: tuple[str, ...] = ("default",),
   ) -> tuple[float, float | None]:
     """(rope_theta, partial_rotary_factor) of a config that must use the default RoPE.
 
@@ -171,11 +175,13 @@ class HFConfigReader:
         sources += [(f"{key}.{k}", v) for k, v in nested.items()]
       elif d:
         sources.append((key, d))
+    self._rope_sources = sources
     for label, d in sources:
       rope_type = d.get("rope_type") or d.get("type") or "default"
-      if rope_type != "default":
+      if rope_type not in allowed:
         raise self.error(
-          f"RoPE type {_show(rope_type)} in {label} is not supported (only 'default')"
+          f"RoPE type {_show(rope_type)} in {label} is not supported "
+          f"({', '.join(repr(a) for a in allowed)})"
         )
 
     def setting(name: str, default: float) -> float:
@@ -198,6 +204,69 @@ class HFConfigReader:
     if not 0 < partial <= 1:
       raise self.error(f"partial_rotary_factor must be in (0, 1], got {partial}")
     return theta, partial
+
+  def rope_scaling(self, max_position_embeddings: int) -> tuple[tuple[str, Any], ...]:
+    """The RoPE scaling settings (after `rope`), normalized: () for the default RoPE, else
+    sorted (name, value) pairs of "linear" (factor) or "yarn" (factor,
+    original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale,
+    mscale_all_dim, truncate), with transformers' defaults filled in. Every place the config
+    states a scaling must state the same one."""
+    found = {}
+    for label, d in self._rope_sources:
+      rope_type = d.get("rope_type") or d.get("type") or "default"
+      if rope_type == "default":
+        continue
+      found[label] = self._normalized_scaling(label, rope_type, d, max_position_embeddings)
+    if len(set(found.values())) > 1:
+      raise self.error(f"conflicting RoPE scaling: {found}")
+    return next(iter(found.values()), ())
+
+  def _normalized_scaling(
+    self, label: str, rope_type: str, d: Mapping[str, Any], max_position_embeddings: int
+  ) -> tuple[tuple[str, Any], ...]:
+    def number(name: str, default: Any, positive: bool = True) -> Any:
+      v = d.get(name)
+      if v is None:
+        return default
+      if not _is_real(v) or not math.isfinite(v) or (positive and not v > 0):
+        raise self.error(f"{label}.{name} must be a finite positive number, got {_show(v)}")
+      return float(v)
+
+    if rope_type == "linear":
+      factor = number("factor", None)
+      if factor is None:
+        raise self.error(f"{label}: linear RoPE scaling needs a factor")
+      return (("factor", factor), ("rope_type", "linear"))
+    original = d.get("original_max_position_embeddings")
+    if not _is_int(original) or original < 1:
+      raise self.error(
+        f"{label}: yarn RoPE scaling needs original_max_position_embeddings, got {_show(original)}"
+      )
+    factor = number("factor", None)
+    if factor is None:  # DeepSeek-V3 style: the ratio of the two lengths
+      factor = max_position_embeddings / original
+    truncate = d.get("truncate", True)
+    if not isinstance(truncate, bool):
+      raise self.error(f"{label}.truncate must be a bool, got {_show(truncate)}")
+    return tuple(
+      sorted(
+        {
+          "rope_type": "yarn",
+          "factor": factor,
+          "original_max_position_embeddings": int(original),
+          "beta_fast": number("beta_fast", 32.0),
+          "beta_slow": number("beta_slow", 1.0),
+          "attention_factor": number("attention_factor", None),
+          "mscale": number("mscale", None, positive=False),
+          "mscale_all_dim": number("mscale_all_dim", None, positive=False),
+          "truncate": truncate,
+        }.items()
+      )
+    )
+
+
+# RoPE variants jaxspec computes (layers.rope_frequencies); "dynamic" NTK is not one of them.
+ROPE_TYPES = ("default", "linear", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +291,9 @@ class ModelConfig:
   intermediate_size: int
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
+  # RoPE scaling, normalized by HFConfigReader.rope_scaling: () = none, else sorted (name,
+  # value) pairs of "linear" or "yarn" (models/layers.py: rope_frequencies).
+  rope_scaling: tuple[tuple[str, Any], ...] = ()
   partial_rotary_factor: float = 1.0
   attention_bias: bool = False  # biases on q/k/v projections
   attention_out_bias: bool = False  # bias on o_proj (Qwen3 ties it to attention_bias; GLM never)
@@ -488,6 +560,13 @@ class ModelConfig:
       f"unknown attention_impl {self.attention_impl!r} (expected 'auto', 'xla' or 'pallas')",
     )
     need(self.attention_chunk >= 1, f"attention_chunk must be ≥ 1, got {self.attention_chunk}")
+    scaling = dict(self.rope_scaling) if isinstance(self.rope_scaling, tuple) else {}
+    need(
+      isinstance(self.rope_scaling, tuple)
+      and (not self.rope_scaling or scaling.get("rope_type") in ROPE_TYPES[1:]),
+      f"rope_scaling must be () or normalized (name, value) pairs of a {ROPE_TYPES[1:]} "
+      f"scaling, got {_show(self.rope_scaling)}",
+    )
     for name in ("dtype", "param_dtype"):
       v = getattr(self, name)
       need(
@@ -521,8 +600,9 @@ class ModelConfig:
 
     Every field is type-checked as it is read (see `HFConfigReader`): vocab_size, hidden_size,
     num_hidden_layers, num_attention_heads and intermediate_size are required, the rest default
-    as in transformers when absent or null. RoPE must be the default type everywhere the config
-    can state it, with no two conflicting values (`HFConfigReader.rope`). `overrides` are
+    as in transformers when absent or null. RoPE is the default, linear or YaRN type
+    (`ROPE_TYPES`), stated consistently wherever the config states it (`HFConfigReader.rope`,
+    `rope_scaling`). `overrides` are
     ModelConfig fields applied last; the result is validated as a whole.
     """
     if not isinstance(hf, Mapping):
@@ -553,7 +633,7 @@ class ModelConfig:
       raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
     qwen = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     # Qwen3 rotates whole heads whatever the config says; GLM defaults to half (HF semantics).
-    rope_theta, partial = r.rope(10000.0, None if qwen else 0.5)
+    rope_theta, partial = r.rope(10000.0, None if qwen else 0.5, allowed=ROPE_TYPES)
 
     hidden = r.integer("hidden_size")
     heads = r.integer("num_attention_heads")
@@ -569,6 +649,7 @@ class ModelConfig:
       intermediate_size=r.integer("intermediate_size"),
       rms_norm_eps=r.number("rms_norm_eps", 1e-6),
       rope_theta=rope_theta,
+      rope_scaling=r.rope_scaling(r.integer("max_position_embeddings", 32768)),
       partial_rotary_factor=1.0 if qwen else partial,
       attention_bias=r.flag("attention_bias", False),
       tie_word_embeddings=r.flag("tie_word_embeddings", False),
@@ -636,6 +717,7 @@ class ModelConfig:
       max_position_embeddings=self.max_position_embeddings,
       rope_parameters={
         "rope_type": "default",
+        **{k: v for k, v in self.rope_scaling if v is not None},
         "rope_theta": self.rope_theta,
         "partial_rotary_factor": self.partial_rotary_factor,
       },

@@ -210,10 +210,6 @@ def main(argv):
     method=method, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format, **tree
   )
   label = f"{method} + tree verification ({budget} nodes)" if tree else method
-  print(
-    f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
-    f"method: {label}; devices: {jax.device_count()} ({jax.default_backend()})"
-  )
   sample = dict(
     max_new_tokens=FLAGS.max_new_tokens,
     temperature=FLAGS.temperature,
@@ -223,6 +219,11 @@ def main(argv):
     parse_special=FLAGS.parse_special,
   )
   prompts = [prompt]
+  jaxspec.Request.build(prompts, **sample)  # bad flags fail here, before any output
+  print(
+    f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
+    f"method: {label}; devices: {jax.device_count()} ({jax.default_backend()})"
+  )
 
   spec_engine = jaxspec.SpecEngine(target, drafter, cfg)
   spec_engine.generate(prompts, **sample)  # compile

@@ -147,7 +147,13 @@ CONFIGS = {
 
 def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
   """A float32 HF model of configuration `name` with perturbed random weights, in eval mode."""
-  config_cls, model_cls, kwargs = CONFIGS[name]
+  return build_hf_model_from(*CONFIGS[name], seed=seed)
+
+
+def build_hf_model_from(
+  config_cls: str, model_cls: str, kwargs: dict, seed: int = 0
+) -> transformers.PreTrainedModel:
+  """As build_hf_model, for a configuration given inline (class names and kwargs)."""
   config = getattr(transformers, config_cls)(**kwargs)
   torch.manual_seed(seed)
   model = getattr(transformers, model_cls)(config).float().eval()

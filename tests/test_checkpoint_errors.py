@@ -141,17 +141,21 @@ BAD_CONFIGS = {
   ),
   "zero_positions": (_set(max_position_embeddings=0), "max_position_embeddings must be positive"),
   "negative_eos": (_set(eos_token_id=-1), "eos token ids must be ≥ 0, got [-1]"),
-  "yarn_in_rope_scaling_next_to_default_parameters": (
-    _set(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
-    "RoPE type 'yarn' in rope_scaling is not supported",
+  # YaRN and linear scaling are read (tests/test_rope_scaling.py); stated twice, they must agree.
+  "yarn_in_rope_scaling_next_to_linear_parameters": (
+    _set(
+      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    ),
+    "conflicting RoPE scaling",
   ),
   "legacy_type_key": (
     _set(rope_scaling={"type": "dynamic", "factor": 2.0}),
     "RoPE type 'dynamic' in rope_scaling",
   ),
-  "linear_in_rope_parameters": (
-    _set(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
-    "RoPE type 'linear' in rope_parameters",
+  "yarn_without_its_original_length": (
+    _set(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}),
+    "yarn RoPE scaling needs original_max_position_embeddings",
   ),
   "per_layer_type_rope": (
     _set(rope_parameters={"full_attention": {"rope_type": "llama3", "factor": 8.0}}),
@@ -276,11 +280,16 @@ def test_from_hf_accepts_transformers_dicts_and_refuses_hidden_rope_settings():
   assert config.partial_rotary_factor == 0.5 and config.rope_theta == 10000.0
   assert jaxspec.ModelConfig.from_hf(config.to_hf()) == config
   # The headline case: yarn in the legacy key, which transformers prefers, next to a default
-  # rope_parameters that used to hide it.
+  # rope_parameters that used to hide it: now read (and refused when incomplete).
   yarn = dict(glm, rope_scaling={"rope_type": "yarn", "factor": 4.0})
   _raises(
-    jaxspec.ConfigError, "RoPE type 'yarn' in rope_scaling", jaxspec.ModelConfig.from_hf, yarn
+    jaxspec.ConfigError,
+    "yarn RoPE scaling needs original_max_position_embeddings",
+    jaxspec.ModelConfig.from_hf,
+    yarn,
   )
+  yarn["rope_scaling"]["original_max_position_embeddings"] = 64
+  assert dict(jaxspec.ModelConfig.from_hf(yarn).rope_scaling)["factor"] == 4.0
   # GLM rotates part of each head: the factor given twice must agree.
   partial = dict(glm, partial_rotary_factor=0.25)
   _raises(

@@ -104,6 +104,7 @@ def test_text_prompt_with_special_tokens_parsed(models):
 def test_engine_input_error_is_one_line(models):
   proc = _generate(models["plain"], "--prompt_ids=1,2", "--max_new_tokens=0")
   _assert_one_line_error(proc, "max_new_tokens")
+  assert proc.stdout == "", proc.stdout  # refused before the header is printed
 
 
 def test_truncated_model_is_one_line(models):

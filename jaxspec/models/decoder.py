@@ -225,7 +225,7 @@ class Decoder(nn.Module):
 
   def _rope(self, positions: jax.Array):
     c = self.config
-    return rope_tables(positions, c.rotary_dim, c.rope_theta)
+    return rope_tables(positions, c.rotary_dim, c.rope_theta, c.rope_scaling)
 
   # -- forwards ------------------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ Norms, softmax and RoPE are computed in float32 whatever the activation dtype.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -107,12 +109,62 @@ class Dense(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
-def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-  """cos/sin tables [*positions.shape, rotary_dim] in float32 (HF 'default' RoPE)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+def rope_frequencies(rotary_dim: int, theta: float, scaling: tuple = ()) -> tuple[jax.Array, float]:
+  """(inverse frequencies [rotary_dim / 2] float32, cos/sin factor) of HF's RoPE variants.
+
+  `scaling` is ModelConfig.rope_scaling: () for the default RoPE; "linear" divides every
+  frequency by `factor`; "yarn" blends interpolated (÷ factor) and original frequencies with a
+  linear ramp between the dimensions that turn `beta_fast` and `beta_slow` times over
+  `original_max_position_embeddings`, and scales cos/sin by the attention factor
+  (0.1 · ln(factor) + 1 unless given): transformers' `_compute_yarn_parameters`, in float32.
+  """
+  base = theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+  s = dict(scaling)
+  kind = s.get("rope_type", "default")
+  if kind == "default":
+    return 1.0 / base, 1.0
+  factor = s["factor"]
+  if kind == "linear":
+    return (1.0 / base) / factor, 1.0
+  if kind != "yarn":
+    raise ValueError(f"unknown RoPE scaling {kind!r}")
+
+  def mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  attention = s.get("attention_factor")
+  if attention is None:
+    if s.get("mscale") and s.get("mscale_all_dim"):
+      attention = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+    else:
+      attention = mscale(factor)
+  original = s["original_max_position_embeddings"]
+
+  def correction_dim(rotations: float) -> float:
+    return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = correction_dim(s["beta_fast"]), correction_dim(s["beta_slow"])
+  if s.get("truncate", True):
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, rotary_dim - 1)
+  if low == high:
+    high += 0.001  # as transformers: no zero-width ramp
+  ramp = jnp.clip((jnp.arange(rotary_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  extrapolated = 1 - ramp
+  inv = (1.0 / (factor * base)) * (1 - extrapolated) + (1.0 / base) * extrapolated
+  return inv, float(attention)
+
+
+def rope_tables(
+  positions: jax.Array, rotary_dim: int, theta: float, scaling: tuple = ()
+) -> tuple[jax.Array, jax.Array]:
+  """cos/sin tables [*positions.shape, rotary_dim] in float32 (HF RoPE; see rope_frequencies)."""
+  inv_freq, attention = rope_frequencies(rotary_dim, theta, scaling)
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq
   emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb), jnp.sin(emb)
+  if attention == 1.0:
+    return jnp.cos(emb), jnp.sin(emb)
+  return jnp.cos(emb) * attention, jnp.sin(emb) * attention
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
