@@ -126,8 +126,62 @@ def fp8_values(bits: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, FP8_DTYPE)
 
 
+class _QuantizedKV:
+  """What the quantized kinds share: K and V stored as `encode` makes them, beside their
+  scales, written quantized once and read back through `decode` chunk by chunk.
+
+  A subclass is a flax struct with fields k, v, k_scale, v_scale and dtype, and defines
+  `encode(x) -> (stored, scales)`, `decode(stored, scales, dtype) -> values` and `create`.
+  """
+
+  @classmethod
+  def quantized(cls, k: jax.Array, v: jax.Array, dtype: str = "float32"):
+    """An entry holding float k, v [L, B, S, K, D] quantized."""
+    (qk, sk), (qv, sv) = cls.encode(k), cls.encode(v)
+    return cls(qk, qv, sk, sv, dtype)
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array):
+    """Quantizes the block once: the stored entry, and the values the block reads as."""
+    qk, sk = self.encode(k)
+    qv, sv = self.encode(v)
+    entry = self.replace(
+      k=_write(self.k, layer, start, qk),
+      v=_write(self.v, layer, start, qv),
+      k_scale=_write(self.k_scale, layer, start, sk),
+      v_scale=_write(self.v_scale, layer, start, sv),
+    )
+    return entry, self.decode(qk, sk, self.dtype), self.decode(qv, sv, self.dtype)
+
+  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    k = self.decode(
+      _read(self.k, layer, offset, size), _read(self.k_scale, layer, offset, size), self.dtype
+    )
+    v = self.decode(
+      _read(self.v, layer, offset, size), _read(self.v_scale, layer, offset, size), self.dtype
+    )
+    return k, v
+
+  def commit_path(self, start: jax.Array, path: jax.Array):
+    return self.replace(
+      k=_move(self.k, start, path),
+      v=_move(self.v, start, path),
+      k_scale=_move(self.k_scale, start, path),
+      v_scale=_move(self.v_scale, start, path),
+    )
+
+  def dequantized(self) -> FloatKV:
+    """The float K/V this cache stands for (tests compare attention over both)."""
+    return FloatKV(
+      self.decode(self.k, self.k_scale, self.dtype), self.decode(self.v, self.v_scale, self.dtype)
+    )
+
+
 @flax.struct.dataclass
-class FP8KV:
+class FP8KV(_QuantizedKV):
   """Attention K/V of one segment in FP8: E4M3 k, v [L, B, S, K, D] and float32 scales
   [L, B, S, K], one per token and KV head. 1 byte per value + 4 per head vector: 1.9× smaller
   than bfloat16 at head_dim 128 (less with tiny heads).
@@ -145,58 +199,21 @@ class FP8KV:
 
   format: ClassVar[str] = "fp8"
 
+  @staticmethod
+  def encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    q, scale = fp8_quantize(x)
+    return fp8_bits(q), scale
+
+  @staticmethod
+  def decode(bits: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    return fp8_dequantize(fp8_values(bits), scale, dtype)
+
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int) -> "FP8KV":
     shape = (num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
     values = lambda: jnp.zeros(shape, jnp.uint8)  # distinct buffers: the state is donated
     scales = lambda: jnp.ones(shape[:-1], jnp.float32)
     return cls(values(), values(), scales(), scales(), config.dtype)
-
-  @property
-  def max_len(self) -> int:
-    return self.k.shape[2]
-
-  @classmethod
-  def quantized(cls, k: jax.Array, v: jax.Array, dtype: str = "float32") -> "FP8KV":
-    """An entry holding float k, v [L, B, S, K, D] quantized."""
-    (qk, sk), (qv, sv) = fp8_quantize(k), fp8_quantize(v)
-    return cls(fp8_bits(qk), fp8_bits(qv), sk, sv, dtype)
-
-  def write(
-    self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array
-  ) -> tuple["FP8KV", jax.Array, jax.Array]:
-    """Quantizes the block once: the stored bytes and scales, and the values they read as."""
-    qk, sk = fp8_quantize(k)
-    qv, sv = fp8_quantize(v)
-    entry = self.replace(
-      k=_write(self.k, layer, start, fp8_bits(qk)),
-      v=_write(self.v, layer, start, fp8_bits(qv)),
-      k_scale=_write(self.k_scale, layer, start, sk),
-      v_scale=_write(self.v_scale, layer, start, sv),
-    )
-    return entry, fp8_dequantize(qk, sk, self.dtype), fp8_dequantize(qv, sv, self.dtype)
-
-  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    k = fp8_values(_read(self.k, layer, offset, size))
-    v = fp8_values(_read(self.v, layer, offset, size))
-    k = fp8_dequantize(k, _read(self.k_scale, layer, offset, size))
-    v = fp8_dequantize(v, _read(self.v_scale, layer, offset, size))
-    return k.astype(self.dtype), v.astype(self.dtype)
-
-  def commit_path(self, start: jax.Array, path: jax.Array) -> "FP8KV":
-    return self.replace(
-      k=_move(self.k, start, path),
-      v=_move(self.v, start, path),
-      k_scale=_move(self.k_scale, start, path),
-      v_scale=_move(self.v_scale, start, path),
-    )
-
-  def dequantized(self) -> FloatKV:
-    """The float K/V this cache stands for (tests compare attention over both)."""
-    return FloatKV(
-      fp8_dequantize(fp8_values(self.k), self.k_scale, self.dtype),
-      fp8_dequantize(fp8_values(self.v), self.v_scale, self.dtype),
-    )
 
 
 Q4_BLOCK = 32  # values per Q4_0 block (llama.cpp's QK4_0)
@@ -235,7 +252,7 @@ def q4_0_dequantize(packed: jax.Array, d: jax.Array, dtype: Any = jnp.float32) -
 
 
 @flax.struct.dataclass
-class Q4KV:
+class Q4KV(_QuantizedKV):
   """Attention K/V of one segment in llama.cpp's Q4_0: nibbles k, v [L, B, S, K, D/2] (uint8)
   and float16 scales [L, B, S, K, D/32], one per block of 32 values along head_dim. 18 bytes
   per 32 values: 4.5/32 of float32. Quantized once on write; each read dequantizes only the
@@ -250,6 +267,9 @@ class Q4KV:
 
   format: ClassVar[str] = "q4_0"
 
+  encode = staticmethod(q4_0_quantize)
+  decode = staticmethod(q4_0_dequantize)
+
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int) -> "Q4KV":
     if config.head_dim % Q4_BLOCK:
@@ -260,54 +280,6 @@ class Q4KV:
     values = lambda: jnp.zeros((*lead, config.head_dim // 2), jnp.uint8)
     scales = lambda: jnp.zeros((*lead, config.head_dim // Q4_BLOCK), jnp.float16)
     return cls(values(), values(), scales(), scales(), config.dtype)
-
-  @property
-  def max_len(self) -> int:
-    return self.k.shape[2]
-
-  @classmethod
-  def quantized(cls, k: jax.Array, v: jax.Array, dtype: str = "float32") -> "Q4KV":
-    """An entry holding float k, v [L, B, S, K, D] quantized."""
-    (qk, sk), (qv, sv) = q4_0_quantize(k), q4_0_quantize(v)
-    return cls(qk, qv, sk, sv, dtype)
-
-  def write(
-    self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array
-  ) -> tuple["Q4KV", jax.Array, jax.Array]:
-    """Quantizes the block once: the stored nibbles and scales, and the values they read as."""
-    qk, sk = q4_0_quantize(k)
-    qv, sv = q4_0_quantize(v)
-    entry = self.replace(
-      k=_write(self.k, layer, start, qk),
-      v=_write(self.v, layer, start, qv),
-      k_scale=_write(self.k_scale, layer, start, sk),
-      v_scale=_write(self.v_scale, layer, start, sv),
-    )
-    return entry, q4_0_dequantize(qk, sk, self.dtype), q4_0_dequantize(qv, sv, self.dtype)
-
-  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    k = q4_0_dequantize(
-      _read(self.k, layer, offset, size), _read(self.k_scale, layer, offset, size), self.dtype
-    )
-    v = q4_0_dequantize(
-      _read(self.v, layer, offset, size), _read(self.v_scale, layer, offset, size), self.dtype
-    )
-    return k, v
-
-  def commit_path(self, start: jax.Array, path: jax.Array) -> "Q4KV":
-    return self.replace(
-      k=_move(self.k, start, path),
-      v=_move(self.v, start, path),
-      k_scale=_move(self.k_scale, start, path),
-      v_scale=_move(self.v_scale, start, path),
-    )
-
-  def dequantized(self) -> FloatKV:
-    """The float K/V this cache stands for (tests compare attention over both)."""
-    return FloatKV(
-      q4_0_dequantize(self.k, self.k_scale, self.dtype),
-      q4_0_dequantize(self.v, self.v_scale, self.dtype),
-    )
 
 
 KV_FORMATS = {"float": FloatKV, "fp8": FP8KV, "q4_0": Q4KV}

@@ -653,9 +653,7 @@ def _log(cfg: BenchConfig, msg: str) -> None:
 def load_prompts(cfg: BenchConfig) -> list[str]:
   if cfg.prompts is not None:
     return list(cfg.prompts)[: cfg.num_prompts]
-  from jaxspec.train import data  # pylint: disable=import-outside-toplevel
-
-  return data.function_prompts(split="validation", n=cfg.num_prompts, seed=cfg.seed)
+  return data_prompts(cfg.num_prompts, cfg.seed)
 
 
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
@@ -950,10 +948,11 @@ def measure_acceptance(num_prompts: int, max_new_tokens: int = 96) -> dict[str, 
   return taus
 
 
-def data_prompts(n: int) -> list[str]:
+def data_prompts(n: int, seed: int = 0) -> list[str]:
+  """n function openings from the validation split (the bench's default prompts)."""
   from jaxspec.train import data  # pylint: disable=import-outside-toplevel
 
-  return data.function_prompts(split="validation", n=n, seed=0)
+  return data.function_prompts(split="validation", n=n, seed=seed)
 
 
 def run_cost_curves(

@@ -39,7 +39,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +59,7 @@ import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
+from jaxspec.speculative import roofline  # pylint: disable=wrong-import-position
 from jaxspec.state import DecodingState  # pylint: disable=wrong-import-position
 
 SECTIONS = ("environment", "pallas", "lossless", "cost", "speedup")
@@ -324,16 +324,6 @@ def _parallel(thunks: Sequence[Callable[[], Any]]) -> list[Any]:
     return list(pool.map(guarded, thunks))
 
 
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
 def _rel_err(got: Any, want: Any) -> tuple[float, float, int]:
   """(‖got − want‖ / ‖want‖, max |got − want|, NaN count of got), in float64."""
   got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
@@ -531,8 +521,8 @@ def _check_tree_attention(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
           ok = nans == 0 and err <= tol
           if ok and sizes.time_kernels and not timed:
             timed = True
-            numbers["kernel_us"] = 1e6 * _median_s(run, 20)
-            numbers["xla_us"] = 1e6 * _median_s(lambda: reference(**kernel_args), 20)
+            numbers["kernel_us"] = 1e6 * roofline.median_seconds(run, 20)
+            numbers["xla_us"] = 1e6 * roofline.median_seconds(lambda: reference(**kernel_args), 20)
         return ("pass" if ok else "fail"), numbers
 
       rec.run(f"tree_attention/{case.name}/{case.dtype}/{lowering}", check)
@@ -803,16 +793,6 @@ def section_lossless(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _roofline():
-  """jaxspec's roofline module (jaxspec/speculative/roofline.py; jaxspec/models/ earlier)."""
-  # pylint: disable=import-outside-toplevel
-  try:
-    from jaxspec.speculative import roofline
-  except ImportError:
-    from jaxspec.models import roofline  # type: ignore[no-redef]
-  return roofline
-
-
 def _precompile_forwards(
   config: jaxspec.ModelConfig, params: Any, tokens: Sequence[int], max_len: int, position: int
 ) -> None:
@@ -850,7 +830,6 @@ def _nominal_bandwidth() -> tuple[Optional[str], Optional[float]]:
 
 def section_cost(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
   del cpu
-  roofline = _roofline()
   m = sizes.cost_model
   base = roofline.dense_config(dtype="bfloat16", **m)
   max_len, position = sizes.cost_max_len, sizes.cost_max_len // 2

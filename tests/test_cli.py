@@ -14,26 +14,11 @@ import pytest
 
 import jaxspec
 from jaxspec import cli
-from jaxspec.config import ModelConfig
 from jaxspec.io.tokenizer import Tokenizer
-from jaxspec.models.target import TargetModel
+from tests import engine_models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULE = "-" * 72  # generate.py prints the generated text between two such rules
-
-
-def _tiny(vocab: int) -> TargetModel:
-  cfg = ModelConfig(
-    architecture="Qwen3ForCausalLM",
-    vocab_size=vocab,
-    hidden_size=16,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    intermediate_size=32,
-  )
-  return TargetModel.random(cfg, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +26,12 @@ def models(tmp_path_factory):
   """{name: directory}: no tokenizer, truncated weights, and one with the bundled tokenizer."""
   root = tmp_path_factory.mktemp("models")
   plain, truncated, with_tok = root / "plain", root / "truncated", root / "with_tokenizer"
-  jaxspec.save_hf(_tiny(96), str(plain))
-  jaxspec.save_hf(_tiny(96), str(truncated))
+  jaxspec.save_hf(engine_models.random_draft(96), str(plain))
+  jaxspec.save_hf(engine_models.random_draft(96), str(truncated))
   with open(truncated / "model.safetensors", "r+b") as f:
     f.truncate(100)
   tok = Tokenizer.bundled()
-  jaxspec.save_hf(_tiny(tok.vocab_size), str(with_tok))
+  jaxspec.save_hf(engine_models.random_draft(tok.vocab_size), str(with_tok))
   tok.save_hf(str(with_tok))
   assert not (plain / "tokenizer.json").exists() and (with_tok / "tokenizer.json").exists()
   return {"plain": str(plain), "truncated": str(truncated), "with_tokenizer": str(with_tok)}

@@ -160,7 +160,8 @@ def kv_bytes_read(config: ModelConfig, position: int, batch: int = 1, kv_format:
 # -- timing --------------------------------------------------------------------------------------
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+  """Median wall time of `fn()` (blocked until ready) over `repeats` runs after `warmup`."""
   for _ in range(warmup):
     jax.block_until_ready(fn())
   times = []
@@ -178,14 +179,14 @@ def reference_bandwidth(nbytes: int = GIB, repeats: int = 5) -> dict[str, float]
   """
   n = max(nbytes // 4, 1 << 20)
   big = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.float32))(jax.random.PRNGKey(0))
-  stream = 4 * n / _median_seconds(functools.partial(jax.jit(jnp.sum), big), repeats)
+  stream = 4 * n / median_seconds(functools.partial(jax.jit(jnp.sum), big), repeats)
   big.delete()
   cols = 8192
   rows = max(n // cols, 1)
   w = jax.jit(lambda k: jax.random.normal(k, (rows, cols), jnp.float32))(jax.random.PRNGKey(1))
   x = jnp.ones((1, rows), jnp.float32)
   matvec = functools.partial(jax.jit(jnp.matmul), x, w)
-  mv = 4 * rows * cols / _median_seconds(matvec, repeats)
+  mv = 4 * rows * cols / median_seconds(matvec, repeats)
   w.delete()
   return {"stream": stream, "matvec": mv, "best": max(stream, mv)}
 
@@ -224,7 +225,7 @@ def cost_curve(
       holder["state"] = out.state
       return out.logits
 
-    seconds = _median_seconds(run, repeats)
+    seconds = median_seconds(run, repeats)
     state = holder["state"]
     points.append(CostPoint(t, seconds, weight_bytes_read(config, params, t * batch)))
   return points
@@ -317,7 +318,7 @@ def drafter_step_seconds(
     toks, holder["state"] = step(params, holder["state"])
     return toks
 
-  return _median_seconds(run, repeats)
+  return median_seconds(run, repeats)
 
 
 # -- the report ----------------------------------------------------------------------------------
