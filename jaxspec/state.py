@@ -19,8 +19,10 @@ advances. A recurrent kind (Gated DeltaNet) fits the same seam with per-position
 written by a block and a `commit_path` that selects the accepted one; the engine never looks
 inside an entry.
 
-Kinds here: `FloatKV` (the activation dtype) and `FP8KV` (E4M3 values with one float32 scale
-per token and KV head, quantized on write). `KV_FORMATS` maps `EngineConfig.kv_format` to them.
+Kinds here: `FloatKV` (the activation dtype), `FP8KV` (E4M3 values with one float32 scale
+per token and KV head, quantized on write) and `Q4KV` (llama.cpp's Q4_0); `KV_FORMATS` maps
+`EngineConfig.kv_format` to them. `RingKV` keeps only the most recent positions in a ring of
+slots, each with the position it holds (the drafters' long-context feature ring).
 """
 
 from __future__ import annotations
@@ -283,6 +285,78 @@ class Q4KV(_QuantizedKV):
 
 
 KV_FORMATS = {"float": FloatKV, "fp8": FP8KV, "q4_0": Q4KV}
+
+RING_EMPTY = -1  # the position of a ring slot nothing has been written to
+NO_LIMIT = 2**31 - 1
+
+
+@flax.struct.dataclass
+class RingKV:
+  """Float K/V of the most recent positions only: k, v [L, B, C, K, D] in a ring of C slots
+  (slot = position mod C), with the position each slot holds, pos [L, B, C] (−1 = empty).
+
+  Reads are by stored position, not by slot: a query block at `start` sees the slots whose
+  position p satisfies floor ≤ p < start. `floor` [B] and `limit` [B] are the bounds the owner
+  sets before a forward (`with_bounds`): a write stores only positions < limit (prompt padding
+  must not displace live entries) and, of a block wider than the ring, only its last C. A ring
+  of C = N + w slots keeps the N positions before a root intact while blocks of up to w
+  positions are written at or after it, so a reader that sets floor = root − N sees exactly
+  the N most recent entries before its root (and what it wrote since), however long the text.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  pos: jax.Array
+  floor: jax.Array
+  limit: jax.Array
+
+  format: ClassVar[str] = "ring"
+
+  @classmethod
+  def create(cls, config, num_layers: int, batch: int, capacity: int) -> "RingKV":
+    kv = FloatKV.create(config, num_layers, batch, capacity)
+    return cls(
+      kv.k,
+      kv.v,
+      jnp.full((num_layers, batch, capacity), RING_EMPTY, jnp.int32),
+      jnp.zeros((batch,), jnp.int32),
+      jnp.full((batch,), NO_LIMIT, jnp.int32),
+    )
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  def with_bounds(self, floor: jax.Array | None = None, limit: jax.Array | None = None):
+    """The ring with new read floor / write limit ([B] int32; None keeps the current one)."""
+    floor = self.floor if floor is None else jnp.broadcast_to(floor, self.floor.shape)
+    limit = self.limit if limit is None else jnp.broadcast_to(limit, self.limit.shape)
+    return self.replace(floor=floor.astype(jnp.int32), limit=limit.astype(jnp.int32))
+
+  def write(
+    self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array
+  ) -> tuple["RingKV", jax.Array, jax.Array]:
+    cap = self.max_len
+    rows, positions = _slots(start, k.shape[1])
+    end = jnp.minimum(start + k.shape[1], self.limit)[:, None]
+    keep = (positions < self.limit[:, None]) & (positions >= end - cap)
+    slots = jnp.where(keep, positions % cap, cap)  # slot C is out of range: dropped
+    k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+    put = lambda x, block: x.at[layer, rows, slots].set(block, mode="drop")
+    return self.replace(k=put(self.k, k), v=put(self.v, v), pos=put(self.pos, positions)), k, v
+
+  read = FloatKV.read
+
+  def slot_positions(self, layer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
+    """[B, size] positions held by slots offset..offset+size−1 of `layer`."""
+    return jax.lax.dynamic_slice(self.pos, (layer, 0, offset), (1, self.pos.shape[1], size))[0]
+
+  def live_slots(self, start: jax.Array) -> jax.Array:
+    """How many leading slots can hold a position < start (all of them once wrapped)."""
+    return jnp.minimum(jnp.max(start), self.max_len)
+
+  def commit_path(self, start: jax.Array, path: jax.Array) -> "RingKV":
+    raise NotImplementedError("a ring entry is rewritten by its owner's commit, not moved")
 
 
 @flax.struct.dataclass

@@ -6,7 +6,8 @@ to it explicitly; its caches live in a `state` pytree that the engine threads th
   taps                         target layers whose outputs the drafter consumes (HF
                                hidden_states[i + 1]); () for draft models and n-grams
   init_state(params, b, L)     its caches for batch b and max length L
-  prefill(params, state, ctx)  absorb the prompt (and its target features) after target prefill
+  prefill(params, state, ctx)  absorb one chunk of the prompt (and its target features) after the
+                               target has prefilled it; called once per chunk, in order
   propose(params, state, ctx)  → (Proposal, state): γ chain tokens with their draft
                                probabilities, or per-position log-probs for the tree builder
   commit(params, state, ctx)   absorb what the target accepted this step
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from jaxspec.errors import ConfigError
 from jaxspec.speculative.sampling import SamplingParams
@@ -47,18 +49,52 @@ class Proposal:
 
 @flax.struct.dataclass
 class PrefillContext:
-  """After the target's prefill.
+  """After the target has prefilled one chunk of the prompts: positions start..start+C-1.
 
-  tokens: [B, L] buffer holding the prompts (and the first sampled token at prompt_lens).
-  prompt_lens: [B] prompt lengths (the target cache holds these many entries).
-  taps: [n_taps, B, P, H] target features of the prompt positions (None without taps).
-  hidden: [B, P, H] the target's final-normed hidden states of the prompt positions.
+  tokens: [B, L] buffer holding the whole prompts, and the first sampled token at prompt_lens
+    once the chunk holding a prompt's last position has run (so a chunk's next-token view,
+    `shifted_tokens`, is complete).
+  prompt_lens: [B] prompt lengths (the target cache holds these many entries at the end).
+  taps: [n_taps, B, C, H] target features of the chunk's positions (None without taps).
+  hidden: [B, C, H] the target's final-normed hidden states of the chunk's positions.
+  start: scalar int32, the chunk's first position (None = 0: the whole prompt in one chunk).
+  Positions at or past a prompt's length are padding: a drafter must not let them displace
+  anything (a ring store writes only positions < prompt_lens).
   """
 
   tokens: jax.Array
   prompt_lens: jax.Array
   taps: Optional[jax.Array]
   hidden: jax.Array
+  start: Optional[jax.Array] = None
+
+  @property
+  def first(self) -> jax.Array:
+    """The chunk's first position (int32 scalar)."""
+    return jnp.int32(0) if self.start is None else jnp.asarray(self.start, jnp.int32)
+
+  @property
+  def size(self) -> int:
+    return self.hidden.shape[1]
+
+  def positions(self) -> jax.Array:
+    """[B, C] positions of the chunk."""
+    b, c = self.hidden.shape[:2]
+    return jnp.broadcast_to(self.first + jnp.arange(c, dtype=jnp.int32)[None], (b, c))
+
+  def shifted_tokens(self, shift: int = 0) -> jax.Array:
+    """[B, C] tokens at the chunk's positions + shift (shift 1: each position's next token)."""
+    idx = jnp.minimum(self.positions() + shift, self.tokens.shape[1] - 1)
+    return jnp.take_along_axis(self.tokens, idx, axis=1)
+
+  def at_last(self, values: jax.Array, previous: jax.Array) -> jax.Array:
+    """values [B, C, ...] at each prompt's last position where the chunk holds it, else
+    `previous` [B, ...]."""
+    last = self.prompt_lens - 1 - self.first
+    inside = (last >= 0) & (last < self.size)
+    picked = values[jnp.arange(values.shape[0]), jnp.clip(last, 0, self.size - 1)]
+    inside = inside.reshape(inside.shape + (1,) * (picked.ndim - 1))
+    return jnp.where(inside, picked.astype(previous.dtype), previous)
 
 
 @flax.struct.dataclass

@@ -17,8 +17,10 @@ Architecture (z-lab/dflash `DFlashDraftModel`; see docs/drafters.md):
 The drafter keeps the per-layer K/V of committed context positions across steps (post-k_norm,
 post-RoPE, like a KV cache) and only appends the a+1 positions each verify commits. An optional
 window limits what the block sees to the most recent features: per layer from the checkpoint's
-`sliding_window` layer types, and globally with `context_window`, which also turns the store
-into a ring of that many slots (memory O(window) for long contexts).
+`sliding_window` layer types (each query sees the positions less than its window behind it),
+and with `context_window` = N (default 4096): every block sees only the N most recent context
+features, and the store is a ring of N slots with the position each came from (memory O(N)
+for long contexts, as Lucebox's long-context DFlash keeps its last 4096 target features).
 
 At inference (`block_logits` / `propose`) the block reads the context store in chunks of
 `DFlashDrafter.context_chunk` slots with an online softmax, only up to the live slots (the longest
@@ -371,20 +373,25 @@ class DFlashLayer(nn.Module):
 
 
 def context_visibility(
-  q_pos: jax.Array, ctx_pos: jax.Array, limit: jax.Array, window: int
+  q_pos: jax.Array, ctx_pos: jax.Array, limit: jax.Array, window: int, keep: int = 0
 ) -> jax.Array:
   """[B, N, T, C]: block query at q_pos [B, N, T] sees stored context position ctx_pos [B, C]
-  iff 0 ≤ ctx_pos < limit [B, N] (strictly before its block) and, with a window W > 0,
-  q_pos − ctx_pos < W."""
+  iff 0 ≤ ctx_pos < limit [B, N] (strictly before its block), with a window W > 0
+  q_pos − ctx_pos < W, and with keep K > 0 ctx_pos ≥ limit − K (the block's K most recent)."""
   cp = ctx_pos[:, None, None, :]
-  vis = (cp >= 0) & (cp < limit[:, :, None, None])
+  lim = limit[:, :, None, None]
+  vis = (cp >= 0) & (cp < lim)
   if window:
     vis = vis & (q_pos[..., None] - cp < window)
+  if keep:
+    vis = vis & (cp >= lim - keep)
   return vis
 
 
 # Context slots read per step of the chunked (inference) context attention.
 DEFAULT_CONTEXT_CHUNK = 256
+# Target features a drafter keeps for long contexts (the ring's size; 0 = all).
+DEFAULT_CONTEXT_WINDOW = 4096
 
 
 @flax.struct.dataclass
@@ -396,7 +403,8 @@ class ContextView:
   layer's effective sliding window. chunk (static): 0 = dense `block_attention` over all C
   slots (differentiable; training); > 0 = `chunked_block_attention` in chunks of that many
   slots up to the live ones (inference). ring (static): the store is a ring (slot = position mod
-  C, `context_window`) rather than slot = position. layer (static): with a stacked store
+  C, `context_window`) rather than slot = position; keep (static, 0 = all): a block sees only
+  the `keep` most recent context positions before its limit. layer (static): with a stacked store
   [L, B, C, K, D], the layer to read (chunks are sliced straight out of the stack: slicing the
   layer first would copy all C slots); None for a single layer's store [B, C, K, D].
   """
@@ -408,6 +416,7 @@ class ContextView:
   chunk: int = flax.struct.field(pytree_node=False, default=0)
   ring: bool = flax.struct.field(pytree_node=False, default=False)
   layer: Optional[int] = flax.struct.field(pytree_node=False, default=None)
+  keep: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def chunked_block_attention(
@@ -463,7 +472,7 @@ def chunked_block_attention(
     k, v = (read(a, offset).astype(q.dtype) for a in (ctx_k, ctx_v))
     pos = jax.lax.dynamic_slice_in_dim(view.ctx_pos, offset, size, axis=1)
     fresh = offset + jnp.arange(size) >= first
-    vis = context_visibility(view.q_pos, pos, view.limit, view.window) & fresh  # [B, N, T, S]
+    vis = context_visibility(view.q_pos, pos, view.limit, view.window, view.keep) & fresh
     scores = jnp.einsum("bntkgd,bskd->bnkgts", qg, k, preferred_element_type=jnp.float32) * scale
     m_new, alpha, p = OnlineSoftmax.weights(carry, scores, vis[:, :, None, None])
     pv = jnp.einsum("bnkgts,bskd->bnkgtd", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
@@ -489,7 +498,7 @@ def context_attention(
     return chunked_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, scale, view)
   if view.layer is not None:
     ctx_k, ctx_v = ctx_k[view.layer], ctx_v[view.layer]
-  vis = context_visibility(view.q_pos, view.ctx_pos, view.limit, view.window)
+  vis = context_visibility(view.q_pos, view.ctx_pos, view.limit, view.window, view.keep)
   return block_attention(q, ctx_k, ctx_v, vis, blk_k, blk_v, scale)
 
 
@@ -531,7 +540,8 @@ class DFlashModel(nn.Module):
 
     ctx_k/ctx_v [L, B, C, K, D] hold context K/V at positions ctx_pos [B, C] (−1 = empty);
     block n sees context positions < limit[:, n] (within each layer's window). window_cap > 0
-    caps every window and means the store is a ring (slot = position mod C).
+    keeps only the window_cap most recent of them for every block and means the store is a ring
+    (slot = position mod C).
 
     context_chunk (static): 0 reads all C slots densely (training: differentiable);
     > 0 reads the store in chunks of that many slots up to the live ones (inference: needs
@@ -541,9 +551,8 @@ class DFlashModel(nn.Module):
     cos, sin = self._rope(q_pos.reshape(b, n * t))
     for i, layer in enumerate(self.layers):
       window = self.config.layer_windows[i]
-      if window_cap:
-        window = min(window, window_cap) if window else window_cap
-      view = ContextView(q_pos, ctx_pos, limit, window, context_chunk, bool(window_cap), i)
+      ring = bool(window_cap)
+      view = ContextView(q_pos, ctx_pos, limit, window, context_chunk, ring, i, window_cap)
       x = layer(x, cos, sin, ctx_k, ctx_v, view)
     return self.norm(x)
 
@@ -616,8 +625,8 @@ class DFlashDrafter(Drafter):
     lossless chain verification); False (the reference's behaviour) drafts the argmax at every
     temperature, a one-hot q. Either way `logprobs` holds the per-position log-probabilities
     log_softmax(logits / T) (T = 1 for greedy rows) for tree verification.
-  context_window: if > 0, the block sees at most this many most recent context features, and
-    the feature K/V store is a ring of that many slots.
+  context_window: if > 0, every block sees only this many most recent context features, and
+    the feature K/V store is a ring of that many slots (default 4096); 0 keeps every one.
   context_chunk: store slots read per step of the inference context attention (default
     DEFAULT_CONTEXT_CHUNK = 256): a propose reads ceil(live / chunk) chunks, live = the longest
     context in the batch (at most the store's size), whatever max_len is. 0 = read every slot
@@ -629,7 +638,7 @@ class DFlashDrafter(Drafter):
   config: DFlashConfig = None  # type: ignore[assignment]
   gamma: Optional[int] = None  # type: ignore[assignment]
   sample_drafts: bool = False
-  context_window: int = 0
+  context_window: int = DEFAULT_CONTEXT_WINDOW
   context_chunk: int = DEFAULT_CONTEXT_CHUNK
   hf_config: Optional[dict] = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
@@ -771,8 +780,7 @@ class DFlashDrafter(Drafter):
     return DFlashState(ctx_k, ctx_v, ctx_pos)
 
   def prefill(self, params: Any, state: DFlashState, ctx: PrefillContext) -> DFlashState:
-    b, p = ctx.hidden.shape[:2]
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
+    pos = ctx.positions()
     lens = ctx.prompt_lens[:, None]
     valid = (pos < lens) & (pos >= lens - state.ctx_pos.shape[1])
     return self._write_context(params, state, ctx.taps, pos, valid)

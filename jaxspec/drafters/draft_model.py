@@ -87,12 +87,11 @@ class DraftModelDrafter(Drafter):
     )
 
   def prefill(self, params: Any, state: DraftModelState, ctx: PrefillContext) -> DraftModelState:
-    prompts = ctx.tokens[:, : ctx.hidden.shape[1]]
     out = target_lib.apply_decoder(
       self.config,
       params,
-      prompts,
-      jnp.zeros_like(ctx.prompt_lens),
+      ctx.shifted_tokens(0),
+      jnp.full_like(ctx.prompt_lens, ctx.first),
       state.cache,
       last_only=True,
     )

@@ -17,9 +17,12 @@ Position i of the drafter reads (f_i, t_{i+1}) at RoPE position i and predicts t
 own previous output hidden (before `norm`) beside draft j at position n−1+j (training-time
 test, `jaxspec.train.drafter_losses.eagle3_ttt_loss`, trains exactly this).
 
-State: the layer's KV cache [1, B, L, K, D] and the fused feature of the slot before the root.
-Cache invariant (as for MTP): entries below n−1 hold (target feature, true token); propose writes
-n−1 and scratch after it; commit rewrites the entries of newly committed positions.
+State: the layer's KV cache and the fused feature of the slot before the root. Cache
+invariant (as for MTP): entries below n−1 hold (target feature, true token); propose writes n−1
+and scratch after it; commit rewrites the entries of newly committed positions. With
+`context_window` = N (default 4096) a draft chain sees only the N most recent committed entries
+(and its own), and the cache is a ring of N + γ + 1 slots (`jaxspec.state.RingKV`): memory O(N)
+however long the text; 0 keeps a full-length cache.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from jaxspec.drafters.base import (
   ProposeContext,
   check_gamma,
 )
-from jaxspec.drafters.dflash import check_target, shared_target_params
+from jaxspec.drafters.dflash import DEFAULT_CONTEXT_WINDOW, check_target, shared_target_params
 from jaxspec.drafters.mtp import tree_logprobs
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.hf import CheckpointError, read_config
@@ -60,7 +63,7 @@ from jaxspec.models.layers import (
 )
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.speculative import sampling
-from jaxspec.state import FloatKV
+from jaxspec.state import NO_LIMIT, FloatKV, RingKV
 
 
 def default_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
@@ -403,7 +406,7 @@ def check_vocab_maps(
 
 @flax.struct.dataclass
 class Eagle3State:
-  kv: FloatKV  # the draft layer's K/V, [1, B, L, K, D]
+  kv: Any  # the draft layer's K/V: FloatKV [1, B, L, K, D] or RingKV [1, B, N + γ + 1, K, D]
   last_feature: jax.Array  # [B, H] fused target feature at slot seq_len − 2
 
 
@@ -422,11 +425,14 @@ class Eagle3Drafter(Drafter):
     the target vocabulary for lossless verification); False drafts the argmax (q one-hot).
   `logprobs` (for tree verification) are log_softmax(logits / T) in target ids, −inf outside
   the draft vocabulary.
+  context_window: a chain sees only this many most recent committed entries (its K/V cache is
+    a ring of context_window + γ + 1 slots); 0 keeps every one.
   """
 
   config: Eagle3Config = None  # type: ignore[assignment]
   gamma: int = 4
   sample_drafts: bool = True
+  context_window: int = DEFAULT_CONTEXT_WINDOW
   hf_config: Optional[dict] = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   # The checkpoint's own d2t (int64) / t2d (bool) arrays, kept for an exact export.
   vocab_maps: Optional[dict] = dataclasses.field(
@@ -437,6 +443,9 @@ class Eagle3Drafter(Drafter):
     if self.config is None:
       raise ConfigError("Eagle3Drafter needs an Eagle3Config")
     check_gamma("Eagle3Drafter", self.gamma)
+    ok = isinstance(self.context_window, int) and self.context_window >= 0
+    if not ok:
+      raise ConfigError(f"context_window must be an integer ≥ 0, got {self.context_window!r}")
 
   @classmethod
   def for_target(
@@ -550,7 +559,7 @@ class Eagle3Drafter(Drafter):
     tokens: jax.Array,
     hidden: jax.Array,
     start: jax.Array,
-    kv: FloatKV,
+    kv: Any,
   ):
     """Causal block of (token t_{i+1}, hidden f_i) at positions start.. → (h, logits, kv)."""
     return self._model().apply(
@@ -561,16 +570,28 @@ class Eagle3Drafter(Drafter):
     del params
     c = self.config
     dt = dtype_of(c.dtype)
-    kv = FloatKV.create(c.body(), 1, batch, max_len)
+    cap = self.ring_capacity(max_len)
+    if cap:
+      kv = RingKV.create(c.body(), 1, batch, cap)
+    else:
+      kv = FloatKV.create(c.body(), 1, batch, max_len)
     return Eagle3State(kv, jnp.zeros((batch, c.hidden_size), dt))
 
+  def ring_capacity(self, max_len: int) -> int:
+    """Ring slots for the cache (0: a full-length cache, when the window would not save any):
+    N committed entries plus the γ + 1 a step writes at or after its root's."""
+    cap = self.context_window + self.gamma + 1
+    return cap if self.context_window and cap < max_len else 0
+
+  def _bounded(self, kv: Any, floor: Any = None, limit: Any = NO_LIMIT) -> Any:
+    return kv.with_bounds(floor, limit) if isinstance(kv, RingKV) else kv
+
   def prefill(self, params: Any, state: Eagle3State, ctx: PrefillContext) -> Eagle3State:
-    b, p = ctx.hidden.shape[:2]
     feats = self.fuse(params, ctx.taps)
-    tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1 : p + 1]
-    _, _, kv = self.forward(params, tokens, feats, jnp.zeros((b,), jnp.int32), state.kv)
-    last = feats[jnp.arange(b), ctx.prompt_lens - 1].astype(state.last_feature.dtype)
-    return Eagle3State(kv, last)
+    start = jnp.full(ctx.prompt_lens.shape, ctx.first)
+    kv = self._bounded(state.kv, limit=ctx.prompt_lens)  # padding must not displace entries
+    _, _, kv = self.forward(params, ctx.shifted_tokens(1), feats, start, kv)
+    return Eagle3State(kv, ctx.at_last(feats, state.last_feature))
 
   def propose(
     self, params: Any, state: Eagle3State, ctx: ProposeContext
@@ -594,7 +615,10 @@ class Eagle3Drafter(Drafter):
       out = (nxt, lp) + ((q,) if q is not None else ())
       return (kv, nxt, h[:, 0].astype(hidden.dtype), pos + 1), out
 
-    init = (state.kv, root, state.last_feature, ctx.seq_len - 2)
+    # The chain starts at position n − 1 (n = seq_len − 1, the root's slot) and sees the
+    # context_window committed entries before it.
+    kv = self._bounded(state.kv, floor=ctx.seq_len - 2 - self.context_window)
+    init = (kv, root, state.last_feature, ctx.seq_len - 2)
     (kv, _, _, _), outs = jax.lax.scan(step, init, keys)
     tokens = jnp.moveaxis(outs[0], 0, 1)
     logprobs = jnp.moveaxis(outs[1], 0, 1)
@@ -608,7 +632,8 @@ class Eagle3Drafter(Drafter):
     feats = self.fuse(params, ctx.taps)  # [B, γ+1, H]
     idx = jnp.minimum(start[:, None] + 1 + jnp.arange(self.gamma)[None, :], max_len - 1)
     tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)
-    _, _, kv = self.forward(params, tokens, feats[:, : self.gamma], start, state.kv)
+    kv = self._bounded(state.kv)
+    _, _, kv = self.forward(params, tokens, feats[:, : self.gamma], start, kv)
     count = ctx.seq_len - ctx.old_seq_len
     last = feats[rows, jnp.maximum(count - 1, 0)].astype(state.last_feature.dtype)
     last = jnp.where((count > 0)[:, None], last, state.last_feature)

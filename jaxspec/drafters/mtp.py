@@ -128,13 +128,11 @@ class MTPDrafter(Drafter):
     return MTPState(cache, hidden)
 
   def prefill(self, params: Any, state: MTPState, ctx: PrefillContext) -> MTPState:
-    b, p = ctx.hidden.shape[:2]
-    rows = jnp.arange(b)
     # Entry i reads (h_i, t_{i+1}); t_P is the first sampled token (already in the buffer).
-    tokens = jnp.pad(ctx.tokens, ((0, 0), (0, 1)))[:, 1 : p + 1]
-    _, _, cache = self._mtp(params, tokens, ctx.hidden, jnp.zeros((b,), jnp.int32), state.cache)
-    last = ctx.hidden[rows, ctx.prompt_lens - 1]
-    return MTPState(cache.with_lengths(ctx.prompt_lens - 1), last.astype(state.last_hidden.dtype))
+    start = jnp.full(ctx.prompt_lens.shape, ctx.first)
+    _, _, cache = self._mtp(params, ctx.shifted_tokens(1), ctx.hidden, start, state.cache)
+    last = ctx.at_last(ctx.hidden, state.last_hidden)
+    return MTPState(cache.with_lengths(ctx.prompt_lens - 1), last)
 
   def propose(self, params: Any, state: MTPState, ctx: ProposeContext) -> tuple[Proposal, MTPState]:
     rows = jnp.arange(ctx.tokens.shape[0])

@@ -16,6 +16,9 @@ Two implementations, chosen by `ModelConfig.attention_impl`:
   in interpret mode on CPU. "auto" picks "xla" everywhere until the kernel has been compiled
   and checked on a GPU/TPU.
 
+Over a `RingKV` entry (a drafter's ring of recent positions) the XLA path reads the whole ring
+and sees the slots whose stored position p satisfies floor ≤ p < start.
+
 Without a state (training, `TargetModel.logits`) the block attends to itself only.
 """
 
@@ -115,7 +118,9 @@ def attend_xla(
 
   if kv is not None:
     size = min(chunk, kv.max_len)
-    num_chunks = (jnp.max(start) + size - 1) // size
+    ring = isinstance(kv, state_lib.RingKV)  # its slots hold the positions it records
+    live = kv.live_slots(start) if ring else jnp.max(start)
+    num_chunks = (live + size - 1) // size
 
     def body(c, carry):
       # The last chunk may be clamped to end at max_len; `first` drops slots read before.
@@ -123,7 +128,13 @@ def attend_xla(
       offset = jnp.minimum(first, kv.max_len - size)
       k, v = kv.read(layer, offset, size)
       slots = offset + jnp.arange(size)
-      visible = (slots[None, :] < start[:, None]) & (slots[None, :] >= first)  # [B, S]
+      fresh = slots[None, :] >= first
+      if ring:
+        pos = kv.slot_positions(layer, offset, size)
+        floor = jnp.maximum(kv.floor, 0)[:, None]  # empty slots hold −1
+        visible = (pos >= floor) & (pos < start[:, None]) & fresh
+      else:
+        visible = (slots[None, :] < start[:, None]) & fresh  # [B, S]
       scores = _scores(qg, k.astype(q.dtype), scale)
       return _update(carry, scores, visible[:, None, None, None, :], v.astype(q.dtype))
 

@@ -53,6 +53,8 @@ class EngineConfig:
     where the lookahead is γ + 1 for chains and max(γ, tree_budget) + 1 for trees).
   batch_size: sequences per call; shorter calls are padded.
   min_prompt_bucket: smallest prompt padding bucket (buckets are powers of two above it).
+  prefill_chunk: prompts longer than this are prefilled this many positions at a time, so
+    prefill activations (and the features handed to the drafter) are bounded by the chunk.
   stop_ids: extra stop token ids (the model's eos ids are added unless use_eos is False).
   stream_every: steps per host round trip in `stream`.
   kv_format: how the target's KV cache is stored: "float" (the activation dtype) or "fp8"
@@ -69,6 +71,7 @@ class EngineConfig:
   max_len: int = 512
   batch_size: int = 1
   min_prompt_bucket: int = 16
+  prefill_chunk: int = 2048
   stop_ids: tuple[int, ...] = ()
   use_eos: bool = True
   stream_every: int = 4
@@ -97,6 +100,7 @@ class EngineConfig:
     whole("batch_size", 1)
     # A bucket of 0 would never grow; a stream of 0 steps per round trip would never advance.
     whole("min_prompt_bucket", 1)
+    whole("prefill_chunk", 1)
     whole("stream_every", 1)
     need(
       isinstance(self.stop_ids, tuple)
@@ -191,46 +195,57 @@ def prefill(
   drafter: Optional[Drafter],
   target_params: Any,
   drafter_params: Any,
-  prompts: jax.Array,
+  tokens: jax.Array,
   prompt_len: jax.Array,
   max_new: jax.Array,
   active: jax.Array,
   params: sampling.SamplingParams,
   key: jax.Array,
   stop_ids: jax.Array,
-  max_len: int,
+  num_chunks: jax.Array,
+  chunk: int,
   kv_format: str = "float",
 ) -> SpecState:
-  """Target prefill, first token, drafter prefill: the state before the first step."""
-  batch, bucket = prompts.shape
+  """Target prefill, first token, drafter prefill: the state before the first step.
+
+  tokens [B, max_len] holds the prompts. They run through the target `num_chunks` chunks of
+  `chunk` positions at a time in a loop on device (one compilation per chunk size); each
+  chunk's target features go to the drafter before the next chunk runs, and a prompt's first
+  token is sampled in the chunk that holds its last position.
+  """
+  batch, max_len = tokens.shape
   taps = drafter.taps if drafter is not None else ()
-  last_logits, target_state, prompt_taps, prompt_hidden = decode.prefill(
-    config,
-    target_params,
-    prompts,
-    prompt_len,
-    DecodingState.create(config, batch, max_len, kv_format),
-    taps,
-  )
-  key, sub = jax.random.split(key)
-  first = sampling.sample(sub, last_logits, params)
   rows = jnp.arange(batch)
-  tokens = jnp.zeros((batch, max_len), jnp.int32).at[:, :bucket].set(prompts)
-  tokens = tokens.at[rows, prompt_len].set(first)
-  gamma = drafter.gamma if drafter is not None else 0
-  done = ~active | _is_stop(first, stop_ids) | (max_new <= 1)
+  key, sub = jax.random.split(key)
   drafter_state = ()
   if drafter is not None:
     drafter_state = drafter.init_state(drafter_params, batch, max_len)
-    drafter_state = drafter.prefill(
-      drafter_params, drafter_state, PrefillContext(tokens, prompt_len, prompt_taps, prompt_hidden)
+
+  def body(c, carry):
+    target_state, drafter_state, tokens = carry
+    start = c * chunk
+    logits, in_chunk, target_state, chunk_taps, hidden = decode.prefill_chunk(
+      config, target_params, tokens, start, chunk, prompt_len, target_state, taps
     )
+    # Same key for every chunk: a row's first token is what one-shot prefill would sample.
+    first = jnp.where(in_chunk, sampling.sample(sub, logits, params), tokens[rows, prompt_len])
+    tokens = tokens.at[rows, prompt_len].set(first)
+    if drafter is not None:
+      ctx = PrefillContext(tokens, prompt_len, chunk_taps, hidden, start)
+      drafter_state = drafter.prefill(drafter_params, drafter_state, ctx)
+    return target_state, drafter_state, tokens
+
+  init = (DecodingState.create(config, batch, max_len, kv_format), drafter_state, tokens)
+  target_state, drafter_state, tokens = jax.lax.fori_loop(0, num_chunks, body, init)
+  first = tokens[rows, prompt_len]
+  gamma = drafter.gamma if drafter is not None else 0
+  done = ~active | _is_stop(first, stop_ids) | (max_new <= 1)
   return SpecState(
     tokens=tokens,
     seq_len=prompt_len + 1,
     prompt_len=prompt_len,
     max_new=max_new,
-    target_state=target_state,
+    target_state=target_state.with_lengths(prompt_len),
     drafter_state=drafter_state,
     key=key,
     done=done,
@@ -459,7 +474,9 @@ class SpecEngine:
     plan.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
     cfg, dr = target.config, drafter
     self._prefill = jax.jit(
-      functools.partial(prefill, cfg, dr), static_argnames=("max_len", "kv_format")
+      functools.partial(prefill, cfg, dr),
+      static_argnames=("chunk", "kv_format"),
+      donate_argnames=("tokens",),
     )
     self._loop = jax.jit(
       functools.partial(run_loop, cfg, dr, tree=self.tree),
@@ -536,11 +553,14 @@ class SpecEngine:
           f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} and {what} per step "
           f"it needs {need} slots, more than max_len={cfg.max_len}"
         )
-    bucket = _bucket(max(len(p) for p in ids), cfg.min_prompt_bucket, cfg.max_len)
-    prompts_arr = np.zeros((b, bucket), np.int32)
+    longest = max(len(p) for p in ids)
+    # Short prompts: one chunk of the prompt's bucket (one compilation per bucket); long ones:
+    # chunks of prefill_chunk (one compilation for every length).
+    chunk = min(_bucket(longest, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk)
+    tokens = np.zeros((b, cfg.max_len), np.int32)
     lens = np.ones((b,), np.int32)
     for i, p in enumerate(ids):
-      prompts_arr[i, : len(p)] = p
+      tokens[i, : len(p)] = p
       lens[i] = len(p)
     rows = request.padded(b)
     active = np.arange(b) < len(ids)
@@ -548,14 +568,15 @@ class SpecEngine:
     return self._prefill(
       self.target.params,
       self.drafter_params,
-      jnp.asarray(prompts_arr),
+      jnp.asarray(tokens),
       jnp.asarray(lens),
       jnp.asarray(rows["max_new_tokens"]),
       jnp.asarray(active),
       params,
       jax.random.PRNGKey(request.seed),
       jnp.asarray(self.stop_ids),
-      max_len=cfg.max_len,
+      jnp.int32(-(-longest // chunk)),
+      chunk=chunk,
       kv_format=cfg.kv_format,
     )
 
