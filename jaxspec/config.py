@@ -232,11 +232,15 @@ class HFConfigReader:
         raise self.error(f"{label}.{name} must be a finite positive number, got {_show(v)}")
       return float(v)
 
-    if rope_type == "linear":
+    if rope_type in ("linear", "dynamic"):
       factor = number("factor", None)
       if factor is None:
-        raise self.error(f"{label}: linear RoPE scaling needs a factor")
-      return (("factor", factor), ("rope_type", "linear"))
+        raise self.error(f"{label}: {rope_type} RoPE scaling needs a factor")
+      if rope_type == "linear":
+        return (("factor", factor), ("rope_type", "linear"))
+      # Dynamic NTK: the base for the whole extended context, max_position_embeddings × factor.
+      length = int(max_position_embeddings)
+      return (("factor", factor), ("max_position_embeddings", length), ("rope_type", "dynamic"))
     original = d.get("original_max_position_embeddings")
     if not _is_int(original) or original < 1:
       raise self.error(
@@ -265,8 +269,8 @@ class HFConfigReader:
     )
 
 
-# RoPE variants jaxspec computes (layers.rope_frequencies); "dynamic" NTK is not one of them.
-ROPE_TYPES = ("default", "linear", "yarn")
+# RoPE variants jaxspec computes (layers.rope_frequencies).
+ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -717,7 +721,8 @@ class ModelConfig:
       max_position_embeddings=self.max_position_embeddings,
       rope_parameters={
         "rope_type": "default",
-        **{k: v for k, v in self.rope_scaling if v is not None},
+        # (dynamic's length is the config's own max_position_embeddings, written below)
+        **{k: v for k, v in self.rope_scaling if v is not None and k != "max_position_embeddings"},
         "rope_theta": self.rope_theta,
         "partial_rotary_factor": self.partial_rotary_factor,
       },

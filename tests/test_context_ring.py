@@ -259,3 +259,19 @@ def test_ring_memory_is_reported(target):
     large = plan.drafter_state_bytes(make(target, N), 1, 8192)
     unbounded = plan.drafter_state_bytes(make(target, 0), 1, 8192)
     assert small == large < unbounded / 100
+
+
+def test_make_drafter_passes_the_window_to_checkpoint_drafters():
+  import jaxspec  # pylint: disable=import-outside-toplevel
+  from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
+
+  target = jaxspec.load_model(registry.bundled_dir("target"))
+  for method in ("dflash", "eagle3"):
+    d = registry.make_drafter(
+      method, target, draft_dir=registry.bundled_dir(method), context_window=512
+    )
+    assert d.context_window == 512
+  with pytest.raises(jaxspec.ConfigError, match="takes no drafter options"):
+    registry.make_drafter("mtp", target, context_window=512)
+  with pytest.raises(jaxspec.ConfigError, match="takes no drafter options"):
+    registry.load_drafter(registry.bundled_dir("draft"), target, context_window=512)

@@ -52,8 +52,10 @@ def greedy(target, drafter):
 # ------------------------------------------------------------------------------------------------
 
 
-def reference_logits(drafter, target, taps, block, start, windows):
-  """taps [n_taps, n, H] (positions 0..n−1), block [T] at start..: logits [T, V] (float64)."""
+def reference_logits(drafter, target, taps, block, start, windows, keep=0):
+  """taps [n_taps, n, H] (positions 0..n−1), block [T] at start..: logits [T, V] (float64).
+  windows: per layer, each query sees context positions less than W behind it; keep: the block
+  sees only the `keep` most recent context positions (the context ring)."""
   n, t = taps.shape[1], len(block)
   qpos = start + np.arange(t)
   visible = []
@@ -61,11 +63,13 @@ def reference_logits(drafter, target, taps, block, start, windows):
     vis = np.ones((t, n + t), bool)
     if window:
       vis[:, :n] = (qpos[:, None] - np.arange(n)[None]) < window
+    if keep:
+      vis[:, :n] &= np.arange(n)[None] >= n - keep
     visible.append(vis)
   return dflash_reference_logits(drafter, target, taps, block, qpos, visible)
 
 
-def _check_final_state(target, drafter, engine, windows):
+def _check_final_state(target, drafter, engine, windows, keep=0):
   """Generates, then compares the drafter's block logits with the explicit re-computation."""
   state = engine.init_state(prompts(2, 64), max_new_tokens=21)
   state = engine._loop(target.params, drafter.params, state)  # pylint: disable=protected-access
@@ -82,7 +86,7 @@ def _check_final_state(target, drafter, engine, windows):
   for b in range(2):
     n = int(seq[b]) - 1
     want = reference_logits(
-      drafter, target, np.asarray(full.taps[:, b, :n], np.float64), block[b], n, windows
+      drafter, target, np.asarray(full.taps[:, b, :n], np.float64), block[b], n, windows, keep
     )
     np.testing.assert_allclose(got[b], want, atol=2e-4, rtol=2e-4)
 
@@ -104,7 +108,8 @@ def test_logits_equal_explicit_recomputation(target, drafter, greedy):
 
 
 def test_sliding_windows_and_context_ring(target, drafter, greedy):
-  """A 6-slot ring of context features (wrapped many times) and a 5-wide layer window."""
+  """A 6-slot ring of context features (wrapped many times: every block sees the last 6) and
+  a 5-wide layer window."""
   windowed = dataclasses.replace(
     drafter, config=drafter.config.replace(layer_windows=(0, 5)), context_window=6
   )
@@ -116,7 +121,7 @@ def test_sliding_windows_and_context_ring(target, drafter, greedy):
     engine.generate(ps, max_new_tokens=24).tokens
     == greedy.plain.generate(ps, max_new_tokens=24).tokens
   )
-  _check_final_state(target, windowed, engine, windows=(6, 5))
+  _check_final_state(target, windowed, engine, windows=(0, 5), keep=6)
 
 
 def test_matches_transformers_dflash_model(target, drafter):

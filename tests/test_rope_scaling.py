@@ -56,6 +56,7 @@ SCALINGS = {
     "mscale": 0.9,
     "mscale_all_dim": 0.7,
   },
+  "dynamic": {"rope_type": "dynamic", "factor": 2.0},
   "yarn_attention_factor": {
     "rope_type": "yarn",
     "factor": 2.0,
@@ -85,12 +86,16 @@ def test_rotary_tables_equal_transformers(name):
   config = ModelConfig.from_hf({**hf.config.to_dict(), "architectures": ["Qwen3ForCausalLM"]})
   assert dict(config.rope_scaling)["rope_type"] == SCALINGS[name]["rope_type"]
   pos = np.arange(0, 200, 7)[None]
+  if name == "dynamic":  # transformers scales for the longest position in the call: span M · 2
+    pos = np.append(pos, 2 * QWEN3["max_position_embeddings"] - 1)[None]
   x = torch.zeros(1, pos.shape[1], config.hidden_size)
   with torch.no_grad():
     cos_hf, sin_hf = hf.model.rotary_emb(x, torch.as_tensor(pos))
   cos, sin = layers.rope_tables(pos, config.rotary_dim, config.rope_theta, config.rope_scaling)
-  np.testing.assert_allclose(np.asarray(cos), cos_hf.numpy(), atol=2e-6)
-  np.testing.assert_allclose(np.asarray(sin), sin_hf.numpy(), atol=2e-6)
+  # An ulp of a float32 frequency is ~4e-6 of angle at position 511 (the dynamic case).
+  atol = 1e-5 if name == "dynamic" else 2e-6
+  np.testing.assert_allclose(np.asarray(cos), cos_hf.numpy(), atol=atol)
+  np.testing.assert_allclose(np.asarray(sin), sin_hf.numpy(), atol=atol)
   # The scaling matters: the default tables differ.
   plain, _ = layers.rope_tables(pos, config.rotary_dim, config.rope_theta)
   assert np.abs(np.asarray(plain) - cos_hf.numpy()).max() > 1e-2
@@ -116,8 +121,10 @@ def test_legacy_rope_scaling_key_and_unsupported_types():
   base = dict(architectures=["Qwen3ForCausalLM"], **QWEN3)
   legacy = ModelConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
   assert dict(legacy.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
-  with pytest.raises(jaxspec.ConfigError, match="RoPE type 'dynamic'.*not supported"):
-    ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+  with pytest.raises(jaxspec.ConfigError, match="RoPE type 'longrope'.*not supported"):
+    ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+  with pytest.raises(jaxspec.ConfigError, match="dynamic RoPE scaling needs a factor"):
+    ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic"}})
   with pytest.raises(jaxspec.ConfigError, match="original_max_position_embeddings"):
     ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
   with pytest.raises(jaxspec.ConfigError, match="conflicting RoPE scaling"):
@@ -131,4 +138,25 @@ def test_legacy_rope_scaling_key_and_unsupported_types():
   with pytest.raises(jaxspec.ConfigError, match="linear RoPE scaling needs a factor"):
     ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "linear"}})
   with pytest.raises(jaxspec.ConfigError, match="rope_scaling must be"):
-    legacy.replace(rope_scaling=(("rope_type", "dynamic"),))
+    legacy.replace(rope_scaling=(("rope_type", "longrope"),))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "glm"])
+def test_dynamic_ntk_equals_transformers_over_the_extended_context(arch, tmp_path):
+  """Dynamic NTK with θ fixed for the whole extended context (max_position_embeddings ×
+  factor, as vLLM): equal to transformers for a forward that spans exactly that context."""
+  hf = _hf(arch, {"rope_type": "dynamic", "factor": 2.0})
+  hf.config.max_position_embeddings = 20
+  hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.config)
+  hf.save_pretrained(str(tmp_path))
+  model = jaxspec.load_model(str(tmp_path))
+  assert dict(model.config.rope_scaling)["rope_type"] == "dynamic"
+  ids = np.random.default_rng(2).integers(0, 64, (2, 40))  # 20 × 2 positions
+  ref = hf_models.hf_logits(hf, ids)
+  near_ties.assert_logits_match(model, ids, model.logits(ids), ref, atol=1e-4)
+  # The scaling matters: default RoPE gives other logits.
+  plain = model.with_config(rope_scaling=())
+  assert np.abs(np.asarray(plain.logits(ids)) - ref).max() > 1e-3
+  jaxspec.save_hf(model, str(tmp_path / "out"))
+  again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float()
+  np.testing.assert_allclose(hf_models.hf_logits(again, ids), ref, atol=1e-5)

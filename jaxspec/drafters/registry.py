@@ -58,6 +58,8 @@ def load_drafter(
       f"drafter vocabulary ({model.config.vocab_size}) differs from the target's "
       f"({target.config.vocab_size})"
     )
+  if kwargs:
+    raise ConfigError(f"a draft model takes no drafter options, got {sorted(kwargs)}")
   return DraftModelDrafter.from_model(model, gamma=chain_gamma)
 
 
@@ -82,13 +84,17 @@ def make_drafter(
   draft_dir: Optional[str] = None,
   ngram_n: int = 3,
   block_size: Optional[int] = None,
+  **options: Any,
 ) -> Optional[Drafter]:
   """The drafter for a method name; None for plain decoding.
 
   `gamma`: drafts per step; None = the method's default (DEFAULT_GAMMA for chains; DFlash drafts
   its trained block_size − 1 and accepts any shorter γ). `block_size` (DFlash only) is the
-  block length γ + 1, an alternative to `gamma`.
+  block length γ + 1, an alternative to `gamma`. `options` go to a checkpoint drafter (DFlash,
+  EAGLE-3: e.g. context_window, sample_drafts).
   """
+  if options and method not in ("dflash", "eagle3"):
+    raise ConfigError(f"method {method!r} takes no drafter options, got {sorted(options)}")
   if block_size is not None:
     if method != "dflash":
       raise ConfigError(f"block_size applies to DFlash only, not method {method!r}")
@@ -112,5 +118,5 @@ def make_drafter(
     kind = checkpoint_kind(draft_dir)
     if kind != method:
       raise InputError(f"method {method!r} but {draft_dir} holds a {kind} checkpoint")
-    return load_drafter(draft_dir, target, gamma)
+    return load_drafter(draft_dir, target, gamma, **options)
   raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")

@@ -117,11 +117,21 @@ def rope_frequencies(rotary_dim: int, theta: float, scaling: tuple = ()) -> tupl
   linear ramp between the dimensions that turn `beta_fast` and `beta_slow` times over
   `original_max_position_embeddings`, and scales cos/sin by the attention factor
   (0.1 · ln(factor) + 1 unless given): transformers' `_compute_yarn_parameters`, in float32.
+  "dynamic" (NTK) raises θ to θ · (factor · L / M − (factor − 1))^(d / (d − 2)) for a context of
+  L tokens (M = max_position_embeddings), with L fixed at the whole extended context M · factor,
+  as vLLM does. transformers recomputes θ in every forward from the longest position in it, so
+  its outputs depend on how the tokens were grouped into forwards and no speculative decoding
+  could reproduce its plain decoding; the two agree for a forward spanning M · factor tokens.
   """
-  base = theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
   s = dict(scaling)
   kind = s.get("rope_type", "default")
-  if kind == "default":
+  if kind == "dynamic":  # in float32, step by step as transformers computes it
+    f32 = jnp.float32
+    factor, length = f32(s["factor"]), f32(s["max_position_embeddings"])
+    stretch = factor * (length * factor) / length - (factor - 1)
+    theta = f32(theta) * stretch ** f32(rotary_dim / (rotary_dim - 2))
+  base = theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+  if kind in ("default", "dynamic"):
     return 1.0 / base, 1.0
   factor = s["factor"]
   if kind == "linear":
