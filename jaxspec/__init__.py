@@ -18,6 +18,7 @@ from jaxspec.io.hf import load_model, save_hf
 from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.speculative.request import Request
+from jaxspec.quant import quantize
 
 __all__ = [
   "CheckpointError",
@@ -44,6 +45,7 @@ __all__ = [
   "load_drafter",
   "load_model",
   "make_drafter",
+  "quantize",
   "save_drafter",
   "save_hf",
 ]

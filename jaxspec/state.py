@@ -101,21 +101,24 @@ class FloatKV:
     return FloatKV(_move(self.k, start, path), _move(self.v, start, path))
 
 
-def fp8_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """x [..., D] → (E4M3 values [..., D], float32 scales [...]): one scale per vector.
+def fp8_quantize(x: jax.Array, axes: tuple[int, ...] = (-1,)) -> tuple[jax.Array, jax.Array]:
+  """x → (E4M3 values like x, float32 scales with `axes` removed): one scale per vector along
+  `axes` (the head dim of a KV vector; a weight's contraction axes, per output channel).
 
   scale = amax / 448 so the largest element maps to E4M3's largest finite value; an all-zero
   vector gets scale 1 (its values stay 0).
   """
   xf = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(xf), axis=-1)
+  amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
   scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-  q = jnp.clip(xf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-  return q, scale
+  q = jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+  return q, jnp.squeeze(scale, axes)
 
 
-def fp8_dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-  return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+def fp8_dequantize(
+  q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32, axes: tuple[int, ...] = (-1,)
+) -> jax.Array:
+  return (q.astype(jnp.float32) * jnp.expand_dims(scale, axes)).astype(dtype)
 
 
 def fp8_bits(q: jax.Array) -> jax.Array:

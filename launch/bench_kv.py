@@ -133,6 +133,22 @@ def main(argv: Sequence[str]) -> None:
   )
   print("KV memory, batch 1, a Qwen3-8B-shaped config (36 layers, 8 KV heads × 128, bf16):")
   print("\n".join(plan.kv_table(qwen3_8b)))
+  # Qwen3.5-27B: 64 layers, every 4th full attention (24 heads, 4 KV heads × 256); the other
+  # 48 are Gated DeltaNet layers whose recurrent state does not grow with the context.
+  qwen35_27b = roofline.dense_config(
+    hidden=5120,
+    layers=16,
+    intermediate=17408,
+    vocab=248320,
+    head_dim=256,
+    kv_heads=4,
+    dtype="bfloat16",
+  )
+  print(
+    "KV memory, batch 1, a Qwen3.5-27B-shaped config (its 16 full-attention layers of 64, "
+    "4 KV heads × 256, bf16; the Gated DeltaNet state is constant in the context):"
+  )
+  print("\n".join(plan.kv_table(qwen35_27b)))
   for kv in (k for k in FLAGS.kv_formats if k != "float"):
     f = fidelity(target, FLAGS.num_prompts, FLAGS.fidelity_tokens, kv)
     print(

@@ -68,6 +68,7 @@ from jaxspec.models.layers import (
 )
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.speculative import sampling
+from jaxspec.quant.formats import materialize
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -211,7 +212,7 @@ def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:
       jnp.einsum(
         "...h,hv->...v",
         h.astype(dt),
-        shared["lm_head"].astype(dt),
+        materialize(shared["lm_head"], dt),
         preferred_element_type=jnp.float32,
       )
     )

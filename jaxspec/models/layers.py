@@ -16,6 +16,8 @@ import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import attention as attention_lib
+from jaxspec.errors import ConfigError
+from jaxspec.quant.formats import QTensor, materialize
 
 
 @jax.custom_jvp
@@ -39,6 +41,21 @@ def _unfused_logits_jvp(primals, tangents):
 
 def dtype_of(name: str) -> jnp.dtype:
   return jnp.dtype(name)
+
+
+def weight(module: nn.Module, name: str, init: Any, shape: tuple, dtype: Any) -> Any:
+  """`module.param(name, init, shape, dtype)`, or the quantized weight (jaxspec.quant.QTensor)
+  the parameter tree holds there, whose stored arrays have other shapes than the weight."""
+  if module.has_variable("params", name):
+    value = module.get_variable("params", name)
+    if isinstance(value, QTensor):
+      if value.shape != tuple(shape):
+        raise ConfigError(
+          f"quantized {name} in {'/'.join(module.scope.path)} holds a {value.shape} weight, "
+          f"the model expects {tuple(shape)}"
+        )
+      return value
+  return module.param(name, init, shape, dtype)
 
 
 def normal_init(stddev: float = 0.02):
@@ -67,7 +84,9 @@ class RMSNorm(nn.Module):
 
 
 class Dense(nn.Module):
-  """x @ W (+ b) with W of shape [in, *out_shape] and logical axes (in_axis, *out_axes)."""
+  """x @ W (+ b) with W of shape [in, *out_shape] and logical axes (in_axis, *out_axes).
+
+  W may be a quantized weight (jaxspec.quant: read through `materialize`)."""
 
   out_shape: Sequence[int]
   axes: Sequence[str]
@@ -79,7 +98,8 @@ class Dense(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     in_shape = x.shape[-self.in_dims :]
-    kernel = self.param(
+    kernel = weight(
+      self,
       "kernel",
       nn.with_logical_partitioning(normal_init(), tuple(self.axes)),
       (*in_shape, *self.out_shape),
@@ -89,7 +109,7 @@ class Dense(nn.Module):
     n = self.in_dims
     y = jax.lax.dot_general(
       x.astype(dt),
-      kernel.astype(dt),
+      materialize(kernel, dt),
       ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())),
       preferred_element_type=jnp.float32 if dt == jnp.float32 else None,
     )

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
-from jaxspec.models.layers import MLP, dtype_of, normal_init
+from jaxspec.models.layers import MLP, dtype_of, normal_init, weight
+from jaxspec.quant.formats import materialize, take
 
 
 def route(
@@ -98,12 +99,14 @@ def experts_gather(
   """Reads only the selected experts' weights per token: the decode path.
 
   With N·k (token, expert) pairs below the number of experts this touches fewer weight bytes
-  than any grouped matmul (decode is memory bound), and it needs no sort.
+  than any grouped matmul (decode is memory bound), and it needs no sort. The weights may be
+  quantized (jaxspec.quant): only the selected experts are dequantized.
   """
-  g = jnp.einsum("nh,nkhi->nki", x, gate[ids], preferred_element_type=jnp.float32)
-  u = jnp.einsum("nh,nkhi->nki", x, up[ids], preferred_element_type=jnp.float32)
+  dt = x.dtype
+  g = jnp.einsum("nh,nkhi->nki", x, take(gate, ids, dt), preferred_element_type=jnp.float32)
+  u = jnp.einsum("nh,nkhi->nki", x, take(up, ids, dt), preferred_element_type=jnp.float32)
   hmid = (jax.nn.silu(g) * u).astype(x.dtype)
-  y = jnp.einsum("nki,nkih->nkh", hmid, down[ids], preferred_element_type=jnp.float32)
+  y = jnp.einsum("nki,nkih->nkh", hmid, take(down, ids, dt), preferred_element_type=jnp.float32)
   return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
 
 
@@ -131,8 +134,12 @@ class MoE(nn.Module):
     c = self.config
     pdt = dtype_of(c.param_dtype)
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    router = self.param(
-      "router", nn.with_logical_partitioning(normal_init(), ("embed", None)), (h, e), jnp.float32
+    router = weight(
+      self,
+      "router",
+      nn.with_logical_partitioning(normal_init(), ("embed", None)),
+      (h, e),
+      jnp.float32,
     )
     bias = None
     if c.router == "sigmoid":
@@ -142,19 +149,22 @@ class MoE(nn.Module):
         (e,),
         jnp.float32,
       )
-    gate = self.param(
+    gate = weight(
+      self,
       "gate_proj",
       nn.with_logical_partitioning(normal_init(), ("expert", "embed", "mlp")),
       (e, h, i),
       pdt,
     )
-    up = self.param(
+    up = weight(
+      self,
       "up_proj",
       nn.with_logical_partitioning(normal_init(), ("expert", "embed", "mlp")),
       (e, h, i),
       pdt,
     )
-    down = self.param(
+    down = weight(
+      self,
       "down_proj",
       nn.with_logical_partitioning(normal_init(), ("expert", "mlp", "embed")),
       (e, i, h),
@@ -164,7 +174,7 @@ class MoE(nn.Module):
     lead = x.shape[:-1]
     xf = x.reshape(-1, h)
     # The router runs in float32 (HF keeps gate.weight and the bias in fp32 too).
-    logits = xf.astype(jnp.float32) @ router
+    logits = xf.astype(jnp.float32) @ materialize(router, jnp.float32)
     weights, ids = route(c, logits, bias)
     # Routing statistics (no-ops unless 'intermediates' is mutable): the raw router logits
     # [N, E] (routing margins for parity checks, router sensitivity for quantization), the
@@ -181,9 +191,17 @@ class MoE(nn.Module):
     )
     dt = dtype_of(c.dtype)
     backend = pick_backend(c.moe_backend, ids.size, e)
-    y = EXPERT_BACKENDS[backend](
-      xf.astype(dt), weights, ids, gate.astype(dt), up.astype(dt), down.astype(dt)
-    )
+    if backend == "gather":  # reads (and dequantizes) only the selected experts
+      y = experts_gather(xf.astype(dt), weights, ids, gate, up, down)
+    else:
+      y = EXPERT_BACKENDS[backend](
+        xf.astype(dt),
+        weights,
+        ids,
+        materialize(gate, dt),
+        materialize(up, dt),
+        materialize(down, dt),
+      )
     y = y.reshape(*lead, h)
     if c.n_shared_experts:
       y = y + MLP(c, c.shared_intermediate_size, name="shared_experts")(x)

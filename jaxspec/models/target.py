@@ -111,6 +111,8 @@ class TargetModel:
   params: Any
   tokenizer: Any = None
   hf_config: dict | None = None
+  # What jaxspec.quant.quantize did to the weights (None: not quantized).
+  quant_report: Any = None
 
   @classmethod
   def random(cls, config: ModelConfig, seed: int = 0, tokenizer: Any = None) -> "TargetModel":

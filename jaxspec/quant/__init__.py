@@ -1,0 +1,43 @@
+"""Quantized weights: formats (MXFP4, FP8), the matmul seam, and quantizing a target by policy."""
+
+from jaxspec.quant.formats import (
+  FORMATS,
+  QTensor,
+  is_quantized,
+  materialize,
+  mxfp4_dequantize,
+  mxfp4_quantize,
+  nbytes,
+  quantize_weight,
+  take,
+)
+from jaxspec.quant.policy import (
+  DEFAULT_POLICY,
+  ROLES,
+  QuantReport,
+  check_policy,
+  policy_from_config,
+  quantize,
+  quantize_params,
+  role_of,
+)
+
+__all__ = [
+  "DEFAULT_POLICY",
+  "FORMATS",
+  "QTensor",
+  "QuantReport",
+  "ROLES",
+  "check_policy",
+  "is_quantized",
+  "materialize",
+  "mxfp4_dequantize",
+  "mxfp4_quantize",
+  "nbytes",
+  "policy_from_config",
+  "quantize",
+  "quantize_params",
+  "quantize_weight",
+  "role_of",
+  "take",
+]

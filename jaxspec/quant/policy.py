@@ -1,0 +1,206 @@
+"""Quantizing a target by policy: an ordered list of rules, each a pattern and a format.
+
+A rule's pattern matches a weight's role or its parameter path; the first matching rule
+decides the weight's format ("mxfp4", "fp8" or "none"), and a weight no rule matches stays as
+it is. Roles, from the parameter tree:
+
+  experts          routed expert matrices (gate_proj / up_proj / down_proj of MoE layers)
+  shared_experts   the always-on shared experts of MoE layers
+  mlp              dense feed-forward layers
+  attention        q / k / v / o projections
+  router           MoE router weights (float32, as HF keeps them)
+  lm_head          an untied LM head
+  mtp              everything in the MTP layers
+  embed, norm, bias   never quantized
+
+A path pattern is an fnmatch pattern over "/"-joined parameter paths, e.g.
+"layers_1/*/mlp/gate_proj". The default policy is MiMo-V2.5-Pro × TileRT's: experts MXFP4,
+attention and router FP8, everything else unquantized.
+
+A policy is a plain tuple of (pattern, format) pairs, or an ml_collections ConfigDict with a
+`rules` field holding them (`policy_from_config`), so launch scripts can take it from a config
+file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Iterable, Optional
+
+import jax
+import numpy as np
+
+from jaxspec.errors import ConfigError
+from jaxspec.quant.formats import FORMATS, QTensor, nbytes, quantize_weight
+
+ROLES = (
+  "experts",
+  "shared_experts",
+  "mlp",
+  "attention",
+  "router",
+  "lm_head",
+  "mtp",
+  "embed",
+  "norm",
+  "bias",
+)
+NEVER = ("embed", "norm", "bias")
+DEFAULT_POLICY = (("experts", "mxfp4"), ("attention", "fp8"), ("router", "fp8"))
+
+# Logical axes a weight may have in front of its matrix: a stack of layers, or of experts.
+_LEADING = ("layers", "expert")
+
+
+def _path_str(path: tuple) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def role_of(path: str) -> str:
+  """The role of the weight at a "/"-joined parameter path (see the module docstring)."""
+  parts = path.split("/")
+  leaf = parts[-1]
+  if leaf in ("bias", "e_score_correction_bias") or leaf.endswith("_bias"):
+    return "bias"
+  if leaf == "scale":
+    return "norm"
+  if parts[0] == "embed" or leaf == "embed":
+    return "embed"
+  if parts[0].startswith("mtp_"):
+    return "mtp"
+  if parts[0] == "lm_head":
+    return "lm_head"
+  if "self_attn" in parts:
+    return "attention"
+  if "shared_experts" in parts:
+    return "shared_experts"
+  if leaf == "router":
+    return "router"
+  if leaf in ("gate_proj", "up_proj", "down_proj") and "mlp" in parts:
+    return "experts"
+  return "mlp"
+
+
+def contraction_axes(axes: tuple) -> tuple[int, ...]:
+  """A weight's contraction axes, as negative indices, from its logical axis names: "embed"
+  when it comes first in the matrix (an input projection), else every axis before "embed"
+  (an output projection: o_proj contracts heads and head_dim, down_proj contracts mlp)."""
+  names = list(axes)
+  n = len(names)
+  lead = 0
+  while lead < n and names[lead] in _LEADING:
+    lead += 1
+  matrix = names[lead:]
+  if "embed" not in matrix:
+    raise ConfigError(f"cannot tell the contraction axes of a weight with axes {axes}")
+  at = matrix.index("embed")
+  idx = [lead] if at == 0 else list(range(lead, lead + at))
+  return tuple(i - n for i in idx)
+
+
+def check_policy(policy: Iterable) -> tuple[tuple[str, str], ...]:
+  """Validates a policy: (pattern, format) pairs with a known role or a path pattern."""
+  rules = []
+  for rule in policy:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+      raise ConfigError(f"a policy rule is a (pattern, format) pair, got {rule!r}")
+    pattern, fmt = str(rule[0]), str(rule[1])
+    if fmt not in (*FORMATS, "none"):
+      raise ConfigError(f"rule {pattern!r}: unknown format {fmt!r}; expected {FORMATS} or 'none'")
+    if pattern in NEVER and fmt != "none":
+      raise ConfigError(f"rule {pattern!r}: {pattern} weights are never quantized")
+    if "/" not in pattern and not any(c in pattern for c in "*?[") and pattern not in ROLES:
+      raise ConfigError(
+        f"rule {pattern!r} matches no role ({', '.join(ROLES)}) and is not a path pattern"
+      )
+    rules.append((pattern, fmt))
+  return tuple(rules)
+
+
+def policy_from_config(config: Any) -> tuple[tuple[str, str], ...]:
+  """A policy from an ml_collections ConfigDict (or dict) with `rules`, or a rule list."""
+  rules = config.get("rules") if hasattr(config, "get") else config
+  if rules is None:
+    raise ConfigError("a quantization policy config needs a `rules` list of (pattern, format)")
+  return check_policy(rules)
+
+
+def format_for(path: str, policy: tuple[tuple[str, str], ...]) -> str:
+  role = role_of(path)
+  if role in NEVER:
+    return "none"
+  for pattern, fmt in policy:
+    if (
+      pattern == role
+      or ("/" in pattern or any(c in pattern for c in "*?["))
+      and (fnmatch.fnmatchcase(path, pattern))
+    ):
+      return fmt
+  return "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantReport:
+  """What quantizing did: the format of each weight and the bytes before and after."""
+
+  formats: dict
+  bytes_before: int
+  bytes_after: int
+
+  def bytes_by_format(self, params: Any) -> dict:
+    out: dict = {}
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))
+    for path, leaf in flat[0]:
+      fmt = leaf.format if isinstance(leaf, QTensor) else "none"
+      out[fmt] = out.get(fmt, 0) + nbytes(leaf)
+    return out
+
+
+def quantize_params(
+  params: Any, logical_axes: Any, policy: Iterable = DEFAULT_POLICY
+) -> tuple[Any, QuantReport]:
+  """The parameter tree with each weight in its policy's format (QTensor leaves)."""
+  rules = check_policy(policy)
+  axes_of = {
+    _path_str(p): tuple(spec)
+    for p, spec in jax.tree_util.tree_flatten_with_path(
+      logical_axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )[0]
+  }
+  formats, before, after = {}, 0, 0
+
+  def convert(path, leaf):
+    nonlocal before, after
+    name = _path_str(path)
+    fmt = format_for(name, rules)
+    before += nbytes(leaf)
+    if fmt == "none":
+      after += nbytes(leaf)
+      return leaf
+    axes = axes_of.get(name)
+    if axes is None:
+      raise ConfigError(f"no logical axes for {name}")
+    try:
+      q = quantize_weight(np.asarray(leaf), fmt, contraction_axes(axes))
+    except ConfigError as e:
+      raise ConfigError(f"{name} ({fmt}): {e}") from None
+    formats[name] = fmt
+    after += q.nbytes
+    return q
+
+  out = jax.tree_util.tree_map_with_path(convert, params)
+  return out, QuantReport(formats, before, after)
+
+
+def quantize(target: Any, policy: Optional[Iterable] = None) -> Any:
+  """`target` with its weights quantized by `policy` (default: DEFAULT_POLICY).
+
+  The returned model keeps its weights in their formats (no dequantized copy); every forward
+  dequantizes what it reads. Its `quant_report` says what was quantized and the bytes saved.
+  """
+  from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
+
+  policy = DEFAULT_POLICY if policy is None else policy
+  params, report = quantize_params(target.params, target_lib.logical_axes(target.config), policy)
+  return dataclasses.replace(target, params=params, quant_report=report)
