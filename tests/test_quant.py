@@ -238,3 +238,97 @@ def test_policy_errors_and_config_form():
   assert quant.policy_from_config(cfg) == (("experts", "mxfp4"), ("router", "none"))
   with pytest.raises(jaxspec.ConfigError, match="rules"):
     quant.policy_from_config(ml_collections.ConfigDict({"other": 1}))
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints: saved and loaded in their formats
+# ------------------------------------------------------------------------------------------------
+
+
+def _header(path):
+  import json  # pylint: disable=import-outside-toplevel
+  import struct  # pylint: disable=import-outside-toplevel
+
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(n))
+
+
+def _qleaves(params):
+  is_q = lambda x: isinstance(x, quant.QTensor)
+  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]
+  return {jax.tree_util.keystr(k, simple=True, separator="/"): v for k, v in flat if is_q(v)}
+
+
+@pytest.mark.parametrize(
+  "policy",
+  [quant.DEFAULT_POLICY, (("attention", "mxfp4"), ("experts", "fp8"), ("router", "fp8"))],
+  ids=["default", "mxfp4_attention_fp8_experts"],
+)
+def test_quantized_checkpoint_round_trip_is_exact(tmp_path, policy):
+  q = jaxspec.quantize(_bundled(), policy)
+  jaxspec.save_hf(q, str(tmp_path))
+  loaded = jaxspec.load_model(str(tmp_path), scan_layers=False)
+  want, got = _qleaves(q.params), _qleaves(loaded.params)
+  assert sorted(got) == sorted(want)
+  for name, w in want.items():
+    assert (got[name].format, got[name].axes) == (w.format, w.axes)
+    np.testing.assert_array_equal(np.asarray(got[name].values), np.asarray(w.values))
+    np.testing.assert_array_equal(np.asarray(got[name].scales), np.asarray(w.scales))
+  ids = np.random.default_rng(5).integers(0, q.config.vocab_size, (1, 10))
+  np.testing.assert_array_equal(np.asarray(loaded.logits(ids)), np.asarray(q.logits(ids)))
+  # Saved again, the files are the same tensors.
+  jaxspec.save_hf(loaded, str(tmp_path / "again"))
+  assert _header(tmp_path / "again" / "model.safetensors") == _header(
+    tmp_path / "model.safetensors"
+  )
+
+
+def test_experts_are_stored_in_the_gpt_oss_layout(tmp_path):
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+  q = jaxspec.quantize(_bundled())
+  jaxspec.save_hf(q, str(tmp_path))
+  c = q.config
+  header = _header(tmp_path / "model.safetensors")
+  with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
+    blocks = f.get_tensor("model.layers.1.mlp.experts.gate_proj_blocks")
+    scales = f.get_tensor("model.layers.1.mlp.experts.gate_proj_scales")
+  e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
+  assert blocks.shape == (e, i, h // 32, 16) and scales.shape == (e, i, h // 32)
+  assert "model.layers.1.mlp.experts.0.gate_proj.weight" not in header
+  # Decoded as gpt-oss decodes it: the [E, out, in] weights, our dequantized values transposed.
+  gate = _qleaves(q.params)["layers_1/0/mlp/gate_proj"].dequantize()
+  np.testing.assert_array_equal(
+    np_gpt_oss_dequantize(blocks, scales), np.swapaxes(np.asarray(gate), -1, -2)
+  )
+  assert blocks.nbytes + scales.nbytes == e * i * h * 4.25 / 8
+  # FP8: E4M3 weights in HF's [out, in] layout with one float32 scale per output channel.
+  q_proj = header["model.layers.0.self_attn.q_proj.weight"]
+  assert q_proj["dtype"] == "F8_E4M3"
+  assert q_proj["shape"] == [c.num_heads * c.head_dim, h]
+  assert header["model.layers.0.self_attn.q_proj.weight_scale"]["shape"] == [
+    c.num_heads * c.head_dim
+  ]
+
+
+def test_bad_quantized_checkpoints_are_refused(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+
+  from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
+
+  q = jaxspec.quantize(_bundled(), (("experts", "mxfp4"),))
+  jaxspec.save_hf(q, str(tmp_path))
+  path = tmp_path / "model.safetensors"
+  tensors = load_file(str(path))
+  name = "model.layers.1.mlp.experts.up_proj_scales"
+  tensors[name] = tensors[name].copy()
+  tensors[name][0, 0, 0] = 0xFF
+  save_file(tensors, str(path))
+  with pytest.raises(jaxspec.CheckpointError, match="0xFF"):
+    jaxspec.load_model(str(tmp_path))
+  cfg = json.loads((tmp_path / "config.json").read_text())
+  cfg["quantization_config"] = {"quant_method": "awq"}
+  (tmp_path / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(jaxspec.CheckpointError, match="'awq' is not supported"):
+    jaxspec.load_model(str(tmp_path))

@@ -28,8 +28,11 @@ from safetensors import SafetensorError, safe_open
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
+from jaxspec.io import quantized as quantized_io
 from jaxspec.models import decoder as decoder_lib
 from jaxspec.models import target as target_lib
+from jaxspec.quant.formats import QTensor
+from jaxspec.quant.policy import contraction_axes
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -364,7 +367,13 @@ def _layer_index(name: str) -> int | None:
   return int(m.group(1)) if m else None
 
 
-def load_params(model_dir: str, config: ModelConfig, *, extra_layers_ok: bool = False) -> Any:
+def load_params(
+  model_dir: str,
+  config: ModelConfig,
+  *,
+  extra_layers_ok: bool = False,
+  quantization: dict | None = None,
+) -> Any:
   """Reads the parameters of `config` from a HF checkpoint directory (numpy, param_dtype).
 
   Each tensor is checked as it is read: present, of the config's shape, finite once cast to
@@ -382,6 +391,7 @@ def load_params(model_dir: str, config: ModelConfig, *, extra_layers_ok: bool = 
 
   src = _TensorSource(model_dir)
   shapes = target_lib.param_shapes(config.replace(scan_layers=True))  # read stacked
+  axes_tree = target_lib.logical_axes(config.replace(scan_layers=True))
   dtype = (
     np.dtype(ml_dtypes.bfloat16)
     if config.param_dtype == "bfloat16"
@@ -389,7 +399,8 @@ def load_params(model_dir: str, config: ModelConfig, *, extra_layers_ok: bool = 
   )
   params: dict = {}
   needed = list(tensor_map(config))
-  missing = [hf for hf, *_ in needed if hf not in src.file_of]
+  quantized = _quantized_entries(quantization, src, needed)
+  missing = [hf for hf, *_ in needed if hf not in src.file_of and hf not in quantized]
   if missing:
     src.close()
     more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
@@ -398,7 +409,10 @@ def load_params(model_dir: str, config: ModelConfig, *, extra_layers_ok: bool = 
       f"config needs: {missing[:10]}{more}"
     )
   try:
-    check_unexpected(model_dir, src.keys(), [hf for hf, *_ in needed], "the config", ignorable)
+    expected = [hf for hf, *_ in needed if hf not in quantized]
+    expected += [n for names in quantized.values() for n in names[1]]
+    check_unexpected(model_dir, src.keys(), expected, "the config", ignorable)
+    stacks: dict = {}
     for hf, path, layer_idx, kind in needed:
       expert = None
       if path[-1].startswith("#"):
@@ -406,6 +420,15 @@ def load_params(model_dir: str, config: ModelConfig, *, extra_layers_ok: bool = 
       full = _get_path(shapes, path)
       per_layer = full.shape[1:] if layer_idx is not None else full.shape
       per_item = per_layer[1:] if expert is not None else per_layer
+      if hf in quantized:
+        if expert in (None, 0):  # a layer's experts are stored (and read) as one stack
+          fmt, _, base = quantized[hf]
+          axes = contraction_axes(_get_path(axes_tree, path))
+          q = quantized_io.import_qtensor(
+            src, base, fmt, kind, tuple(per_layer), axes, config.param_dtype
+          )
+          stacks.setdefault(path, {})[layer_idx] = q
+        continue
       want = _hf_shape(per_item, kind)
       got = src.shape(hf)
       if got != want:
@@ -429,8 +452,49 @@ def load_params(model_dir: str, config: ModelConfig, *, extra_layers_ok: bool = 
       buf[index] = w
   finally:
     src.close()
+  for path, by_layer in stacks.items():
+    if None in by_layer:
+      _set_path(params, path, by_layer[None])
+      continue
+    layers = [by_layer[j] for j in range(len(by_layer))]
+    first = layers[0]
+    stacked = QTensor(
+      np.stack([q.values for q in layers]),
+      np.stack([q.scales for q in layers]),
+      first.format,
+      first.axes,
+      first.dtype,
+    )
+    _set_path(params, path, stacked)
   # Unscanned: one view per layer, each its own buffer once placed on a device.
   return params if config.scan_layers else decoder_lib.unstack_layer_params(config, params)
+
+
+def _quantized_entries(quantization: dict | None, src: "_TensorSource", needed: list) -> dict:
+  """{hf name: (format, stored names, base)} of the weights a jaxspec-quantized checkpoint
+  holds quantized (none unless config.json's quantization_config says quant_method jaxspec)."""
+  method = (quantization or {}).get("quant_method")
+  if method is None:
+    return {}
+  if method != quantized_io.QUANT_METHOD:
+    raise CheckpointError(
+      f"quantization_config quant_method {method!r} is not supported (jaxspec reads its own "
+      f"{quantized_io.QUANT_METHOD!r} checkpoints; gpt-oss MXFP4 and FP8 imports are planned)"
+    )
+  names, out = src.keys(), {}
+  for hf, path, _, _ in needed:
+    expert = path[-1].startswith("#")
+    base = quantized_io.expert_base(hf) if expert else quantized_io.base_name(hf)
+    fmt = quantized_io.stored_format(names, base)
+    if fmt is None:
+      continue
+    stored = (
+      (f"{base}_blocks", f"{base}_scales")
+      if fmt == "mxfp4"
+      else (f"{base}.weight", f"{base}.weight_scale")
+    )
+    out[hf] = (fmt, stored, base)
+  return out
 
 
 def _without_absent_mtp_layers(
@@ -484,7 +548,12 @@ def load_model(
   if config.num_mtp_layers and "num_mtp_layers" not in config_overrides:
     config, hf_config = _without_absent_mtp_layers(model_dir, config, hf_config)
   fewer_layers = bool({"num_layers", "num_mtp_layers"} & set(config_overrides))
-  params = load_params(model_dir, config, extra_layers_ok=fewer_layers)
+  params = load_params(
+    model_dir,
+    config,
+    extra_layers_ok=fewer_layers,
+    quantization=hf_config.get("quantization_config"),
+  )
   params = jax.tree_util.tree_map(jnp.asarray, params)
   tokenizer = None
   if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
@@ -510,6 +579,14 @@ def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
     if path[-1].startswith("#"):
       expert, path = int(path[-1][1:]), path[:-1]
     w = _get_path(host, path)
+    if isinstance(w, QTensor):  # stored in its format (io/quantized.py)
+      if layer_idx is not None:
+        w = QTensor(w.values[layer_idx], w.scales[layer_idx], w.format, w.axes, w.dtype)
+      if expert is None:
+        out.update(quantized_io.export_qtensor(w, kind, quantized_io.base_name(hf)))
+      elif expert == 0:  # the layer's whole stack of experts, once
+        out.update(quantized_io.export_qtensor(w, kind, quantized_io.expert_base(hf)))
+      continue
     if layer_idx is not None:
       w = w[layer_idx]
     if expert is not None:
@@ -536,6 +613,18 @@ def save_hf(
   os.makedirs(out_dir, exist_ok=True)
   hf_config = dict(model.hf_config or {})
   hf_config.update(model.config.to_hf())
+  is_q = lambda x: isinstance(x, QTensor)
+  leaves = jax.tree_util.tree_leaves(model.params, is_leaf=is_q)
+  used = sorted({x.format for x in leaves if is_q(x)})
+  if used:
+    report = model.quant_report
+    hf_config["quantization_config"] = {
+      "quant_method": quantized_io.QUANT_METHOD,
+      "formats": used,
+      "policy": [list(r) for r in report.policy] if report is not None else None,
+    }
+  else:
+    hf_config.pop("quantization_config", None)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
   tensors = export_tensors(model.config, model.params)

@@ -147,14 +147,16 @@ class QuantReport:
   formats: dict
   bytes_before: int
   bytes_after: int
+  policy: tuple = ()
 
-  def bytes_by_format(self, params: Any) -> dict:
-    out: dict = {}
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))
-    for path, leaf in flat[0]:
-      fmt = leaf.format if isinstance(leaf, QTensor) else "none"
-      out[fmt] = out.get(fmt, 0) + nbytes(leaf)
-    return out
+
+def bytes_by_format(params: Any) -> dict:
+  """Stored bytes of a parameter tree per weight format ("none" for plain arrays)."""
+  out: dict = {}
+  for leaf in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QTensor)):
+    fmt = leaf.format if isinstance(leaf, QTensor) else "none"
+    out[fmt] = out.get(fmt, 0) + nbytes(leaf)
+  return out
 
 
 def quantize_params(
@@ -190,7 +192,7 @@ def quantize_params(
     return q
 
   out = jax.tree_util.tree_map_with_path(convert, params)
-  return out, QuantReport(formats, before, after)
+  return out, QuantReport(formats, before, after, rules)
 
 
 def quantize(target: Any, policy: Optional[Iterable] = None) -> Any:
