@@ -7,6 +7,7 @@ weights it falls back to a tiny random model (configs/tiny_random.py) so the com
   python launch/generate.py --model=/path/to/hf_dir --method=ngram --temperature=0.8
   python launch/generate.py --model=/path/to/hf_dir_without_tokenizer --prompt_ids=1,2,3
   python launch/generate.py --mesh=data=1,expert=2,tensor=1   # needs 2 devices
+  python launch/generate.py --quant_policy=default            # MXFP4 experts, FP8 attention
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
 from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
+from jaxspec.quant.profile import load_policy  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
@@ -69,6 +71,12 @@ flags.DEFINE_enum(
   "kv_format", "float", ("float", "fp8", "q4_0"), "How the target's KV cache is stored."
 )
 flags.DEFINE_string("mesh", "data=1,expert=1,tensor=1", "Device mesh shape.")
+flags.DEFINE_string(
+  "quant_policy",
+  "none",
+  "Quantize the target's weights: 'none', 'default' (experts MXFP4, attention and router FP8) "
+  "or a policy JSON file (launch/profile_quant.py writes one).",
+)
 flags.DEFINE_bool("compare_plain", True, "Also run plain decoding and print the speedup.")
 
 ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
@@ -191,6 +199,13 @@ def main(argv):
   del argv
   mesh_shape = _parse_mesh(FLAGS.mesh)
   target, source = load_target()
+  policy = load_policy(FLAGS.quant_policy)
+  if policy and any(v != 1 for v in mesh_shape.values()):
+    raise jaxspec.ConfigError("--quant_policy with a --mesh: sharding quantized weights is planned")
+  if policy:
+    target = jaxspec.quantize(target, policy)
+    r = target.quant_report
+    source += f", quantized ({FLAGS.quant_policy}: {r.bytes_before:,} → {r.bytes_after:,} bytes)"
   prompt, shown = _prompt(target, source)
   if any(v != 1 for v in mesh_shape.values()):
     try:

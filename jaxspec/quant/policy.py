@@ -13,8 +13,9 @@ it is. Roles, from the parameter tree:
   mtp              everything in the MTP layers
   embed, norm, bias   never quantized
 
-A path pattern is an fnmatch pattern over "/"-joined parameter paths, e.g.
-"layers_1/*/mlp/gate_proj". The default policy is MiMo-V2.5-Pro × TileRT's: experts MXFP4,
+A pattern "role@N" matches that role in layer N only (per-layer policies, as the sensitivity
+profiler writes them; they need the per-layer layout, `scan_layers=False`). A path pattern is
+an fnmatch pattern over "/"-joined parameter paths, e.g. "layers_1/*/mlp/gate_proj". The default policy is MiMo-V2.5-Pro × TileRT's: experts MXFP4,
 attention and router FP8, everything else unquantized.
 
 A policy is a plain tuple of (pattern, format) pairs, or an ml_collections ConfigDict with a
@@ -99,8 +100,35 @@ def contraction_axes(axes: tuple) -> tuple[int, ...]:
   return tuple(i - n for i in idx)
 
 
+def _is_path_pattern(pattern: str) -> bool:
+  return "/" in pattern or any(c in pattern for c in "*?[")
+
+
+def _split_layer(pattern: str) -> tuple[str, Optional[int]]:
+  """ "experts@3" → ("experts", 3); "experts" → ("experts", None)."""
+  if "@" not in pattern or _is_path_pattern(pattern):
+    return pattern, None
+  role, _, layer = pattern.partition("@")
+  if not layer.isdigit():
+    raise ConfigError(f"rule {pattern!r}: the layer after '@' must be a number")
+  return role, int(layer)
+
+
+def layer_of(config: Any, path: str) -> Optional[int]:
+  """The model layer a per-layer parameter path belongs to (`layers_{s}/{j}/...`), None for
+  weights outside the layer stack; -1 for a stacked run (the scanned layout)."""
+  parts = path.split("/")
+  if not parts[0].startswith("layers_"):
+    return None
+  if len(parts) < 2 or not parts[1].isdigit():
+    return -1
+  first, _, _ = config.segments()[int(parts[0][len("layers_") :])]
+  return first + int(parts[1])
+
+
 def check_policy(policy: Iterable) -> tuple[tuple[str, str], ...]:
-  """Validates a policy: (pattern, format) pairs with a known role or a path pattern."""
+  """Validates a policy: (pattern, format) pairs with a known role (optionally "@layer") or
+  a path pattern."""
   rules = []
   for rule in policy:
     if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
@@ -108,9 +136,10 @@ def check_policy(policy: Iterable) -> tuple[tuple[str, str], ...]:
     pattern, fmt = str(rule[0]), str(rule[1])
     if fmt not in (*FORMATS, "none"):
       raise ConfigError(f"rule {pattern!r}: unknown format {fmt!r}; expected {FORMATS} or 'none'")
-    if pattern in NEVER and fmt != "none":
-      raise ConfigError(f"rule {pattern!r}: {pattern} weights are never quantized")
-    if "/" not in pattern and not any(c in pattern for c in "*?[") and pattern not in ROLES:
+    role, _ = _split_layer(pattern)
+    if role in NEVER and fmt != "none":
+      raise ConfigError(f"rule {pattern!r}: {role} weights are never quantized")
+    if not _is_path_pattern(pattern) and role not in ROLES:
       raise ConfigError(
         f"rule {pattern!r} matches no role ({', '.join(ROLES)}) and is not a path pattern"
       )
@@ -126,16 +155,28 @@ def policy_from_config(config: Any) -> tuple[tuple[str, str], ...]:
   return check_policy(rules)
 
 
-def format_for(path: str, policy: tuple[tuple[str, str], ...]) -> str:
+def format_for(path: str, policy: tuple[tuple[str, str], ...], config: Any = None) -> str:
+  """The format the first matching rule gives the weight at `path` ("none" if no rule does)."""
   role = role_of(path)
   if role in NEVER:
     return "none"
   for pattern, fmt in policy:
-    if (
-      pattern == role
-      or ("/" in pattern or any(c in pattern for c in "*?["))
-      and (fnmatch.fnmatchcase(path, pattern))
-    ):
+    if _is_path_pattern(pattern):
+      if fnmatch.fnmatchcase(path, pattern):
+        return fmt
+      continue
+    rule_role, layer = _split_layer(pattern)
+    if rule_role != role:
+      continue
+    if layer is None:
+      return fmt
+    at = layer_of(config, path) if config is not None else None
+    if at == -1:
+      raise ConfigError(
+        f"rule {pattern!r} names one layer, but {path} stacks every layer of its run: load "
+        f"the model with scan_layers=False for per-layer policies"
+      )
+    if at == layer:
       return fmt
   return "none"
 
@@ -160,7 +201,7 @@ def bytes_by_format(params: Any) -> dict:
 
 
 def quantize_params(
-  params: Any, logical_axes: Any, policy: Iterable = DEFAULT_POLICY
+  params: Any, logical_axes: Any, policy: Iterable = DEFAULT_POLICY, config: Any = None
 ) -> tuple[Any, QuantReport]:
   """The parameter tree with each weight in its policy's format (QTensor leaves)."""
   rules = check_policy(policy)
@@ -175,7 +216,7 @@ def quantize_params(
   def convert(path, leaf):
     nonlocal before, after
     name = _path_str(path)
-    fmt = format_for(name, rules)
+    fmt = format_for(name, rules, config)
     before += nbytes(leaf)
     if fmt == "none":
       after += nbytes(leaf)
@@ -204,5 +245,6 @@ def quantize(target: Any, policy: Optional[Iterable] = None) -> Any:
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
 
   policy = DEFAULT_POLICY if policy is None else policy
-  params, report = quantize_params(target.params, target_lib.logical_axes(target.config), policy)
+  axes = target_lib.logical_axes(target.config)
+  params, report = quantize_params(target.params, axes, policy, target.config)
   return dataclasses.replace(target, params=params, quant_report=report)
