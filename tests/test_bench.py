@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+import jaxspec
+
 from launch import bench
 
 pytest.importorskip("torch")
@@ -160,3 +162,29 @@ def test_projection_formula():
   # Expected distinct experts: all of them for many tokens, k for one token.
   assert roofline.expected_distinct_experts(64, 8, 1) == pytest.approx(8)
   assert roofline.expected_distinct_experts(64, 8, 1000) == pytest.approx(64)
+
+
+def test_weight_bytes_read_counts_only_routed_experts_and_stored_bytes():
+  """A token reads every dense weight, its embedding row and the experts it routes to, in
+  the bytes they are stored in (quantized weights as stored)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from jaxspec import quant  # pylint: disable=import-outside-toplevel
+  from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+
+  config = roofline.moe_config(
+    hidden=512, layers=2, experts=8, experts_per_tok=2, expert_intermediate=64, vocab=512
+  ).replace(scan_layers=False, num_mtp_layers=0)
+  params = target_lib.init_params(config)
+  sizes = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    role = quant.role_of(quant.policy.path_str(path))
+    sizes[role] = sizes.get(role, 0) + leaf.size * 4
+  experts = sizes.pop("experts")
+  embed = sizes.pop("embed")
+  want = sum(sizes.values()) + embed / 512 + experts * 2 / 8
+  assert roofline.weight_bytes_read(config, params, 1) == pytest.approx(want)
+  q = jaxspec.quantize(jaxspec.TargetModel(config, params), (("experts", "mxfp4"),))
+  want_q = sum(sizes.values()) + embed / 512 + experts * 4.25 / 32 * 2 / 8
+  assert roofline.weight_bytes_read(config, q.params, 1) == pytest.approx(want_q)

@@ -54,7 +54,8 @@ DEFAULT_POLICY = (("experts", "mxfp4"), ("attention", "fp8"), ("router", "fp8"))
 _LEADING = ("layers", "expert")
 
 
-def _path_str(path: tuple) -> str:
+def path_str(path: tuple) -> str:
+  """A tree path as "/"-joined keys (`layers_1/0/mlp/gate_proj`)."""
   return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -206,7 +207,7 @@ def quantize_params(
   """The parameter tree with each weight in its policy's format (QTensor leaves)."""
   rules = check_policy(policy)
   axes_of = {
-    _path_str(p): tuple(spec)
+    path_str(p): tuple(spec)
     for p, spec in jax.tree_util.tree_flatten_with_path(
       logical_axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
     )[0]
@@ -215,7 +216,7 @@ def quantize_params(
 
   def convert(path, leaf):
     nonlocal before, after
-    name = _path_str(path)
+    name = path_str(path)
     fmt = format_for(name, rules, config)
     before += nbytes(leaf)
     if fmt == "none":

@@ -30,9 +30,9 @@ from jaxspec.quant.formats import FORMATS
 from jaxspec.quant.policy import (
   DEFAULT_POLICY,
   NEVER,
-  _path_str,
   check_policy,
   layer_of,
+  path_str,
   policy_from_config,
   quantize,
   role_of,
@@ -68,7 +68,7 @@ def groups(target: Any) -> list[tuple[Optional[int], str]]:
     raise ConfigError("profiling needs the per-layer layout: load with scan_layers=False")
   found = set()
   for path, _ in jax.tree_util.tree_flatten_with_path(target.params)[0]:
-    name = _path_str(path)
+    name = path_str(path)
     role = role_of(name)
     if role in NEVER:
       continue

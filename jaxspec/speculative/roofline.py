@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import target as target_lib
-from jaxspec.plan import decoding_state_bytes, tree_bytes
+from jaxspec.plan import decoding_state_bytes
 from jaxspec.state import DecodingState
 
 GIB = 1 << 30
@@ -120,10 +120,18 @@ def random_params(config: ModelConfig, seed: int = 0, stddev: float = 0.02) -> A
 # -- what must be read ---------------------------------------------------------------------------
 
 
-def _leaf_bytes(params: Any, keep: Callable[[str], bool]) -> int:
-  return tree_bytes(
-    [x for p, x in jax.tree_util.tree_leaves_with_path(params) if keep(jax.tree_util.keystr(p))]
-  )
+def _bytes_by_role(params: Any) -> dict[str, int]:
+  """Stored bytes of a parameter tree per weight role (jaxspec.quant.policy.role_of), quantized
+  weights counted as stored."""
+  from jaxspec.quant.formats import QTensor, nbytes  # pylint: disable=import-outside-toplevel
+  from jaxspec.quant.policy import path_str, role_of  # pylint: disable=import-outside-toplevel
+
+  out: dict[str, int] = {}
+  is_q = lambda x: isinstance(x, QTensor)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]:
+    role = role_of(path_str(path))
+    out[role] = out.get(role, 0) + nbytes(leaf)
+  return out
 
 
 def expected_distinct_experts(num_experts: int, k: int, tokens: int) -> float:
@@ -137,15 +145,14 @@ def weight_bytes_read(config: ModelConfig, params: Any, tokens: int = 1) -> floa
   Everything but the embedding table and the MTP layers, plus `tokens` embedding rows; for
   MoE layers only the experts the tokens route to (expected count under uniform routing).
   """
-  is_expert = lambda k: "experts" in k and "shared" not in k
-  skip = lambda k: k == "['embed']" or "mtp" in k
-  base = _leaf_bytes(params, lambda k: not skip(k) and not is_expert(k))
-  embed = _leaf_bytes(params, lambda k: k == "['embed']")
+  by_role = _bytes_by_role(params)
+  embed = by_role.pop("embed", 0)
+  by_role.pop("mtp", None)
+  experts = by_role.pop("experts", 0)
   row = embed / config.vocab_size
+  total = sum(by_role.values()) + tokens * row
   if config.tie_word_embeddings:  # the table is also the LM head: read whole
-    base += embed
-  total = base + tokens * row
-  experts = _leaf_bytes(params, lambda k: is_expert(k) and not skip(k))
+    total += embed
   if experts:
     active = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, tokens)
     total += experts * active / config.num_experts
