@@ -105,9 +105,15 @@ flags.DEFINE_enum(
 flags.DEFINE_enum(
   "mode",
   "generate",
-  ["generate", "cost_curve"],
+  ["generate", "cost_curve", "quant_cost"],
   "generate: methods on real prompts (the default); cost_curve: forward cost against T on "
-  "random models of realistic shape, the memory roofline, and projected speedups.",
+  "random models of realistic shape, the memory roofline, and projected speedups; "
+  "quant_cost: bytes read and time per decode step of those models per weight format.",
+)
+flags.DEFINE_list(
+  "quant_policies",
+  ["float32", "bfloat16", "default"],
+  "quant_cost: weight formats: float32, bfloat16, a policy name or a policy JSON file.",
 )
 flags.DEFINE_enum(
   "cost_size", "1gb", ["1gb", "tiny"], "cost_curve: model sizes (tiny: seconds, for tests)."
@@ -1134,8 +1140,73 @@ def _default_out() -> str:
   )
 
 
+def run_quant_costs(
+  size: str, tokens: Sequence[int], max_len: int, policies: Sequence[str], out: str
+) -> dict[str, Any]:
+  """Per weight format (float32, bfloat16, quantization policies) of the COST_MODELS[size]
+  models: stored weight bytes, bytes a decode step reads, and forward times at `tokens`."""
+  from jaxspec.quant import profile as profile_lib  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+
+  rows = []
+  for kind, kw in COST_MODELS[size].items():
+    make = roofline.dense_config if kind == "dense" else roofline.moe_config
+    base = make(**kw).replace(scan_layers=False)
+    for name in policies:
+      config, params = base, roofline.random_params(base)
+      if name == "bfloat16":
+        config = base.replace(dtype="bfloat16", param_dtype="bfloat16")
+        params = jax.tree_util.tree_map(lambda x: x.astype(jax.numpy.bfloat16), params)
+      elif name != "float32":
+        params = jaxspec.quantize(
+          jaxspec.TargetModel(base, params), profile_lib.load_policy(name)
+        ).params
+      points = roofline.cost_curve(config, params, tokens, max_len)
+      stored = roofline.tree_bytes_stored(params)
+      rows.append(
+        {
+          "model": kind,
+          "weights": name,
+          "stored_bytes": stored,
+          "step_bytes": points[0].weight_bytes,
+          "seconds": {p.tokens: p.seconds for p in points},
+        }
+      )
+      del params
+  f32 = {r["model"]: r for r in rows if r["weights"] == "float32"}
+  lines = [
+    f"{'model':>6} {'weights':>10} {'stored GB':>10} {'step reads GB':>14} "
+    + "".join(f"{f't({t}) ms':>11}" for t in tokens)
+    + f" {'tok/s (T=1)':>12} {'bytes × f32':>12}"
+  ]
+  for r in rows:
+    base_bytes = f32.get(r["model"], r)["step_bytes"]
+    lines.append(
+      f"{r['model']:>6} {r['weights']:>10} {r['stored_bytes'] / 1e9:>10.3f} "
+      f"{r['step_bytes'] / 1e9:>14.3f} "
+      + "".join(f"{1e3 * r['seconds'][t]:>11.1f}" for t in tokens)
+      + f" {1 / r['seconds'][tokens[0]]:>12.1f} {r['step_bytes'] / base_bytes:>12.3f}"
+    )
+  report = {"rows": rows, "table": "\n".join(lines), "out": out}
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1, default=float)
+  return report
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
+  if FLAGS.mode == "quant_cost":
+    report = run_quant_costs(
+      size=FLAGS.cost_size,
+      tokens=tuple(int(t) for t in FLAGS.cost_tokens),
+      max_len=FLAGS.cost_max_len,
+      policies=FLAGS.quant_policies,
+      out=FLAGS.out or _default_out().replace("bench_results", "quant_cost"),
+    )
+    print(report["table"])
+    print(f"\nsaved {report['out']}")
+    return
   if FLAGS.mode == "cost_curve":
     report = run_cost_curves(
       size=FLAGS.cost_size,

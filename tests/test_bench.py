@@ -188,3 +188,23 @@ def test_weight_bytes_read_counts_only_routed_experts_and_stored_bytes():
   q = jaxspec.quantize(jaxspec.TargetModel(config, params), (("experts", "mxfp4"),))
   want_q = sum(sizes.values()) + embed / 512 + experts * 4.25 / 32 * 2 / 8
   assert roofline.weight_bytes_read(config, q.params, 1) == pytest.approx(want_q)
+
+
+@pytest.mark.slow  # ~45 s of compiles; weight_bytes_read and quantize are tested on their own
+def test_quant_cost_mode(tmp_path):
+  """--mode=quant_cost on tiny random models: per weight format, the bytes a decode step
+  reads (bf16 exactly half of float32; the default policy less than float32) and times."""
+  out = str(tmp_path / "quant.json")
+  report = bench.run_quant_costs(
+    size="tiny", tokens=(1, 4), max_len=64, policies=("float32", "bfloat16", "default"), out=out
+  )
+  rows = {(r["model"], r["weights"]): r for r in report["rows"]}
+  assert set(rows) == {(m, w) for m in ("dense", "moe") for w in ("float32", "bfloat16", "default")}
+  for m in ("dense", "moe"):
+    f32 = rows[(m, "float32")]
+    assert rows[(m, "bfloat16")]["step_bytes"] == pytest.approx(f32["step_bytes"] / 2)
+    assert rows[(m, "default")]["stored_bytes"] < f32["stored_bytes"]
+    assert rows[(m, "default")]["step_bytes"] < f32["step_bytes"]
+    assert all(s > 0 for s in f32["seconds"].values())
+  with open(out) as f:
+    assert len(json.load(f)["rows"]) == 6

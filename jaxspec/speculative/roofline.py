@@ -139,6 +139,11 @@ def expected_distinct_experts(num_experts: int, k: int, tokens: int) -> float:
   return num_experts * (1.0 - (1.0 - k / num_experts) ** tokens)
 
 
+def tree_bytes_stored(params: Any) -> int:
+  """Stored bytes of all weights (quantized ones as stored)."""
+  return sum(_bytes_by_role(params).values())
+
+
 def weight_bytes_read(config: ModelConfig, params: Any, tokens: int = 1) -> float:
   """Bytes of weights a forward of `tokens` tokens must read (its memory-roofline numerator).
 
