@@ -420,6 +420,15 @@ def load_params(
       full = _get_path(shapes, path)
       per_layer = full.shape[1:] if layer_idx is not None else full.shape
       per_item = per_layer[1:] if expert is not None else per_layer
+      if hf in quantized and quantized[hf][0] == "fp8_block":  # stored per weight and expert
+        block = tuple(int(b) for b in quantization["weight_block_size"])
+        q = quantized_io.import_fp8_block(src, hf, kind, tuple(per_item), block, config.param_dtype)
+        slot = stacks.setdefault(path, {})
+        if expert is None:
+          slot[layer_idx] = q
+        else:
+          slot.setdefault(layer_idx, []).append(q)
+        continue
       if hf in quantized:
         if expert in (None, 0):  # a layer's experts are stored (and read) as one stack
           fmt, _, base = quantized[hf]
@@ -452,20 +461,18 @@ def load_params(
       buf[index] = w
   finally:
     src.close()
+
+  def stack(qs: list) -> QTensor:
+    return qs[0].replace(
+      values=np.stack([q.values for q in qs]), scales=np.stack([q.scales for q in qs])
+    )
+
   for path, by_layer in stacks.items():
+    by_layer = {j: stack(q) if isinstance(q, list) else q for j, q in by_layer.items()}
     if None in by_layer:
       _set_path(params, path, by_layer[None])
-      continue
-    layers = [by_layer[j] for j in range(len(by_layer))]
-    first = layers[0]
-    stacked = QTensor(
-      np.stack([q.values for q in layers]),
-      np.stack([q.scales for q in layers]),
-      first.format,
-      first.axes,
-      first.dtype,
-    )
-    _set_path(params, path, stacked)
+    else:
+      _set_path(params, path, stack([by_layer[j] for j in range(len(by_layer))]))
   # Unscanned: one view per layer, each its own buffer once placed on a device.
   return params if config.scan_layers else decoder_lib.unstack_layer_params(config, params)
 
@@ -476,12 +483,18 @@ def _quantized_entries(quantization: dict | None, src: "_TensorSource", needed: 
   method = (quantization or {}).get("quant_method")
   if method is None:
     return {}
+  names, out = src.keys(), {}
+  if method == "fp8" and quantization.get("weight_block_size"):
+    for hf, *_ in needed:
+      if f"{hf}_scale_inv" in names:
+        out[hf] = ("fp8_block", (hf, f"{hf}_scale_inv"), hf)
+    return out
   if method != quantized_io.QUANT_METHOD:
     raise CheckpointError(
       f"quantization_config quant_method {method!r} is not supported (jaxspec reads its own "
-      f"{quantized_io.QUANT_METHOD!r} checkpoints; gpt-oss MXFP4 and FP8 imports are planned)"
+      f"{quantized_io.QUANT_METHOD!r} checkpoints and block-scaled 'fp8' ones; gpt-oss MXFP4 "
+      f"is planned)"
     )
-  names, out = src.keys(), {}
   for hf, path, _, _ in needed:
     expert = path[-1].startswith("#")
     base = quantized_io.expert_base(hf) if expert else quantized_io.base_name(hf)
@@ -581,7 +594,12 @@ def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
     w = _get_path(host, path)
     if isinstance(w, QTensor):  # stored in its format (io/quantized.py)
       if layer_idx is not None:
-        w = QTensor(w.values[layer_idx], w.scales[layer_idx], w.format, w.axes, w.dtype)
+        w = w.replace(values=w.values[layer_idx], scales=w.scales[layer_idx])
+      if w.format == "fp8_block":  # as imported: one tensor per weight and expert
+        if expert is not None:
+          w = w.replace(values=w.values[expert], scales=w.scales[expert])
+        out.update(quantized_io.export_fp8_block(w, hf))
+        continue
       if expert is None:
         out.update(quantized_io.export_qtensor(w, kind, quantized_io.base_name(hf)))
       elif expert == 0:  # the layer's whole stack of experts, once
@@ -616,7 +634,10 @@ def save_hf(
   is_q = lambda x: isinstance(x, QTensor)
   leaves = jax.tree_util.tree_leaves(model.params, is_leaf=is_q)
   used = sorted({x.format for x in leaves if is_q(x)})
-  if used:
+  if "fp8_block" in used:  # an imported block-scaled FP8 checkpoint: its own config
+    if used != ["fp8_block"]:
+      raise ConfigError(f"cannot save block-scaled FP8 weights beside {used} in one checkpoint")
+  elif used:
     report = model.quant_report
     hf_config["quantization_config"] = {
       "quant_method": quantized_io.QUANT_METHOD,

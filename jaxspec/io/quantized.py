@@ -13,6 +13,11 @@ A weight stored quantized replaces its HF tensor `<base>.weight` by:
 
 config.json says so under `quantization_config` (`quant_method: "jaxspec"`, the policy and
 each weight's format). Reading keeps the packed arrays: no dequantized copy is ever made.
+
+FP8 checkpoints with block scales (DeepSeek-V3, Qwen3-FP8: `quant_method: "fp8"`,
+`weight_block_size: [128, 128]`; each quantized `<name>.weight` is F8_E4M3 [out, in] beside
+`<name>.weight_scale_inv` float32 [ceil(out / 128), ceil(in / 128)], the factor each block's
+values are multiplied by) load as "fp8_block" weights, kept as stored and written back alike.
 """
 
 from __future__ import annotations
@@ -168,6 +173,35 @@ def import_qtensor(
   if q.shape != tuple(shape):
     raise CheckpointError(f"{base}: stored {fmt} tensors hold a {q.shape} weight, not {shape}")
   return q
+
+
+def import_fp8_block(
+  src: Any, name: str, kind: str, shape: tuple[int, ...], block: tuple[int, int], dtype: str
+) -> QTensor:
+  """Reads one block-scaled FP8 weight `name` (HF [out, in]) as an "fp8_block" QTensor."""
+  from jaxspec.io.hf import _hf_shape  # pylint: disable=import-outside-toplevel
+
+  want = _hf_shape(shape, kind)
+  if src.shape(name) != want:
+    raise CheckpointError(f"tensor {name} has shape {list(src.shape(name))}, expected {list(want)}")
+  values = read_raw(src.file_of[name], name, F8)
+  scales = src.get(f"{name}_scale_inv").astype(np.float32)
+  grid = tuple(-(-n // b) for n, b in zip(want, block))
+  if scales.shape != grid:
+    raise CheckpointError(
+      f"{name}_scale_inv has shape {list(scales.shape)}; blocks of {list(block)} over "
+      f"{list(want)} need {list(grid)}"
+    )
+  if not np.isfinite(scales).all():
+    raise CheckpointError(f"{name}_scale_inv holds non-finite scales")
+  return QTensor(values, scales, "fp8_block", (), dtype, (kind, tuple(shape), tuple(block)))
+
+
+def export_fp8_block(q: QTensor, name: str) -> dict[str, np.ndarray]:
+  return {
+    name: np.ascontiguousarray(np.asarray(q.values).astype(F8)),
+    f"{name}_scale_inv": np.ascontiguousarray(np.asarray(q.scales, np.float32)),
+  }
 
 
 def read_raw(path: str, name: str, dtype: np.dtype) -> np.ndarray:

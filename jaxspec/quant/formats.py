@@ -17,6 +17,9 @@ Formats:
   the nearest E2M1 value (ties to even) and saturates at ±6.
 * "fp8": E4M3 weight-only with one float32 scale per output channel (amax over the contraction
   axes / 448); activations stay in the compute dtype.
+* "fp8_block": E4M3 with one float32 scale per block of the HF [out, in] matrix (128 × 128 in
+  DeepSeek-V3 and Qwen3 FP8 checkpoints, `weight_scale_inv`), kept as imported: values in HF's
+  layout, mapped to jaxspec's when dequantized. Import only (`jaxspec.quantize` writes "fp8").
 """
 
 from __future__ import annotations
@@ -62,11 +65,15 @@ class QTensor:
   format: str = flax.struct.field(pytree_node=False)
   axes: tuple[int, ...] = flax.struct.field(pytree_node=False)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
+  # "fp8_block" only: (HF tensor kind, the matrix's jaxspec shape, (block_out, block_in)).
+  layout: tuple = flax.struct.field(pytree_node=False, default=())
 
   @property
   def shape(self) -> tuple[int, ...]:
     if self.format == "fp8":
       return tuple(self.values.shape)
+    if self.format == "fp8_block":
+      return (*self.values.shape[:-2], *self.layout[1])
     moved = (*self.values.shape[:-2], self.values.shape[-2] * 2 * self.values.shape[-1])
     return _unmove_shape(moved, self.axes[-1])
 
@@ -80,6 +87,8 @@ class QTensor:
     dtype = dtype or self.dtype
     if self.format == "fp8":
       return state_lib.fp8_dequantize(self.values, self.scales, dtype, self.axes)
+    if self.format == "fp8_block":
+      return fp8_block_dequantize(self.values, self.scales, self.layout, dtype)
     return mxfp4_dequantize(self.values, self.scales, self.axes[-1], dtype)
 
 
@@ -103,8 +112,7 @@ def materialize(w: Any, dtype: Any) -> jax.Array:
 def take(w: Any, ids: jax.Array, dtype: Any) -> jax.Array:
   """w[ids] along the leading axis (e.g. the selected experts), dequantizing only those rows."""
   if isinstance(w, QTensor):
-    picked = QTensor(w.values[ids], w.scales[ids], w.format, w.axes, w.dtype)
-    return picked.dequantize(dtype)
+    return w.replace(values=w.values[ids], scales=w.scales[ids]).dequantize(dtype)
   return w[ids].astype(dtype)
 
 
@@ -168,6 +176,32 @@ def check_mxfp4_scales(scales: np.ndarray, name: str) -> None:
   bad = int(np.sum(np.asarray(scales) == E8M0_NAN))
   if bad:
     raise CheckpointError(f"{name}: {bad} MXFP4 scales are 0xFF (NaN in E8M0)")
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 with block scales (imported checkpoints)
+# ------------------------------------------------------------------------------------------------
+
+
+def hf_to_jax_layout(w: jax.Array, kind: str, shape: tuple[int, ...]) -> jax.Array:
+  """[..., out, in] (HF) → the jaxspec matrix `shape` ([in, out], or heads split out)."""
+  w = jnp.swapaxes(w, -1, -2)
+  if kind == "linear":
+    return w
+  if kind in ("in_heads", "out_heads"):
+    return w.reshape(*w.shape[:-2], *shape)
+  raise ConfigError(f"no FP8 block layout for a {kind} tensor")
+
+
+def fp8_block_dequantize(
+  values: jax.Array, scales: jax.Array, layout: tuple, dtype: Any = jnp.float32
+) -> jax.Array:
+  """E4M3 values [..., out, in] times their block's scale, in jaxspec's layout."""
+  kind, shape, (bo, bi) = layout
+  out, inp = values.shape[-2:]
+  s = jnp.repeat(jnp.repeat(scales.astype(jnp.float32), bo, axis=-2), bi, axis=-1)
+  w = values.astype(jnp.float32) * s[..., :out, :inp]
+  return hf_to_jax_layout(w, kind, tuple(shape)).astype(dtype)
 
 
 # ------------------------------------------------------------------------------------------------
