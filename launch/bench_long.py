@@ -379,7 +379,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
   ax.set_xscale("log", base=2)
   ax.set_xlabel("context (tokens)")
   ax.set_ylabel("decode tokens/s")
-  ax.set_title("DFlash + DDTree decode speed against context (bundled target, CPU)")
+  ax.set_title("DFlash + DDTree decode speed vs context (bundled, CPU)")
   ax.grid(True, alpha=0.3)
   ax.legend()
   fig.tight_layout()

@@ -121,10 +121,16 @@ def main(argv: Sequence[str]) -> None:
     ("chosen", rules, measured),
     ("default", jaxspec.quant.DEFAULT_POLICY, default),
   ):
+    m.update(profile_lib.policy_effect(target, r, drafter_fn, prompts, FLAGS.max_new))
+    effect = ""
+    if "greedy_match" in m:
+      effect = f", greedy tokens equal to the full target's {m['greedy_match']:.1%}"
+    if "tau_delta" in m:
+      effect += f", Δτ {m['tau_delta']:+.1%} ({FLAGS.drafter})"
     print(
       f"\n{name} policy ({len(r)} rules): {m['bytes_before']:,} → {m['bytes_after']:,} bytes "
       f"({m['bytes_after'] / m['bytes_before']:.1%}), KL {m['kl']:.2e} (budget "
-      f"{FLAGS.kl_budget:g}), top-1 {m['top1']:.1%}, Δppl {m['ppl_delta']:+.2%}"
+      f"{FLAGS.kl_budget:g}), top-1 {m['top1']:.1%}, Δppl {m['ppl_delta']:+.2%}{effect}"
     )
   policy_path = os.path.join(FLAGS.out, "policy.json")
   profile_lib.save_policy(rules, policy_path, kl_budget=FLAGS.kl_budget, measured=measured)

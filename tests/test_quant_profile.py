@@ -110,3 +110,15 @@ def test_launch_script_writes_a_policy_generate_accepts(tmp_path):
   rules = profile_lib.load_policy(os.path.join(out, "policy.json"))
   assert [list(r) for r in rules] == report["chosen"]["rules"]
   assert {g["format"] for g in report["groups"]} == {"mxfp4", "fp8"}
+
+
+def test_policy_effect_on_greedy_decoding():
+  target, _, _ = _profiled()
+  prompts = ["def fib(n):"]
+  same = profile_lib.policy_effect(target, (), None, prompts, 8)
+  assert same == {"greedy_match": 1.0, "greedy_match_before_divergence": 1.0}
+  # Everything in MXFP4: greedy decoding moves off the full target's path.
+  crude = (("experts", "mxfp4"), ("attention", "mxfp4"), ("shared_experts", "mxfp4"))
+  changed = profile_lib.policy_effect(target, crude + (("mlp", "mxfp4"),), None, prompts, 16)
+  assert changed["greedy_match_before_divergence"] <= changed["greedy_match"] <= 1.0
+  assert changed["greedy_match_before_divergence"] < 1.0

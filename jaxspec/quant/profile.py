@@ -216,6 +216,40 @@ def measure_policy(target: Any, rules: tuple, evaluator: Evaluator) -> dict[str,
   return out
 
 
+def policy_effect(
+  target: Any,
+  rules: Sequence,
+  drafter_fn: Optional[Callable[[Any], Any]],
+  prompts: Sequence[Any],
+  max_new: int,
+) -> dict[str, float]:
+  """What a whole policy does to decoding: the fraction of greedy tokens equal to the
+  unquantized target's (up to each prompt's first difference, and overall), and, with a
+  drafter, the relative change of its acceptance length."""
+  from jaxspec.speculative.engine import EngineConfig, SpecEngine  # pylint: disable=import-outside-toplevel
+
+  if not prompts:
+    return {}
+  model = quantize(target, rules)
+  longest = max(len(target.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts)
+  cfg = EngineConfig(max_len=longest + max_new + 2, batch_size=len(prompts), use_eos=False)
+  outs = [
+    SpecEngine(m, None, cfg).generate(list(prompts), max_new_tokens=max_new).tokens
+    for m in (target, model)
+  ]
+  same = prefix = total = 0
+  for a, b in zip(*outs):
+    eq = np.asarray(a) == np.asarray(b)
+    same += int(eq.sum())
+    prefix += len(eq) if eq.all() else int(np.argmin(eq))
+    total += len(eq)
+  out = {"greedy_match": same / total, "greedy_match_before_divergence": prefix / total}
+  if drafter_fn is not None:
+    base = acceptance_length(target, drafter_fn(target), prompts, max_new)
+    out["tau_delta"] = acceptance_length(model, drafter_fn(model), prompts, max_new) / base - 1
+  return out
+
+
 def load_policy(spec: str) -> tuple[tuple[str, str], ...]:
   """A policy by name ("default", "none") or from a JSON file holding {"rules": [...]}."""
   if spec == "default":
