@@ -150,8 +150,8 @@ BAD_CONFIGS = {
     "conflicting RoPE scaling",
   ),
   "legacy_type_key": (
-    _set(rope_scaling={"type": "dynamic", "factor": 2.0}),
-    "RoPE type 'dynamic' in rope_scaling",
+    _set(rope_scaling={"type": "longrope", "factor": 2.0}),
+    "RoPE type 'longrope' in rope_scaling",
   ),
   "yarn_without_its_original_length": (
     _set(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}),
