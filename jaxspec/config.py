@@ -14,7 +14,21 @@ from typing import Any, Mapping, Sequence
 
 from jaxspec.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+  "Qwen3ForCausalLM",
+  "Qwen3MoeForCausalLM",
+  "Glm4MoeForCausalLM",
+  "GptOssForCausalLM",
+)
+# gpt-oss's RoPE when config.json states none (transformers' GptOssConfig default).
+GPT_OSS_DEFAULT_ROPE = {
+  "rope_type": "yarn",
+  "factor": 32.0,
+  "beta_fast": 32.0,
+  "beta_slow": 1.0,
+  "truncate": False,
+  "original_max_position_embeddings": 4096,
+}
 
 # ModelConfig fields → the config.json key users see, for messages about values read from it.
 _HF_NAMES = {
@@ -269,6 +283,11 @@ class HFConfigReader:
     )
 
 
+def gpt_oss_windows(num_layers: int, window: int) -> tuple[int, ...]:
+  """gpt-oss's default layer pattern: sliding-window attention at even layers, full at odd."""
+  return tuple(window if i % 2 == 0 else 0 for i in range(num_layers))
+
+
 # RoPE variants jaxspec computes (layers.rope_frequencies).
 ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 
@@ -308,7 +327,9 @@ class ModelConfig:
   num_experts: int = 0
   num_experts_per_tok: int = 0
   moe_intermediate_size: int = 0
-  router: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (GLM/DeepSeek, grouped, biased)
+  # "softmax" (Qwen3-MoE), "sigmoid" (GLM/DeepSeek: grouped, bias-corrected choice) or
+  # "topk_softmax" (gpt-oss: biased logits, top-k, softmax over the k chosen).
+  router: str = "softmax"
   norm_topk_prob: bool = False
   n_group: int = 1
   topk_group: int = 1
@@ -317,6 +338,21 @@ class ModelConfig:
   layer_is_moe: tuple[bool, ...] = ()
   decoder_sparse_step: int = 1  # Qwen3-MoE: only layers i with (i + 1) % step == 0 may be MoE
   moe_backend: str = "auto"  # "dense" (the oracle), "ragged", "gather" or "auto" (see moe.py)
+  # Grouped matmul of the ragged backend over MXFP4 expert weights: "xla" (dequantize, then
+  # ragged_dot), "pallas" (pallas_kernels/mxfp4_gmm, dequantized tile by tile) or "auto" (XLA
+  # until the kernel has run on hardware).
+  gmm_impl: str = "auto"
+  # gpt-oss experts: biased projections, gate and up fused and interleaved in one [E, H, 2I]
+  # weight, and the clamped SwiGLU (clip(up, ±limit) + 1) · g · σ(alpha · g), g = min(gate, limit)
+  # (swiglu_limit 0: the plain SwiGLU silu(gate) · up).
+  expert_bias: bool = False
+  swiglu_limit: float = 0.0
+  swiglu_alpha: float = 1.702
+  # Attention variants (gpt-oss): per-layer sliding windows (a key is seen iff its position is
+  # > the query's − window; 0 = full attention), one per layer (empty: all full), and learned
+  # per-head sink logits that join every softmax's denominator.
+  layer_windows: tuple[int, ...] = ()
+  attention_sinks: bool = False
   # Attention over the decoding state (models/attention.py): "xla" (chunked online softmax),
   # "pallas" (the tree-attention kernel) or "auto" (XLA until the kernel is checked on hardware);
   # the XLA path reads the committed prefix in chunks of `attention_chunk` slots.
@@ -340,6 +376,10 @@ class ModelConfig:
 
   def __post_init__(self):
     self._check_types()  # before layer_is_moe is derived from num_layers and the sparse step
+    if not self.layer_windows:
+      object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+    else:
+      object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
     if not self.layer_is_moe:
       object.__setattr__(
         self,
@@ -356,6 +396,16 @@ class ModelConfig:
   @property
   def is_moe(self) -> bool:
     return self.num_experts > 0
+
+  @property
+  def fused_gate_up(self) -> bool:
+    """Experts hold gate and up as one interleaved [E, H, 2I] weight (gpt-oss's layout)."""
+    return self.architecture == "GptOssForCausalLM"
+
+  @property
+  def sliding_window(self) -> int:
+    """The largest per-layer window (0: every layer attends to the whole context)."""
+    return max(self.layer_windows, default=0)
 
   @property
   def rotary_dim(self) -> int:
@@ -405,7 +455,20 @@ class ModelConfig:
     n = changes.get("num_layers")
     if _is_int(n) and "layer_is_moe" not in changes:
       changes["layer_is_moe"] = self._layer_is_moe_at_depth(int(n))
+    if _is_int(n) and "layer_windows" not in changes:
+      changes["layer_windows"] = self._windows_at_depth(int(n))
     return dataclasses.replace(self, **changes)
+
+  def _windows_at_depth(self, n: int) -> tuple[int, ...]:
+    """`layer_windows` for `n` layers: gpt-oss's alternation (sliding at even layers) when the
+    config follows it, else the first n entries, grown by repeating the last layer's."""
+    old = self.layer_windows
+    if n < 1:
+      return old
+    w = self.sliding_window
+    if old == gpt_oss_windows(len(old), w):
+      return gpt_oss_windows(n, w)
+    return old[:n] + old[-1:] * max(0, n - len(old))
 
   def _layer_is_moe_at_depth(self, n: int) -> tuple[bool, ...]:
     """`layer_is_moe` for `n` layers under this config's rule (see `replace`)."""
@@ -446,6 +509,7 @@ class ModelConfig:
     "num_mtp_layers",
   )
   _POSITIVE_FLOATS = (
+    "swiglu_alpha",
     "rms_norm_eps",
     "rope_theta",
     "partial_rotary_factor",
@@ -458,6 +522,8 @@ class ModelConfig:
     "qk_norm",
     "tie_word_embeddings",
     "norm_topk_prob",
+    "expert_bias",
+    "attention_sinks",
   )
 
   def _need(self, cond: bool, msg: str) -> None:
@@ -491,6 +557,15 @@ class ModelConfig:
     need(
       isinstance(self.layer_is_moe, (tuple, list)),
       f"layer_is_moe must be a tuple of booleans, got {_show(self.layer_is_moe)}",
+    )
+    need(
+      _is_real(self.swiglu_limit) and math.isfinite(self.swiglu_limit) and self.swiglu_limit >= 0,
+      f"swiglu_limit must be a finite number ≥ 0, got {_show(self.swiglu_limit)}",
+    )
+    need(
+      isinstance(self.layer_windows, (tuple, list))
+      and all(_is_int(w) and w >= 0 for w in self.layer_windows),
+      f"layer_windows must be a tuple of integers ≥ 0, got {_show(self.layer_windows)}",
     )
 
   def validate(self) -> None:
@@ -560,6 +635,28 @@ class ModelConfig:
       f"unknown moe_backend {self.moe_backend!r}",
     )
     need(
+      self.gmm_impl in ("auto", "xla", "pallas"),
+      f"unknown gmm_impl {self.gmm_impl!r} (expected 'auto', 'xla' or 'pallas')",
+    )
+    need(
+      len(self.layer_windows) == self.num_layers,
+      f"layer_windows has {len(self.layer_windows)} entries but num_layers is "
+      f"{self.num_layers}: it needs one entry per layer",
+    )
+    gpt_oss = self.architecture == "GptOssForCausalLM"
+    need(
+      gpt_oss or not (self.attention_sinks or self.sliding_window),
+      "attention sinks and sliding windows are gpt-oss features (GptOssForCausalLM)",
+    )
+    need(
+      gpt_oss or not (self.expert_bias or self.swiglu_limit or self.router == "topk_softmax"),
+      "biased experts, the clamped SwiGLU and the top-k-softmax router are gpt-oss features",
+    )
+    need(
+      self.attention_impl != "pallas" or not (self.attention_sinks or self.sliding_window),
+      "the Pallas attention kernel has no sinks or sliding windows; use attention_impl='xla'",
+    )
+    need(
       self.attention_impl in ("auto", "xla", "pallas"),
       f"unknown attention_impl {self.attention_impl!r} (expected 'auto', 'xla' or 'pallas')",
     )
@@ -583,7 +680,7 @@ class ModelConfig:
         f"num_experts_per_tok must be in [1, num_experts={self.num_experts}]",
       )
       need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive")
-      need(self.router in ("softmax", "sigmoid"), f"unknown router {self.router!r}")
+      need(self.router in ("softmax", "sigmoid", "topk_softmax"), f"unknown router {self.router!r}")
       need(self.num_experts % self.n_group == 0, "n_routed_experts must divide into n_group groups")
       need(1 <= self.topk_group <= self.n_group, "topk_group must be in [1, n_group]")
       if self.router == "sigmoid" and self.n_group > 1:
@@ -629,15 +726,21 @@ class ModelConfig:
     r.require(
       "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"
     )
-    if r.flag("use_sliding_window", False) or any(
-      t != "full_attention" for t in r.strings("layer_types", ())
+    gpt_oss = arch == "GptOssForCausalLM"
+    if not gpt_oss and (
+      r.flag("use_sliding_window", False)
+      or any(t != "full_attention" for t in r.strings("layer_types", ()))
     ):
       raise r.error("sliding-window attention layers are not supported")
     if r.string("hidden_act", "silu") != "silu":
       raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
     qwen = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-    # Qwen3 rotates whole heads whatever the config says; GLM defaults to half (HF semantics).
-    rope_theta, partial = r.rope(10000.0, None if qwen else 0.5, allowed=ROPE_TYPES)
+    if gpt_oss and not (r.mapping("rope_parameters") or r.mapping("rope_scaling")):
+      r = HFConfigReader({**hf, "rope_parameters": GPT_OSS_DEFAULT_ROPE}, arch)
+    # Qwen3 and gpt-oss rotate whole heads whatever the config says; GLM defaults to half.
+    rope_theta, partial = r.rope(
+      150000.0 if gpt_oss else 10000.0, None if qwen or gpt_oss else 0.5, allowed=ROPE_TYPES
+    )
 
     hidden = r.integer("hidden_size")
     heads = r.integer("num_attention_heads")
@@ -654,8 +757,8 @@ class ModelConfig:
       rms_norm_eps=r.number("rms_norm_eps", 1e-6),
       rope_theta=rope_theta,
       rope_scaling=r.rope_scaling(r.integer("max_position_embeddings", 32768)),
-      partial_rotary_factor=1.0 if qwen else partial,
-      attention_bias=r.flag("attention_bias", False),
+      partial_rotary_factor=1.0 if qwen or gpt_oss else partial,
+      attention_bias=r.flag("attention_bias", gpt_oss),
       tie_word_embeddings=r.flag("tie_word_embeddings", False),
       max_position_embeddings=r.integer("max_position_embeddings", 32768),
       eos_token_ids=r.integers("eos_token_id", (), scalar_ok=True),
@@ -682,6 +785,39 @@ class ModelConfig:
           (i not in mlp_only) and experts > 0 and (i + 1) % sparse_step == 0
           for i in range(num_layers)
         ),
+      )
+    elif gpt_oss:
+      stated_null = "sliding_window" in hf and hf["sliding_window"] is None  # no window
+      window = None if stated_null else r.integer("sliding_window", 128)
+      if window is not None and window < 1:
+        raise r.error(f"sliding_window must be positive or null, got {window}")
+      types = r.strings("layer_types", None)
+      if types is None:
+        types = tuple(
+          "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        )
+      bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+      if bad or len(types) != num_layers:
+        raise r.error(
+          f"layer_types must name 'sliding_attention' or 'full_attention' for each of the "
+          f"{num_layers} layers, got {_show(list(types))}"
+        )
+      experts = r.first_integer(("num_local_experts", "num_experts"), 0)
+      if experts < 1:
+        raise r.error(f"num_local_experts must be positive, got {experts}")
+      kw.update(
+        attention_out_bias=kw["attention_bias"],
+        qk_norm=False,
+        num_experts=experts,
+        num_experts_per_tok=r.integer("num_experts_per_tok", 4),
+        moe_intermediate_size=kw["intermediate_size"],
+        router="topk_softmax",
+        expert_bias=True,
+        swiglu_limit=r.number("swiglu_limit", 7.0),
+        swiglu_alpha=r.number("swiglu_alpha", 1.702),
+        layer_is_moe=(True,) * num_layers,
+        layer_windows=tuple((window or 0) if t == "sliding_attention" else 0 for t in types),
+        attention_sinks=True,
       )
     elif arch == "Glm4MoeForCausalLM":
       first_dense = r.integer("first_k_dense_replace", 1)
@@ -740,6 +876,20 @@ class ModelConfig:
       hf["bos_token_id"] = self.bos_token_id
     if self.architecture == "Qwen3ForCausalLM":
       hf["model_type"] = "qwen3"
+    elif self.architecture == "GptOssForCausalLM":
+      window = self.sliding_window
+      hf.update(
+        model_type="gpt_oss",
+        intermediate_size=self.moe_intermediate_size,
+        num_local_experts=self.num_experts,
+        num_experts_per_tok=self.num_experts_per_tok,
+        swiglu_limit=self.swiglu_limit,
+        swiglu_alpha=self.swiglu_alpha,
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if w else "full_attention" for w in self.layer_windows],
+      )
+      if len(set(w for w in self.layer_windows if w)) > 1:
+        raise ConfigError(f"gpt-oss has one sliding window size, got {set(self.layer_windows)}")
     elif self.architecture == "Qwen3MoeForCausalLM":
       step = self.decoder_sparse_step
       hf.update(

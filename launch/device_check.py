@@ -144,10 +144,24 @@ class KernelCase:
 
 
 @dataclasses.dataclass(frozen=True)
+class GmmCase:
+  """One MXFP4 grouped-matmul shape: `rows` (token, expert) rows of width K, sorted over E
+  experts (random group sizes, some empty), times [E, K, N] MXFP4 weights."""
+
+  name: str
+  rows: int
+  experts: int
+  k: int
+  n: int
+  dtype: str  # activations: float32 or bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
 class Sizes:
   """Everything that differs between the device run and the CPU smoke run."""
 
   kernel_cases: tuple[KernelCase, ...]
+  gmm_cases: tuple[GmmCase, ...]
   lowerings: tuple[str, ...]  # GPU Pallas lowerings to try ("interpret" on CPU)
   kernel_tolerance: dict  # dtype -> largest ‖out − ref‖ / ‖ref‖
   time_kernels: bool
@@ -180,8 +194,22 @@ CPU_CASES = (
   KernelCase("ddtree7_s48", 2, 7, 4, 2, 16, 48, 2, "bfloat16", True, block_k=16, num_splits=2),
 )
 
+# gpt-oss-20b's expert shapes (32 experts of 2880 → 2 × 2880 and back): a decode step's
+# 4 rows × top-4, a DDTree verify block of 23 × 4, and a 512-token prefill chunk × 4.
+DEVICE_GMM_CASES = (
+  GmmCase("decode_m16", 16, 32, 2880, 5760, "bfloat16"),
+  GmmCase("verify_m92", 92, 32, 2880, 5760, "bfloat16"),
+  GmmCase("prefill_m2048", 2048, 32, 2880, 5760, "bfloat16"),
+  GmmCase("down_m92", 92, 32, 2880, 2880, "float32"),
+)
+CPU_GMM_CASES = (
+  GmmCase("m40", 40, 4, 128, 64, "float32"),
+  GmmCase("m40", 40, 4, 128, 64, "bfloat16"),
+)
+
 DEVICE = Sizes(
   kernel_cases=DEVICE_CASES,
+  gmm_cases=DEVICE_GMM_CASES,
   lowerings=("triton", "mosaic_gpu"),
   # float32 dots may run as TF32 on the GPU (~3e-4); bf16 outputs round at ~4e-3.
   kernel_tolerance={"float32": 2e-3, "fp8": 2e-3, "bfloat16": 1e-2},
@@ -214,6 +242,7 @@ DEVICE = Sizes(
 # float32 engines (batch 1, same max_len) are the speedup section's.
 CPU = Sizes(
   kernel_cases=CPU_CASES,
+  gmm_cases=CPU_GMM_CASES,
   lowerings=("interpret",),
   kernel_tolerance={"float32": 1e-5, "fp8": 1e-5, "bfloat16": 1e-2},
   time_kernels=False,
@@ -528,7 +557,57 @@ def _check_tree_attention(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
       rec.run(f"tree_attention/{case.name}/{case.dtype}/{lowering}", check)
 
 
-KERNEL_CHECKS = {"tree_attention": _check_tree_attention}
+def _gmm_inputs(case: GmmCase, seed: int = 0) -> tuple[jax.Array, ...]:
+  """x [rows, K], MXFP4 values/scales of [E, K, N] weights (real scales: quantized normal
+  weights), and group sizes drawn at random with every third expert empty."""
+  from jaxspec.quant.formats import mxfp4_quantize  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(seed)
+  kx, kw = jax.random.split(jax.random.PRNGKey(seed))  # drawn on the device: GBs of weights
+  x = jax.random.normal(kx, (case.rows, case.k), jnp.float32).astype(case.dtype)
+  w = 0.02 * jax.random.normal(kw, (case.experts, case.k, case.n), jnp.float32)
+  values, scales = jax.jit(functools.partial(mxfp4_quantize, axis=-2))(w)
+  del w
+  weights = rng.random(case.experts) * (np.arange(case.experts) % 3 != 0)
+  sizes = np.floor(weights / weights.sum() * case.rows).astype(np.int32)
+  sizes[np.argmax(weights)] += case.rows - sizes.sum()
+  return x, values, scales, jnp.asarray(sizes)
+
+
+def _check_mxfp4_gmm(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
+  """The GPU (Triton) kernel against the XLA path (dequantize + ragged_dot); on the device also
+  its time against the XLA path and the packed weight bytes per second it streams."""
+  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.mxfp4_gmm import mxfp4_gmm_gpu, mxfp4_gmm_reference
+
+  reference = jax.jit(mxfp4_gmm_reference)
+  for case in sizes.gmm_cases:
+    x, values, scales, group_sizes = _gmm_inputs(case)
+    run = functools.partial(mxfp4_gmm_gpu, x, values, scales, group_sizes, interpret=cpu)
+
+    def check(case=case, run=run, x=x, values=values, scales=scales, gs=group_sizes):
+      with jax.default_matmul_precision("highest"):
+        want = reference(x.astype(jnp.float32), values, scales, gs)
+      got = run()
+      err, max_abs, nans = _rel_err(got, want)
+      tol = sizes.kernel_tolerance[case.dtype]
+      numbers = dict(rel_err=err, max_abs=max_abs, nan=nans, tol=tol)
+      ok = nans == 0 and err <= tol
+      if ok and sizes.time_kernels:
+        kernel_s = roofline.median_seconds(run, 20)
+        numbers["kernel_us"] = 1e6 * kernel_s
+        numbers["xla_us"] = 1e6 * roofline.median_seconds(
+          lambda: reference(x, values, scales, gs), 20
+        )
+        used = int(np.count_nonzero(np.asarray(gs)))  # experts whose weights are read
+        packed = used * case.n * case.k * 17 // 32  # 4.25 bits per weight
+        numbers["packed_gb_s"] = packed / kernel_s / 1e9
+      return ("pass" if ok else "fail"), numbers
+
+    rec.run(f"mxfp4_gmm/{case.name}/{case.dtype}/{'interpret' if cpu else 'triton'}", check)
+
+
+KERNEL_CHECKS = {"tree_attention": _check_tree_attention, "mxfp4_gmm": _check_mxfp4_gmm}
 
 
 def _bundled_target(**changes: Any) -> jaxspec.TargetModel:

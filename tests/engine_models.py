@@ -7,9 +7,13 @@ cache and engine code as any model, yet its distribution over whole sequences is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
+from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
 
 
@@ -82,3 +86,26 @@ def bigram_model(table: np.ndarray) -> TargetModel:
   params["layers_0"]["mlp"]["down_proj"]["kernel"][:] = 0.0
   params["lm_head"]["kernel"] = np.log(np.maximum(table, 1e-30)).astype(np.float32)
   return TargetModel(cfg, jax.tree_util.tree_map(np.asarray, params))
+
+
+def blockwise_logits(
+  model: TargetModel, ids: np.ndarray, sizes: Sequence[int], max_len: int = 32
+) -> np.ndarray:
+  """Logits of `ids` [B, T] run through the decoding state in blocks of `sizes` (summing to
+  T), each block committed before the next: what a full causal forward must equal."""
+  b = ids.shape[0]
+  state = model.init_state(b, max_len)
+  pieces, pos = [], 0
+  for size in sizes:
+    out = target_lib.forward(
+      model.config,
+      model.params,
+      jnp.asarray(ids[:, pos : pos + size]),
+      jnp.full((b,), pos, jnp.int32),
+      state,
+    )
+    state = out.state.commit(jnp.full((b,), size, jnp.int32))
+    pieces.append(np.asarray(out.logits))
+    pos += size
+  assert pos == ids.shape[1], (sizes, ids.shape)
+  return np.concatenate(pieces, 1)

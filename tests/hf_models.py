@@ -142,6 +142,23 @@ CONFIGS = {
       num_nextn_predict_layers=0,
     ),
   ),
+  "gptoss_sliding_sinks": (
+    "GptOssConfig",
+    "GptOssForCausalLM",
+    dict(
+      vocab_size=80,
+      hidden_size=32,
+      intermediate_size=32,
+      num_hidden_layers=3,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=16,
+      num_local_experts=4,
+      num_experts_per_tok=2,
+      sliding_window=4,
+      tie_word_embeddings=False,
+    ),
+  ),
 }
 
 

@@ -47,6 +47,8 @@ def _routing_margins_one(config, logits: np.ndarray, bias: np.ndarray | None) ->
   if config.router == "softmax":
     z = np.exp(logits - logits.max(-1, keepdims=True))
     choice = z / z.sum(-1, keepdims=True)
+  elif config.router == "topk_softmax":  # gpt-oss: top-k of the (biased, as sown) logits
+    choice = logits
   else:
     choice = 1.0 / (1.0 + np.exp(-logits)) + bias[None, :].astype(np.float64)
     if config.n_group > 1:

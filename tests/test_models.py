@@ -13,7 +13,7 @@ from jaxspec.speculative import decode
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import DecodingState, FloatKV
 
-from tests import hf_models, near_ties
+from tests import engine_models, hf_models, near_ties
 
 NAMES = sorted(hf_models.CONFIGS)
 
@@ -84,20 +84,8 @@ def test_block_by_block_equals_full_forward(saved):
   b, t = 2, 13
   ids = np.random.default_rng(3).integers(0, model.config.vocab_size, (b, t))
   full = np.asarray(model.logits(ids))
-  state = model.init_state(b, 32)
-  pieces, pos = [], 0
-  for size in (4, 1, 3, 1, 4):
-    out = target_lib.forward(
-      model.config,
-      model.params,
-      jnp.asarray(ids[:, pos : pos + size]),
-      jnp.full((b,), pos, jnp.int32),
-      state,
-    )
-    state = out.state.commit(jnp.full((b,), size, jnp.int32))
-    pieces.append(np.asarray(out.logits))
-    pos += size
-  near_ties.assert_logits_match(model, ids, np.concatenate(pieces, 1), full, atol=1e-4)
+  blocks = engine_models.blockwise_logits(model, ids, (4, 1, 3, 1, 4))
+  near_ties.assert_logits_match(model, ids, blocks, full, atol=1e-4)
 
 
 def test_per_sequence_start_positions(saved):

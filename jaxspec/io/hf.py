@@ -74,6 +74,17 @@ def _layer_entries(config: ModelConfig, moe: bool) -> list[Entry]:
       ("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "same"),
       ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "same"),
     ]
+  if config.attention_sinks:
+    e.append(("self_attn.sinks", ("self_attn", "sinks"), "same"))
+  if config.fused_gate_up:  # gpt-oss: stacked experts in jaxspec's own [E, in, out] layout
+    return e + [
+      ("mlp.router.weight", ("mlp", "router"), "linear"),
+      ("mlp.router.bias", ("mlp", "router_bias"), "same"),
+      ("mlp.experts.gate_up_proj", ("mlp", "gate_up_proj"), "same"),
+      ("mlp.experts.gate_up_proj_bias", ("mlp", "gate_up_bias"), "same"),
+      ("mlp.experts.down_proj", ("mlp", "down_proj"), "same"),
+      ("mlp.experts.down_proj_bias", ("mlp", "down_bias"), "same"),
+    ]
   if not moe:
     e += [
       (f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear")
@@ -489,11 +500,11 @@ def _quantized_entries(quantization: dict | None, src: "_TensorSource", needed: 
       if f"{hf}_scale_inv" in names:
         out[hf] = ("fp8_block", (hf, f"{hf}_scale_inv"), hf)
     return out
-  if method != quantized_io.QUANT_METHOD:
+  if method not in (quantized_io.QUANT_METHOD, quantized_io.HF_MXFP4_METHOD):
     raise CheckpointError(
       f"quantization_config quant_method {method!r} is not supported (jaxspec reads its own "
-      f"{quantized_io.QUANT_METHOD!r} checkpoints and block-scaled 'fp8' ones; gpt-oss MXFP4 "
-      f"is planned)"
+      f"{quantized_io.QUANT_METHOD!r} checkpoints, gpt-oss's 'mxfp4' ones and block-scaled "
+      f"'fp8' ones)"
     )
   for hf, path, _, _ in needed:
     expert = path[-1].startswith("#")
@@ -637,6 +648,8 @@ def save_hf(
   if "fp8_block" in used:  # an imported block-scaled FP8 checkpoint: its own config
     if used != ["fp8_block"]:
       raise ConfigError(f"cannot save block-scaled FP8 weights beside {used} in one checkpoint")
+  elif quantized_io.is_hf_mxfp4(model.config, model.params):
+    hf_config["quantization_config"] = quantized_io.hf_mxfp4_config()
   elif used:
     report = model.quant_report
     hf_config["quantization_config"] = {

@@ -26,13 +26,16 @@ import json
 import struct
 from typing import Any, Optional
 
+import jax
 import ml_dtypes
 import numpy as np
 
 from jaxspec.errors import CheckpointError
 from jaxspec.quant.formats import QTensor, check_mxfp4_scales
+from jaxspec.quant.policy import path_str, role_of
 
 QUANT_METHOD = "jaxspec"
+HF_MXFP4_METHOD = "mxfp4"  # gpt-oss: MXFP4 experts, everything else unquantized
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -56,8 +59,9 @@ def expert_base(hf_name: str) -> Optional[str]:
 
 def _mx_to_hf(values: np.ndarray, scales: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
   """Stored [*other, nb, 16] / [*other, nb] (other = the weight's axes but the block axis) →
-  HF [*lead, out, in / 32, 16] / [*lead, out, in / 32]."""
-  if kind == "linear":
+  HF [*lead, out, in / 32, 16] / [*lead, out, in / 32]. gpt-oss's stacked experts ("same":
+  HF stores them [E, in, out] as jaxspec does) keep the stored layout."""
+  if kind in ("linear", "same"):
     return values, scales
   if kind == "in_heads":  # other [heads, D]: out = heads·D
     return (
@@ -75,7 +79,7 @@ def _mx_from_hf(
   values: np.ndarray, scales: np.ndarray, kind: str, shape: tuple[int, ...]
 ) -> tuple[np.ndarray, np.ndarray]:
   """Inverse of `_mx_to_hf` for a weight of jaxspec shape `shape`."""
-  if kind == "linear":
+  if kind in ("linear", "same"):
     return values, scales
   if kind == "in_heads":  # shape [H, heads, D]
     heads, d = shape[-2:]
@@ -92,6 +96,8 @@ def _mx_from_hf(
 
 
 def _fp8_to_hf(values: np.ndarray, scales: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+  if kind == "same":  # jaxspec's layout is the HF one
+    return values, scales
   if kind == "linear":
     return np.swapaxes(values, -1, -2), scales
   if kind == "in_heads":  # [H, heads, D] → [heads·D, H]; scales [heads, D] → [heads·D]
@@ -106,6 +112,8 @@ def _fp8_to_hf(values: np.ndarray, scales: np.ndarray, kind: str) -> tuple[np.nd
 def _fp8_from_hf(
   values: np.ndarray, scales: np.ndarray, kind: str, shape: tuple[int, ...]
 ) -> tuple[np.ndarray, np.ndarray]:
+  if kind == "same":
+    return values, scales
   v = np.swapaxes(values, -1, -2)
   if kind == "linear":
     return v, scales
@@ -131,6 +139,32 @@ def export_qtensor(q: QTensor, kind: str, base: str) -> dict[str, np.ndarray]:
   return {
     f"{base}.weight": np.ascontiguousarray(v.astype(F8)),
     f"{base}.weight_scale": np.ascontiguousarray(s.astype(np.float32)),
+  }
+
+
+def is_hf_mxfp4(config: Any, params: Any) -> bool:
+  """Whether a gpt-oss model holds exactly gpt-oss's published format: its routed experts
+  (and nothing else) MXFP4, so that transformers loads the checkpoint as `quant_method:
+  "mxfp4"`."""
+  if not config.fused_gate_up:
+    return False
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))
+  quantized = [(path_str(p), x) for p, x in leaves if isinstance(x, QTensor)]
+  return bool(quantized) and all(
+    x.format == "mxfp4" and role_of(p) == "experts" for p, x in quantized
+  )
+
+
+def hf_mxfp4_config() -> dict[str, Any]:
+  """The `quantization_config` of a gpt-oss MXFP4 checkpoint (what transformers reads)."""
+  return {
+    "quant_method": HF_MXFP4_METHOD,
+    "modules_to_not_convert": [
+      "model.layers.*.self_attn",
+      "model.layers.*.mlp.router",
+      "model.embed_tokens",
+      "lm_head",
+    ],
   }
 
 

@@ -24,7 +24,7 @@ Without a state (training, `TargetModel.logits`) the block attends to itself onl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +97,15 @@ def _scores(qg: jax.Array, k: jax.Array, scale: float) -> jax.Array:
   return jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
 
 
+class Window(NamedTuple):
+  """A sliding window (gpt-oss): a key at position p is seen by a query at position q iff
+  p > q − size. `size` may be traced (it differs between the layers of one scan); positions
+  [B, T] are the block's RoPE positions (tree nodes sit at start + depth)."""
+
+  size: jax.Array
+  positions: jax.Array
+
+
 def attend_xla(
   q: jax.Array,
   k_block: jax.Array,
@@ -107,20 +116,43 @@ def attend_xla(
   block_mask: jax.Array | None,
   scale: float,
   chunk: int,
+  window: Window | None = None,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
-  """q [B,T,H,D]; k/v_block [B,T,K,D] as stored; kv a state entry (or None) → [B,T,H,D]."""
+  """q [B,T,H,D]; k/v_block [B,T,K,D] as stored; kv a state entry (or None) → [B,T,H,D].
+
+  `window` restricts every query to the keys of its sliding window (the committed prefix is
+  then read from the first chunk a window reaches, so a sliding layer's cost is bounded by its
+  window, not the context); `sinks` [H] are per-head logits that join each softmax's
+  denominator and carry no value (gpt-oss): the running max and normaliser start from them.
+  """
   b, t, h, d = q.shape
   kv_heads = k_block.shape[2]
-  qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
-  carry = OnlineSoftmax.init((b, kv_heads, h // kv_heads, t), d)
-  inside = block_visibility(block_mask, b, t)[:, None, None]  # [B, 1, 1, T, T]
-  carry = _update(carry, _scores(qg, k_block.astype(q.dtype), scale), inside, v_block)
+  groups = h // kv_heads
+  qg = q.reshape(b, t, kv_heads, groups, d)
+  carry = OnlineSoftmax.init((b, kv_heads, groups, t), d)
+  if sinks is not None:
+    m0 = jnp.broadcast_to(
+      sinks.astype(jnp.float32).reshape(kv_heads, groups)[None, :, :, None], carry[0].shape
+    )
+    carry = (m0, jnp.ones_like(m0), carry[2])
+  inside = block_visibility(block_mask, b, t)  # [B, T, T]
+  if window is not None:
+    pos = window.positions
+    inside = inside & (pos[:, None, :] > pos[:, :, None] - window.size)
+  carry = _update(
+    carry, _scores(qg, k_block.astype(q.dtype), scale), inside[:, None, None], v_block
+  )
 
   if kv is not None:
     size = min(chunk, kv.max_len)
     ring = isinstance(kv, state_lib.RingKV)  # its slots hold the positions it records
     live = kv.live_slots(start) if ring else jnp.max(start)
     num_chunks = (live + size - 1) // size
+    first_chunk = 0
+    if window is not None and not ring:  # no query sees a slot ≤ (its position − window)
+      lowest = jnp.min(window.positions) - window.size + 1
+      first_chunk = jnp.clip(lowest, 0, None) // size
 
     def body(c, carry):
       # The last chunk may be clamped to end at max_len; `first` drops slots read before.
@@ -130,15 +162,19 @@ def attend_xla(
       slots = offset + jnp.arange(size)
       fresh = slots[None, :] >= first
       if ring:
-        pos = kv.slot_positions(layer, offset, size)
+        key_pos = kv.slot_positions(layer, offset, size)  # [B, S]
         floor = jnp.maximum(kv.floor, 0)[:, None]  # empty slots hold −1
-        visible = (pos >= floor) & (pos < start[:, None]) & fresh
+        visible = (key_pos >= floor) & (key_pos < start[:, None]) & fresh
       else:
+        key_pos = jnp.broadcast_to(slots[None, :], (b, size))  # a slot holds its position
         visible = (slots[None, :] < start[:, None]) & fresh  # [B, S]
+      visible = visible[:, None, :]  # [B, 1, S]: the same for every query of the block
+      if window is not None:
+        visible = visible & (key_pos[:, None, :] > window.positions[:, :, None] - window.size)
       scores = _scores(qg, k.astype(q.dtype), scale)
-      return _update(carry, scores, visible[:, None, None, None, :], v.astype(q.dtype))
+      return _update(carry, scores, visible[:, None, None], v.astype(q.dtype))
 
-    carry = jax.lax.fori_loop(0, num_chunks, body, carry)
+    carry = jax.lax.fori_loop(first_chunk, num_chunks, body, carry)
 
   out = OnlineSoftmax.finish(carry)  # [B, K, G, T, D]
   return jnp.moveaxis(out, 3, 1).reshape(b, t, h, d).astype(q.dtype)
@@ -191,11 +227,17 @@ def attention(
   scale: float,
   impl: str = "auto",
   chunk: int = 256,
+  window: Window | None = None,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
   """Writes the block's k/v [B,T,K,D] into `kv` (if any) and attends; returns (out, kv)."""
+  extras = dict(window=window, sinks=sinks)
   if kv is None:
-    return attend_xla(q, k, v, None, layer, start, block_mask, scale, chunk), None
+    return attend_xla(q, k, v, None, layer, start, block_mask, scale, chunk, **extras), None
   kv, k_block, v_block = kv.write(layer, start, k, v)
   if resolve_impl(impl) == "pallas":
+    if window is not None or sinks is not None:
+      raise ConfigError("the Pallas attention kernel has no sinks or sliding windows")
     return attend_pallas(q, kv, layer, start, block_mask, scale), kv
-  return attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk), kv
+  out = attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk, **extras)
+  return out, kv

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
+from jaxspec.models import attention as attention_lib
 from jaxspec.models.layers import (
   MLP,
   Attention,
@@ -68,12 +69,15 @@ class DecoderLayer(nn.Module):
     sin: jax.Array,
     start: jax.Array,
     block_mask: jax.Array | None,
+    positions: jax.Array | None = None,
+    windows: jax.Array | None = None,
   ):
     h, kv, layer = carry
     c = self.config
     norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, name=name)
+    window = None if windows is None else attention_lib.Window(windows[layer], positions)
     attn_out, kv = Attention(c, name="self_attn")(
-      norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask
+      norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, window
     )
     h = h + attn_out
     x = norm("post_attention_layernorm")(h)
@@ -96,11 +100,11 @@ class LayerRun(nn.Module):
   length: int
 
   @nn.compact
-  def __call__(self, carry: tuple, cos, sin, start, block_mask):
+  def __call__(self, carry: tuple, cos, sin, start, block_mask, positions=None, windows=None):
     outs = []
     for j in range(self.length):
       carry, h = DecoderLayer(self.config, self.moe, name=str(j))(
-        carry, cos, sin, start, block_mask
+        carry, cos, sin, start, block_mask, positions, windows
       )
       outs.append(h)
     return carry, jnp.stack(outs)
@@ -135,6 +139,18 @@ def unstack_layer_params(config: ModelConfig, params: Any) -> Any:
   return out
 
 
+FULL_WINDOW = 2**30  # a window no context reaches: full attention in a layer scan with windows
+
+
+def layer_windows(config: ModelConfig, first: int, n: int) -> jax.Array | None:
+  """int32 [n]: the sliding window of layers first..first+n-1 (FULL_WINDOW for full-attention
+  layers), or None when none of them slides (then no window mask is built at all)."""
+  windows = config.layer_windows[first : first + n]
+  if not any(windows):
+    return None
+  return jnp.asarray([w or FULL_WINDOW for w in windows], jnp.int32)
+
+
 def _stack(config: ModelConfig, moe: bool, length: int, name: str) -> nn.Module:
   if not config.scan_layers:
     return LayerRun(config, moe, length, name=name)
@@ -142,7 +158,7 @@ def _stack(config: ModelConfig, moe: bool, length: int, name: str) -> nn.Module:
     DecoderLayer,
     variable_axes={"params": 0, "intermediates": 0},
     split_rngs={"params": True},
-    in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+    in_axes=(nn.broadcast,) * 6,
     length=length,
     metadata_params={nn.PARTITION_NAME: "layers"},
   )
@@ -254,9 +270,17 @@ class Decoder(nn.Module):
     cos, sin = self._rope(positions)
     h = self.embed_tokens(tokens)
     per_layer, entries = [], []
-    for i, stack in enumerate(self.stacks):
+    for i, (stack, (first, n, _)) in enumerate(zip(self.stacks, self.config.segments())):
       kv = None if state is None else state.segments[i]
-      (h, kv, _), hs = stack((h, kv, jnp.int32(0)), cos, sin, start, block_mask)
+      (h, kv, _), hs = stack(
+        (h, kv, jnp.int32(0)),
+        cos,
+        sin,
+        start,
+        block_mask,
+        positions,
+        layer_windows(self.config, first, n),
+      )
       per_layer.append(hs)
       entries.append(kv)
     if state is not None:

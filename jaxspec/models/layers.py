@@ -221,7 +221,9 @@ class Attention(nn.Module):
   """GQA self-attention of a block over [committed prefix in the decoding state; the block].
 
   `kv` is this layer segment's state entry (jaxspec/state.py) or None (no cache: the block
-  attends to itself only); `layer` indexes the segment's stacked layers. Returns (out, kv).
+  attends to itself only); `layer` indexes the segment's stacked layers; `window` is this
+  layer's sliding window, if any. gpt-oss adds learned per-head sink logits (`sinks`).
+  Returns (out, kv).
   """
 
   config: ModelConfig
@@ -236,6 +238,7 @@ class Attention(nn.Module):
     cos: jax.Array,
     sin: jax.Array,
     block_mask: jax.Array | None,
+    window: attention_lib.Window | None = None,
   ) -> tuple[jax.Array, Any]:
     c = self.config
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
@@ -265,6 +268,14 @@ class Attention(nn.Module):
       k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm")(k)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    sinks = None
+    if c.attention_sinks:
+      sinks = self.param(
+        "sinks",
+        nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)),
+        (c.num_heads,),
+        dtype_of(c.param_dtype),
+      )
     out, kv = attention_lib.attention(
       q,
       k,
@@ -276,6 +287,8 @@ class Attention(nn.Module):
       c.head_dim**-0.5,
       c.attention_impl,
       c.attention_chunk,
+      window=window,
+      sinks=sinks,
     )
     out = Dense(
       (c.hidden_size,),

@@ -16,20 +16,29 @@ Expert backends (same numbers, different cost):
 
 from __future__ import annotations
 
+import functools
+from typing import Any, Callable, NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
 from jaxspec.models.layers import MLP, dtype_of, normal_init, weight
-from jaxspec.quant.formats import materialize, take
+from jaxspec.quant.formats import is_quantized, materialize, take
 
 
 def route(
   config: ModelConfig, logits: jax.Array, correction_bias: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
-  """Top-k routing. logits [N, E] float32 → (weights [N, k] float32, expert ids [N, k] int32)."""
+  """Top-k routing. logits [N, E] float32 → (weights [N, k] float32, expert ids [N, k] int32).
+
+  For "topk_softmax" (gpt-oss) the logits already include the router's bias.
+  """
   k = config.num_experts_per_tok
+  if config.router == "topk_softmax":
+    top, ids = jax.lax.top_k(logits, k)
+    return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
   if config.router == "softmax":
     probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = jax.lax.top_k(probs, k)
@@ -56,46 +65,107 @@ def route(
   return weights * config.routed_scaling_factor, ids.astype(jnp.int32)
 
 
-def experts_dense(
-  x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
-) -> jax.Array:
-  """Every expert on every token; x [N,H], gate/up [E,H,I], down [E,I,H] → [N,H]."""
-  num_experts = gate.shape[0]
+class Experts(NamedTuple):
+  """One MoE layer's routed experts, each weight an array or a QTensor (jaxspec.quant).
+
+  ins: the input projections, (gate [E, H, I], up [E, H, I]) or gpt-oss's fused
+    (gate_up [E, H, 2I],); in_biases: their biases ([E, I] / [E, 2I]) or None.
+  down: [E, I, H]; down_bias: [E, H] or None.
+  act: float32 outputs of the input projections → the down projection's input.
+  """
+
+  ins: tuple[Any, ...]
+  in_biases: tuple[jax.Array, ...] | None
+  down: Any
+  down_bias: jax.Array | None
+  act: Callable[..., jax.Array]
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  return jax.nn.silu(gate) * up
+
+
+def clamped_swiglu(gate_up: jax.Array, limit: float, alpha: float) -> jax.Array:
+  """gpt-oss's activation over the interleaved gate/up output [..., 2I] (gate at even
+  features): (clip(up, ±limit) + 1) · g · σ(alpha · g) with g = min(gate, limit)."""
+  gate = jnp.minimum(gate_up[..., 0::2], limit)
+  up = jnp.clip(gate_up[..., 1::2], -limit, limit)
+  return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def _biases(w: Experts) -> tuple:
+  return w.in_biases if w.in_biases is not None else (None,) * len(w.ins)
+
+
+def experts_dense(x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts) -> jax.Array:
+  """Every expert on every token, combined with a sparse weight matrix: x [N, H] → [N, H]."""
+  dt = x.dtype
+  num_experts = w.down.shape[0]
   combine = (
     jnp.zeros((x.shape[0], num_experts), jnp.float32)
     .at[jnp.arange(x.shape[0])[:, None], ids]
     .add(weights)
   )
-  g = jnp.einsum("nh,ehi->nei", x, gate, preferred_element_type=jnp.float32)
-  u = jnp.einsum("nh,ehi->nei", x, up, preferred_element_type=jnp.float32)
-  hmid = (jax.nn.silu(g) * u).astype(x.dtype)
-  y = jnp.einsum("nei,eih->neh", hmid, down, preferred_element_type=jnp.float32)
-  return jnp.einsum("neh,ne->nh", y, combine).astype(x.dtype)
+  hs = []
+  for m, b in zip(w.ins, _biases(w)):
+    h = jnp.einsum("nh,ehi->nei", x, materialize(m, dt), preferred_element_type=jnp.float32)
+    hs.append(h if b is None else h + b.astype(jnp.float32)[None])
+  hmid = w.act(*hs).astype(dt)
+  y = jnp.einsum("nei,eih->neh", hmid, materialize(w.down, dt), preferred_element_type=jnp.float32)
+  if w.down_bias is not None:
+    y = y + w.down_bias.astype(jnp.float32)[None]
+  return jnp.einsum("neh,ne->nh", y, combine).astype(dt)
+
+
+def grouped_matmul(xs: jax.Array, w: Any, group_sizes: jax.Array, impl: str = "auto") -> jax.Array:
+  """Rows of xs [M, K] grouped by expert (sizes [E]) times their expert's w [E, K, N] → float32.
+
+  An MXFP4 weight goes to the Pallas grouped matmul (pallas_kernels/mxfp4_gmm, dequantized
+  tile by tile) with impl="pallas"; otherwise (and for impl "auto"/"xla") the weight is
+  dequantized and `jax.lax.ragged_dot` runs.
+  """
+  if impl == "pallas" and is_quantized(w) and w.format == "mxfp4" and w.axes == (-2,):
+    from pallas_kernels.mxfp4_gmm import mxfp4_gmm  # pylint: disable=import-outside-toplevel
+
+    return mxfp4_gmm(
+      xs,
+      w.values,
+      w.scales,
+      group_sizes,
+      impl="pallas",
+      interpret=jax.default_backend() == "cpu",
+      preferred_element_type=jnp.float32,
+    )
+  return jax.lax.ragged_dot(
+    xs, materialize(w, xs.dtype), group_sizes, preferred_element_type=jnp.float32
+  )
 
 
 def experts_ragged(
-  x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+  x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts, impl: str = "auto"
 ) -> jax.Array:
-  """Tokens sorted by expert, grouped matmuls via ragged_dot; same result as experts_dense."""
+  """Tokens sorted by expert, grouped matmuls (`grouped_matmul`); same result as experts_dense."""
   n, k = ids.shape
-  num_experts = gate.shape[0]
+  num_experts = w.down.shape[0]
   flat_ids = ids.reshape(-1)
   order = jnp.argsort(flat_ids, stable=True)
   token_of = order // k
+  expert_of = flat_ids[order]
   xs = x[token_of]
   group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-  pet = jnp.float32 if x.dtype == jnp.float32 else None
-  g = jax.lax.ragged_dot(xs, gate, group_sizes, preferred_element_type=pet)
-  u = jax.lax.ragged_dot(xs, up, group_sizes, preferred_element_type=pet)
-  hmid = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
-  y = jax.lax.ragged_dot(hmid, down, group_sizes, preferred_element_type=jnp.float32)
+  hs = []
+  for m, b in zip(w.ins, _biases(w)):
+    h = grouped_matmul(xs, m, group_sizes, impl)
+    hs.append(h if b is None else h + b.astype(jnp.float32)[expert_of])
+  hmid = w.act(*hs).astype(x.dtype)
+  y = grouped_matmul(hmid, w.down, group_sizes, impl)
+  if w.down_bias is not None:
+    y = y + w.down_bias.astype(jnp.float32)[expert_of]
   y = y * weights.reshape(-1)[order][:, None]
   return jnp.zeros((n, x.shape[1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
 
 
-def experts_gather(
-  x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
-) -> jax.Array:
+def experts_gather(x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts) -> jax.Array:
   """Reads only the selected experts' weights per token: the decode path.
 
   With N·k (token, expert) pairs below the number of experts this touches fewer weight bytes
@@ -103,11 +173,15 @@ def experts_gather(
   quantized (jaxspec.quant): only the selected experts are dequantized.
   """
   dt = x.dtype
-  g = jnp.einsum("nh,nkhi->nki", x, take(gate, ids, dt), preferred_element_type=jnp.float32)
-  u = jnp.einsum("nh,nkhi->nki", x, take(up, ids, dt), preferred_element_type=jnp.float32)
-  hmid = (jax.nn.silu(g) * u).astype(x.dtype)
-  y = jnp.einsum("nki,nkih->nkh", hmid, take(down, ids, dt), preferred_element_type=jnp.float32)
-  return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
+  hs = []
+  for m, b in zip(w.ins, _biases(w)):
+    h = jnp.einsum("nh,nkhi->nki", x, take(m, ids, dt), preferred_element_type=jnp.float32)
+    hs.append(h if b is None else h + b.astype(jnp.float32)[ids])
+  hmid = w.act(*hs).astype(dt)
+  y = jnp.einsum("nki,nkih->nkh", hmid, take(w.down, ids, dt), preferred_element_type=jnp.float32)
+  if w.down_bias is not None:
+    y = y + w.down_bias.astype(jnp.float32)[ids]
+  return jnp.einsum("nkh,nk->nh", y, weights).astype(dt)
 
 
 EXPERT_BACKENDS = {"dense": experts_dense, "ragged": experts_ragged, "gather": experts_gather}
@@ -129,11 +203,41 @@ class MoE(nn.Module):
 
   config: ModelConfig
 
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def _expert_param(self, name: str, axes: tuple, shape: tuple, dtype: Any) -> Any:
+    return weight(self, name, nn.with_logical_partitioning(normal_init(), axes), shape, dtype)
+
+  def _bias(self, name: str, axes: tuple, shape: tuple) -> jax.Array:
+    init = nn.with_logical_partitioning(nn.initializers.zeros, axes)
+    return self.param(name, init, shape, dtype_of(self.config.param_dtype))
+
+  def experts(self) -> Experts:
+    """This layer's expert weights (created at init): separate gate/up, or gpt-oss's fused,
+    interleaved gate_up with biases and the clamped SwiGLU."""
     c = self.config
     pdt = dtype_of(c.param_dtype)
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    if c.fused_gate_up:
+      ins = (self._expert_param("gate_up_proj", ("expert", "embed", "mlp"), (e, h, 2 * i), pdt),)
+      act = functools.partial(clamped_swiglu, limit=c.swiglu_limit, alpha=c.swiglu_alpha)
+    else:
+      ins = tuple(
+        self._expert_param(name, ("expert", "embed", "mlp"), (e, h, i), pdt)
+        for name in ("gate_proj", "up_proj")
+      )
+      act = swiglu
+    down = self._expert_param("down_proj", ("expert", "mlp", "embed"), (e, i, h), pdt)
+    in_biases = down_bias = None
+    if c.expert_bias:
+      width = ins[0].shape[-1]
+      names = ("gate_up_bias",) if c.fused_gate_up else ("gate_bias", "up_bias")
+      in_biases = tuple(self._bias(n, ("expert", "mlp"), (e, width)) for n in names)
+      down_bias = self._bias("down_bias", ("expert", "embed"), (e, h))
+    return Experts(ins, in_biases, down, down_bias, act)
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
+    e, h = c.num_experts, c.hidden_size
     router = weight(
       self,
       "router",
@@ -149,32 +253,21 @@ class MoE(nn.Module):
         (e,),
         jnp.float32,
       )
-    gate = weight(
-      self,
-      "gate_proj",
-      nn.with_logical_partitioning(normal_init(), ("expert", "embed", "mlp")),
-      (e, h, i),
-      pdt,
-    )
-    up = weight(
-      self,
-      "up_proj",
-      nn.with_logical_partitioning(normal_init(), ("expert", "embed", "mlp")),
-      (e, h, i),
-      pdt,
-    )
-    down = weight(
-      self,
-      "down_proj",
-      nn.with_logical_partitioning(normal_init(), ("expert", "mlp", "embed")),
-      (e, i, h),
-      pdt,
-    )
+    elif c.router == "topk_softmax":
+      bias = self.param(
+        "router_bias",
+        nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+        (e,),
+        jnp.float32,
+      )
+    experts = self.experts()
 
     lead = x.shape[:-1]
     xf = x.reshape(-1, h)
     # The router runs in float32 (HF keeps gate.weight and the bias in fp32 too).
     logits = xf.astype(jnp.float32) @ materialize(router, jnp.float32)
+    if c.router == "topk_softmax":
+      logits = logits + bias
     weights, ids = route(c, logits, bias)
     # Routing statistics (no-ops unless 'intermediates' is mutable): the raw router logits
     # [N, E] (routing margins for parity checks, router sensitivity for quantization), the
@@ -185,23 +278,16 @@ class MoE(nn.Module):
       "expert_load",
       jnp.bincount(ids.reshape(-1), length=e).astype(jnp.float32) / ids.size,
     )
-    scores = jax.nn.softmax(logits) if c.router == "softmax" else jax.nn.sigmoid(logits)
+    scores = jax.nn.sigmoid(logits) if c.router == "sigmoid" else jax.nn.softmax(logits)
     self.sow(
       "intermediates", "router_score", jnp.mean(scores / jnp.sum(scores, -1, keepdims=True), axis=0)
     )
     dt = dtype_of(c.dtype)
     backend = pick_backend(c.moe_backend, ids.size, e)
-    if backend == "gather":  # reads (and dequantizes) only the selected experts
-      y = experts_gather(xf.astype(dt), weights, ids, gate, up, down)
-    else:
-      y = EXPERT_BACKENDS[backend](
-        xf.astype(dt),
-        weights,
-        ids,
-        materialize(gate, dt),
-        materialize(up, dt),
-        materialize(down, dt),
-      )
+    if backend == "ragged":
+      y = experts_ragged(xf.astype(dt), weights, ids, experts, c.gmm_impl)
+    else:  # gather reads (and dequantizes) only the selected experts
+      y = EXPERT_BACKENDS[backend](xf.astype(dt), weights, ids, experts)
     y = y.reshape(*lead, h)
     if c.n_shared_experts:
       y = y + MLP(c, c.shared_intermediate_size, name="shared_experts")(x)

@@ -4,14 +4,15 @@ A rule's pattern matches a weight's role or its parameter path; the first matchi
 decides the weight's format ("mxfp4", "fp8" or "none"), and a weight no rule matches stays as
 it is. Roles, from the parameter tree:
 
-  experts          routed expert matrices (gate_proj / up_proj / down_proj of MoE layers)
+  experts          routed expert matrices (gate_proj / up_proj / down_proj of MoE layers;
+                   gpt-oss's fused gate_up_proj)
   shared_experts   the always-on shared experts of MoE layers
   mlp              dense feed-forward layers
   attention        q / k / v / o projections
   router           MoE router weights (float32, as HF keeps them)
   lm_head          an untied LM head
   mtp              everything in the MTP layers
-  embed, norm, bias   never quantized
+  embed, norm, bias   never quantized (bias includes gpt-oss's attention sinks)
 
 A pattern "role@N" matches that role in layer N only (per-layer policies, as the sensitivity
 profiler writes them; they need the per-layer layout, `scan_layers=False`). A path pattern is
@@ -79,7 +80,9 @@ def role_of(path: str) -> str:
     return "shared_experts"
   if leaf == "router":
     return "router"
-  if leaf in ("gate_proj", "up_proj", "down_proj") and "mlp" in parts:
+  if leaf == "sinks":
+    return "bias"  # one logit per head
+  if leaf in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") and "mlp" in parts:
     return "experts"
   return "mlp"
 
