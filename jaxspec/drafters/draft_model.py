@@ -115,7 +115,7 @@ class DraftModelDrafter(Drafter):
       logits_index=ctx.seq_len - 1 - valid,
     )
     first_logits = out.logits[:, 0]  # at the root
-    keys = jax.random.split(ctx.key, self.gamma)
+    keys = sampling.split_key(ctx.key, self.gamma)
     temp = jnp.where(sampling.is_greedy(ctx.sampling), 1.0, ctx.sampling.temperature)
 
     def draw(logits, key):

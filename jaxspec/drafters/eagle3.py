@@ -598,7 +598,7 @@ class Eagle3Drafter(Drafter):
   ) -> tuple[Proposal, Eagle3State]:
     rows = jnp.arange(ctx.tokens.shape[0])
     root = ctx.tokens[rows, ctx.seq_len - 1]
-    keys = jax.random.split(ctx.key, self.gamma)
+    keys = sampling.split_key(ctx.key, self.gamma)
 
     def step(carry, key):
       kv, tok, hidden, pos = carry

@@ -137,7 +137,7 @@ class MTPDrafter(Drafter):
   def propose(self, params: Any, state: MTPState, ctx: ProposeContext) -> tuple[Proposal, MTPState]:
     rows = jnp.arange(ctx.tokens.shape[0])
     root = ctx.tokens[rows, ctx.seq_len - 1]
-    keys = jax.random.split(ctx.key, self.gamma)
+    keys = sampling.split_key(ctx.key, self.gamma)
 
     def step(carry, key):
       cache, tok, hidden, pos = carry

@@ -14,6 +14,13 @@ the accepted path committed into place in the decoding state; see docs/tree.md).
 
 With `drafter=None` the same engine is plain decoding (one token per target pass): the baseline
 every speedup is measured against.
+
+Slots: every batch row is an independent sequence with its own PRNG key, stop ids and sampling
+parameters, so rows can come and go between calls of the loop (continuous batching,
+jaxspec/serve/): `prefill_row` prefills one request as a one-row state, `insert` puts it into a
+free row of the engine's state, `evict` frees a row, and `run` advances every live row by up to
+k steps. None of them recompiles after warm-up (`warm_up_slots`); a request's output does not
+depend on the row it runs in or on its neighbours (up to float rounding of batched kernels).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from jaxspec.state import KV_FORMATS, DecodingState
 from jaxspec.speculative import decode, metrics, sampling, tree as tree_lib, tree_verify, verify
 from jaxspec.speculative.request import Request
 
-MAX_STOP_IDS = 8
+MAX_STOP_IDS = 8  # EngineConfig.max_stop_ids' default
+_NO_STEP_LIMIT = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +64,8 @@ class EngineConfig:
   prefill_chunk: prompts longer than this are prefilled this many positions at a time, so
     prefill activations (and the features handed to the drafter) are bounded by the chunk.
   stop_ids: extra stop token ids (the model's eos ids are added unless use_eos is False).
+  max_stop_ids: stop ids each sequence can hold: the engine's (stop_ids and eos) plus those of
+    its request (`stop_token_ids`); a static shape, so a larger capacity is one compilation.
   stream_every: steps per host round trip in `stream`.
   kv_format: how the target's KV cache is stored: "float" (the activation dtype) or "fp8"
     (E4M3 with a float32 scale per token and KV head; see jaxspec/state.py).
@@ -74,6 +84,7 @@ class EngineConfig:
   prefill_chunk: int = 2048
   stop_ids: tuple[int, ...] = ()
   use_eos: bool = True
+  max_stop_ids: int = MAX_STOP_IDS
   stream_every: int = 4
   kv_format: str = "float"
   # Measured fastest on the bundled target + DFlash drafter on CPU (sweep 4..64 in
@@ -102,6 +113,7 @@ class EngineConfig:
     whole("min_prompt_bucket", 1)
     whole("prefill_chunk", 1)
     whole("stream_every", 1)
+    whole("max_stop_ids", 1)
     need(
       isinstance(self.stop_ids, tuple)
       and all(
@@ -150,11 +162,14 @@ class SpecState:
   max_new: jax.Array  # [B] generation budget per sequence
   target_state: DecodingState  # the target's decoding state for tokens[:, :seq_len-1]
   drafter_state: Any
-  key: jax.Array
+  keys: jax.Array  # [B, 2] uint32 row keys (sampling.row_keys): row b draws from its own
   done: jax.Array  # [B] bool
   sampling: sampling.SamplingParams
-  stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded
+  stop_ids: jax.Array  # [B, max_stop_ids] int32 per row, -1 padded
   stats: metrics.SpecStats
+  # [B, L] float32: the target's log-probability (raw distribution: temperature 1, no top-k/p)
+  # of each generated token at its slot; 0 at prompt slots.
+  logprobs: jax.Array
 
   @property
   def num_generated(self) -> jax.Array:
@@ -165,6 +180,8 @@ class GenerateOutput(NamedTuple):
   texts: Optional[list[str]]
   tokens: list[list[int]]
   stats: Any
+  # Per prompt, the target's log-probability of each generated token (raw distribution).
+  logprobs: Optional[list[list[float]]] = None
 
 
 @dataclasses.dataclass
@@ -187,7 +204,16 @@ class GenerationStats:
 
 
 def _is_stop(tok: jax.Array, stop_ids: jax.Array) -> jax.Array:
-  return jnp.any(tok[..., None] == stop_ids, axis=-1)
+  """tok [B, ...] against each row's stop ids [B, S] → bool [B, ...]."""
+  per_row = stop_ids.reshape(stop_ids.shape[0], *([1] * (tok.ndim - 1)), stop_ids.shape[-1])
+  return jnp.any(tok[..., None] == per_row, axis=-1)
+
+
+def _token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """log softmax(logits)[token]: logits [B, ..., V], tokens [B, ...] → float32 [B, ...]."""
+  logits = logits.astype(jnp.float32)
+  picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def prefill(
@@ -200,7 +226,7 @@ def prefill(
   max_new: jax.Array,
   active: jax.Array,
   params: sampling.SamplingParams,
-  key: jax.Array,
+  keys: jax.Array,
   stop_ids: jax.Array,
   num_chunks: jax.Array,
   chunk: int,
@@ -216,13 +242,13 @@ def prefill(
   batch, max_len = tokens.shape
   taps = drafter.taps if drafter is not None else ()
   rows = jnp.arange(batch)
-  key, sub = jax.random.split(key)
+  keys, sub = sampling.split_key(keys)
   drafter_state = ()
   if drafter is not None:
     drafter_state = drafter.init_state(drafter_params, batch, max_len)
 
   def body(c, carry):
-    target_state, drafter_state, tokens = carry
+    target_state, drafter_state, tokens, logprobs = carry
     start = c * chunk
     logits, in_chunk, target_state, chunk_taps, hidden = decode.prefill_chunk(
       config, target_params, tokens, start, chunk, prompt_len, target_state, taps
@@ -230,13 +256,20 @@ def prefill(
     # Same key for every chunk: a row's first token is what one-shot prefill would sample.
     first = jnp.where(in_chunk, sampling.sample(sub, logits, params), tokens[rows, prompt_len])
     tokens = tokens.at[rows, prompt_len].set(first)
+    lp = jnp.where(in_chunk, _token_logprobs(logits, first), logprobs[rows, prompt_len])
+    logprobs = logprobs.at[rows, prompt_len].set(lp)
     if drafter is not None:
       ctx = PrefillContext(tokens, prompt_len, chunk_taps, hidden, start)
       drafter_state = drafter.prefill(drafter_params, drafter_state, ctx)
-    return target_state, drafter_state, tokens
+    return target_state, drafter_state, tokens, logprobs
 
-  init = (DecodingState.create(config, batch, max_len, kv_format), drafter_state, tokens)
-  target_state, drafter_state, tokens = jax.lax.fori_loop(0, num_chunks, body, init)
+  init = (
+    DecodingState.create(config, batch, max_len, kv_format),
+    drafter_state,
+    tokens,
+    jnp.zeros((batch, max_len), jnp.float32),
+  )
+  target_state, drafter_state, tokens, logprobs = jax.lax.fori_loop(0, num_chunks, body, init)
   first = tokens[rows, prompt_len]
   gamma = drafter.gamma if drafter is not None else 0
   done = ~active | _is_stop(first, stop_ids) | (max_new <= 1)
@@ -247,21 +280,29 @@ def prefill(
     max_new=max_new,
     target_state=target_state.with_lengths(prompt_len),
     drafter_state=drafter_state,
-    key=key,
+    keys=keys,
     done=done,
     sampling=params,
     stop_ids=stop_ids,
     stats=metrics.init_stats(batch, gamma),
+    logprobs=logprobs,
   )
 
 
 def _commit_tokens(
-  state: SpecState, drafts: jax.Array, num_accepted: jax.Array, next_token: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """Writes accepted drafts [B, D] (first num_accepted) then next_token into the buffer.
+  state: SpecState,
+  drafts: jax.Array,
+  num_accepted: jax.Array,
+  next_token: jax.Array,
+  logits: jax.Array,
+  source: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Writes accepted drafts [B, D] (first num_accepted) then next_token into the buffer, with
+  their log-probs: new token j was drawn from the verify block's logits [B, T, V] at index
+  source[b, j] ([B, D+1]: j for a chain, the accepted path's node for a tree).
 
   The new tokens are cut at each sequence's budget and after its first stop token; finished
-  sequences commit nothing. Returns (tokens, seq_len, done, count committed).
+  sequences commit nothing. Returns (tokens, logprobs, seq_len, done, count committed).
   """
   batch, max_len = state.tokens.shape
   rows = jnp.arange(batch)
@@ -279,9 +320,11 @@ def _commit_tokens(
 
   slots = jnp.where(keep, state.seq_len[:, None] + j, max_len)
   tokens = state.tokens.at[rows[:, None], slots].set(new, mode="drop")
+  new_logprobs = _token_logprobs(logits[rows[:, None], source], new)
+  logprobs = state.logprobs.at[rows[:, None], slots].set(new_logprobs, mode="drop")
   seq_len = state.seq_len + count
   done = state.done | jnp.any(stop_here, axis=1) | (seq_len - state.prompt_len >= state.max_new)
-  return tokens, seq_len, done, count
+  return tokens, logprobs, seq_len, done, count
 
 
 def _verify_block(
@@ -328,7 +371,7 @@ def step(
   """
   batch = state.tokens.shape[0]
   rows = jnp.arange(batch)
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  keys, k_draft, k_verify = sampling.split_key(state.keys, 3)
   root = state.tokens[rows, state.seq_len - 1]
   start = state.seq_len - 1  # the root's slot: the state holds everything before it
 
@@ -366,8 +409,14 @@ def step(
       k_verify, built, out.logits, state.sampling, drafter.gamma, tree.rule
     )
     drafts = tree_verify.path_tokens(built, path)
+  # Where each new token's distribution sits in the block: position j, or the path's node j.
+  source = jnp.broadcast_to(jnp.arange(drafts.shape[1] + 1), (batch, drafts.shape[1] + 1))
+  if path is not None:
+    source = path
 
-  tokens, seq_len, done, count = _commit_tokens(state, drafts, num_accepted, next_token)
+  tokens, logprobs, seq_len, done, count = _commit_tokens(
+    state, drafts, num_accepted, next_token, out.logits, source
+  )
   target_state = out.state if path is None else out.state.commit_path(path)
   target_state = target_state.with_lengths(seq_len - 1)
   stats = metrics.update_stats(state.stats, num_accepted, ~state.done, count)
@@ -387,9 +436,10 @@ def step(
     seq_len=seq_len,
     target_state=target_state,
     drafter_state=drafter_state,
-    key=key,
+    keys=keys,
     done=done,
     stats=stats,
+    logprobs=logprobs,
   )
 
 
@@ -399,10 +449,11 @@ def run_loop(
   target_params: Any,
   drafter_params: Any,
   state: SpecState,
-  max_steps: Optional[int] = None,
+  max_steps: Optional[jax.Array] = None,
   tree: Optional[TreeOptions] = None,
 ) -> SpecState:
-  """`step` in a while_loop until every sequence is done (or max_steps, for streaming)."""
+  """`step` in a while_loop until every sequence is done or after `max_steps` steps (a traced
+  int32, so streaming and slot serving at any chunk size share one program; None: no limit)."""
 
   def cond(carry):
     s, i = carry
@@ -415,6 +466,23 @@ def run_loop(
 
   state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
   return state
+
+
+def insert_row(axes: Any, state: SpecState, slot: jax.Array, row: SpecState) -> SpecState:
+  """Row `slot` of every batched leaf of `state` ← the one-row state `row` (`axes`: each leaf's
+  batch axis, None for shared leaves, which keep `state`'s)."""
+
+  def put(ax, x, r):
+    if ax is None:
+      return x
+    return jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=ax)
+
+  return jax.tree_util.tree_map(put, axes, state, row)
+
+
+def evict_rows(state: SpecState, rows: jax.Array) -> SpecState:
+  """The rows where `rows` [B] bool is set marked done: they commit nothing more."""
+  return state.replace(done=state.done | rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,10 +528,11 @@ class SpecEngine:
       raise ConfigError(
         f"stop ids {outside} are outside the vocabulary (size {target.config.vocab_size})"
       )
-    if len(stops) > MAX_STOP_IDS:
-      raise ConfigError(f"at most {MAX_STOP_IDS} stop ids, got {stops}")
-    self.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-    self.stop_ids[: len(stops)] = stops
+    if len(stops) > config.max_stop_ids:
+      raise ConfigError(
+        f"at most {config.max_stop_ids} stop ids, got {stops} (raise EngineConfig.max_stop_ids)"
+      )
+    self.stop_ids = tuple(stops)  # every row's; a request may add its own
     self.gamma = drafter.gamma if drafter is not None else 0
     # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
     self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
@@ -478,11 +547,9 @@ class SpecEngine:
       static_argnames=("chunk", "kv_format"),
       donate_argnames=("tokens",),
     )
-    self._loop = jax.jit(
-      functools.partial(run_loop, cfg, dr, tree=self.tree),
-      donate_argnums=(2,),
-      static_argnames=("max_steps",),
-    )
+    self._loop = jax.jit(functools.partial(run_loop, cfg, dr, tree=self.tree), donate_argnums=(2,))
+    self._insert = None  # built on first use: finding the batch axes traces a prefill
+    self._evict = jax.jit(evict_rows, donate_argnums=(0,))
 
   @property
   def drafter_params(self) -> Any:
@@ -490,9 +557,27 @@ class SpecEngine:
 
   # -- input handling --------------------------------------------------------------------------
 
-  def _request(self, prompts: Any, **kwargs: Any) -> Request:
+  def _request(self, prompts: Any, max_prompts: Optional[int] = None, **kwargs: Any) -> Request:
     """Validates a call's arguments once (jaxspec/speculative/request.py)."""
-    return Request.build(prompts, max_prompts=self.config.batch_size, **kwargs)
+    return Request.build(prompts, max_prompts=max_prompts or self.config.batch_size, **kwargs)
+
+  def _row_stop_ids(self, request: Request, batch: int) -> np.ndarray:
+    """int32 [batch, max_stop_ids]: the engine's stop ids plus each prompt's own, -1 padded."""
+    out = np.full((batch, self.config.max_stop_ids), -1, np.int32)
+    vocab = self.target.config.vocab_size
+    for i in range(batch):
+      extra = request.stop_token_ids[i] if i < len(request) else ()
+      bad = [t for t in extra if t >= vocab]
+      if bad:
+        raise InputError(f"prompt {i}: stop_token_ids {bad} are outside the vocabulary ({vocab})")
+      ids = list(dict.fromkeys(self.stop_ids + tuple(extra)))
+      if len(ids) > self.config.max_stop_ids:
+        raise InputError(
+          f"prompt {i}: {len(ids)} stop ids (the engine's {len(self.stop_ids)} and its own), "
+          f"more than EngineConfig.max_stop_ids={self.config.max_stop_ids}"
+        )
+      out[i, : len(ids)] = ids
+    return out
 
   def _encode(self, request: Request) -> list[list[int]]:
     out = []
@@ -519,9 +604,10 @@ class SpecEngine:
     temperature: Any = 0.0,
     top_k: Any = 0,
     top_p: Any = 1.0,
-    seed: int = 0,
+    seed: Any = 0,
     *,
     parse_special: bool = False,
+    stop_token_ids: Any = None,
   ) -> SpecState:
     """Validates and pads the inputs and runs the prefill (jitted once per prompt bucket).
 
@@ -535,12 +621,16 @@ class SpecEngine:
       top_p=top_p,
       seed=seed,
       parse_special=parse_special,
+      stop_token_ids=stop_token_ids,
     )
     return self._start(request)
 
-  def _start(self, request: Request) -> SpecState:
+  def _checked(self, request: Request, batch: int) -> tuple[list[list[int]], np.ndarray]:
+    """The request's token ids and [batch, max_stop_ids] stop ids, or the InputError that
+    prefilling it would hit (ids outside the vocabulary, too long for max_len, stop ids)."""
     ids = self._encode(request)
-    b, cfg = self.config.batch_size, self.config
+    cfg = self.config
+    stop_ids = self._row_stop_ids(request, batch)
     for i, (p, m) in enumerate(zip(ids, request.max_new_tokens)):
       need = len(p) + m + self.lookahead + 1
       if need > cfg.max_len:
@@ -553,6 +643,12 @@ class SpecEngine:
           f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} and {what} per step "
           f"it needs {need} slots, more than max_len={cfg.max_len}"
         )
+    return ids, stop_ids
+
+  def _start(self, request: Request, batch: Optional[int] = None) -> SpecState:
+    """Validates, pads to `batch` rows (default batch_size) and prefills."""
+    b, cfg = batch or self.config.batch_size, self.config
+    ids, stop_ids = self._checked(request, b)
     longest = max(len(p) for p in ids)
     # Short prompts: one chunk of the prompt's bucket (one compilation per bucket); long ones:
     # chunks of prefill_chunk (one compilation for every length).
@@ -565,6 +661,9 @@ class SpecEngine:
     rows = request.padded(b)
     active = np.arange(b) < len(ids)
     params = sampling.make_sampling_params(b, rows["temperature"], rows["top_k"], rows["top_p"])
+    seeds, index = request.seeds_and_rows
+    pad = b - len(ids)
+    keys = sampling.row_keys(seeds + [0] * pad, index + list(range(len(ids), b)))
     return self._prefill(
       self.target.params,
       self.drafter_params,
@@ -573,17 +672,18 @@ class SpecEngine:
       jnp.asarray(rows["max_new_tokens"]),
       jnp.asarray(active),
       params,
-      jax.random.PRNGKey(request.seed),
-      jnp.asarray(self.stop_ids),
+      keys,
+      jnp.asarray(stop_ids),
       jnp.int32(-(-longest // chunk)),
       chunk=chunk,
       kv_format=cfg.kv_format,
     )
 
-  def _outputs(self, state: SpecState, n: int) -> list[list[int]]:
-    tokens = np.asarray(state.tokens)
+  def _outputs(self, state: SpecState, n: int, values: str = "tokens") -> list[list]:
+    """Each of the first n rows' generated tokens (or their log-probs, values="logprobs")."""
+    arr = np.asarray(getattr(state, values))
     seq, prompt = np.asarray(state.seq_len), np.asarray(state.prompt_len)
-    return [tokens[i, prompt[i] : seq[i]].tolist() for i in range(n)]
+    return [arr[i, prompt[i] : seq[i]].tolist() for i in range(n)]
 
   def _texts(self, token_lists: list[list[int]]) -> Optional[list[str]]:
     tok = self.target.tokenizer
@@ -598,9 +698,10 @@ class SpecEngine:
     temperature: Any = 0.0,
     top_k: Any = 0,
     top_p: Any = 1.0,
-    seed: int = 0,
+    seed: Any = 0,
     *,
     parse_special: bool = False,
+    stop_token_ids: Any = None,
   ) -> GenerateOutput:
     """Generates for up to batch_size prompts; returns texts, tokens and stats.
 
@@ -610,9 +711,11 @@ class SpecEngine:
       temperature: ≥ 0 (0 = greedy), or one per prompt.
       top_k: ≥ 0 (0 = off), or one per prompt.
       top_p: in (0, 1] (1 = off), or one per prompt.
-      seed: the sampling seed.
+      seed: the sampling seed, or one per prompt (see jaxspec/speculative/request.py: a
+        request's random stream depends on its seed only, not on its batch row).
       parse_special: parse special-token strings typed in text prompts (say "<|endoftext|>")
         as the control tokens; by default text is plain text.
+      stop_token_ids: extra stop tokens, for every prompt or one list per prompt.
 
     Raises:
       InputError: for anything else (jaxspec/speculative/request.py lists the accepted forms).
@@ -626,16 +729,18 @@ class SpecEngine:
       top_p=top_p,
       seed=seed,
       parse_special=parse_special,
+      stop_token_ids=stop_token_ids,
     )
     state = self._start(request)
     jax.block_until_ready(state.tokens)
     t1 = time.perf_counter()
-    state = self._loop(self.target.params, self.drafter_params, state)
+    state = self.run(state)
     jax.block_until_ready(state.tokens)
     t2 = time.perf_counter()
     n = len(request)
     tokens = self._outputs(state, n)
-    return GenerateOutput(self._texts(tokens), tokens, self._stats(state, t1 - t0, t2 - t1, n))
+    stats = self._stats(state, t1 - t0, t2 - t1, n)
+    return GenerateOutput(self._texts(tokens), tokens, stats, self._outputs(state, n, "logprobs"))
 
   def stream(
     self,
@@ -644,9 +749,10 @@ class SpecEngine:
     temperature: Any = 0.0,
     top_k: Any = 0,
     top_p: Any = 1.0,
-    seed: int = 0,
+    seed: Any = 0,
     *,
     parse_special: bool = False,
+    stop_token_ids: Any = None,
   ) -> Iterator[list[list[int]]]:
     """Yields each sequence's newly committed tokens every `stream_every` steps.
 
@@ -660,6 +766,7 @@ class SpecEngine:
       top_p=top_p,
       seed=seed,
       parse_special=parse_special,
+      stop_token_ids=stop_token_ids,
     )
     return self._stream(self._start(request), len(request))
 
@@ -671,9 +778,99 @@ class SpecEngine:
       sent = [len(t) for t in toks]
       if bool(np.all(np.asarray(state.done))):
         return
-      state = self._loop(
-        self.target.params, self.drafter_params, state, max_steps=self.config.stream_every
+      state = self.run(state, self.config.stream_every)
+
+  # -- slots: rows that come and go (continuous batching) ----------------------------------------
+
+  def run(self, state: SpecState, max_steps: Optional[int] = None) -> SpecState:
+    """Advances every live row by up to `max_steps` steps (None: until every row is done) in
+    one compiled on-device loop, the same program for every `max_steps`. Donates `state`."""
+    limit = _NO_STEP_LIMIT if max_steps is None else max_steps
+    return self._loop(self.target.params, self.drafter_params, state, jnp.int32(limit))
+
+  def empty_state(self) -> SpecState:
+    """A batch_size-row state with every row free (done): the start of a slot-served engine."""
+    request = self._request([[0]] * self.config.batch_size, max_new_tokens=1)
+    state = self._start(request)
+    return self.evict(state, jnp.arange(self.config.batch_size))
+
+  def prefill_row(
+    self,
+    prompt: Any,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    *,
+    parse_special: bool = False,
+    stop_token_ids: Any = None,
+  ) -> SpecState:
+    """One request (a str or 1-D token ids) prefilled as a one-row state, for `insert`.
+
+    Validated as `generate` validates; its key is fold_in(PRNGKey(seed), 0), as for a
+    single-prompt `generate`, so the request samples what it samples alone.
+    """
+    return self._start(self._row_request(prompt, locals()), batch=1)
+
+  def check_row(
+    self,
+    prompt: Any,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    *,
+    parse_special: bool = False,
+    stop_token_ids: Any = None,
+  ) -> None:
+    """Raises the InputError that `prefill_row` would raise for these arguments, on the host
+    only (no device work): what a server checks before it queues a request."""
+    self._checked(self._row_request(prompt, locals()), 1)
+
+  def _row_request(self, prompt: Any, arguments: dict) -> Request:
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+    names += ("parse_special", "stop_token_ids")
+    return self._request([prompt], max_prompts=1, **{k: arguments[k] for k in names})
+
+  def insert(self, state: SpecState, slot: Any, row: SpecState) -> SpecState:
+    """`state` with batch row `slot` replaced by the one-row state `row` (from `prefill_row`):
+    tokens, the target's and the drafter's decoding state, key, stop ids, sampling, stats.
+    One compilation for every slot; donates `state`."""
+    if not 0 <= int(slot) < self.config.batch_size:
+      raise InputError(f"slot {slot} is outside the batch [0, {self.config.batch_size})")
+    if self._insert is None:
+      self._insert = jax.jit(
+        functools.partial(insert_row, self._batch_axes()), donate_argnums=(0,)
       )
+    return self._insert(state, jnp.int32(slot), row)
+
+  def evict(self, state: SpecState, slot: Any) -> SpecState:
+    """`state` with row(s) `slot` (an index or a sequence of them) marked done: they commit
+    nothing more and their slots may be reused by `insert`. One compilation; donates `state`."""
+    rows = np.zeros((self.config.batch_size,), bool)
+    rows[np.asarray(slot, np.int64)] = True
+    return self._evict(state, jnp.asarray(rows))
+
+  def warm_up_slots(self) -> SpecState:
+    """Compiles everything a slot-served engine runs (the one-row prefill of every prompt
+    bucket, insert, evict, the stepping loop) and returns a free state, so that serving never
+    compiles. Prompts longer than prefill_chunk share the last bucket's chunked program."""
+    state = self.empty_state()
+    cfg = self.config
+    longest = cfg.max_len - self.lookahead - 2  # the longest prompt a request may have
+    top = min(_bucket(longest, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk)
+    size = cfg.min_prompt_bucket
+    while longest >= 1:
+      n = min(size, longest)  # the longest prompt of this bucket that fits
+      row = self.prefill_row([0] * n, max_new_tokens=1)
+      state = self.insert(state, 0, row)
+      if min(_bucket(n, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk) >= top:
+        break
+      size *= 2
+    state = self.run(state, max_steps=cfg.stream_every)
+    return self.evict(state, jnp.arange(cfg.batch_size))
 
   def _stats(self, state: SpecState, ttft: float, decode: float, n: int) -> GenerationStats:
     s = jax.tree_util.tree_map(lambda x: x[:n], state.stats)
@@ -695,4 +892,43 @@ class SpecEngine:
     return {
       "prefill": self._prefill._cache_size(),
       "loop": self._loop._cache_size(),
+      "insert": 0 if self._insert is None else self._insert._cache_size(),
+      "evict": self._evict._cache_size(),
     }
+
+  def _abstract_state(self, batch: int) -> SpecState:
+    """The SpecState a prefill of `batch` rows returns, as shapes (nothing runs)."""
+    cfg = self.config
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    params = sampling.make_sampling_params(batch, 0.0, 0, 1.0)
+    keys = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
+    chunk = min(cfg.min_prompt_bucket, cfg.max_len)
+    run = functools.partial(
+      prefill, self.target.config, self.drafter, chunk=chunk, kv_format=cfg.kv_format
+    )
+    return jax.eval_shape(
+      run,
+      self.target.params,
+      self.drafter_params,
+      i32(batch, cfg.max_len),
+      i32(batch),
+      i32(batch),
+      jax.ShapeDtypeStruct((batch,), jnp.bool_),
+      params,
+      keys,
+      i32(batch, cfg.max_stop_ids),
+      i32(),
+    )
+
+  def _batch_axes(self) -> Any:
+    """Per SpecState leaf, its batch axis (the one whose size follows the batch), or None for
+    a leaf shared by every row: found by comparing the shapes of 1- and 2-row states."""
+    one, two = self._abstract_state(1), self._abstract_state(2)
+
+    def axis(a, b):
+      moved = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+      if len(moved) > 1 or (moved and (a.shape[moved[0]], b.shape[moved[0]]) != (1, 2)):
+        raise ConfigError(f"a state leaf of shape {a.shape} has no single batch axis")
+      return moved[0] if moved else None
+
+    return jax.tree_util.tree_map(axis, one, two)

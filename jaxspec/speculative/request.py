@@ -11,7 +11,11 @@ Accepted forms:
     1-D sequence of Python / numpy integers (list, tuple or 1-D integer array).
   max_new_tokens, top_k: an integer, or one integer per prompt.
   temperature, top_p: a real number, or one per prompt.
-  seed: an integer in [-2**63, 2**63).
+  seed: an integer in [-2**63, 2**63), or one per prompt. One seed gives row i the key
+    fold_in(PRNGKey(seed), i); per-prompt seeds give prompt i fold_in(PRNGKey(seed_i), 0), so a
+    request with seed s samples the same wherever it runs (alone, in a batch, in a server slot).
+  stop_token_ids: None, a sequence of token ids for every prompt, or one such sequence per
+    prompt: extra stop tokens beside the engine's.
 Per-prompt values come as a list, tuple or 1-D array whose length is the prompt count; a
 one-element sequence for one prompt is the same as its scalar.
 """
@@ -104,6 +108,31 @@ def _per_prompt(name: str, value: Any, n: int, check, kind: str) -> tuple:
   return out
 
 
+def _stop_token_ids(value: Any, n: int) -> tuple[tuple[int, ...], ...]:
+  """None, one id sequence for every prompt, or one per prompt → n tuples of ids."""
+  if value is None:
+    return ((),) * n
+  if isinstance(value, np.ndarray):
+    value = value.tolist()
+  if not isinstance(value, (list, tuple)):
+    raise InputError(
+      f"stop_token_ids must be a sequence of token ids (or one per prompt), got "
+      f"{_describe(value)}"
+    )
+  per_prompt = bool(value) and all(isinstance(v, (list, tuple, np.ndarray)) for v in value)
+  if per_prompt:
+    lists = [np.asarray(v).tolist() if isinstance(v, np.ndarray) else list(v) for v in value]
+    if len(lists) != n:
+      raise InputError(f"stop_token_ids: got {len(lists)} lists for {n} prompts")
+  else:
+    lists = [list(value)] * n
+  for ids in lists:
+    for t in ids:
+      if not (_is_int(t) and 0 <= t <= _INT32_MAX):
+        raise InputError(f"stop_token_ids must hold token ids (integers ≥ 0), got {_describe(t)}")
+  return tuple(tuple(int(t) for t in ids) for ids in lists)
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
   """Validated inputs of one generate / stream call (per-prompt tuples of equal length)."""
@@ -113,8 +142,9 @@ class Request:
   temperature: tuple[float, ...]
   top_k: tuple[int, ...]
   top_p: tuple[float, ...]
-  seed: int = 0
+  seed: int | tuple[int, ...] = 0
   parse_special: bool = False
+  stop_token_ids: tuple[tuple[int, ...], ...] = ()  # one tuple per prompt (empty: none)
 
   @classmethod
   def build(
@@ -127,6 +157,7 @@ class Request:
     seed: Any = 0,
     parse_special: Any = False,
     max_prompts: Optional[int] = None,
+    stop_token_ids: Any = None,
   ) -> "Request":
     """Checks every argument (see the module docstring); raises InputError on the first bad one."""
     if isinstance(prompts, str):
@@ -185,8 +216,15 @@ class Request:
       lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 1,
       "a number in (0, 1] (1 = off)",
     )
-    if not (_is_int(seed) and -(2**63) <= seed < 2**63):
+    seed_ok = lambda v: _is_int(v) and -(2**63) <= v < 2**63
+    if isinstance(seed, (list, tuple, np.ndarray)):
+      seeds = _per_prompt("seed", seed, n, seed_ok, "an integer in [-2**63, 2**63)")
+      seed = tuple(int(v) for v in seeds)
+    elif not seed_ok(seed):
       raise InputError(f"seed must be an integer in [-2**63, 2**63), got {_describe(seed)}")
+    else:
+      seed = int(seed)
+    stops = _stop_token_ids(stop_token_ids, n)
     if not isinstance(parse_special, (bool, np.bool_)):
       raise InputError(f"parse_special must be a bool, got {_describe(parse_special)}")
     return cls(
@@ -195,12 +233,20 @@ class Request:
       temperature=tuple(float(v) for v in temp),
       top_k=tuple(int(v) for v in k),
       top_p=tuple(float(v) for v in p),
-      seed=int(seed),
+      seed=seed,
       parse_special=bool(parse_special),
+      stop_token_ids=stops,
     )
 
   def __len__(self) -> int:
     return len(self.prompts)
+
+  @property
+  def seeds_and_rows(self) -> tuple[list[int], list[int]]:
+    """(seed, index) per prompt for `sampling.row_keys` (see `seed` in the module docstring)."""
+    if isinstance(self.seed, tuple):
+      return list(self.seed), [0] * len(self)
+    return [self.seed] * len(self), list(range(len(self)))
 
   def padded(self, batch: int) -> dict[str, np.ndarray]:
     """Per-row sampling values for a batch of `batch` rows; padding rows greedy and inert."""

@@ -8,6 +8,13 @@ top-p, all computed in float32. A row with ``temperature <= 0`` is *greedy*: its
 warped distribution is defined as the one-hot at ``argmax`` of the raw logits
 (lowest index on ties, like ``jnp.argmax``). Verification at temperature 0 then
 goes through exactly the same code path as sampled verification.
+
+Randomness: every random draw of the engine (sampling, drafting, verification) takes either
+one PRNG key for the whole batch (uint32 [2]) or *row keys* (uint32 [B, 2], see `row_keys`).
+With row keys, row b's draws come from key b alone, so a sequence's random stream does not
+depend on which batch row it sits in or on its neighbours: a request served in any slot of a
+continuously batched engine samples exactly what it samples alone. `split_key`, `fold_in`
+and `uniform` accept both forms.
 """
 
 from __future__ import annotations
@@ -173,6 +180,44 @@ def warped_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   return jax.nn.softmax(warp_logits(logits, params), axis=-1)
 
 
+def row_keys(seeds: Sequence[int], rows: Sequence[int] = ()) -> jax.Array:
+  """uint32 [B, 2] row keys: row b's key is fold_in(PRNGKey(seeds[b]), rows[b]) (rows default
+  to 0). A request's key depends only on its seed and index, never on its batch row."""
+  index = list(rows) or [0] * len(seeds)
+  if len(index) != len(seeds):
+    raise ValueError(f"{len(seeds)} seeds but {len(index)} row indices")
+  return jnp.stack(
+    [jax.random.fold_in(jax.random.PRNGKey(s), i) for s, i in zip(seeds, index)]
+  ).astype(jnp.uint32)
+
+
+def _row_keyed(key: jax.Array) -> bool:
+  return key.ndim == 2
+
+
+def split_key(key: jax.Array, num: int = 2) -> jax.Array:
+  """[num, *key.shape]: `num` new keys (per row for row keys), as jax.random.split."""
+  if not _row_keyed(key):
+    return jax.random.split(key, num)
+  return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, num))(key), 0, 1)
+
+
+def fold_in(key: jax.Array, data: jax.Array | int) -> jax.Array:
+  """jax.random.fold_in, per row for row keys."""
+  if not _row_keyed(key):
+    return jax.random.fold_in(key, data)
+  return jax.vmap(lambda k: jax.random.fold_in(k, data))(key)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """float32 U[0, 1) of `shape` = [B, ...]; with row keys [B, 2] row b draws from key b."""
+  if not _row_keyed(key):
+    return jax.random.uniform(key, shape, dtype=jnp.float32)
+  if not shape or shape[0] != key.shape[0]:
+    raise ValueError(f"row keys for {key.shape[0]} rows cannot draw an array of shape {shape}")
+  return jax.vmap(lambda k: jax.random.uniform(k, shape[1:], dtype=jnp.float32))(key)
+
+
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Samples one token per position from the warped distribution.
 
@@ -180,7 +225,8 @@ def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Arr
   drawing entirely.
 
   Args:
-    key: a PRNG key (one for the whole batch; rows get independent draws).
+    key: a PRNG key (one for the whole batch; rows get independent draws) or row keys
+      [B, 2] (see the module docstring).
     logits: [B, ..., V] raw logits.
     params: per-sequence sampling parameters ([B] arrays).
 
@@ -208,7 +254,7 @@ def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
   """
   probs = probs.astype(jnp.float32)
   cdf = jnp.cumsum(probs, axis=-1)
-  u = jax.random.uniform(key, probs.shape[:-1], dtype=jnp.float32) * cdf[..., -1]
+  u = uniform(key, probs.shape[:-1]) * cdf[..., -1]
   idx = argmax(cdf > u[..., None])
   # If u·total rounds up to total (or all weights are 0) fall back to the last positive entry.
   last_positive = probs.shape[-1] - 1 - argmax((probs > 0)[..., ::-1])

@@ -110,7 +110,7 @@ class Eagle2Rule:
     batch, n_slots, _ = logits.shape
     rows = jnp.arange(batch)
     probs = sampling.warped_probs(logits, params)  # [B, N+1, V]
-    key_u, key_res = jax.random.split(key)
+    key_u, key_res = sampling.split_key(key)
 
     def body(d, carry):
       cur, stopped, path, next_tok = carry
@@ -118,12 +118,12 @@ class Eagle2Rule:
       p = probs[rows, cur]  # [B, V]
       px = jnp.where(kid, jnp.take_along_axis(p, tree.tokens, axis=1), 0.0)  # [B, N+1]
       before = jnp.cumsum(px, axis=1) - px  # mass of the earlier (rejected) siblings
-      u = jax.random.uniform(jax.random.fold_in(key_u, d), (batch, n_slots), jnp.float32)
+      u = sampling.uniform(sampling.fold_in(key_u, d), (batch, n_slots))
       acc = kid & self.accept(u, px, before)
       found = jnp.any(acc, axis=1) & ~stopped
       nxt = jnp.argmax(acc, axis=1).astype(jnp.int32)
       drawn = sampling.sample_from_probs(
-        jax.random.fold_in(key_res, d), self.fallback(p, tree.tokens, kid)
+        sampling.fold_in(key_res, d), self.fallback(p, tree.tokens, kid)
       )
       stop_now = ~stopped & ~found
       next_tok = jnp.where(stop_now, drawn, next_tok)
@@ -139,7 +139,7 @@ class Eagle2Rule:
     )
     cur, stopped, path, next_tok = jax.lax.fori_loop(0, max_depth, body, init)
     # Reached depth D without stopping: the bonus is a sample from p at the deepest node.
-    bonus = sampling.sample_from_probs(jax.random.fold_in(key_res, max_depth), probs[rows, cur])
+    bonus = sampling.sample_from_probs(sampling.fold_in(key_res, max_depth), probs[rows, cur])
     next_tok = jnp.where(stopped, next_tok, bonus)
     n = jnp.take_along_axis(tree.depths, cur[:, None], axis=1)[:, 0]
 

@@ -111,10 +111,10 @@ def verify_chain_sampled(
     q = draft_probs.astype(jnp.float32)
 
   p = sampling.warped_probs(target_logits, params)  # [B, γ+1, V]
-  key_accept, key_correct = jax.random.split(key)
+  key_accept, key_correct = sampling.split_key(key)
   px = jnp.take_along_axis(p[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]
   qx = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
-  u = jax.random.uniform(key_accept, (batch, gamma), dtype=jnp.float32)
+  u = sampling.uniform(key_accept, (batch, gamma))
   num_accepted = leading_true_count(rule.accept(u, px, qx))
 
   rows = jnp.arange(batch)

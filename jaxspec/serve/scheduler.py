@@ -1,0 +1,391 @@
+"""Continuous batching over the compiled speculative step: one thread owns one engine.
+
+The engine's state has `batch_size` rows ("slots"). Requests wait in a FIFO queue; each tick the
+scheduler thread
+
+1. admits waiting requests into free slots (`SpecEngine.prefill_row` + `insert`),
+2. frees the slots of cancelled requests (`evict`),
+3. runs the compiled loop for `steps_per_tick` steps over every slot at once (`run`),
+4. hands each live request the tokens its row committed (a `Delta`), and frees the slots of the
+   requests that finished (a stop token, or max_tokens).
+
+Everything runs in programs compiled by `warm_up_slots` at `start`, so nothing compiles while
+serving. A request's output does not depend on its slot or its neighbours: its row has its own
+PRNG key (from its seed), stop ids and sampling parameters (jaxspec/speculative/engine.py).
+
+Results reach callers through a `RequestHandle`: iterate it (`async for` on the event loop that
+submitted it, or plain `for` from a thread without one) to get Deltas until one carries a
+`finish_reason`; `cancel()` from any thread frees the slot at the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import queue
+import secrets
+import threading
+import time
+from typing import Any, AsyncIterator, Iterator, Optional
+
+import numpy as np
+
+from jaxspec.errors import InputError, JaxspecError
+from jaxspec.speculative.engine import SpecEngine, SpecState
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class QueueFull(JaxspecError):
+  """The waiting queue is full (HTTP 429): try again later."""
+
+
+class SchedulerClosed(JaxspecError):
+  """The scheduler is shutting down or stopped (HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+  """What one request asks for (validated by `Scheduler.check`)."""
+
+  max_tokens: int
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: Optional[int] = None  # None: a fresh random seed
+  stop_token_ids: tuple[int, ...] = ()  # beside the engine's (eos) stop ids
+  logprobs: bool = False  # attach the target's log-prob (raw distribution) of each token
+
+
+@dataclasses.dataclass
+class Delta:
+  """Tokens a request's row committed since the last Delta (a stop token is not included)."""
+
+  token_ids: list[int]
+  logprobs: Optional[list[float]]
+  finish_reason: Optional[str] = None  # None while running, then one of FINISH_REASONS
+  error: Optional[str] = None
+
+
+class RequestHandle:
+  """One submitted request: iterate it for its Deltas; `cancel()` from any thread."""
+
+  _ids = itertools.count()
+
+  def __init__(self, scheduler: "Scheduler", prompt_ids: list[int], options: SamplingOptions):
+    self.id = f"req-{next(self._ids)}-{secrets.token_hex(4)}"
+    self.prompt_ids = prompt_ids
+    self.prompt_tokens = len(prompt_ids)
+    self.options = options
+    self.seed = options.seed if options.seed is not None else secrets.randbits(63)
+    self.finish_reason: Optional[str] = None
+    self.submitted = time.perf_counter()
+    self._scheduler = scheduler
+    self._cancelled = threading.Event()
+    try:
+      self._loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
+      self._queue: Any = asyncio.Queue()
+    except RuntimeError:  # no event loop in this thread: a thread-safe queue
+      self._loop = None
+      self._queue = queue.Queue()
+
+  @property
+  def cancelled(self) -> bool:
+    return self._cancelled.is_set()
+
+  def cancel(self) -> None:
+    """Stops the request (thread-safe): its slot is freed at the next tick and its stream
+    ends with finish_reason "cancelled" (unless it had finished already)."""
+    if not self._cancelled.is_set():
+      self._cancelled.set()
+      self._scheduler._wake_up()  # pylint: disable=protected-access
+
+  def _deliver(self, delta: Delta) -> None:
+    """Called by the scheduler thread."""
+    if delta.finish_reason is not None:
+      self.finish_reason = delta.finish_reason
+    if self._loop is None:
+      self._queue.put(delta)
+      return
+    try:
+      self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+    except RuntimeError:  # the caller's event loop is closed: nobody is listening
+      pass
+
+  async def __aiter__(self) -> AsyncIterator[Delta]:
+    if self._loop is None:
+      raise RuntimeError("this request was submitted outside an event loop: iterate it with for")
+    while True:
+      delta = await self._queue.get()
+      yield delta
+      if delta.finish_reason is not None:
+        return
+
+  def __iter__(self) -> Iterator[Delta]:
+    if self._loop is not None:
+      raise RuntimeError("this request was submitted on an event loop: iterate it with async for")
+    while True:
+      delta = self._queue.get()
+      yield delta
+      if delta.finish_reason is not None:
+        return
+
+  def result(self) -> tuple[list[int], Optional[list[float]], str]:
+    """Blocks until the request finishes (threads without an event loop): (tokens, logprobs,
+    finish_reason)."""
+    tokens: list[int] = []
+    logprobs: Optional[list[float]] = [] if self.options.logprobs else None
+    reason = "error"
+    for delta in self:
+      if delta.error:
+        raise RuntimeError(delta.error)
+      tokens += delta.token_ids
+      if logprobs is not None and delta.logprobs:
+        logprobs += delta.logprobs
+      reason = delta.finish_reason or reason
+    return tokens, logprobs, reason
+
+
+@dataclasses.dataclass
+class _Slot:
+  """A request in a row: how many of its tokens were delivered, its stop set."""
+
+  handle: RequestHandle
+  sent: int
+  stops: frozenset
+  passes: int = 0
+  committed: int = 0
+
+
+class Scheduler:
+  """Owns a SpecEngine; admits, steps, streams and frees requests in one thread.
+
+  Args:
+    engine: its `config.batch_size` rows are the slots; its `max_len` bounds prompt +
+      max_tokens (+ the drafter's lookahead).
+    max_queue: requests that may wait for a slot; `submit` raises QueueFull past it.
+    steps_per_tick: engine steps per host round trip (default: the engine's stream_every);
+      fewer means lower streaming latency and admission delay, more means fewer round trips.
+  """
+
+  def __init__(
+    self, engine: SpecEngine, *, max_queue: int = 256, steps_per_tick: Optional[int] = None
+  ):
+    if max_queue < 0 or (steps_per_tick is not None and steps_per_tick < 1):
+      raise InputError(
+        f"max_queue must be ≥ 0 and steps_per_tick ≥ 1, got {max_queue} and {steps_per_tick}"
+      )
+    self.engine = engine
+    self.max_queue = max_queue
+    self.steps_per_tick = steps_per_tick or engine.config.stream_every
+    self.slots = engine.config.batch_size
+    self._waiting: collections.deque[RequestHandle] = collections.deque()
+    self._active: list[Optional[_Slot]] = [None] * self.slots
+    self._lock = threading.Lock()
+    self._wake = threading.Condition(self._lock)
+    self._state: Optional[SpecState] = None
+    self._thread: Optional[threading.Thread] = None
+    self._closing = False
+    self._drain = True
+    self.failure: Optional[str] = None  # set if the scheduler thread died of a bug
+    self._counters = collections.Counter()
+    self._step_seconds = 0.0
+
+  # -- lifecycle ------------------------------------------------------------------------------
+
+  def start(self) -> None:
+    """Compiles every program serving needs (`warm_up_slots`), then starts the thread."""
+    if self._thread is not None:
+      raise SchedulerClosed("the scheduler was started already")
+    self._state = self.engine.warm_up_slots()
+    self._thread = threading.Thread(target=self._run, name="jaxspec-scheduler", daemon=True)
+    self._thread.start()
+
+  def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+    """Stops admitting new requests; with `drain` finishes the running and queued ones, else
+    cancels them. Returns when the thread has stopped (or after `timeout` seconds)."""
+    with self._lock:
+      self._closing = True
+      self._drain = drain
+      self._wake.notify_all()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  @property
+  def running(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  # -- requests -------------------------------------------------------------------------------
+
+  def check(self, prompt_ids: Any, options: SamplingOptions) -> None:
+    """Raises InputError naming what is wrong with a request (bad values, ids outside the
+    vocabulary, prompt + max_tokens over the engine's capacity, too many stop ids)."""
+    if not isinstance(options, SamplingOptions):
+      raise InputError(f"options must be SamplingOptions, got {type(options).__name__}")
+    seed = options.seed if options.seed is not None else 0
+    self.engine.check_row(list(prompt_ids), **self._row_arguments(options, seed))
+
+  def submit(self, prompt_ids: Any, options: SamplingOptions) -> RequestHandle:
+    """Queues a request (FIFO) after `check`; returns its handle at once. Call it from the
+    event loop that will iterate the handle (or from a thread without one)."""
+    self.check(prompt_ids, options)
+    handle = RequestHandle(self, [int(t) for t in prompt_ids], options)
+    with self._lock:
+      if self._closing or self.failure is not None or not self.running:
+        raise SchedulerClosed(self.failure or "the scheduler is not running")
+      if len(self._waiting) >= self.max_queue:
+        raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
+      self._waiting.append(handle)
+      self._counters["requests_total"] += 1
+      self._wake.notify_all()
+    return handle
+
+  def metrics(self) -> dict[str, float]:
+    """Counters and gauges for /metrics."""
+    with self._lock:
+      running = sum(s is not None for s in self._active)
+      c = dict(self._counters)
+      waiting = len(self._waiting)
+    passes = c.get("target_passes_total", 0)
+    return {
+      "requests_total": c.get("requests_total", 0),
+      "requests_finished_total": c.get("requests_finished_total", 0),
+      "requests_cancelled_total": c.get("requests_cancelled_total", 0),
+      "requests_running": running,
+      "requests_waiting": waiting,
+      "tokens_generated_total": c.get("tokens_generated_total", 0),
+      "target_passes_total": passes,
+      "acceptance_length": c.get("tokens_committed_total", 0) / passes if passes else 0.0,
+      "steps_total": c.get("steps_total", 0),
+      "step_seconds_avg": self._step_seconds / max(c.get("steps_total", 0), 1),
+      "batch_occupancy": running / self.slots,
+      "slots": self.slots,
+    }
+
+  # -- the scheduler thread -------------------------------------------------------------------
+
+  def _wake_up(self) -> None:
+    with self._lock:
+      self._wake.notify_all()
+
+  @staticmethod
+  def _row_arguments(options: SamplingOptions, seed: int) -> dict[str, Any]:
+    return dict(
+      max_new_tokens=options.max_tokens,
+      temperature=options.temperature,
+      top_k=options.top_k,
+      top_p=options.top_p,
+      seed=seed,
+      stop_token_ids=list(options.stop_token_ids),
+    )
+
+  def _run(self) -> None:
+    try:
+      while self._tick():
+        pass
+    except Exception as e:  # pylint: disable=broad-except  # a bug: fail every request loudly
+      self.failure = f"scheduler stopped: {type(e).__name__}: {e}"
+      with self._lock:
+        victims = list(self._waiting) + [s.handle for s in self._active if s is not None]
+        self._waiting.clear()
+        self._active = [None] * self.slots
+      for h in victims:
+        h._deliver(Delta([], None, "error", self.failure))  # pylint: disable=protected-access
+      raise
+
+  def _tick(self) -> bool:
+    """One round: admit, evict, step, deliver. Returns False when the thread should stop."""
+    with self._lock:
+      while not self._closing and not self._waiting and all(s is None for s in self._active):
+        self._wake.wait()
+      if self._closing and not self._drain:
+        victims = list(self._waiting)
+        self._waiting.clear()
+        for s in self._active:
+          if s is not None:
+            s.handle.cancel()
+      else:
+        victims = []
+      free = [i for i, s in enumerate(self._active) if s is None]
+      admitted = []
+      while free and self._waiting:
+        admitted.append((free.pop(0), self._waiting.popleft()))
+      idle = not admitted and all(s is None for s in self._active)
+    for h in victims:
+      self._finish_waiting(h)
+    if idle:
+      return not self._closing
+
+    for slot, handle in admitted:
+      if handle.cancelled:
+        self._finish_waiting(handle)
+        continue
+      arguments = self._row_arguments(handle.options, handle.seed)
+      row = self.engine.prefill_row(handle.prompt_ids, **arguments)
+      self._state = self.engine.insert(self._state, slot, row)
+      stops = frozenset(self.engine.stop_ids) | frozenset(handle.options.stop_token_ids)
+      with self._lock:
+        self._active[slot] = _Slot(handle, 0, stops)
+
+    cancelled = [i for i, s in enumerate(self._active) if s is not None and s.handle.cancelled]
+    if cancelled:
+      self._state = self.engine.evict(self._state, cancelled)
+      for i in cancelled:
+        self._release(i, Delta([], None, "cancelled"))
+
+    if any(s is not None for s in self._active):
+      t0 = time.perf_counter()
+      self._state = self.engine.run(self._state, self.steps_per_tick)
+      self._deliver_tokens()
+      self._step_seconds += time.perf_counter() - t0
+      self._counters["ticks_total"] += 1
+    return True
+
+  def _finish_waiting(self, handle: RequestHandle) -> None:
+    handle._deliver(Delta([], None, "cancelled"))  # pylint: disable=protected-access
+    with self._lock:
+      self._counters["requests_cancelled_total"] += 1
+
+  def _release(self, slot: int, last: Delta) -> None:
+    s = self._active[slot]
+    s.handle._deliver(last)  # pylint: disable=protected-access
+    with self._lock:
+      self._active[slot] = None
+      cancelled = last.finish_reason == "cancelled"
+      self._counters["requests_cancelled_total" if cancelled else "requests_finished_total"] += 1
+
+  def _deliver_tokens(self) -> None:
+    """Reads back every row's progress and hands each live request its new tokens."""
+    st = self._state
+    seq_len, prompt_len = np.asarray(st.seq_len), np.asarray(st.prompt_len)
+    done, tokens, logprobs = np.asarray(st.done), np.asarray(st.tokens), np.asarray(st.logprobs)
+    passes, committed = np.asarray(st.stats.target_passes), np.asarray(st.stats.tokens_committed)
+    self._counters["steps_total"] += self.steps_per_tick
+    for i, s in enumerate(self._active):
+      if s is None:
+        continue
+      start, end = prompt_len[i] + s.sent, seq_len[i]
+      new = tokens[i, start:end].tolist()
+      lps = logprobs[i, start:end].tolist() if s.handle.options.logprobs else None
+      s.sent += len(new)
+      with self._lock:
+        self._counters["target_passes_total"] += int(passes[i]) - s.passes
+        self._counters["tokens_committed_total"] += int(committed[i]) - s.committed
+      s.passes, s.committed = int(passes[i]), int(committed[i])
+      reason = None
+      if done[i]:
+        reason = "length"
+        generated = tokens[i, prompt_len[i] : end]
+        if len(generated) and int(generated[-1]) in s.stops:
+          reason = "stop"
+          if new and new[-1] == int(generated[-1]):
+            new, lps = new[:-1], (lps[:-1] if lps is not None else None)
+      with self._lock:
+        self._counters["tokens_generated_total"] += len(new)
+      if reason is not None:
+        self._release(i, Delta(new, lps, reason))
+      elif new:
+        s.handle._deliver(Delta(new, lps))  # pylint: disable=protected-access
+

@@ -1,0 +1,183 @@
+"""The continuous-batching scheduler: more requests than slots, each equal to it alone.
+
+One scheduler over the bundled target with an EAGLE-3 drafter (chain verification) and three
+slots; requests of mixed lengths and sampling settings come and go while others run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import jaxspec
+from jaxspec.errors import InputError
+from jaxspec.serve import QueueFull, SamplingOptions, Scheduler, SchedulerClosed
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+
+from tests import near_ties
+
+PROMPTS = [
+  "def fib(n):\n",
+  "class Stack:\n    def __init__(self):\n",
+  "import os\n",
+  "for i in range(",
+  'def read_json(path):\n    """Read a JSON file."""\n',
+  "x = [",
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return jaxspec.load_model("jaxspec/assets/target", scan_layers=False)
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+  drafter = jaxspec.load_drafter("jaxspec/assets/eagle3", target)
+  return SpecEngine(target, drafter, EngineConfig(max_len=96, batch_size=3, stream_every=2))
+
+
+@pytest.fixture(scope="module")
+def scheduler(engine):
+  s = Scheduler(engine, max_queue=32)
+  s.start()
+  yield s
+  s.shutdown(drain=False, timeout=60)
+
+
+def _options(i: int) -> SamplingOptions:
+  sampled = i % 2 == 1
+  return SamplingOptions(
+    max_tokens=10 + 3 * i,
+    temperature=0.9 if sampled else 0.0,
+    top_p=0.95 if sampled else 1.0,
+    seed=100 + i,
+    logprobs=True,
+  )
+
+
+def _alone(engine, prompt_ids, o: SamplingOptions):
+  out = engine.generate(
+    [prompt_ids],
+    max_new_tokens=o.max_tokens,
+    temperature=o.temperature,
+    top_p=o.top_p,
+    top_k=o.top_k,
+    seed=o.seed if o.seed is not None else 0,
+    stop_token_ids=list(o.stop_token_ids),
+  )
+  return out.tokens[0], out.logprobs[0]
+
+
+def _strip_stop(engine, tokens):
+  return tokens[:-1] if tokens and tokens[-1] in engine.stop_ids else tokens
+
+
+def test_more_requests_than_slots_each_equal_alone(scheduler, engine, target):
+  compiled = engine.compile_counts()
+  ids = [target.tokenizer.encode(p) for p in PROMPTS * 2]
+  handles = [scheduler.submit(p, _options(i)) for i, p in enumerate(ids)]
+  results = [h.result() for h in handles]
+  assert engine.compile_counts() == compiled  # nothing compiled while serving
+  for i, (p, (tokens, logprobs, reason)) in enumerate(zip(ids, results)):
+    want, want_lp = _alone(engine, p, _options(i))
+    expected = _strip_stop(engine, want)
+    assert reason == ("stop" if expected != want else "length")
+    assert len(logprobs) == len(tokens)
+    if _options(i).temperature == 0:
+      near_ties.assert_greedy_match(target, [p], [expected], [tokens])
+    else:
+      assert tokens == expected, i
+  m = scheduler.metrics()
+  assert m["requests_finished_total"] >= len(ids) and m["acceptance_length"] > 1.0
+  assert m["requests_running"] == 0 and m["requests_waiting"] == 0
+
+
+def test_cancel_frees_the_slot_for_the_next_request(scheduler, engine, target):
+  long = SamplingOptions(max_tokens=80, temperature=0.0, stop_token_ids=())
+  ids = target.tokenizer.encode(PROMPTS[0])
+  hogs = [scheduler.submit(ids, long) for _ in range(scheduler.slots)]
+  waiting = scheduler.submit(target.tokenizer.encode(PROMPTS[2]), _options(2))
+  for h in hogs:
+    assert next(iter(h)).finish_reason is None  # every slot is busy
+  for h in hogs:
+    h.cancel()
+  for h in hogs:
+    tokens, _, reason = h.result()
+    assert reason == "cancelled" and len(tokens) < 80
+  tokens, _, _ = waiting.result()  # got a freed slot and finished correctly
+  want, _ = _alone(engine, target.tokenizer.encode(PROMPTS[2]), _options(2))
+  near_ties.assert_greedy_match(
+    target, [target.tokenizer.encode(PROMPTS[2])], [_strip_stop(engine, want)], [tokens]
+  )
+  assert scheduler.metrics()["requests_cancelled_total"] >= scheduler.slots
+
+
+def test_full_queue_and_bad_requests_are_refused(engine, target):
+  s = Scheduler(engine, max_queue=1)
+  with pytest.raises(SchedulerClosed):
+    s.submit([1, 2], SamplingOptions(max_tokens=2))
+  s.start()
+  try:
+    ids = target.tokenizer.encode(PROMPTS[0])
+    long = SamplingOptions(max_tokens=80, temperature=0.0)
+    hogs = []
+    for _ in range(s.slots):  # one at a time: the queue holds one
+      hogs.append(s.submit(ids, long))
+      next(iter(hogs[-1]))  # running
+
+    queued = s.submit(ids, long)
+    with pytest.raises(QueueFull):
+      s.submit(ids, long)
+    with pytest.raises(InputError, match="more than max_len=96"):
+      s.submit(ids, SamplingOptions(max_tokens=200))
+    with pytest.raises(InputError, match="temperature"):
+      s.submit(ids, SamplingOptions(max_tokens=2, temperature=-1.0))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+      s.submit([target.config.vocab_size], SamplingOptions(max_tokens=2))
+    for h in hogs + [queued]:
+      h.cancel()
+  finally:
+    s.shutdown(drain=False, timeout=60)
+  with pytest.raises(SchedulerClosed):
+    s.submit([1, 2], SamplingOptions(max_tokens=2))
+
+
+def test_async_iteration_and_draining_shutdown(engine, target):
+  s = Scheduler(engine, max_queue=8, steps_per_tick=1)
+  s.start()
+  ids = target.tokenizer.encode(PROMPTS[3])
+  options = SamplingOptions(max_tokens=12, temperature=0.0)
+
+  async def serve():
+    handles = [s.submit(ids, options) for _ in range(4)]
+    outs = []
+    for h in handles:
+      tokens, deltas = [], 0
+      async for d in h:
+        tokens += d.token_ids
+        deltas += 1
+      outs.append((tokens, deltas, h.finish_reason))
+    return outs
+
+  stopper = None
+  try:
+    outs = asyncio.run(serve())
+    want = _strip_stop(engine, _alone(engine, ids, options)[0])
+    for tokens, deltas, reason in outs:
+      assert tokens == outs[0][0]
+      assert reason in ("stop", "length")
+      assert deltas > 1  # streamed, one tick at a time
+    near_ties.assert_greedy_match(target, [ids], [want], [outs[0][0]])
+    # Shutdown with drain: a request submitted just before still completes.
+    late = s.submit(ids, options)
+    stopper = threading.Thread(target=s.shutdown, kwargs=dict(drain=True, timeout=60))
+    stopper.start()
+    assert late.result()[2] in ("stop", "length")
+  finally:
+    if stopper is not None:
+      stopper.join()
+    s.shutdown(drain=False, timeout=60)
+  assert not s.running
