@@ -221,3 +221,22 @@ def quantize_weight(w: Any, fmt: str, axes: tuple[int, ...]) -> QTensor:
   else:
     values, scales = mxfp4_quantize(w, axes[-1])
   return QTensor(values, scales, fmt, tuple(axes), str(jnp.dtype(w.dtype)))
+
+
+def stored_axes(logical: tuple, fmt: str, axes: tuple[int, ...]) -> tuple[tuple, tuple]:
+  """Logical axis names of a quantized weight's (values, scales), from the weight's own names
+  and its contraction axes (negative indices), so the stored arrays shard like the weight.
+
+  fp8: values as the weight, scales without the contraction axes. mxfp4: the contraction axis
+  moved last and cut into blocks (the blocks keep its name, the 16 bytes of a block have none);
+  scales name one entry per block.
+  """
+  n = len(logical)
+  if fmt == "fp8":
+    keep = tuple(a for i, a in enumerate(logical) if i - n not in axes)
+    return tuple(logical), keep
+  if fmt == "mxfp4":
+    c = axes[-1] + n
+    moved = tuple(logical[:c]) + tuple(logical[c + 1 :]) + (logical[c],)
+    return moved + (None,), moved
+  raise ConfigError(f"no stored layout for format {fmt!r}; expected one of {FORMATS}")

@@ -1,0 +1,505 @@
+"""A model's weights and decoding state as a list of named tensors, from its HF config.json.
+
+The planner needs, for every weight, its path (which decides its quantization role,
+`jaxspec.quant.policy.role_of`), shape, dtype and logical axes (which decide its sharding,
+`jaxspec.sharding`); and for the decoding state the same per array. Two sources:
+
+* **traced** — the architectures jaxspec builds (`ModelConfig.from_hf`: Qwen3, Qwen3-MoE,
+  GLM4-MoE, gpt-oss). The parameter tree is `jax.eval_shape` of the model's own initialiser
+  (`jaxspec.models.target.param_shapes` / `logical_axes`) and the state is `eval_shape` of
+  `DecodingState.create`, so the planner counts exactly what the code allocates.
+* **formula** — architectures jaxspec cannot build: DeepSeek-V3 / Kimi-K2 multi-head latent
+  attention (MLA) and Qwen3.5 / Qwen3-Next hybrids (Gated DeltaNet layers). `formula_weights`
+  writes the same kind of entries, with jaxspec's path and axis conventions, from the config's
+  numbers; it also covers the buildable architectures so tests can cross-check it against the
+  traced count.
+
+Decoding state of the formula architectures, per sequence:
+
+* MLA keeps the compressed latent, as serving engines do: kv_lora_rank + qk_rope_head_dim
+  values per token and layer (one "head" of that width, so K and V share it); its format is a
+  `jaxspec.state` kind with one KV head, counted once (no separate V).
+* A Gated DeltaNet layer keeps a constant-size state: the causal-conv window, (kernel − 1) ×
+  conv_dim values (conv_dim = 2·key_heads·key_dim + value_heads·value_dim), and the delta-rule
+  state, value_heads × key_dim × value_dim float32 values. Only the full-attention layers
+  (every `full_attention_interval`-th) keep a KV cache that grows with the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxspec.config import SUPPORTED_ARCHITECTURES, HFConfigReader, ModelConfig
+from jaxspec.errors import ConfigError
+from jaxspec.state import KV_AXES, KV_FORMATS, SCALE_AXES, DecodingState
+
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
+HYBRID_ARCHITECTURES = (
+  "Qwen3NextForCausalLM",
+  "Qwen3_5MoeForCausalLM",
+  "Qwen3_5MoeForConditionalGeneration",
+)
+PLANNED_ARCHITECTURES = SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One array: a "/"-joined path, its shape, dtype and logical axis names (None: unnamed)."""
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  axes: tuple[Optional[str], ...]
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """What the planner knows about one model (see the module docstring).
+
+  `dims` holds the numbers the activation and traffic models use: hidden, vocab, layers,
+  attention layers, heads, kv_heads, head_dim, q_width (query width per token),
+  kv_width (cached values per token and layer), intermediate, moe_layers, experts, top_k,
+  moe_intermediate, shared_intermediate, linear_layers, linear_state (float32 values of one
+  linear layer's recurrent state per sequence).
+  """
+
+  name: str
+  architecture: str
+  counted: str  # "traced" or "formula"
+  weights: tuple[Tensor, ...]
+  dims: Mapping[str, int]
+  config: Optional[ModelConfig] = None  # set when jaxspec can build the model
+  hf: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_params(self) -> int:
+    return sum(w.size for w in self.weights)
+
+  def state(self, batch: int, max_len: int, kv_format: str = "float") -> tuple[Tensor, ...]:
+    """The target's decoding state for these shapes, per array (not per device)."""
+    if kv_format not in KV_FORMATS:
+      raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
+    if self.config is not None:
+      shapes = jax.eval_shape(lambda: DecodingState.create(self.config, batch, max_len, kv_format))
+      return _state_tensors(shapes, "state")
+    return _formula_state(self, batch, max_len, kv_format)
+
+
+def architecture_of(hf: Mapping[str, Any]) -> str:
+  """The one architecture a config.json names; ConfigError when the planner cannot count it."""
+  if not isinstance(hf, Mapping):
+    raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+  archs = hf.get("architectures") or []
+  if not isinstance(archs, (list, tuple)) or len(archs) != 1 or archs[0] not in (
+    PLANNED_ARCHITECTURES
+  ):
+    raise ConfigError(
+      f"the planner cannot count architectures {archs!r}; it knows exactly one of "
+      f"{', '.join(PLANNED_ARCHITECTURES)}"
+    )
+  return archs[0]
+
+
+def model_spec(
+  hf: Mapping[str, Any], name: str = "", param_dtype: str = "bfloat16", source: str = "auto"
+) -> ModelSpec:
+  """The planner's view of the model a HF config.json describes.
+
+  Args:
+    hf: the config.json dict (a Qwen3.5 `text_config` nested inside is read).
+    name: a label for tables.
+    param_dtype: the dtype unquantized weights (and the float KV cache) are kept in.
+    source: "traced" (jaxspec builds it; ConfigError otherwise), "formula", or "auto" (traced
+      whenever jaxspec can build the architecture).
+  """
+  if isinstance(hf.get("text_config"), Mapping):
+    hf = {**hf["text_config"], "architectures": hf.get("architectures")}
+  arch = architecture_of(hf)
+  buildable = arch in SUPPORTED_ARCHITECTURES
+  if source not in ("auto", "traced", "formula"):
+    raise ConfigError(f"source={source!r}; expected 'auto', 'traced' or 'formula'")
+  if source == "traced" and not buildable:
+    raise ConfigError(f"jaxspec cannot build {arch}; count it with source='formula'")
+  dims = _dims(hf, arch)
+  if buildable and source != "formula":
+    config = ModelConfig.from_hf(hf, dtype=param_dtype, param_dtype=param_dtype)
+    return ModelSpec(name or arch, arch, "traced", traced_weights(config), dims, config, hf)
+  return ModelSpec(name or arch, arch, "formula", formula_weights(hf, param_dtype), dims, None, hf)
+
+
+def traced_weights(config: ModelConfig) -> tuple[Tensor, ...]:
+  """Every parameter of the model jaxspec builds for `config`, from its traced initialiser."""
+  from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
+  from jaxspec.quant.policy import path_str  # pylint: disable=import-outside-toplevel
+
+  shapes = jax.tree_util.tree_flatten_with_path(target_lib.param_shapes(config))[0]
+  axes = jax.tree_util.tree_leaves(
+    target_lib.logical_axes(config), is_leaf=lambda x: isinstance(x, PartitionSpec)
+  )
+  return tuple(
+    Tensor(path_str(p), tuple(x.shape), str(x.dtype), _padded(tuple(a), len(x.shape)))
+    for (p, x), a in zip(shapes, axes)
+  )
+
+
+def _padded(axes: tuple, rank: int) -> tuple:
+  return tuple(axes) + (None,) * (rank - len(axes))
+
+
+def _state_tensors(tree: Any, prefix: str) -> tuple[Tensor, ...]:
+  """State arrays with their logical axes: K/V and Q4_0 scales [L, B, S, K, ·], FP8 scales
+  [L, B, S, K], lengths [B] (the ranks `jaxspec.state` gives them)."""
+  by_rank = {5: KV_AXES, 4: SCALE_AXES, 1: ("batch",)}
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if len(x.shape) not in by_rank:
+      raise ConfigError(f"no logical axes for a rank-{len(x.shape)} state array")
+    name = prefix + jax.tree_util.keystr(path)
+    out.append(Tensor(name, tuple(x.shape), str(x.dtype), by_rank[len(x.shape)]))
+  return tuple(out)
+
+
+def state_logical_axes(tree: Any) -> Any:
+  """Logical PartitionSpecs for a live `DecodingState` (for `jaxspec.sharding.shard_tree`)."""
+  tensors = iter(_state_tensors(tree, ""))
+  return jax.tree_util.tree_map(lambda _: PartitionSpec(*next(tensors).axes), tree)
+
+
+def kv_kind_tensors(
+  prefix: str,
+  layers: int,
+  batch: int,
+  length: int,
+  kv_heads: int,
+  head_dim: int,
+  kv_format: str,
+  dtype: str,
+  keys_only: bool = False,
+) -> tuple[Tensor, ...]:
+  """The arrays of a `jaxspec.state` KV kind for this geometry, traced (nothing allocated).
+
+  `keys_only` keeps K (and its scale) alone: MLA's latent is read as both keys and values.
+  """
+  geometry = types.SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+  kind = KV_FORMATS[kv_format]
+  shapes = jax.eval_shape(lambda: kind.create(geometry, layers, batch, length))
+  tensors = _state_tensors(shapes, prefix)
+  if keys_only:
+    tensors = tuple(t for t in tensors if t.path.rsplit(".", 1)[-1] in ("k", "k_scale"))
+  return tensors
+
+
+def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) -> tuple:
+  d, dtype = spec.dims, _param_dtype(spec)
+  out = list(
+    kv_kind_tensors(
+      "state.kv",
+      d["attention_layers"],
+      batch,
+      max_len,
+      d["cache_heads"],
+      d["cache_head_dim"],
+      kv_format,
+      dtype,
+      keys_only=d["cache_heads"] == 1 and d.get("mla", 0) == 1,
+    )
+  )
+  if d["linear_layers"]:
+    out.append(
+      Tensor(
+        "state.conv",
+        (d["linear_layers"], batch, d["conv_dim"], d["conv_window"]),
+        dtype,
+        ("layers", "batch", "heads", None),
+      )
+    )
+    out.append(
+      Tensor(
+        "state.delta",
+        (d["linear_layers"], batch, d["linear_value_heads"], d["linear_key_dim"],
+         d["linear_value_dim"]),
+        "float32",
+        ("layers", "batch", "heads", None, None),
+      )
+    )
+  out.append(Tensor("state.lengths", (batch,), "int32", ("batch",)))
+  return tuple(out)
+
+
+def _param_dtype(spec: ModelSpec) -> str:
+  for w in spec.weights:
+    if w.path == "embed":
+      return w.dtype
+  return "bfloat16"
+
+
+# ------------------------------------------------------------------------------------------------
+# Architecture numbers
+# ------------------------------------------------------------------------------------------------
+
+
+def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
+  """The numbers the activation and traffic models read (see ModelSpec)."""
+  r = HFConfigReader(hf, arch)
+  r.require("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+  hidden, layers = r.integer("hidden_size"), r.integer("num_hidden_layers")
+  heads = r.integer("num_attention_heads")
+  kv_heads = r.integer("num_key_value_heads", heads)
+  head_dim = r.integer("head_dim", hidden // heads)
+  experts = r.first_integer(("n_routed_experts", "num_experts", "num_local_experts"), 0)
+  moe_inter = r.integer("moe_intermediate_size", 0)
+  if arch == "GptOssForCausalLM":
+    moe_inter = r.integer("intermediate_size")
+  d: dict[str, Any] = dict(
+    hidden=hidden,
+    vocab=r.integer("vocab_size"),
+    layers=layers,
+    heads=heads,
+    kv_heads=kv_heads,
+    head_dim=head_dim,
+    q_width=heads * head_dim,
+    intermediate=r.integer("intermediate_size", 0),
+    experts=experts,
+    top_k=r.first_integer(("num_experts_per_tok", "experts_per_token"), 0) if experts else 0,
+    moe_intermediate=moe_inter,
+    shared_intermediate=0,
+    moe_layers=0,
+    attention_layers=layers,
+    cache_heads=kv_heads,
+    cache_head_dim=head_dim,
+    linear_layers=0,
+    mtp_layers=r.first_integer(("num_nextn_predict_layers", "mtp_num_hidden_layers"), 0),
+  )
+  if arch in MLA_ARCHITECTURES:
+    r.require("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    rope, nope = r.integer("qk_rope_head_dim"), r.integer("qk_nope_head_dim")
+    d.update(
+      mla=1,
+      q_width=heads * (nope + rope),
+      head_dim=nope + rope,
+      v_head_dim=r.integer("v_head_dim"),
+      cache_heads=1,
+      cache_head_dim=r.integer("kv_lora_rank") + rope,
+      moe_layers=(layers - r.integer("first_k_dense_replace", 0)) if experts else 0,
+      shared_intermediate=moe_inter * r.integer("n_shared_experts", 0),
+    )
+  elif arch in HYBRID_ARCHITECTURES:
+    r.require("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel_dim")
+    interval = r.integer("full_attention_interval", 4)
+    full = layers // interval
+    kh, vh = r.integer("linear_num_key_heads"), r.integer("linear_num_value_heads")
+    kd, vd = r.integer("linear_key_head_dim"), r.integer("linear_value_head_dim")
+    d.update(
+      attention_layers=full,
+      linear_layers=layers - full,
+      linear_key_heads=kh,
+      linear_value_heads=vh,
+      linear_key_dim=kd,
+      linear_value_dim=vd,
+      conv_dim=2 * kh * kd + vh * vd,
+      conv_window=r.integer("linear_conv_kernel_dim") - 1,
+      moe_layers=layers if experts else 0,
+      shared_intermediate=r.integer("shared_expert_intermediate_size", 0),
+    )
+  elif experts:
+    config = ModelConfig.from_hf(hf)
+    d.update(
+      moe_layers=sum(config.layer_is_moe),
+      shared_intermediate=config.shared_intermediate_size,
+    )
+  return d
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameter formulas
+# ------------------------------------------------------------------------------------------------
+
+
+class _Weights:
+  """Collects formula weights under jaxspec's path and axis conventions."""
+
+  def __init__(self, dtype: str):
+    self.dtype = dtype
+    self.items: list[Tensor] = []
+
+  def add(self, path: str, shape: tuple[int, ...], axes: tuple, dtype: str = "") -> None:
+    if math.prod(shape) > 0:
+      self.items.append(Tensor(path, tuple(shape), dtype or self.dtype, tuple(axes)))
+
+  def stack(self, prefix: str, n: int, name: str, shape: tuple, axes: tuple, dtype="") -> None:
+    """A weight of each of the n layers of a scanned run (leading `layers` axis)."""
+    self.add(f"{prefix}/{name}", (n, *shape), ("layers", *axes), dtype)
+
+
+def _gqa_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader, arch):
+  h, q, kv, hd = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"]
+  gated = arch in HYBRID_ARCHITECTURES and r.flag("attn_output_gate", True)
+  w.stack(p, n, "self_attn/q_proj/kernel", (h, q * (2 if gated else 1), hd),
+          ("embed", "heads", "head_dim"))
+  w.stack(p, n, "self_attn/k_proj/kernel", (h, kv, hd), ("embed", "kv_heads", "head_dim"))
+  w.stack(p, n, "self_attn/v_proj/kernel", (h, kv, hd), ("embed", "kv_heads", "head_dim"))
+  w.stack(p, n, "self_attn/o_proj/kernel", (q, hd, h), ("heads", "head_dim", "embed"))
+  if r.flag("attention_bias", arch == "GptOssForCausalLM"):
+    w.stack(p, n, "self_attn/q_proj/bias", (q, hd), ("heads", "head_dim"))
+    w.stack(p, n, "self_attn/k_proj/bias", (kv, hd), ("kv_heads", "head_dim"))
+    w.stack(p, n, "self_attn/v_proj/bias", (kv, hd), ("kv_heads", "head_dim"))
+    if arch != "Glm4MoeForCausalLM":
+      w.stack(p, n, "self_attn/o_proj/bias", (h,), ("embed",))
+  qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or arch in HYBRID_ARCHITECTURES
+  if qk_norm or (arch == "Glm4MoeForCausalLM" and r.flag("use_qk_norm", False)):
+    w.stack(p, n, "self_attn/q_norm/scale", (hd,), ("head_dim",))
+    w.stack(p, n, "self_attn/k_norm/scale", (hd,), ("head_dim",))
+  if arch == "GptOssForCausalLM":
+    w.stack(p, n, "self_attn/sinks", (q,), ("heads",))
+
+
+def _mla_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader):
+  h, q = d["hidden"], d["heads"]
+  qk, v = d["head_dim"], d["v_head_dim"]
+  rope, lora = r.integer("qk_rope_head_dim"), r.integer("kv_lora_rank")
+  q_lora = r.integer("q_lora_rank", 0)
+  if q_lora:
+    w.stack(p, n, "self_attn/q_a_proj/kernel", (h, q_lora), ("embed", "q_lora"))
+    w.stack(p, n, "self_attn/q_a_layernorm/scale", (q_lora,), ("q_lora",))
+    w.stack(p, n, "self_attn/q_b_proj/kernel", (q_lora, q, qk), ("q_lora", "heads", "head_dim"))
+  else:
+    w.stack(p, n, "self_attn/q_proj/kernel", (h, q, qk), ("embed", "heads", "head_dim"))
+  w.stack(p, n, "self_attn/kv_a_proj/kernel", (h, lora + rope), ("embed", "kv_lora"))
+  w.stack(p, n, "self_attn/kv_a_layernorm/scale", (lora,), ("kv_lora",))
+  w.stack(p, n, "self_attn/kv_b_proj/kernel", (lora, q, qk - rope + v),
+          ("kv_lora", "heads", "head_dim"))
+  w.stack(p, n, "self_attn/o_proj/kernel", (q, v, h), ("heads", "head_dim", "embed"))
+
+
+def _gated_deltanet(w: _Weights, p: str, n: int, d: Mapping[str, int]):
+  h, kh, vh = d["hidden"], d["linear_key_heads"], d["linear_value_heads"]
+  kd, vd = d["linear_key_dim"], d["linear_value_dim"]
+  a = "self_attn/linear"  # the "attention" role: the token mixer of these layers
+  w.stack(p, n, f"{a}/in_proj_qkvz/kernel", (h, 2 * kh * kd + 2 * vh * vd), ("embed", "heads"))
+  w.stack(p, n, f"{a}/in_proj_ba/kernel", (h, 2 * vh), ("embed", "heads"))
+  w.stack(p, n, f"{a}/conv1d/kernel", (d["conv_dim"], d["conv_window"] + 1), ("heads", None))
+  w.stack(p, n, f"{a}/dt_bias", (vh,), ("heads",))
+  w.stack(p, n, f"{a}/A_log", (vh,), ("heads",), "float32")
+  w.stack(p, n, f"{a}/norm/scale", (vd,), ("head_dim",))
+  w.stack(p, n, f"{a}/out_proj/kernel", (vh * vd, h), ("heads", "embed"))
+
+
+def _ffn(w: _Weights, p: str, n: int, h: int, inter: int):
+  """A dense SwiGLU feed-forward (role "mlp", or "shared_experts" under that prefix)."""
+  w.stack(p, n, "gate_proj/kernel", (h, inter), ("embed", "mlp"))
+  w.stack(p, n, "up_proj/kernel", (h, inter), ("embed", "mlp"))
+  w.stack(p, n, "down_proj/kernel", (inter, h), ("mlp", "embed"))
+
+
+def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], arch: str):
+  h, e, inter = d["hidden"], d["experts"], d["moe_intermediate"]
+  w.stack(p, n, "mlp/router", (h, e), ("embed", None), "float32")  # float32, as HF keeps it
+  if arch == "GptOssForCausalLM":
+    w.stack(p, n, "mlp/router_bias", (e,), (None,), "float32")
+    w.stack(p, n, "mlp/gate_up_proj", (e, h, 2 * inter), ("expert", "embed", "mlp"))
+    w.stack(p, n, "mlp/gate_up_bias", (e, 2 * inter), ("expert", "mlp"))
+    w.stack(p, n, "mlp/down_proj", (e, inter, h), ("expert", "mlp", "embed"))
+    w.stack(p, n, "mlp/down_bias", (e, h), ("expert", "embed"))
+    return
+  if arch == "Glm4MoeForCausalLM" or arch in MLA_ARCHITECTURES:
+    w.stack(p, n, "mlp/e_score_correction_bias", (e,), (None,), "float32")
+  w.stack(p, n, "mlp/gate_proj", (e, h, inter), ("expert", "embed", "mlp"))
+  w.stack(p, n, "mlp/up_proj", (e, h, inter), ("expert", "embed", "mlp"))
+  w.stack(p, n, "mlp/down_proj", (e, inter, h), ("expert", "mlp", "embed"))
+  if d["shared_intermediate"]:
+    w.items += _stacked_ffn(f"{p}/mlp/shared_experts", n, h, d["shared_intermediate"], w.dtype)
+  if arch in HYBRID_ARCHITECTURES:
+    w.stack(p, n, "mlp/shared_expert_gate/kernel", (h, 1), ("embed", None))
+
+
+def _stacked_ffn(prefix: str, n: int, h: int, inter: int, dtype: str) -> list[Tensor]:
+  w = _Weights(dtype)
+  _ffn(w, prefix, n, h, inter)
+  return w.items
+
+
+def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tuple[Tensor, ...]:
+  """Every weight of the model `hf` describes, from the architecture's published structure.
+
+  Counts what HF's reference implementation holds (embedding, attention or MLA or Gated
+  DeltaNet, dense or routed + shared experts, norms, MTP layers, the LM head unless tied),
+  with jaxspec's path and axis conventions; the axis names `q_lora` and `kv_lora` have no
+  sharding rule, so those small low-rank projections stay replicated.
+  """
+  if isinstance(hf.get("text_config"), Mapping):
+    hf = {**hf["text_config"], "architectures": hf.get("architectures")}
+  arch = architecture_of(hf)
+  r = HFConfigReader(hf, arch)
+  d = _dims(hf, arch)
+  h, layers = d["hidden"], d["layers"]
+  w = _Weights(param_dtype)
+  w.add("embed", (d["vocab"], h), ("vocab", "embed"))
+  # Which layers are MoE: the same rules as ModelConfig.from_hf for the buildable ones.
+  if arch in SUPPORTED_ARCHITECTURES:
+    is_moe = ModelConfig.from_hf(hf).layer_is_moe or (False,) * layers
+  elif d["experts"]:
+    first = r.integer("first_k_dense_replace", 0) if arch in MLA_ARCHITECTURES else 0
+    is_moe = tuple(i >= first for i in range(layers))
+  else:
+    is_moe = (False,) * layers
+  if arch in HYBRID_ARCHITECTURES:
+    interval = r.integer("full_attention_interval", 4)
+    kinds = tuple(("full" if (i + 1) % interval == 0 else "linear", m) for i, m in enumerate(is_moe))
+  else:
+    kinds = tuple(("full", m) for m in is_moe)
+  runs: list[list] = []
+  for kind in kinds:
+    if runs and runs[-1][0] == kind:
+      runs[-1][1] += 1
+    else:
+      runs.append([kind, 1])
+  for s, ((mixer, moe), n) in enumerate(runs):
+    p = f"layers_{s}"
+    _layer(w, p, n, d, r, arch, mixer, moe)
+  for m in range(d["mtp_layers"]):
+    p = f"mtp_{m}"
+    w.add(f"{p}/eh_proj/kernel", (2 * h, h), ("mlp", "embed"))
+    for norm in ("enorm", "hnorm", "post_norm"):
+      w.add(f"{p}/{norm}/scale", (h,), ("embed",))
+    block = _Weights(param_dtype)
+    _layer(block, f"{p}/block", 1, d, r, arch, "full", d["experts"] > 0)
+    w.items += [  # one layer, no leading `layers` axis
+      Tensor(t.path, t.shape[1:], t.dtype, t.axes[1:]) for t in block.items
+    ]
+  w.add("norm/scale", (h,), ("embed",))
+  if not r.flag("tie_word_embeddings", False):
+    w.add("lm_head/kernel", (h, d["vocab"]), ("embed", "vocab"))
+  return tuple(w.items)
+
+
+def _layer(w: _Weights, p: str, n: int, d, r, arch: str, mixer: str, moe: bool) -> None:
+  h = d["hidden"]
+  w.stack(p, n, "input_layernorm/scale", (h,), ("embed",))
+  w.stack(p, n, "post_attention_layernorm/scale", (h,), ("embed",))
+  if mixer == "linear":
+    _gated_deltanet(w, p, n, d)
+  elif arch in MLA_ARCHITECTURES:
+    _mla_attention(w, p, n, d, r)
+  else:
+    _gqa_attention(w, p, n, d, r, arch)
+  if moe:
+    _moe(w, p, n, d, arch)
+  else:
+    w.items += _stacked_ffn(f"{p}/mlp", n, h, d["intermediate"], w.dtype)
