@@ -130,7 +130,7 @@ def _split(t: Tensor, sizes: Mapping[str, int], rules: sharding.Rules) -> int:
 
 def device_bytes(t: Tensor, sizes: Mapping[str, int], rules: Optional[sharding.Rules] = None) -> int:
   """Bytes of `t` on one device once sharded by the rules (every device holds as much)."""
-  return t.nbytes // _split(t, sizes, sharding.rules_from(rules))
+  return t.nbytes // _split(t, mesh_sizes(sizes), sharding.rules_from(rules))
 
 
 def _contraction(axes: tuple) -> tuple[int, ...]:
@@ -176,7 +176,7 @@ def params_by_format(
   spec: ModelSpec, policy: Any, sizes: Mapping[str, int], rules: Optional[sharding.Rules] = None
 ) -> dict[str, int]:
   """Per-device bytes of the target's parameters in each format ("none": unquantized)."""
-  policy, rules = policy_rules(policy), sharding.rules_from(rules)
+  policy, rules, sizes = policy_rules(policy), sharding.rules_from(rules), mesh_sizes(sizes)
   out: dict[str, int] = {}
   for w in spec.weights:
     fmt = weight_format(w, policy, spec.config)
@@ -194,7 +194,7 @@ def state_bytes(
   rules: Optional[sharding.Rules] = None,
 ) -> int:
   """Per-device bytes of the target's decoding state, sharded by its logical axes."""
-  rules = sharding.rules_from(rules)
+  rules, sizes = sharding.rules_from(rules), mesh_sizes(sizes)
   return sum(device_bytes(t, sizes, rules) for t in spec.state(batch, max_len, kv_format))
 
 

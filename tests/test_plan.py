@@ -1,0 +1,272 @@
+"""The planner from config.json (jaxspec.plan.arch / scale) against the code and the live arrays.
+
+Per-device bytes are checked against live arrays on 1 device here and on 8 virtual CPU devices
+in a child process (XLA's device count is fixed when the backend starts), parameters in every
+policy and the decoding state in every KV format, within 5% (they agree exactly today).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+import jaxspec as js
+from jaxspec.errors import ConfigError
+from jaxspec.plan import arch, scale
+from jaxspec.plan.engine import tree_bytes
+from jaxspec.quant.formats import QTensor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(REPO, "jaxspec", "assets", "target")
+TOLERANCE = 0.05
+
+_BASE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, intermediate_size=128)
+SMALL = {
+  "qwen3": dict(_BASE, architectures=["Qwen3ForCausalLM"]),
+  "qwen3_moe": dict(_BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
+                    tie_word_embeddings=True),
+  "gpt_oss": dict(_BASE, architectures=["GptOssForCausalLM"], num_local_experts=4,
+                  num_experts_per_tok=2, intermediate_size=64),
+  "glm4_moe": dict(_BASE, architectures=["Glm4MoeForCausalLM"], n_routed_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                   first_k_dense_replace=1, num_nextn_predict_layers=1, use_qk_norm=True,
+                   attention_bias=True),
+}
+
+
+def _hf(name: str) -> dict:
+  with open(os.path.join(REPO, "configs", "hf", name)) as f:
+    return json.load(f)
+
+
+def _bundled() -> dict:
+  with open(os.path.join(TARGET, "config.json")) as f:
+    return json.load(f)
+
+
+# -- the formula against the traced parameter tree ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", [*SMALL, "bundled"])
+def test_formula_matches_the_traced_parameter_tree(name):
+  # Mutation checked: dropping the qk-norm scales from _gqa_attention fails qwen3 and glm4_moe.
+  hf = _bundled() if name == "bundled" else SMALL[name]
+  as_table = lambda spec: {w.path: (w.shape, w.dtype, w.axes) for w in spec.weights}
+  traced = as_table(arch.model_spec(hf, source="traced"))
+  formula = as_table(arch.model_spec(hf, source="formula"))
+  assert formula == traced
+
+
+@pytest.mark.parametrize(
+  "name, published, within",
+  [("deepseek_v3.json", 671e9 + 11.5e9, 0.005),  # main model + its MTP module (DeepSeek's README)
+   ("kimi_k2.json", 1e12, 0.03),  # published as "1T"
+   ("qwen3_235b_a22b.json", 235e9, 0.005),
+   ("gpt_oss_120b.json", 116.8e9, 0.005),
+   ("qwen3_5_397b_a17b.json", 397e9, 0.005)],  # text model only (no vision tower, no MTP)
+)
+def test_published_parameter_counts(name, published, within):
+  # Mutation checked: dropping the shared experts from _moe puts DeepSeek-V3 off by 1.9%.
+  spec = arch.model_spec(_hf(name))
+  assert abs(spec.num_params / published - 1) < within, spec.num_params
+
+
+def test_mla_and_hybrid_state_is_counted_analytically():
+  ds = arch.model_spec(_hf("deepseek_v3.json"))
+  per_token = sum(t.nbytes for t in ds.state(1, 2)) - sum(t.nbytes for t in ds.state(1, 1))
+  assert per_token == 61 * (512 + 64) * 2  # the bf16 latent, once per layer (K and V share it)
+  qwen = arch.model_spec(_hf("qwen3_5_397b_a17b.json"))
+  grow = lambda s: sum(t.nbytes for t in s(1, 1024)) - sum(t.nbytes for t in s(1, 512))
+  assert grow(qwen.state) == 512 * 15 * 2 * 2 * 256 * 2  # only the 15 full-attention layers grow
+  fixed = sum(t.nbytes for t in qwen.state(1, 1) if t.path in ("state.conv", "state.delta"))
+  assert fixed == 45 * (3 * (2 * 16 * 128 + 64 * 128) * 2 + 64 * 128 * 128 * 4)
+
+
+# -- the planner against live arrays on one device -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target():
+  return js.load_model(TARGET, scan_layers=False)
+
+
+@pytest.mark.parametrize(
+  # Quantizing costs ~10 s on CPU; the fast run checks quantized bytes on 8 devices instead.
+  "policy", ["bf16", *(pytest.param(p, marks=pytest.mark.slow) for p in ("fp8", "mxfp4_fp8"))]
+)
+def test_parameter_bytes_match_the_live_model(target, policy):
+  # Mutation checked: stored_tensors returning the unquantized weight fails fp8 and mxfp4_fp8.
+  spec = arch.model_spec(_bundled(), param_dtype=target.config.param_dtype)
+  planned = scale.params_by_format(spec, policy, {"data": 1})
+  live_model = js.quantize(target, scale.POLICIES[policy]) if policy != "bf16" else target
+  live: dict = {}
+  for leaf in jax.tree_util.tree_leaves(live_model.params, is_leaf=lambda x: isinstance(x, QTensor)):
+    fmt = leaf.format if isinstance(leaf, QTensor) else "none"
+    live[fmt] = live.get(fmt, 0) + (leaf.nbytes if isinstance(leaf, QTensor) else tree_bytes(leaf))
+  assert planned.keys() == live.keys()
+  for fmt, n in live.items():
+    assert abs(planned[fmt] / n - 1) <= TOLERANCE, (fmt, planned[fmt], n)
+
+
+@pytest.mark.parametrize("kv_format", ["float", "fp8", "q4_0"])
+def test_state_bytes_match_the_live_state(target, kv_format):
+  # Mutation checked: counting only K (keys_only for every kind) fails all three formats.
+  spec = arch.model_spec(_bundled(), param_dtype=target.config.param_dtype)
+  live = tree_bytes(target.init_state(2, 96, kv_format))
+  planned = scale.state_bytes(spec, 2, 96, kv_format, {"data": 1})
+  assert abs(planned / live - 1) <= TOLERANCE, (planned, live)
+
+
+# -- on 8 virtual devices --------------------------------------------------------------------------
+
+SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+    import jaxspec as js
+    from jaxspec import sharding as sh
+    from jaxspec.models import target as target_lib
+    from jaxspec.plan import arch, scale
+    from jaxspec.quant.formats import QTensor, stored_axes
+
+    assert len(jax.devices()) == 8, jax.devices()
+    hf_small, mesh_shape, quantized = (json.loads(a) for a in sys.argv[1:4])
+    mesh = sh.make_mesh(mesh_shape)
+    is_q = lambda x: isinstance(x, QTensor)
+
+    def per_device(tree):
+        out = {}
+        for leaf in jax.tree_util.tree_leaves(tree):
+            for s in leaf.addressable_shards:
+                out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
+        return max(out.values())
+
+    def logical_of(params, logical):
+        # A quantized weight's values and scales carry the names stored_axes gives them.
+        return jax.tree_util.tree_map(
+            lambda x, spec: x.replace(values=P(*stored_axes(tuple(spec), x.format, x.axes)[0]),
+                                      scales=P(*stored_axes(tuple(spec), x.format, x.axes)[1]))
+            if is_q(x) else spec,
+            params, logical, is_leaf=lambda x: is_q(x) or isinstance(x, P))
+
+    report = {}
+    models = {"bundled": js.load_model("jaxspec/assets/target", scan_layers=False)}
+    # Random values without compiling the initialiser (seconds on a busy CPU).
+    cfg = js.ModelConfig.from_hf(hf_small, scan_layers=False)
+    rng = np.random.default_rng(1)
+    models["random"] = target_lib.TargetModel(cfg, jax.tree_util.tree_map(
+        lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype),
+        target_lib.param_shapes(cfg)))
+    for name, model in models.items():
+        hf = model.config.to_hf() if name == "random" else json.load(
+            open("jaxspec/assets/target/config.json"))
+        spec = arch.model_spec(hf, param_dtype=model.config.param_dtype)
+        logical = target_lib.logical_axes(model.config)
+        for policy in ("bf16", "mxfp4_fp8") if name in quantized else ("bf16",):
+            m = model if policy == "bf16" else js.quantize(model, scale.POLICIES[policy])
+            live = per_device(sh.shard_tree(m.params, logical_of(m.params, logical), mesh))
+            planned = sum(scale.params_by_format(spec, policy, mesh_shape).values())
+            report[f"{name}/params/{policy}"] = [planned, live]
+        for kv in ("float", "fp8", "q4_0"):
+            state = model.init_state(4, 64, kv)
+            live = per_device(sh.shard_tree(state, arch.state_logical_axes(state), mesh))
+            report[f"{name}/state/{kv}"] = [scale.state_bytes(spec, 4, 64, kv, mesh_shape), live]
+    print(json.dumps(report))
+""")
+
+# (mesh, models whose MXFP4+FP8 weights are sharded too): quantizing costs seconds per model on
+# CPU, so the default run quantizes the random model only.
+MESHES = [
+  pytest.param(({"data": 2, "expert": 2, "tensor": 2}, ["random"]), id="data2-expert2-tensor2"),
+  pytest.param(({"expert": 8}, ["random", "bundled"]), id="expert8", marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(scope="module", params=MESHES)
+def eight_devices(request):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  small = dict(SMALL["glm4_moe"], hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+               head_dim=32,
+               n_routed_experts=8, moe_intermediate_size=64)
+  proc = subprocess.run(
+    [sys.executable, "-c", SCRIPT, json.dumps(small), *(json.dumps(a) for a in request.param)],
+    capture_output=True, text=True, env=env, cwd=REPO, timeout=600, check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_per_device_bytes_match_live_shards(eight_devices):
+  # Mutation checked: device_bytes ignoring the sharding (t.nbytes) fails every entry; the
+  # mxfp4 stored_axes naming the block axis None fails the mxfp4_fp8 entries on expert=8.
+  assert len(eight_devices) >= 9
+  for key, (planned, live) in eight_devices.items():
+    assert abs(planned / live - 1) <= TOLERANCE, (key, planned, live)
+
+
+# -- inputs, fits and traffic ----------------------------------------------------------------------
+
+
+def test_bad_inputs_are_config_errors():
+  spec = arch.model_spec(SMALL["qwen3"])
+  with pytest.raises(ConfigError, match="unknown policy"):
+    scale.plan(spec, "expert=8", "int3")
+  with pytest.raises(ConfigError, match="unknown mesh axes"):
+    scale.plan(spec, "experts=8")
+  with pytest.raises(ConfigError, match="positive"):
+    scale.plan(spec, "expert=-1")
+  with pytest.raises(ConfigError, match="axis=size"):
+    scale.plan(spec, "expert8")
+  with pytest.raises(ConfigError, match="cannot count"):
+    arch.model_spec({"architectures": ["LlamaForCausalLM"]})
+  with pytest.raises(ConfigError, match="accelerator"):
+    scale.plan(spec, "data=1").margin("a100")
+
+
+def test_fits_and_traffic_model():
+  # Mutation checked: swapping the a2a/replicate choice fails the decode/verify modes.
+  ds = arch.model_spec(_hf("deepseek_v3.json"))
+  p = scale.plan(ds, "expert=8", "mxfp4_fp8", max_len=131072, block=16)
+  assert p.fits("h200") and not scale.plan(ds, "expert=8", "bf16", max_len=32768).fits("h200")
+  assert p.decode_traffic["expert_mode"] == "replicate"
+  assert p.verify_traffic["expert_mode"] == "all_to_all"
+  h, act, e = 7168, 2, 8
+  assert p.decode_traffic["expert"] == int(58 * 2 * (e - 1) / e * h * act)
+  remote = (e - 1) * (1 - (1 - 1 / e) ** 8)
+  assert p.verify_traffic["expert"] == int(58 * 2 * 2 * remote * h * act)
+  tp = scale.plan(ds, "tensor=8", "bf16", max_len=1024)
+  assert tp.decode_traffic["tensor"] == int(61 * 2 * 2 * 7 / 8 * h * act + 7 / 8 * 129280 * 4)
+  assert math.isclose(p.total, sum(p.params.values()) + p.state + p.drafter + p.activations)
+
+
+def test_drafters_are_traced_from_their_modules():
+  spec = arch.model_spec(_hf("qwen3_235b_a22b.json"))
+  dflash = scale.drafter_spec("dflash", spec)
+  layers = {w.path.split("/")[0] for w in dflash.weights if w.path.startswith("layers")}
+  assert dflash.weights and len(layers) >= 1
+  eagle = scale.drafter_spec("eagle3", spec)
+  assert sum(w.size for w in eagle.weights) < sum(w.size for w in dflash.weights)
+  assert scale.drafter_spec("mtp", spec) is None
+  with pytest.raises(ConfigError, match="unknown drafter"):
+    scale.drafter_spec("medusa", spec)
+
+
+def test_launch_script_prints_the_plan():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, os.path.join(REPO, "launch", "plan.py"),
+         "--config=configs/hf/deepseek_v3.json", "--mesh=expert=8", "--policy=mxfp4_fp8",
+         "--max_len=131072", "--batch=1"]
+  out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "H200 141 GB: fits" in out.stdout and "interconnect" in out.stdout
