@@ -58,7 +58,8 @@ def _bundled() -> dict:
 
 @pytest.mark.parametrize("name", [*SMALL, "bundled"])
 def test_formula_matches_the_traced_parameter_tree(name):
-  # Mutation checked: dropping the qk-norm scales from _gqa_attention fails qwen3 and glm4_moe.
+  # Mutation checked: dropping the qk-norm scales from _gqa_attention fails the Qwen3, Qwen3-MoE
+  # and GLM configs.
   hf = _bundled() if name == "bundled" else SMALL[name]
   as_table = lambda spec: {w.path: (w.shape, w.dtype, w.axes) for w in spec.weights}
   traced = as_table(arch.model_spec(hf, source="traced"))
@@ -75,12 +76,13 @@ def test_formula_matches_the_traced_parameter_tree(name):
    ("qwen3_5_397b_a17b.json", 397e9, 0.005)],  # text model only (no vision tower, no MTP)
 )
 def test_published_parameter_counts(name, published, within):
-  # Mutation checked: dropping the shared experts from _moe puts DeepSeek-V3 off by 1.9%.
+  # Mutation checked: leaving out the MTP layers puts DeepSeek-V3 1.7% short.
   spec = arch.model_spec(_hf(name))
   assert abs(spec.num_params / published - 1) < within, spec.num_params
 
 
 def test_mla_and_hybrid_state_is_counted_analytically():
+  # Mutation checked: keys_only for every kind (no V) fails the Qwen3.5 growth.
   ds = arch.model_spec(_hf("deepseek_v3.json"))
   per_token = sum(t.nbytes for t in ds.state(1, 2)) - sum(t.nbytes for t in ds.state(1, 1))
   assert per_token == 61 * (512 + 64) * 2  # the bf16 latent, once per layer (K and V share it)
@@ -119,7 +121,7 @@ def test_parameter_bytes_match_the_live_model(target, policy):
 
 @pytest.mark.parametrize("kv_format", ["float", "fp8", "q4_0"])
 def test_state_bytes_match_the_live_state(target, kv_format):
-  # Mutation checked: counting only K (keys_only for every kind) fails all three formats.
+  # Mutation checked: ModelSpec.state ignoring kv_format (always "float") fails fp8 and q4_0.
   spec = arch.model_spec(_bundled(), param_dtype=target.config.param_dtype)
   live = tree_bytes(target.init_state(2, 96, kv_format))
   planned = scale.state_bytes(spec, 2, 96, kv_format, {"data": 1})
@@ -174,9 +176,14 @@ SCRIPT = textwrap.dedent(r"""
         logical = target_lib.logical_axes(model.config)
         for policy in ("bf16", "mxfp4_fp8") if name in quantized else ("bf16",):
             m = model if policy == "bf16" else js.quantize(model, scale.POLICIES[policy])
-            live = per_device(sh.shard_tree(m.params, logical_of(m.params, logical), mesh))
-            planned = sum(scale.params_by_format(spec, policy, mesh_shape).values())
-            report[f"{name}/params/{policy}"] = [planned, live]
+            placed = sh.shard_tree(m.params, logical_of(m.params, logical), mesh)
+            by_format = {}
+            for leaf in jax.tree_util.tree_leaves(placed, is_leaf=is_q):
+                by_format.setdefault(leaf.format if is_q(leaf) else "none", []).append(leaf)
+            planned = scale.params_by_format(spec, policy, mesh_shape)
+            assert planned.keys() == by_format.keys(), (planned.keys(), by_format.keys())
+            for fmt, leaves in by_format.items():
+                report[f"{name}/params/{policy}/{fmt}"] = [planned[fmt], per_device(leaves)]
         for kv in ("float", "fp8", "q4_0"):
             state = model.init_state(4, 64, kv)
             live = per_device(sh.shard_tree(state, arch.state_logical_axes(state), mesh))
@@ -208,8 +215,8 @@ def eight_devices(request):
 
 
 def test_per_device_bytes_match_live_shards(eight_devices):
-  # Mutation checked: device_bytes ignoring the sharding (t.nbytes) fails every entry; the
-  # mxfp4 stored_axes naming the block axis None fails the mxfp4_fp8 entries on expert=8.
+  # Mutations checked: device_bytes ignoring the sharding (t.nbytes) fails; stored_tensors
+  # leaving out the scales fails the mxfp4 entries (6% short).
   assert len(eight_devices) >= 9
   for key, (planned, live) in eight_devices.items():
     assert abs(planned / live - 1) <= TOLERANCE, (key, planned, live)
