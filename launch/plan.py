@@ -17,7 +17,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxspec import cli  # pylint: disable=wrong-import-position
+from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.plan import arch, scale  # pylint: disable=wrong-import-position
 
@@ -41,6 +41,8 @@ flags.DEFINE_integer("block", 16, "Tokens per sequence in one verify block.")
 flags.DEFINE_string("drafter", "none", "none, mtp, dflash or eagle3.")
 flags.DEFINE_integer("drafter_layers", 0, "DFlash drafter layers (0: one per 6 target layers).")
 flags.DEFINE_list("accelerators", ["h200", "h100"], f"Of {', '.join(scale.ACCELERATORS)}.")
+flags.DEFINE_list("batch_axes", ["data"], "Mesh axes the batch (and so the KV cache) is split "
+                  "over, e.g. data,expert for data-parallel attention on an expert mesh.")
 flags.DEFINE_bool("table", False, "Print the comparison table of the models in configs/hf.")
 
 
@@ -56,8 +58,11 @@ def read_config(path: str) -> dict:
 
 def main(argv):
   del argv
+  # The default rule table, with the batch rule first over --batch_axes.
+  batch_rule = ("batch", tuple(FLAGS.batch_axes) if len(FLAGS.batch_axes) > 1 else FLAGS.batch_axes[0])
+  rules = (batch_rule,) + tuple(r for r in sharding.DEFAULT_RULES if r[0] != "batch")
   options = dict(kv_format=FLAGS.kv_format, batch=FLAGS.batch, block=FLAGS.block,
-                 drafter=FLAGS.drafter, drafter_layers=FLAGS.drafter_layers)
+                 drafter=FLAGS.drafter, drafter_layers=FLAGS.drafter_layers, rules=rules)
   if FLAGS.table:
     specs = [arch.model_spec(read_config(os.path.join(REPO, "configs", "hf", f)), name)
              for name, f in TABLE_MODELS]

@@ -13,8 +13,8 @@ by `jaxspec.sharding.logical_to_spec` with the run's rule table and the mesh siz
 `shard_tree` places live arrays, so a dimension that does not divide its mesh axes stays
 replicated here too. A quantized weight's shapes come from `jaxspec.quant.quantize_weight`
 traced abstractly; its values and scales keep the weight's logical axes
-(`jaxspec.quant.formats.stored_axes`). Activations of a verify block (T = ⌈B/data⌉·N tokens
-per device, act = activation bytes, 2 for bfloat16), an estimate of the live buffers at the
+(`jaxspec.quant.formats.stored_axes`). Activations of a verify block (T = ⌈B/ways⌉·N tokens
+per device, the batch split `ways` ways by the rules, act = activation bytes, 2 for bfloat16), an estimate of the live buffers at the
 widest point of one layer plus the logits:
 
   residual + normed input      2·T·H·act
@@ -43,6 +43,9 @@ device, an all-gather (g−1)/g·S.
   the all-to-all wins once a block has more tokens than devices, by up to the factor
   e/((e−1)(1−(1−1/e)^k)) · T_d / ⌈T_d/e⌉.
 * The data axis moves nothing per step (sequences are independent; weights are replicated).
+  The traffic model splits the batch over `data` only; a rule table that also splits it over
+  `expert` (data-parallel attention, `launch/plan.py --batch_axes=data,expert`) changes the
+  memory figures but not these.
 
 What the model leaves out: the latency terms (all-to-all count exchange, kernel launches),
 load imbalance across experts, pipeline or sequence parallelism, and the drafter's own
@@ -289,11 +292,18 @@ def _local(n: int, ways: int) -> float:
 
 
 def activation_bytes(
-  spec: ModelSpec, batch: int, block: int, sizes: Mapping[str, int], act: int = 2
+  spec: ModelSpec,
+  batch: int,
+  block: int,
+  sizes: Mapping[str, int],
+  act: int = 2,
+  rules: Optional[sharding.Rules] = None,
 ) -> int:
-  """Peak activations of one verify block of `block` tokens per sequence, per device."""
+  """Peak activations of one verify block of `block` tokens per sequence, per device (the
+  batch split as the rules split it: over `data` by default)."""
   d, t = spec.dims, sizes["tensor"]
-  rows = math.ceil(batch / sizes["data"])
+  ways = _split(Tensor("batch", (batch,), "int32", ("batch",)), sizes, sharding.rules_from(rules))
+  rows = math.ceil(batch / ways)
   tokens = rows * block
   h = d["hidden"]
   residual = 2 * tokens * h * act
@@ -447,7 +457,7 @@ def plan(
     params=params_by_format(spec, policy, sizes, rules),
     state=state_bytes(spec, batch, max_len, kv_format, sizes, rules),
     drafter=draft_bytes,
-    activations=activation_bytes(spec, batch, block, sizes),
+    activations=activation_bytes(spec, batch, block, sizes, rules=rules),
     decode_traffic=traffic(spec, batch, 1, sizes),
     verify_traffic=traffic(spec, batch, block, sizes),
   )
@@ -482,7 +492,7 @@ def comparison_table(
 
 
 def _gb(n: float) -> str:
-  return f"{n / 1e9:.1f} GB"
+  return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 def _traffic_cell(tr: Mapping[str, Any]) -> str:
