@@ -41,8 +41,12 @@ flags.DEFINE_integer("block", 16, "Tokens per sequence in one verify block.")
 flags.DEFINE_string("drafter", "none", "none, mtp, dflash or eagle3.")
 flags.DEFINE_integer("drafter_layers", 0, "DFlash drafter layers (0: one per 6 target layers).")
 flags.DEFINE_list("accelerators", ["h200", "h100"], f"Of {', '.join(scale.ACCELERATORS)}.")
-flags.DEFINE_list("batch_axes", ["data"], "Mesh axes the batch (and so the KV cache) is split "
-                  "over, e.g. data,expert for data-parallel attention on an expert mesh.")
+flags.DEFINE_list(
+  "batch_axes",
+  ["data"],
+  "Mesh axes the batch (and so the KV cache) is split "
+  "over, e.g. data,expert for data-parallel attention on an expert mesh.",
+)
 flags.DEFINE_bool("table", False, "Print the comparison table of the models in configs/hf.")
 
 
@@ -59,22 +63,38 @@ def read_config(path: str) -> dict:
 def main(argv):
   del argv
   # The default rule table, with the batch rule first over --batch_axes.
-  batch_rule = ("batch", tuple(FLAGS.batch_axes) if len(FLAGS.batch_axes) > 1 else FLAGS.batch_axes[0])
+  batch_rule = (
+    "batch",
+    tuple(FLAGS.batch_axes) if len(FLAGS.batch_axes) > 1 else FLAGS.batch_axes[0],
+  )
   rules = (batch_rule,) + tuple(r for r in sharding.DEFAULT_RULES if r[0] != "batch")
-  options = dict(kv_format=FLAGS.kv_format, batch=FLAGS.batch, block=FLAGS.block,
-                 drafter=FLAGS.drafter, drafter_layers=FLAGS.drafter_layers, rules=rules)
+  options = dict(
+    kv_format=FLAGS.kv_format,
+    batch=FLAGS.batch,
+    block=FLAGS.block,
+    drafter=FLAGS.drafter,
+    drafter_layers=FLAGS.drafter_layers,
+    rules=rules,
+  )
   if FLAGS.table:
-    specs = [arch.model_spec(read_config(os.path.join(REPO, "configs", "hf", f)), name)
-             for name, f in TABLE_MODELS]
-    print("\n".join(scale.comparison_table(
-      specs, meshes=(scale.mesh_sizes(FLAGS.mesh),), accelerators=FLAGS.accelerators, **options
-    )))
+    specs = [
+      arch.model_spec(read_config(os.path.join(REPO, "configs", "hf", f)), name)
+      for name, f in TABLE_MODELS
+    ]
+    print(
+      "\n".join(
+        scale.comparison_table(
+          specs, meshes=(scale.mesh_sizes(FLAGS.mesh),), accelerators=FLAGS.accelerators, **options
+        )
+      )
+    )
     return
   if not FLAGS.config:
     raise ConfigError("pass --config=path/to/config.json, or --table")
   spec = arch.model_spec(read_config(FLAGS.config), os.path.basename(FLAGS.config))
-  print(f"{spec.name}: {spec.architecture}, {spec.num_params / 1e9:.2f}B parameters "
-        f"({spec.counted})")
+  print(
+    f"{spec.name}: {spec.architecture}, {spec.num_params / 1e9:.2f}B parameters ({spec.counted})"
+  )
   result = scale.plan(spec, FLAGS.mesh, FLAGS.policy, max_len=FLAGS.max_len, **options)
   print("\n".join(result.describe(FLAGS.accelerators)))
 

@@ -27,19 +27,45 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(REPO, "jaxspec", "assets", "target")
 TOLERANCE = 0.05
 
-_BASE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, intermediate_size=128)
+_BASE = dict(
+  vocab_size=96,
+  hidden_size=64,
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  intermediate_size=128,
+)
 SMALL = {
   "qwen3": dict(_BASE, architectures=["Qwen3ForCausalLM"]),
-  "qwen3_moe": dict(_BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4,
-                    num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
-                    tie_word_embeddings=True),
-  "gpt_oss": dict(_BASE, architectures=["GptOssForCausalLM"], num_local_experts=4,
-                  num_experts_per_tok=2, intermediate_size=64),
-  "glm4_moe": dict(_BASE, architectures=["Glm4MoeForCausalLM"], n_routed_experts=4,
-                   num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                   first_k_dense_replace=1, num_nextn_predict_layers=1, use_qk_norm=True,
-                   attention_bias=True),
+  "qwen3_moe": dict(
+    _BASE,
+    architectures=["Qwen3MoeForCausalLM"],
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    decoder_sparse_step=2,
+    tie_word_embeddings=True,
+  ),
+  "gpt_oss": dict(
+    _BASE,
+    architectures=["GptOssForCausalLM"],
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=64,
+  ),
+  "glm4_moe": dict(
+    _BASE,
+    architectures=["Glm4MoeForCausalLM"],
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=1,
+    use_qk_norm=True,
+    attention_bias=True,
+  ),
 }
 
 
@@ -69,11 +95,13 @@ def test_formula_matches_the_traced_parameter_tree(name):
 
 @pytest.mark.parametrize(
   "name, published, within",
-  [("deepseek_v3.json", 671e9 + 11.5e9, 0.005),  # main model + its MTP module (DeepSeek's README)
-   ("kimi_k2.json", 1e12, 0.03),  # published as "1T"
-   ("qwen3_235b_a22b.json", 235e9, 0.005),
-   ("gpt_oss_120b.json", 116.8e9, 0.005),
-   ("qwen3_5_397b_a17b.json", 397e9, 0.005)],  # text model only (no vision tower, no MTP)
+  [
+    ("deepseek_v3.json", 671e9 + 11.5e9, 0.005),  # main model + its MTP module (DeepSeek's README)
+    ("kimi_k2.json", 1e12, 0.03),  # published as "1T"
+    ("qwen3_235b_a22b.json", 235e9, 0.005),
+    ("gpt_oss_120b.json", 116.8e9, 0.005),
+    ("qwen3_5_397b_a17b.json", 397e9, 0.005),
+  ],  # text model only (no vision tower, no MTP)
 )
 def test_published_parameter_counts(name, published, within):
   # Mutation checked: leaving out the MTP layers puts DeepSeek-V3 1.7% short.
@@ -103,7 +131,8 @@ def target():
 
 @pytest.mark.parametrize(
   # Quantizing costs ~10 s on CPU; the fast run checks quantized bytes on 8 devices instead.
-  "policy", ["bf16", *(pytest.param(p, marks=pytest.mark.slow) for p in ("fp8", "mxfp4_fp8"))]
+  "policy",
+  ["bf16", *(pytest.param(p, marks=pytest.mark.slow) for p in ("fp8", "mxfp4_fp8"))],
 )
 def test_parameter_bytes_match_the_live_model(target, policy):
   # Mutation checked: stored_tensors returning the unquantized weight fails fp8 and mxfp4_fp8.
@@ -111,7 +140,9 @@ def test_parameter_bytes_match_the_live_model(target, policy):
   planned = scale.params_by_format(spec, policy, {"data": 1})
   live_model = js.quantize(target, scale.POLICIES[policy]) if policy != "bf16" else target
   live: dict = {}
-  for leaf in jax.tree_util.tree_leaves(live_model.params, is_leaf=lambda x: isinstance(x, QTensor)):
+  for leaf in jax.tree_util.tree_leaves(
+    live_model.params, is_leaf=lambda x: isinstance(x, QTensor)
+  ):
     fmt = leaf.format if isinstance(leaf, QTensor) else "none"
     live[fmt] = live.get(fmt, 0) + (leaf.nbytes if isinstance(leaf, QTensor) else tree_bytes(leaf))
   assert planned.keys() == live.keys()
@@ -201,14 +232,29 @@ MESHES = [
 
 @pytest.fixture(scope="module", params=MESHES)
 def eight_devices(request):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  small = dict(SMALL["glm4_moe"], hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-               head_dim=32,
-               n_routed_experts=8, moe_intermediate_size=64)
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  )
+  small = dict(
+    SMALL["glm4_moe"],
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=32,
+    n_routed_experts=8,
+    moe_intermediate_size=64,
+  )
   proc = subprocess.run(
     [sys.executable, "-c", SCRIPT, json.dumps(small), *(json.dumps(a) for a in request.param)],
-    capture_output=True, text=True, env=env, cwd=REPO, timeout=600, check=False,
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO,
+    timeout=600,
+    check=False,
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -271,9 +317,17 @@ def test_drafters_are_traced_from_their_modules():
 
 def test_launch_script_prints_the_plan():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, os.path.join(REPO, "launch", "plan.py"),
-         "--config=configs/hf/deepseek_v3.json", "--mesh=expert=8", "--policy=mxfp4_fp8",
-         "--max_len=131072", "--batch=1"]
-  out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+  cmd = [
+    sys.executable,
+    os.path.join(REPO, "launch", "plan.py"),
+    "--config=configs/hf/deepseek_v3.json",
+    "--mesh=expert=8",
+    "--policy=mxfp4_fp8",
+    "--max_len=131072",
+    "--batch=1",
+  ]
+  out = subprocess.run(
+    cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300, check=False
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   assert "H200 141 GB: fits" in out.stdout and "interconnect" in out.stdout

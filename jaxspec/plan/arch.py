@@ -30,10 +30,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -57,7 +57,7 @@ class Tensor:
   path: str
   shape: tuple[int, ...]
   dtype: str
-  axes: tuple[Optional[str], ...]
+  axes: tuple[str | None, ...]
 
   @property
   def size(self) -> int:
@@ -84,7 +84,7 @@ class ModelSpec:
   counted: str  # "traced" or "formula"
   weights: tuple[Tensor, ...]
   dims: Mapping[str, int]
-  config: Optional[ModelConfig] = None  # set when jaxspec can build the model
+  config: ModelConfig | None = None  # set when jaxspec can build the model
   hf: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
@@ -106,8 +106,10 @@ def architecture_of(hf: Mapping[str, Any]) -> str:
   if not isinstance(hf, Mapping):
     raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
   archs = hf.get("architectures") or []
-  if not isinstance(archs, (list, tuple)) or len(archs) != 1 or archs[0] not in (
-    PLANNED_ARCHITECTURES
+  if (
+    not isinstance(archs, (list, tuple))
+    or len(archs) != 1
+    or archs[0] not in (PLANNED_ARCHITECTURES)
   ):
     raise ConfigError(
       f"the planner cannot count architectures {archs!r}; it knows exactly one of "
@@ -146,15 +148,19 @@ def model_spec(
 def traced_weights(config: ModelConfig) -> tuple[Tensor, ...]:
   """Every parameter of the model jaxspec builds for `config`, from its traced initialiser."""
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
+
+  return tensors_of(target_lib.param_shapes(config), target_lib.logical_axes(config))
+
+
+def tensors_of(shapes: Any, logical: Any) -> tuple[Tensor, ...]:
+  """Tensors of a traced parameter tree (ShapeDtypeStructs) and its logical PartitionSpecs."""
   from jaxspec.quant.policy import path_str  # pylint: disable=import-outside-toplevel
 
-  shapes = jax.tree_util.tree_flatten_with_path(target_lib.param_shapes(config))[0]
-  axes = jax.tree_util.tree_leaves(
-    target_lib.logical_axes(config), is_leaf=lambda x: isinstance(x, PartitionSpec)
-  )
+  leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  axes = jax.tree_util.tree_leaves(logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
   return tuple(
     Tensor(path_str(p), tuple(x.shape), str(x.dtype), _padded(tuple(a), len(x.shape)))
-    for (p, x), a in zip(shapes, axes)
+    for (p, x), a in zip(leaves, axes)
   )
 
 
@@ -232,8 +238,13 @@ def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) ->
     out.append(
       Tensor(
         "state.delta",
-        (d["linear_layers"], batch, d["linear_value_heads"], d["linear_key_dim"],
-         d["linear_value_dim"]),
+        (
+          d["linear_layers"],
+          batch,
+          d["linear_value_heads"],
+          d["linear_key_dim"],
+          d["linear_value_dim"],
+        ),
         "float32",
         ("layers", "batch", "heads", None, None),
       )
@@ -300,8 +311,13 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
       shared_intermediate=moe_inter * r.integer("n_shared_experts", 0),
     )
   elif arch in HYBRID_ARCHITECTURES:
-    r.require("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-              "linear_value_head_dim", "linear_conv_kernel_dim")
+    r.require(
+      "linear_num_key_heads",
+      "linear_num_value_heads",
+      "linear_key_head_dim",
+      "linear_value_head_dim",
+      "linear_conv_kernel_dim",
+    )
     interval = r.integer("full_attention_interval", 4)
     full = layers // interval
     kh, vh = r.integer("linear_num_key_heads"), r.integer("linear_num_value_heads")
@@ -351,8 +367,13 @@ class _Weights:
 def _gqa_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader, arch):
   h, q, kv, hd = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"]
   gated = arch in HYBRID_ARCHITECTURES and r.flag("attn_output_gate", True)
-  w.stack(p, n, "self_attn/q_proj/kernel", (h, q * (2 if gated else 1), hd),
-          ("embed", "heads", "head_dim"))
+  w.stack(
+    p,
+    n,
+    "self_attn/q_proj/kernel",
+    (h, q * (2 if gated else 1), hd),
+    ("embed", "heads", "head_dim"),
+  )
   w.stack(p, n, "self_attn/k_proj/kernel", (h, kv, hd), ("embed", "kv_heads", "head_dim"))
   w.stack(p, n, "self_attn/v_proj/kernel", (h, kv, hd), ("embed", "kv_heads", "head_dim"))
   w.stack(p, n, "self_attn/o_proj/kernel", (q, hd, h), ("heads", "head_dim", "embed"))
@@ -383,8 +404,9 @@ def _mla_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfi
     w.stack(p, n, "self_attn/q_proj/kernel", (h, q, qk), ("embed", "heads", "head_dim"))
   w.stack(p, n, "self_attn/kv_a_proj/kernel", (h, lora + rope), ("embed", "kv_lora"))
   w.stack(p, n, "self_attn/kv_a_layernorm/scale", (lora,), ("kv_lora",))
-  w.stack(p, n, "self_attn/kv_b_proj/kernel", (lora, q, qk - rope + v),
-          ("kv_lora", "heads", "head_dim"))
+  w.stack(
+    p, n, "self_attn/kv_b_proj/kernel", (lora, q, qk - rope + v), ("kv_lora", "heads", "head_dim")
+  )
   w.stack(p, n, "self_attn/o_proj/kernel", (q, v, h), ("heads", "head_dim", "embed"))
 
 
@@ -461,7 +483,9 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
     is_moe = (False,) * layers
   if arch in HYBRID_ARCHITECTURES:
     interval = r.integer("full_attention_interval", 4)
-    kinds = tuple(("full" if (i + 1) % interval == 0 else "linear", m) for i, m in enumerate(is_moe))
+    kinds = tuple(
+      ("full" if (i + 1) % interval == 0 else "linear", m) for i, m in enumerate(is_moe)
+    )
   else:
     kinds = tuple(("full", m) for m in is_moe)
   runs: list[list] = []

@@ -56,14 +56,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
-import numpy as np
 
 from jaxspec import sharding
 from jaxspec.errors import ConfigError
-from jaxspec.plan.arch import ModelSpec, Tensor, kv_kind_tensors
+from jaxspec.plan.arch import ModelSpec, Tensor, kv_kind_tensors, tensors_of
 from jaxspec.plan.engine import human_bytes
 from jaxspec.quant.formats import quantize_weight, stored_axes
 from jaxspec.quant.policy import DEFAULT_POLICY, check_policy, contraction_axes, format_for
@@ -95,7 +95,7 @@ DFLASH_LAYERS_PER = 6  # target layers per DFlash drafter layer (published: 4–
 EAGLE3_DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary (SpecForge's default)
 
 
-def policy_rules(policy: Union[str, Iterable]) -> tuple[tuple[str, str], ...]:
+def policy_rules(policy: str | Iterable) -> tuple[tuple[str, str], ...]:
   """A policy by name (`POLICIES`) or as (pattern, format) rules, validated."""
   if isinstance(policy, str):
     if policy not in POLICIES:
@@ -131,7 +131,7 @@ def _split(t: Tensor, sizes: Mapping[str, int], rules: sharding.Rules) -> int:
   return ways
 
 
-def device_bytes(t: Tensor, sizes: Mapping[str, int], rules: Optional[sharding.Rules] = None) -> int:
+def device_bytes(t: Tensor, sizes: Mapping[str, int], rules: sharding.Rules | None = None) -> int:
   """Bytes of `t` on one device once sharded by the rules (every device holds as much)."""
   return t.nbytes // _split(t, mesh_sizes(sizes), sharding.rules_from(rules))
 
@@ -176,7 +176,7 @@ def weight_format(w: Tensor, rules: tuple, config: Any = None) -> str:
 
 
 def params_by_format(
-  spec: ModelSpec, policy: Any, sizes: Mapping[str, int], rules: Optional[sharding.Rules] = None
+  spec: ModelSpec, policy: Any, sizes: Mapping[str, int], rules: sharding.Rules | None = None
 ) -> dict[str, int]:
   """Per-device bytes of the target's parameters in each format ("none": unquantized)."""
   policy, rules, sizes = policy_rules(policy), sharding.rules_from(rules), mesh_sizes(sizes)
@@ -194,7 +194,7 @@ def state_bytes(
   max_len: int,
   kv_format: str,
   sizes: Mapping[str, int],
-  rules: Optional[sharding.Rules] = None,
+  rules: sharding.Rules | None = None,
 ) -> int:
   """Per-device bytes of the target's decoding state, sharded by its logical axes."""
   rules, sizes = sharding.rules_from(rules), mesh_sizes(sizes)
@@ -215,7 +215,7 @@ class DrafterSpec:
   state: Any  # (batch, max_len) -> tuple[Tensor, ...]
 
 
-def drafter_spec(kind: Optional[str], spec: ModelSpec, layers: int = 0) -> Optional[DrafterSpec]:
+def drafter_spec(kind: str | None, spec: ModelSpec, layers: int = 0) -> DrafterSpec | None:
   """DFlash or EAGLE-3 of the published proportions for this target (None: no drafter).
 
   DFlash: the target's width, `layers` layers (default one per `DFLASH_LAYERS_PER` target
@@ -228,7 +228,6 @@ def drafter_spec(kind: Optional[str], spec: ModelSpec, layers: int = 0) -> Optio
   if kind in (None, "", "none", "mtp"):
     return None
   from jaxspec.drafters import dflash, eagle3  # pylint: disable=import-outside-toplevel
-  from jaxspec.quant.policy import path_str  # pylint: disable=import-outside-toplevel
 
   d = spec.dims
   h = d["hidden"]
@@ -239,11 +238,18 @@ def drafter_spec(kind: Optional[str], spec: ModelSpec, layers: int = 0) -> Optio
   if kind == "dflash":
     n = layers or max(1, round(d["layers"] / DFLASH_LAYERS_PER))
     cfg = dflash.DFlashConfig(
-      hidden_size=h, num_layers=n, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+      hidden_size=h,
+      num_layers=n,
+      num_heads=heads,
+      num_kv_heads=kv_heads,
+      head_dim=128,
       intermediate_size=inter,
       target_layer_ids=dflash.build_target_layer_ids(d["layers"], DFLASH_TAPS),
-      mask_token_id=0, vocab_size=d["vocab"], num_target_layers=d["layers"],
-      dtype=dtype, param_dtype=dtype,
+      mask_token_id=0,
+      vocab_size=d["vocab"],
+      num_target_layers=d["layers"],
+      dtype=dtype,
+      param_dtype=dtype,
     )
     lib, window = dflash, dflash.DEFAULT_CONTEXT_WINDOW
 
@@ -255,10 +261,16 @@ def drafter_spec(kind: Optional[str], spec: ModelSpec, layers: int = 0) -> Optio
 
   elif kind == "eagle3":
     cfg = eagle3.Eagle3Config(
-      hidden_size=h, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
-      intermediate_size=inter, target_layer_ids=eagle3.default_layer_ids(d["layers"]),
-      vocab_size=d["vocab"], draft_vocab_size=min(EAGLE3_DRAFT_VOCAB, d["vocab"]),
-      dtype=dtype, param_dtype=dtype,
+      hidden_size=h,
+      num_heads=heads,
+      num_kv_heads=kv_heads,
+      head_dim=128,
+      intermediate_size=inter,
+      target_layer_ids=eagle3.default_layer_ids(d["layers"]),
+      vocab_size=d["vocab"],
+      draft_vocab_size=min(EAGLE3_DRAFT_VOCAB, d["vocab"]),
+      dtype=dtype,
+      param_dtype=dtype,
     )
     lib = eagle3
 
@@ -269,15 +281,7 @@ def drafter_spec(kind: Optional[str], spec: ModelSpec, layers: int = 0) -> Optio
 
   else:
     raise ConfigError(f"unknown drafter {kind!r}; expected dflash, eagle3, mtp or none")
-  shapes = jax.tree_util.tree_flatten_with_path(lib.param_shapes(cfg))[0]
-  axes = jax.tree_util.tree_leaves(
-    lib.logical_axes(cfg), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-  )
-  weights = tuple(
-    Tensor(path_str(p), tuple(x.shape), str(x.dtype),
-           tuple(a) + (None,) * (len(x.shape) - len(a)))
-    for (p, x), a in zip(shapes, axes)
-  )
+  weights = tensors_of(lib.param_shapes(cfg), lib.logical_axes(cfg))
   return DrafterSpec(kind, weights, state)
 
 
@@ -297,7 +301,7 @@ def activation_bytes(
   block: int,
   sizes: Mapping[str, int],
   act: int = 2,
-  rules: Optional[sharding.Rules] = None,
+  rules: sharding.Rules | None = None,
 ) -> int:
   """Peak activations of one verify block of `block` tokens per sequence, per device (the
   batch split as the rules split it: over `data` by default)."""
@@ -318,8 +322,10 @@ def activation_bytes(
   logits = 2 * tokens * _local(d["vocab"], t) * 4
   snapshots = 0.0
   if d["linear_layers"]:
-    per_layer = (d["conv_dim"] * d["conv_window"] * act
-                 + d["linear_value_heads"] * d["linear_key_dim"] * d["linear_value_dim"] * 4)
+    per_layer = (
+      d["conv_dim"] * d["conv_window"] * act
+      + d["linear_value_heads"] * d["linear_key_dim"] * d["linear_value_dim"] * 4
+    )
     snapshots = block * rows * d["linear_layers"] * _local(per_layer, t)
   return int(residual + max(attention, ffn) + logits + snapshots)
 
@@ -349,8 +355,12 @@ def traffic(
     reduce = 2 * (e - 1) / e * tokens * h * act
     mode = "all_to_all" if a2a < reduce else "replicate"
     expert = d["moe_layers"] * min(a2a, reduce)
-  return {"tensor": int(tensor), "expert": int(expert), "total": int(tensor + expert),
-          "expert_mode": mode}
+  return {
+    "tensor": int(tensor),
+    "expert": int(expert),
+    "total": int(tensor + expert),
+    "expert_mode": mode,
+  }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,8 +400,10 @@ class Plan:
   def describe(self, accelerators: Sequence[str] = ("h100", "h200")) -> list[str]:
     mesh = ",".join(f"{a}={s}" for a, s in self.mesh.items())
     lines = [
-      f"{self.model}: mesh {mesh}, policy {self.policy}, kv {self.kv_format}, "
-      f"max_len {self.max_len}, batch {self.batch}, verify block {self.block}",
+      (
+        f"{self.model}: mesh {mesh}, policy {self.policy}, kv {self.kv_format}, "
+        f"max_len {self.max_len}, batch {self.batch}, verify block {self.block}"
+      ),
       "  per device:",
     ]
     for fmt, n in sorted(self.params.items()):
@@ -408,8 +420,10 @@ class Plan:
       m = self.margin(acc)
       verdict = "fits" if m >= 0 else "does NOT fit"
       lines.append(f"  {name}: {verdict}, margin {human_bytes(m)} ({m / cap:+.0%})")
-    for label, tr in (("decode step", self.decode_traffic),
-                      (f"verify of {self.block}", self.verify_traffic)):
+    for label, tr in (
+      ("decode step", self.decode_traffic),
+      (f"verify of {self.block}", self.verify_traffic),
+    ):
       lines.append(
         f"  interconnect per device, {label}: {human_bytes(tr['total'])} (tensor "
         f"{human_bytes(tr['tensor'])}, expert {human_bytes(tr['expert'])} {tr['expert_mode']})"
@@ -431,9 +445,9 @@ def plan(
   max_len: int = 32768,
   batch: int = 1,
   block: int = 16,
-  drafter: Optional[str] = None,
+  drafter: str | None = None,
   drafter_layers: int = 0,
-  rules: Optional[sharding.Rules] = None,
+  rules: sharding.Rules | None = None,
 ) -> Plan:
   """The per-device memory and per-step traffic of `spec` on `mesh` (see the module doc)."""
   sizes = mesh_sizes(mesh)
@@ -481,8 +495,15 @@ def comparison_table(
       for pol in policies:
         for ctx in contexts:
           p = plan(spec, mesh, pol, max_len=ctx, **options)
-          cells = [spec.name, f"{spec.num_params / 1e9:.0f}B", pol, f"{ctx // 1024}K",
-                   _gb(sum(p.params.values())), _gb(p.state), _gb(p.activations)]
+          cells = [
+            spec.name,
+            f"{spec.num_params / 1e9:.0f}B",
+            pol,
+            f"{ctx // 1024}K",
+            _gb(sum(p.params.values())),
+            _gb(p.state),
+            _gb(p.activations),
+          ]
           for acc in accelerators:
             m = p.margin(acc)
             cells.append(("" if m >= 0 else "✗ ") + f"{m / 1e9:+.1f} GB")
