@@ -22,6 +22,7 @@ from jaxspec.errors import ConfigError
 from jaxspec.plan import arch, scale
 from jaxspec.plan.engine import tree_bytes
 from jaxspec.quant.formats import QTensor
+from tests import virtual_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(REPO, "jaxspec", "assets", "target")
@@ -232,12 +233,6 @@ MESHES = [
 
 @pytest.fixture(scope="module", params=MESHES)
 def eight_devices(request):
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-  )
   small = dict(
     SMALL["glm4_moe"],
     hidden_size=64,
@@ -247,17 +242,7 @@ def eight_devices(request):
     n_routed_experts=8,
     moe_intermediate_size=64,
   )
-  proc = subprocess.run(
-    [sys.executable, "-c", SCRIPT, json.dumps(small), *(json.dumps(a) for a in request.param)],
-    capture_output=True,
-    text=True,
-    env=env,
-    cwd=REPO,
-    timeout=600,
-    check=False,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return virtual_devices.run_json(SCRIPT, json.dumps(small), *(json.dumps(a) for a in request.param))
 
 
 def test_per_device_bytes_match_live_shards(eight_devices):

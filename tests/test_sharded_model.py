@@ -7,15 +7,11 @@ runs on one CPU device, so the 8-device checks run in a fresh interpreter with
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import virtual_devices
 
 SCRIPT = textwrap.dedent(r"""
     import json, sys, tempfile
@@ -83,23 +79,7 @@ SCRIPT = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def result():
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-  )
-  proc = subprocess.run(
-    [sys.executable, "-c", SCRIPT],
-    capture_output=True,
-    text=True,
-    env=env,
-    cwd=REPO,
-    timeout=600,
-    check=False,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return virtual_devices.run_json(SCRIPT)
 
 
 def test_sharded_forward_equals_single_device(result):

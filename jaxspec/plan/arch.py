@@ -91,6 +91,11 @@ class ModelSpec:
   def num_params(self) -> int:
     return sum(w.size for w in self.weights)
 
+  @property
+  def param_dtype(self) -> str:
+    """The dtype of the unquantized weights (the embedding's) and of a float KV cache."""
+    return next((w.dtype for w in self.weights if w.path == "embed"), "bfloat16")
+
   def state(self, batch: int, max_len: int, kv_format: str = "float") -> tuple[Tensor, ...]:
     """The target's decoding state for these shapes, per array (not per device)."""
     if kv_format not in KV_FORMATS:
@@ -212,7 +217,7 @@ def kv_kind_tensors(
 
 
 def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) -> tuple:
-  d, dtype = spec.dims, _param_dtype(spec)
+  d, dtype = spec.dims, spec.param_dtype
   out = list(
     kv_kind_tensors(
       "state.kv",
@@ -251,13 +256,6 @@ def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) ->
     )
   out.append(Tensor("state.lengths", (batch,), "int32", ("batch",)))
   return tuple(out)
-
-
-def _param_dtype(spec: ModelSpec) -> str:
-  for w in spec.weights:
-    if w.path == "embed":
-      return w.dtype
-  return "bfloat16"
 
 
 # ------------------------------------------------------------------------------------------------

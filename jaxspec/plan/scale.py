@@ -234,7 +234,7 @@ def drafter_spec(kind: str | None, spec: ModelSpec, layers: int = 0) -> DrafterS
   heads = max(1, h // 128)
   kv_heads = math.gcd(heads, 8)
   inter = d["intermediate"] or 3 * h
-  dtype = next((w.dtype for w in spec.weights if w.path == "embed"), "bfloat16")
+  dtype = spec.param_dtype
   if kind == "dflash":
     n = layers or max(1, round(d["layers"] / DFLASH_LAYERS_PER))
     cfg = dflash.DFlashConfig(
