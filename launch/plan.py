@@ -93,7 +93,7 @@ def main(argv):
     raise ConfigError("pass --config=path/to/config.json, or --table")
   spec = arch.model_spec(read_config(FLAGS.config), os.path.basename(FLAGS.config))
   print(
-    f"{spec.name}: {spec.architecture}, {spec.num_params / 1e9:.2f}B parameters ({spec.counted})"
+    f"{spec.name}: {spec.architecture}, {spec.num_params:,} parameters ({spec.counted})"
   )
   result = scale.plan(spec, FLAGS.mesh, FLAGS.policy, max_len=FLAGS.max_len, **options)
   print("\n".join(result.describe(FLAGS.accelerators)))
