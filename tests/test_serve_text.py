@@ -144,3 +144,8 @@ def test_bad_template_is_a_checkpoint_error(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
   with pytest.raises(CheckpointError, match="does not parse"):
     text.load_chat_template(str(tmp_path))
+
+
+def test_token_bytes_are_exact_for_partial_characters(tok):
+  ids = tok.encode(MULTIBYTE)
+  assert bytes(b for i in ids for b in text.token_bytes(tok, i)).decode() == MULTIBYTE

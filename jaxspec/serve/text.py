@@ -220,6 +220,32 @@ class TextStream:
     )
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+  """Byte-level BPE's character → byte map: printable Latin-1 bytes stand for themselves,
+  the other 68 bytes for the characters from U+0100 on, in byte order."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+  others = [b for b in range(256) if b not in printable]
+  table = {chr(b): b for b in printable}
+  table.update({chr(256 + n): b for n, b in enumerate(others)})
+  return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> list[int] | None:
+  """The raw bytes of one token (a token can hold part of a character, which its decoded
+  text cannot show); None when they cannot be told."""
+  backend = getattr(tokenizer, "backend", None)
+  decoder = getattr(backend, "decoder", None)
+  if type(decoder).__name__ == "ByteLevel":
+    piece = tokenizer.id_to_token(token_id)
+    if piece is not None and all(c in _BYTE_LEVEL for c in piece):
+      return [_BYTE_LEVEL[c] for c in piece]
+  piece = tokenizer.decode([token_id])
+  return None if REPLACEMENT in piece else list(piece.encode("utf-8"))
+
+
 class ChatTemplate:
   """Renders chat messages to a prompt string with a Jinja template, in a sandbox.
 

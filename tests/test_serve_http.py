@@ -1,0 +1,327 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import math
+import time
+
+import openai
+import pytest
+
+from jaxspec.serve import app as app_lib
+from jaxspec.serve import background
+from jaxspec.serve.scheduler import QueueFull, SchedulerClosed
+
+from tests import serve_fake
+
+MODEL = "jaxspec-test"
+KEY = "sk-test-key"
+PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n  def push(self, x):", "x", "# sum\n" * 6]
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+  return serve_fake.FakeScheduler(slots=4, max_len=256, tick=0.01)
+
+
+@pytest.fixture(scope="module")
+def server(scheduler):
+  app = app_lib.create_app(scheduler, MODEL, max_body_bytes=4096)
+  with background.BackgroundServer(app) as srv:
+    yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def aclient(server):
+  return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def greedy(client, prompt, **kw):
+  kw.setdefault("max_tokens", 24)
+  return client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+
+
+def raw(server, method, path, body=b"", headers=None):
+  """(status, decoded JSON or text) of a raw HTTP request."""
+  conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+  conn.request(method, path, body=body, headers=headers or {})
+  resp = conn.getresponse()
+  data = resp.read().decode()
+  conn.close()
+  try:
+    return resp.status, json.loads(data)
+  except json.JSONDecodeError:
+    return resp.status, data
+
+
+def test_models_and_health(client, server):
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  assert raw(server, "GET", "/health") == (200, {"status": "ok"})
+
+
+def test_completion(client, scheduler):
+  out = greedy(client, PROMPTS[0])
+  choice = out.choices[0]
+  assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
+  assert choice.text and choice.finish_reason in ("stop", "length")
+  prompt_ids = scheduler.engine.target.tokenizer.encode(PROMPTS[0], split_special_tokens=True)
+  assert out.usage.prompt_tokens == len(prompt_ids)
+  assert 0 < out.usage.completion_tokens <= 24
+  assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+  # The same prompt as token ids (and as one-element lists) is the same request.
+  assert greedy(client, prompt_ids).choices[0].text == choice.text
+  assert greedy(client, [PROMPTS[0]]).choices[0].text == choice.text
+  assert greedy(client, [prompt_ids]).choices[0].text == choice.text
+
+
+def test_chat_uses_the_template(client):
+  messages = [{"role": "user", "content": "hi"}]
+  out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)
+  assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+  assert out.choices[0].message.role == "assistant"
+  # The default template renders "user: hi\nassistant:"; a completion of that is the same.
+  assert out.choices[0].message.content == greedy(client, "user: hi\nassistant:", max_tokens=12).choices[0].text
+
+
+def test_streaming_equals_non_streaming(client):
+  whole = greedy(client, PROMPTS[2], logprobs=1)
+  chunks = list(greedy(client, PROMPTS[2], stream=True, logprobs=1,
+                       stream_options={"include_usage": True}))
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+  streamed_lps = [x for c in chunks if c.choices for x in c.choices[0].logprobs.token_logprobs]
+  assert streamed_lps == whole.choices[0].logprobs.token_logprobs
+
+  messages = [{"role": "user", "content": PROMPTS[1]}]
+  chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
+  stream = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                               max_tokens=10, stream=True))
+  assert stream[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+  assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+
+def test_32_concurrent_mixed_requests_equal_served_alone(client, aclient):
+  cases = []
+  for i in range(32):
+    prompt = PROMPTS[i % len(PROMPTS)] * (1 + i % 3)
+    if i % 2:
+      kw = dict(temperature=0.8, top_p=0.9, top_k=20 if i % 4 == 1 else 0, seed=i)
+    else:
+      kw = dict(temperature=0)
+    cases.append((prompt, dict(max_tokens=4 + i % 13, **kw)))
+
+  def split(kw):
+    kw = dict(kw)
+    extra = {"top_k": kw.pop("top_k")} if "top_k" in kw else {}
+    return kw, extra
+
+  alone = {}
+  for i, (prompt, kw) in enumerate(cases):
+    if kw["temperature"] == 0:
+      args, extra = split(kw)
+      alone[i] = client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **args)
+
+  async def run_all():
+    async def one(prompt, kw):
+      args, extra = split(kw)
+      return await aclient.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **args)
+
+    return await asyncio.gather(*(one(p, kw) for p, kw in cases))
+
+  together = asyncio.run(run_all())
+  for i, out in enumerate(together):
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.completion_tokens <= cases[i][1]["max_tokens"]
+    if i in alone:
+      assert out.choices[0].text == alone[i].choices[0].text, i
+
+
+def wait_for(pred, timeout=20.0):
+  deadline = time.monotonic() + timeout
+  while not pred():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.01)
+
+
+def test_cancelled_stream_frees_its_slot(client, scheduler):
+  other_alone = greedy(client, PROMPTS[3], max_tokens=40).choices[0].text
+  stream = greedy(client, PROMPTS[0], max_tokens=200, stream=True)
+  next(iter(stream))
+  before = scheduler.metrics()["requests_running"]
+  assert before >= 1
+  other = greedy(client, PROMPTS[3], max_tokens=40)
+  stream.close()  # the client goes away mid-stream
+  wait_for(lambda: scheduler.metrics()["requests_running"] == 0)
+  assert other.choices[0].text == other_alone
+  assert greedy(client, PROMPTS[3], max_tokens=40).choices[0].text == other_alone  # slot reused
+
+
+def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, scheduler):
+  quick = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=0.2)
+  before = scheduler.metrics()["tokens_generated_total"]
+  with pytest.raises(openai.APITimeoutError):
+    quick.completions.create(model=MODEL, prompt="x", max_tokens=240, temperature=0)
+  wait_for(lambda: scheduler.metrics()["requests_running"] == 0)
+  assert scheduler.metrics()["tokens_generated_total"] - before < 240
+
+
+@pytest.mark.parametrize(
+  "body,param,needle",
+  [
+    ({"prompt": "x"}, "model", "model"),
+    ({"model": "other", "prompt": "x"}, "model", "not served"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, "n", "n=1"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 5}, "logprobs", "emitted tokens"),
+    ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "echo"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature", "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p", "top_p"),
+    ({"model": MODEL, "prompt": "", "max_tokens": 4}, "prompt", "empty"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "one prompt"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, None, "capacity"),
+    ({"model": MODEL, "prompt": [10**9]}, None, "vocab"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+  ],
+)
+def test_bad_completion_requests_are_400(server, body, param, needle):
+  status, out = raw(server, "POST", "/v1/completions", json.dumps(body).encode())
+  assert status == 400, out
+  err = out["error"]
+  assert err["type"] == "invalid_request_error" and needle in err["message"], err
+  if param:
+    assert err["param"] == param
+
+
+@pytest.mark.parametrize(
+  "body,needle",
+  [
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": True}, "emitted tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
+  ],
+)
+def test_bad_chat_requests_are_400(server, body, needle):
+  status, out = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode())
+  assert status == 400 and needle in out["error"]["message"], out
+
+
+def test_malformed_and_oversized_requests_then_still_serving(server, client):
+  status, out = raw(server, "POST", "/v1/completions", b"{not json")
+  assert status == 400 and "JSON" in out["error"]["message"]
+  status, out = raw(server, "POST", "/v1/completions", b"[1, 2]")
+  assert status == 400 and "JSON object" in out["error"]["message"]
+  big = json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode()
+  status, out = raw(server, "POST", "/v1/completions", big)
+  assert status == 413 and out["error"]["code"] == "request_too_large"
+  status, out = raw(server, "GET", "/v1/nothing")
+  assert status == 404 and "error" in out
+  with pytest.raises(openai.BadRequestError):
+    client.completions.create(model=MODEL, prompt="x", n=3)
+  assert greedy(client, "x", max_tokens=3).choices[0].text
+
+
+def test_unknown_fields_are_ignored(server):
+  body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "user": "u1", "whatever": {"a": 1}}
+  assert raw(server, "POST", "/v1/completions", json.dumps(body).encode())[0] == 200
+
+
+def test_api_key_is_enforced(scheduler):
+  app = app_lib.create_app(scheduler, MODEL, api_key=KEY)
+  with background.BackgroundServer(app) as srv:
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+      status, out = raw(srv, "POST", "/v1/completions", body, headers)
+      assert status == 401 and out["error"]["code"] == "invalid_api_key", headers
+    assert raw(srv, "GET", "/v1/models")[0] == 401
+    assert raw(srv, "GET", "/health")[0] == 200
+    good = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+    assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_stop_strings(client):
+  full = greedy(client, PROMPTS[1], max_tokens=40).choices[0].text
+  stop = full[len(full) // 2 : len(full) // 2 + 3]
+  assert stop.strip() and stop in full
+  expect = full[: full.index(stop)]
+  out = greedy(client, PROMPTS[1], max_tokens=40, stop=[stop, "never seen"], logprobs=0)
+  assert out.choices[0].text == expect and out.choices[0].finish_reason == "stop"
+  assert len(out.choices[0].logprobs.tokens) == out.usage.completion_tokens
+  streamed = greedy(client, PROMPTS[1], max_tokens=40, stop=stop, stream=True)
+  chunks = [c.choices[0] for c in streamed]
+  assert "".join(c.text for c in chunks) == expect and chunks[-1].finish_reason == "stop"
+
+
+def test_stop_token_ids(client, scheduler):
+  tok = scheduler.engine.target.tokenizer
+  full = greedy(client, PROMPTS[0], max_tokens=30, logprobs=0).choices[0]
+  strings, offsets = full.logprobs.tokens, full.logprobs.text_offset
+  # A token after the first few whose text is plain ASCII and one id on its own.
+  i = next(i for i, t in enumerate(strings) if i >= 3 and t.isascii() and len(tok.encode(t)) == 1)
+  cut = tok.encode(strings[i])[0]
+  first = strings.index(strings[i])
+  out = greedy(client, PROMPTS[0], max_tokens=30, extra_body={"stop_token_ids": [cut]})
+  assert out.choices[0].finish_reason == "stop"
+  assert out.choices[0].text == full.text[: offsets[first]]
+
+
+def test_logprobs_are_present_and_finite(client):
+  out = greedy(client, PROMPTS[0], max_tokens=8, logprobs=1).choices[0].logprobs
+  assert len(out.tokens) == len(out.token_logprobs) == len(out.text_offset) > 0
+  assert all(math.isfinite(x) and x <= 0 for x in out.token_logprobs)
+  messages = [{"role": "user", "content": "hi"}]
+  chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logprobs=True,
+                                        temperature=0)
+  content = chat.choices[0].logprobs.content
+  assert len(content) == chat.usage.completion_tokens
+  assert all(math.isfinite(c.logprob) and c.logprob <= 0 for c in content)
+  assert bytes(b for c in content for b in c.bytes).decode() == chat.choices[0].message.content
+
+
+class _Refusing:
+  """A scheduler whose submit raises `error`."""
+
+  def __init__(self, error, engine):
+    self.error, self.engine = error, engine
+
+  def submit(self, ids, options):
+    raise self.error
+
+  def metrics(self):
+    return {}
+
+
+@pytest.mark.parametrize("error,status", [(QueueFull("full"), 429), (SchedulerClosed("bye"), 503)])
+def test_queue_full_and_closed(scheduler, error, status):
+  app = app_lib.create_app(_Refusing(error, scheduler.engine), MODEL)
+  with background.BackgroundServer(app) as srv:
+    body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
+    got, out = raw(srv, "POST", "/v1/completions", body)
+    assert got == status and "error" in out
+
+
+def test_metrics_are_prometheus_text(server, client):
+  greedy(client, "x", max_tokens=2)
+  status, body = raw(server, "GET", "/metrics")
+  assert status == 200
+  samples = {}
+  for line in body.splitlines():
+    if line and not line.startswith("#"):
+      name, value = line.rsplit(" ", 1)
+      samples[name] = float(value)
+  assert samples["jaxspec_requests_total"] >= 1
+  assert "jaxspec_requests_running" in samples and "jaxspec_batch_occupancy" in samples
+  assert samples['jaxspec_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+  assert "# TYPE jaxspec_tokens_generated_total counter" in body
