@@ -88,25 +88,40 @@ def test_chat_uses_the_template(client):
   assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
   assert out.choices[0].message.role == "assistant"
   # The default template renders "user: hi\nassistant:"; a completion of that is the same.
-  assert out.choices[0].message.content == greedy(client, "user: hi\nassistant:", max_tokens=12).choices[0].text
+  assert (
+    out.choices[0].message.content
+    == greedy(client, "user: hi\nassistant:", max_tokens=12).choices[0].text
+  )
 
 
 def test_streaming_equals_non_streaming(client):
   whole = greedy(client, PROMPTS[2], logprobs=1)
-  chunks = list(greedy(client, PROMPTS[2], stream=True, logprobs=1,
-                       stream_options={"include_usage": True}))
+  chunks = list(
+    greedy(client, PROMPTS[2], stream=True, logprobs=1, stream_options={"include_usage": True})
+  )
   assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
-  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[
+    0
+  ].finish_reason
+  assert (
+    chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+  )
   streamed_lps = [x for c in chunks if c.choices for x in c.choices[0].logprobs.token_logprobs]
   assert streamed_lps == whole.choices[0].logprobs.token_logprobs
 
   messages = [{"role": "user", "content": PROMPTS[1]}]
-  chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
-  stream = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                               max_tokens=10, stream=True))
+  chat = client.chat.completions.create(
+    model=MODEL, messages=messages, temperature=0, max_tokens=10
+  )
+  stream = list(
+    client.chat.completions.create(
+      model=MODEL, messages=messages, temperature=0, max_tokens=10, stream=True
+    )
+  )
   assert stream[0].choices[0].delta.role == "assistant"
-  assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+  assert (
+    "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+  )
   assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
 
 
@@ -190,7 +205,11 @@ def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, schedu
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, None, "capacity"),
     ({"model": MODEL, "prompt": [10**9]}, None, "vocab"),
-    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    (
+      {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+      "stream_options",
+      "stream",
+    ),
   ],
 )
 def test_bad_completion_requests_are_400(server, body, param, needle):
@@ -207,8 +226,19 @@ def test_bad_completion_requests_are_400(server, body, param, needle):
   [
     ({"model": MODEL, "messages": []}, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": True}, "emitted tokens"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
+    (
+      {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "top_logprobs": 2,
+        "logprobs": True,
+      },
+      "emitted tokens",
+    ),
+    (
+      {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+      "content",
+    ),
   ],
 )
 def test_bad_chat_requests_are_400(server, body, needle):
@@ -282,8 +312,9 @@ def test_logprobs_are_present_and_finite(client):
   assert len(out.tokens) == len(out.token_logprobs) == len(out.text_offset) > 0
   assert all(math.isfinite(x) and x <= 0 for x in out.token_logprobs)
   messages = [{"role": "user", "content": "hi"}]
-  chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logprobs=True,
-                                        temperature=0)
+  chat = client.chat.completions.create(
+    model=MODEL, messages=messages, max_tokens=6, logprobs=True, temperature=0
+  )
   content = chat.choices[0].logprobs.content
   assert len(content) == chat.usage.completion_tokens
   assert all(math.isfinite(c.logprob) and c.logprob <= 0 for c in content)

@@ -54,7 +54,13 @@ class ApiError(Exception):
     self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
   ):
     super().__init__(message)
-    self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+    self.status, self.message, self.type, self.param, self.code = (
+      status,
+      message,
+      type_,
+      param,
+      code,
+    )
 
 
 class _EngineFailure(Exception):
@@ -139,13 +145,19 @@ class _Server:
     if scheme.lower() != "bearer" or not hmac.compare_digest(
       key.strip().encode(), self.api_key.encode()
     ):
-      raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                     "authentication_error", code="invalid_api_key")
+      raise ApiError(
+        401,
+        "missing or wrong API key (Authorization: Bearer <key>)",
+        "authentication_error",
+        code="invalid_api_key",
+      )
 
   async def read_json(self, request: fastapi.Request) -> Any:
     """The body as JSON, refused with 413 past the size limit (checked while reading)."""
     too_big = ApiError(
-      413, f"request body over {self.max_body_bytes} bytes", "invalid_request_error",
+      413,
+      f"request body over {self.max_body_bytes} bytes",
+      "invalid_request_error",
       code="request_too_large",
     )
     declared = request.headers.get("content-length")
@@ -164,8 +176,11 @@ class _Server:
   def check_model(self, model: str) -> None:
     if model != self.model_name:
       raise ApiError(
-        400, f"model {model!r} is not served here (serving {self.model_name!r})",
-        "invalid_request_error", "model", "model_not_found",
+        400,
+        f"model {model!r} is not served here (serving {self.model_name!r})",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
       )
 
   def submit(self, ids: list[int], options: SamplingOptions, req: Any, **job: Any) -> _Job:
@@ -174,14 +189,20 @@ class _Server:
     except QueueFull as e:
       raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full")
     except SchedulerClosed as e:
-      raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable",
-                     code="shutting_down")
+      raise ApiError(
+        503, f"the server is shutting down: {e}", "service_unavailable", code="shutting_down"
+      )
     except InputError as e:
       raise _bad_request(e) from None
     stream = text.TextStream(self.tokenizer, ids, req.stop_strings, logprobs=options.logprobs)
     return _Job(
-      handle, stream, created=protocol.now(), logprobs=options.logprobs,
-      stream_wanted=req.stream, include_usage=req.include_usage, **job,
+      handle,
+      stream,
+      created=protocol.now(),
+      logprobs=options.logprobs,
+      stream_wanted=req.stream,
+      include_usage=req.include_usage,
+      **job,
     )
 
   def options(self, req: Any, max_tokens: int) -> SamplingOptions:
@@ -287,7 +308,9 @@ class _Server:
           yield _sse(self.chunk(job, piece.text, finish, self.logprobs(job, piece)))
       if job.include_usage:
         obj = "chat.completion.chunk" if job.chat else "text_completion"
-        yield _sse(protocol.usage_chunk(job.rid, obj, job.created, self.model_name, self.usage(job)))
+        yield _sse(
+          protocol.usage_chunk(job.rid, obj, job.created, self.model_name, self.usage(job))
+        )
       finished = True
     except _EngineFailure as e:
       finished = True
