@@ -6,6 +6,12 @@ import asyncio
 import http.client
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import openai
@@ -356,3 +362,68 @@ def test_metrics_are_prometheus_text(server, client):
   assert "jaxspec_requests_running" in samples and "jaxspec_batch_occupancy" in samples
   assert samples['jaxspec_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
   assert "# TYPE jaxspec_tokens_generated_total counter" in body
+
+
+def test_shutdown_drains_a_stream_in_flight(scheduler):
+  app = app_lib.create_app(scheduler, MODEL)
+  srv = background.BackgroundServer(app)
+  srv.__enter__()
+  c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+  alone = greedy(c, PROMPTS[2], max_tokens=60).choices[0]
+  chunks = iter(greedy(c, PROMPTS[2], max_tokens=60, stream=True))
+  first = next(chunks)
+  stopper = threading.Thread(target=srv.__exit__, args=(None, None, None))
+  stopper.start()  # the server stops listening, but lets the stream finish
+  wait_for(lambda: srv.server.should_exit)
+  rest = [ch.choices[0] for ch in chunks]
+  stopper.join(timeout=60)
+  assert first.choices[0].text + "".join(ch.text for ch in rest) == alone.text
+  assert rest[-1].finish_reason == alone.finish_reason
+  with pytest.raises(openai.APIConnectionError):
+    c.models.list()
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_script_drains_on_sigterm():
+  """launch/serve.py end to end: it serves, and SIGTERM mid-stream lets the stream finish."""
+  port = _free_port()
+  script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch", "serve.py")
+  args = [
+    sys.executable,
+    script,
+    "--method=plain",
+    "--batch_size=2",
+    "--max_len=128",
+    f"--port={port}",
+    "--model_name=m",
+    "--api_key=",
+  ]
+  proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    for line in proc.stdout:
+      if line.startswith("serving"):
+        break
+    else:
+      pytest.fail(f"the server exited with {proc.wait()}")
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    chunks = iter(
+      c.completions.create(
+        model="m", prompt="def f(x):", max_tokens=100, temperature=0, stream=True
+      )
+    )
+    next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    rest = [ch.choices[0] for ch in chunks]
+    assert rest[-1].finish_reason in ("stop", "length")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "stopped" in out
+  finally:
+    if proc.poll() is None:
+      proc.kill()
