@@ -19,7 +19,7 @@ import pytest
 
 from jaxspec.serve import app as app_lib
 from jaxspec.serve import background
-from jaxspec.serve.scheduler import QueueFull, SchedulerClosed
+from jaxspec.serve.scheduler import Delta, QueueFull, SchedulerClosed
 
 from tests import serve_fake
 
@@ -206,6 +206,8 @@ def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, schedu
     ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "echo"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature", "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p", "top_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
+    ({"model": MODEL, "prompt": [True]}, "prompt", "token ids"),
     ({"model": MODEL, "prompt": "", "max_tokens": 4}, "prompt", "empty"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "one prompt"),
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty"),
@@ -338,6 +340,37 @@ class _Refusing:
 
   def metrics(self):
     return {}
+
+
+class _Failing(_Refusing):
+  """A scheduler whose requests end with finish_reason `reason` after one token."""
+
+  def submit(self, ids, options):
+    reason = self.error
+
+    class Handle:
+      prompt_tokens = len(ids)
+
+      def cancel(self):
+        pass
+
+      async def __aiter__(self):
+        yield Delta([481], None, None)
+        yield Delta([], None, reason, "boom" if reason == "error" else None)
+
+    return Handle()
+
+
+@pytest.mark.parametrize("reason,status", [("error", 500), ("cancelled", 503)])
+def test_engine_failure_is_reported(scheduler, reason, status):
+  app = app_lib.create_app(_Failing(reason, scheduler.engine), MODEL)
+  with background.BackgroundServer(app) as srv:
+    body = {"model": MODEL, "prompt": "x"}
+    got, out = raw(srv, "POST", "/v1/completions", json.dumps(body).encode())
+    assert got == status and out["error"]["type"] == "server_error", out
+    got, out = raw(srv, "POST", "/v1/completions", json.dumps({**body, "stream": True}).encode())
+    events = [e for e in out.split("\n\n") if e]
+    assert got == 200 and '"error"' in events[-2] and events[-1] == "data: [DONE]", events
 
 
 @pytest.mark.parametrize("error,status", [(QueueFull("full"), 429), (SchedulerClosed("bye"), 503)])

@@ -64,7 +64,12 @@ class ApiError(Exception):
 
 
 class _EngineFailure(Exception):
-  """The scheduler ended a request with finish_reason "error"."""
+  """The scheduler ended a request with "error", or with "cancelled" that no client asked for
+  (a shutdown without draining); `status` is the HTTP status of a non-streaming reply."""
+
+  def __init__(self, message: str, status: int = 500):
+    super().__init__(message)
+    self.status = status
 
 
 def _error_response(e: ApiError) -> responses.JSONResponse:
@@ -264,6 +269,8 @@ class _Server:
         continue
       if delta.finish_reason == "error":
         raise _EngineFailure(delta.error or "the engine failed on this request")
+      if delta.finish_reason == "cancelled":  # the client is still here: the server stopped it
+        raise _EngineFailure("the server cancelled the request (shutting down)", status=503)
       yield piece, None
       yield job.stream.finish(), delta.finish_reason
       return
@@ -341,7 +348,7 @@ class _Server:
     try:
       return responses.JSONResponse(collect.result())
     except _EngineFailure as e:
-      raise ApiError(500, str(e), "server_error", code="engine_error") from None
+      raise ApiError(e.status, str(e), "server_error", code="engine_error") from None
 
   # ---- /metrics ------------------------------------------------------------------------------
 

@@ -30,15 +30,28 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default
 _Unit = Annotated[float, Field(gt=0, le=1)]
 
 
+# Pydantic's strict mode: a JSON string is not a number and `true` not a token id, as OpenAI
+# refuses them too (an int is still a float). Unknown fields are ignored, as OpenAI does.
+_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+# What a field takes, for the message when a value has the wrong type (pydantic's own message
+# for a union lists every alternative's complaint).
+_FORMS = {
+  "prompt": "a string, a list of token ids, or a one-element list of either",
+  "stop": "a string or a list of strings",
+  "content": "a string or a list of {type: text, text} parts",
+}
+
+
 class StreamOptions(BaseModel):
-  model_config = ConfigDict(extra="ignore")
+  model_config = _CONFIG
   include_usage: bool = False
 
 
 class _Common(BaseModel):
   """Parameters shared by completions and chat."""
 
-  model_config = ConfigDict(extra="ignore", strict=False)
+  model_config = _CONFIG
 
   model: str
   temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
@@ -123,13 +136,13 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-  model_config = ConfigDict(extra="ignore")
+  model_config = _CONFIG
   type: Literal["text"]
   text: str
 
 
 class ChatMessage(BaseModel):
-  model_config = ConfigDict(extra="ignore")
+  model_config = _CONFIG
   role: Literal["system", "developer", "user", "assistant", "tool"]
   content: str | list[TextPart] | None = None
 
@@ -218,13 +231,18 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     ctx_error = err.get("ctx", {}).get("error")
     if isinstance(ctx_error, BadParameter):
       raise ctx_error from None
-    loc = ".".join(str(p) for p in err["loc"]) if err["loc"] else None
-    field = err["loc"][0] if err["loc"] else None
-    message = f"{loc}: {err['msg']}" if loc else err["msg"]
-    more = len(e.errors()) - 1
-    if more:
-      message += f" (and {more} more problem{'s' if more > 1 else ''})"
-    raise BadParameter(message, str(field) if field is not None else None) from None
+    loc = [str(p) for p in err["loc"]]
+    field = loc[0] if loc else None
+    union = next((i for i, p in enumerate(loc) if p in _FORMS), None)
+    if union is not None and err["type"] not in ("missing", "value_error"):
+      message = f"{'.'.join(loc[: union + 1])}: expected {_FORMS[loc[union]]}"
+    else:
+      why = ctx_error if ctx_error is not None else err["msg"]
+      message = f"{'.'.join(loc)}: {why}" if loc else str(why)
+      more = len(e.errors()) - 1
+      if more:
+        message += f" (and {more} more problem{'s' if more > 1 else ''})"
+    raise BadParameter(message, field) from None
 
 
 # ---- responses ----------------------------------------------------------------------------
