@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import tokenizers
 
 from jaxspec.errors import CheckpointError, InputError
 from jaxspec.io.tokenizer import Tokenizer
@@ -27,11 +28,25 @@ def test_detokenizer_emits_only_complete_characters(tok):
   assert "".join(pieces) + d.flush() == MULTIBYTE
 
 
-def test_detokenizer_uses_prompt_context_and_round_trips_code(tok):
+def test_detokenizer_round_trips_code(tok):
   prompt = tok.encode("def f(x):")
   ids = tok.encode("\n  return x + 1\n")
   d = text.Detokenizer(tok, prompt)
   assert "".join(d.add(i) for i in ids) + d.flush() == tok.decode(ids)
+
+
+def test_detokenizer_decodes_the_first_token_after_the_prompt():
+  """SentencePiece-style decoders drop a sequence's leading space: "▁world" alone decodes to
+  "world", but after the prompt's "▁hello" it is " world"."""
+  backend = tokenizers.Tokenizer(
+    tokenizers.models.WordLevel({"▁hello": 0, "▁world": 1, "<unk>": 2}, unk_token="<unk>")
+  )
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+  backend.decoder = tokenizers.decoders.Metaspace()
+  meta = Tokenizer(backend)
+  assert meta.decode([1]) == "world"
+  d = text.Detokenizer(meta, prompt_ids=[0])
+  assert d.add(1) + d.add(1) + d.flush() == " world world"
 
 
 def test_detokenizer_flush_shows_an_unfinished_character(tok):
@@ -78,8 +93,9 @@ def test_text_stream_aligns_tokens_logprobs_and_offsets(tok):
   got_ids = [t for p in out for t in p.token_ids]
   assert got_ids == ids
   assert [x for p in out for x in p.logprobs] == lps
+  # A token starts where the complete text before it ends.
   offsets = [o for p in out for o in p.offsets]
-  assert offsets == sorted(offsets) and offsets[0] == 0
+  assert offsets == [len(tok.decode(ids[:k]).rstrip(text.REPLACEMENT)) for k in range(len(ids))]
   assert s.completion_tokens == len(ids)
 
 
@@ -89,7 +105,7 @@ def test_text_stream_stop_string_drops_later_tokens(tok):
   piece = s.add(ids)
   assert piece.stopped and piece.text == "x = 1\n"
   assert tok.decode(piece.token_ids).startswith("x = 1\n")
-  assert "y" not in tok.decode(piece.token_ids)
+  assert "STOP" not in tok.decode(piece.token_ids)  # tokens from the stop string on are dropped
   assert s.completion_tokens == len(piece.token_ids) < len(ids)
   assert s.add(tok.encode("more")).token_ids == []
 

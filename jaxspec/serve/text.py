@@ -67,7 +67,7 @@ class Detokenizer:
   ):
     self._tok = tokenizer
     self._skip = skip_special_tokens
-    self._ids = [int(i) for i in prompt_ids[-CONTEXT_TOKENS:]]
+    self._ids = [int(i) for i in prompt_ids[max(0, len(prompt_ids) - CONTEXT_TOKENS) :]]
     self._prefix = 0  # start of the decode window (context for the next piece)
     self._read = len(self._ids)  # ids up to here have been emitted as text
 
