@@ -55,10 +55,10 @@ def greedy(client, prompt, **kw):
   return client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
 
 
-def raw(server, method, path, body=b"", headers=None):
+def raw(server, method, path, body=b"", headers=None, chunked=False):
   """(status, decoded JSON or text) of a raw HTTP request."""
   conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-  conn.request(method, path, body=body, headers=headers or {})
+  conn.request(method, path, body=body, headers=headers or {}, encode_chunked=chunked)
   resp = conn.getresponse()
   data = resp.read().decode()
   conn.close()
@@ -262,6 +262,10 @@ def test_malformed_and_oversized_requests_then_still_serving(server, client):
   big = json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode()
   status, out = raw(server, "POST", "/v1/completions", big)
   assert status == 413 and out["error"]["code"] == "request_too_large"
+  # Chunked, without a Content-Length: the limit is checked while reading.
+  chunks = (big[i : i + 1000] for i in range(0, len(big), 1000))
+  status, out = raw(server, "POST", "/v1/completions", chunks, chunked=True)
+  assert status == 413 and out["error"]["code"] == "request_too_large"
   status, out = raw(server, "GET", "/v1/nothing")
   assert status == 404 and "error" in out
   with pytest.raises(openai.BadRequestError):
@@ -278,7 +282,13 @@ def test_api_key_is_enforced(scheduler):
   app = app_lib.create_app(scheduler, MODEL, api_key=KEY)
   with background.BackgroundServer(app) as srv:
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+    wrong = (
+      {},
+      {"Authorization": "Bearer nope"},
+      {"Authorization": KEY},
+      {"Authorization": f"Basic {KEY}"},
+    )
+    for headers in wrong:
       status, out = raw(srv, "POST", "/v1/completions", body, headers)
       assert status == 401 and out["error"]["code"] == "invalid_api_key", headers
     assert raw(srv, "GET", "/v1/models")[0] == 401

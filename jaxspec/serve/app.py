@@ -165,9 +165,6 @@ class _Server:
       "invalid_request_error",
       code="request_too_large",
     )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-      raise too_big
     body = bytearray()
     async for chunk in request.stream():
       body += chunk
