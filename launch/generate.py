@@ -24,32 +24,11 @@ import jax  # pylint: disable=wrong-import-position
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
 from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
-from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 from jaxspec.quant.profile import load_policy  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
-flags.DEFINE_enum(
-  "method",
-  "auto",
-  ("auto",) + registry.METHODS,
-  "Drafting method; auto = the best one available for the model.",
-)
-flags.DEFINE_string(
-  "draft_model",
-  None,
-  "Drafter checkpoint directory: a draft model, DFlash or EAGLE-3 (default: the bundled one "
-  "of the method).",
-)
-flags.DEFINE_enum("verify", "auto", ("auto", "chain", "tree"), "Chain or DDTree verification.")
-flags.DEFINE_integer("tree_budget", 0, "Draft nodes per tree (0 = the measured default).")
-flags.DEFINE_integer(
-  "gamma",
-  None,
-  "Draft tokens per step (default: the method's own: 4 for chains; DFlash: block_size - 1).",
-  lower_bound=1,
-)
+defaults.define_model_flags()
 flags.DEFINE_string("prompt", "def fib(n):", "The prompt (text; needs the model's tokenizer).")
 flags.DEFINE_list(
   "prompt_ids",
@@ -146,14 +125,6 @@ def main(argv):
       target.tokenizer,
       target.hf_config,
     )
-  method, draft_dir, verify, budget = defaults.choose_method(
-    target,
-    FLAGS.model is not None,
-    FLAGS.method,
-    FLAGS.verify,
-    FLAGS.tree_budget,
-    FLAGS.draft_model,
-  )
   sample = dict(
     max_new_tokens=FLAGS.max_new_tokens,
     temperature=FLAGS.temperature,
@@ -164,15 +135,8 @@ def main(argv):
   )
   prompts = [prompt]
   jaxspec.Request.build(prompts, **sample)  # bad flags fail here, before any output
-  spec_engine, label = defaults.make_engine(
-    target,
-    method,
-    draft_dir=draft_dir,
-    verify=verify,
-    tree_budget=budget,
-    gamma=FLAGS.gamma,
-    max_len=FLAGS.max_len,
-    kv_format=FLAGS.kv_format,
+  spec_engine, method, label = defaults.engine_from_flags(
+    target, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format
   )
   print(
     f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "

@@ -31,7 +31,6 @@ import openai  # pylint: disable=wrong-import-position
 
 from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
-from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -47,9 +46,7 @@ flags.DEFINE_integer("max_tokens", 32, "Tokens per request.", lower_bound=1)
 flags.DEFINE_float("time_limit", 600, "Seconds after which the run stops (and fails).")
 flags.DEFINE_integer("seed", 0, "Shuffles the request order.")
 # Only when starting its own server:
-flags.DEFINE_enum("method", "auto", ("auto",) + registry.METHODS, "Drafting method (own server).")
-flags.DEFINE_enum("verify", "auto", ("auto", "chain", "tree"), "Verification (own server).")
-flags.DEFINE_integer("tree_budget", 0, "Draft nodes per tree (own server; 0 = default).")
+defaults.define_model_flags()
 flags.DEFINE_integer("batch_size", 8, "Slots (own server).", lower_bound=1)
 flags.DEFINE_integer("max_len", 256, "Tokens per slot (own server).")
 flags.DEFINE_integer("steps_per_tick", None, "Steps between admissions (own server).")
@@ -162,18 +159,9 @@ def _own_server():
   from jaxspec.serve import background  # pylint: disable=import-outside-toplevel
   from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=import-outside-toplevel
 
-  target, source = defaults.load_target(None)
-  method, draft_dir, verify, budget = defaults.choose_method(
-    target, False, FLAGS.method, FLAGS.verify, FLAGS.tree_budget
-  )
-  engine, label = defaults.make_engine(
-    target,
-    method,
-    draft_dir=draft_dir,
-    verify=verify,
-    tree_budget=budget,
-    max_len=FLAGS.max_len,
-    batch_size=FLAGS.batch_size,
+  target, source = defaults.load_target(FLAGS.model)
+  engine, _, label = defaults.engine_from_flags(
+    target, max_len=FLAGS.max_len, batch_size=FLAGS.batch_size
   )
   sched = scheduler_lib.Scheduler(engine, steps_per_tick=FLAGS.steps_per_tick)
   sched.start()

@@ -25,22 +25,12 @@ import uvicorn  # pylint: disable=wrong-import-position
 
 from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
-from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
 from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
-flags.DEFINE_enum(
-  "method", "auto", ("auto",) + registry.METHODS, "Drafting method; auto = the best available."
-)
-flags.DEFINE_string(
-  "draft_model", None, "Drafter checkpoint directory (default: the bundled one of the method)."
-)
-flags.DEFINE_enum("verify", "auto", ("auto", "chain", "tree"), "Chain or DDTree verification.")
-flags.DEFINE_integer("tree_budget", 0, "Draft nodes per tree (0 = the measured default).")
-flags.DEFINE_integer("gamma", None, "Draft tokens per step (default: the method's).", lower_bound=1)
+defaults.define_model_flags()
 flags.DEFINE_integer("batch_size", 4, "Slots: requests decoded together.", lower_bound=1)
 flags.DEFINE_integer("max_len", 2048, "Tokens per slot (prompt + generated + draft slack).")
 flags.DEFINE_enum("kv_format", "float", ("float", "fp8", "q4_0"), "The target's KV cache format.")
@@ -80,24 +70,8 @@ def main(argv):
   except ValueError:
     raise ConfigError(f"--host={FLAGS.host}: expected an IP address") from None
   target, source = defaults.load_target(FLAGS.model)
-  method, draft_dir, verify, budget = defaults.choose_method(
-    target,
-    FLAGS.model is not None,
-    FLAGS.method,
-    FLAGS.verify,
-    FLAGS.tree_budget,
-    FLAGS.draft_model,
-  )
-  engine, label = defaults.make_engine(
-    target,
-    method,
-    draft_dir=draft_dir,
-    verify=verify,
-    tree_budget=budget,
-    gamma=FLAGS.gamma,
-    max_len=FLAGS.max_len,
-    batch_size=FLAGS.batch_size,
-    kv_format=FLAGS.kv_format,
+  engine, _, label = defaults.engine_from_flags(
+    target, max_len=FLAGS.max_len, batch_size=FLAGS.batch_size, kv_format=FLAGS.kv_format
   )
   scheduler = scheduler_lib.Scheduler(
     engine, max_queue=FLAGS.max_queue, steps_per_tick=FLAGS.steps_per_tick

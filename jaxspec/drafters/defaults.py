@@ -7,7 +7,10 @@ that others cannot depend on.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
+
+from absl import flags
 
 from jaxspec.drafters import registry
 from jaxspec.io import hf as hf_io
@@ -20,6 +23,39 @@ from jaxspec.speculative import engine as engine_lib
 # speculative method at temperature 1; budget 8 the fastest DDTree budget.
 BUNDLED_BEST = ("eagle3", "chain", 0)
 DEFAULT_TREE_BUDGET = 8
+
+FLAGS = flags.FLAGS
+MODEL_FLAGS = ("model", "method", "draft_model", "verify", "tree_budget", "gamma")
+
+
+def define_model_flags() -> None:
+  """Defines the scripts' shared model and method flags (once): --model, --method,
+  --draft_model, --verify, --tree_budget, --gamma; `engine_from_flags` reads them."""
+  if "method" in FLAGS:
+    return
+  flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
+  flags.DEFINE_enum(
+    "method",
+    "auto",
+    ("auto",) + registry.METHODS,
+    "Drafting method; auto = the best one available for the model.",
+  )
+  flags.DEFINE_string(
+    "draft_model",
+    None,
+    "Drafter checkpoint directory: a draft model, DFlash or EAGLE-3 (default: the bundled one "
+    "of the method).",
+  )
+  flags.DEFINE_enum("verify", "auto", ("auto", "chain", "tree"), "Chain or DDTree verification.")
+  flags.DEFINE_integer("tree_budget", 0, "Draft nodes per tree (0 = the measured default).")
+  flags.DEFINE_integer(
+    "gamma",
+    None,
+    "Draft tokens per step (default: the method's own: 4 for chains; DFlash: block_size - 1).",
+    lower_bound=1,
+  )
+  for name in MODEL_FLAGS:  # listed by the script's --help, as its own flags are
+    FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
 
 
 def _tiny_random() -> target_lib.TargetModel:
@@ -90,6 +126,31 @@ def choose_method(
     draft_dir = registry.bundled_dir("draft" if method == "draft_model" else method)
   verify = "chain" if verify == "auto" else verify
   return method, draft_dir, verify, budget or DEFAULT_TREE_BUDGET
+
+
+def engine_from_flags(
+  target: target_lib.TargetModel, **config: Any
+) -> tuple[engine_lib.SpecEngine, str, str]:
+  """(engine, method, label) for the flags `define_model_flags` defined; `config` →
+  EngineConfig (max_len, batch_size, ...)."""
+  method, draft_dir, verify, budget = choose_method(
+    target,
+    FLAGS.model is not None,
+    FLAGS.method,
+    FLAGS.verify,
+    FLAGS.tree_budget,
+    FLAGS.draft_model,
+  )
+  engine, label = make_engine(
+    target,
+    method,
+    draft_dir=draft_dir,
+    verify=verify,
+    tree_budget=budget,
+    gamma=FLAGS.gamma,
+    **config,
+  )
+  return engine, method, label
 
 
 def make_engine(
