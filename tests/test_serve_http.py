@@ -273,9 +273,12 @@ def test_malformed_and_oversized_requests_then_still_serving(server, client):
   assert greedy(client, "x", max_tokens=3).choices[0].text
 
 
-def test_unknown_fields_are_ignored(server):
+def test_unknown_fields_are_ignored_and_null_means_unset(server):
   body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "user": "u1", "whatever": {"a": 1}}
   assert raw(server, "POST", "/v1/completions", json.dumps(body).encode())[0] == 200
+  nulls = {"temperature": None, "stop": None, "logprobs": None, "stream": None, "n": None}
+  status, out = raw(server, "POST", "/v1/completions", json.dumps({**body, **nulls}).encode())
+  assert status == 200 and out["choices"][0]["logprobs"] is None, out
 
 
 def test_api_key_is_enforced(scheduler):

@@ -67,6 +67,14 @@ class _Common(BaseModel):
   frequency_penalty: float = 0.0
   logit_bias: dict[str, float] | None = None
 
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _null_is_unset(cls, body: Any) -> Any:
+    """A null parameter means "not given" (OpenAI's parameters are nullable, defaults apply)."""
+    if isinstance(body, dict):
+      return {k: v for k, v in body.items() if v is not None}
+    return body
+
   @pydantic.field_validator("stop")
   @classmethod
   def _stop_nonempty(cls, v: str | list[str] | None) -> str | list[str] | None:
