@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import os
 import random
 import sys
@@ -203,6 +204,8 @@ def _load(url: str, what: str, sched) -> None:
 
 def main(argv):
   del argv
+  for name in ("httpx", "httpx2"):  # a log line per request otherwise
+    logging.getLogger(name).setLevel(logging.WARNING)
   if FLAGS.url:
     _load(_check_loopback(FLAGS.url), FLAGS.url, None)
     return
