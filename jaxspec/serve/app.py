@@ -24,6 +24,7 @@ from typing import Any
 
 import fastapi
 from fastapi import responses
+from starlette import background
 from starlette import exceptions as starlette_exceptions
 
 from jaxspec.errors import InputError
@@ -121,6 +122,12 @@ class _Job:
   logprobs: bool
   stream_wanted: bool
   include_usage: bool
+  finished: bool = False  # the scheduler's stream ended (or a stop string ended the request)
+
+  def release(self) -> None:
+    """Cancels the request unless it has finished: its client is gone or stopped reading."""
+    if not self.finished:
+      self.handle.cancel()
 
 
 class _Server:
@@ -259,11 +266,13 @@ class _Server:
       piece = job.stream.add(delta.token_ids, delta.logprobs)
       if piece.stopped:
         job.handle.cancel()  # a stop string: the rest is not wanted
+        job.finished = True
         yield piece, "stop"
         return
       if delta.finish_reason is None:
         yield piece, None
         continue
+      job.finished = True
       if delta.finish_reason == "error":
         raise _EngineFailure(delta.error or "the engine failed on this request")
       if delta.finish_reason == "cancelled":  # the client is still here: the server stopped it
@@ -303,7 +312,6 @@ class _Server:
 
   async def events(self, job: _Job) -> AsyncIterator[bytes]:
     """The SSE stream of a streaming request; leaving early (a disconnect) cancels it."""
-    finished = False
     try:
       if job.chat:
         yield _sse(self.chunk(job, {"role": "assistant", "content": ""}, None, None))
@@ -315,13 +323,10 @@ class _Server:
         yield _sse(
           protocol.usage_chunk(job.rid, obj, job.created, self.model_name, self.usage(job))
         )
-      finished = True
     except _EngineFailure as e:
-      finished = True
       yield _sse(protocol.error_body(str(e), "server_error", code="engine_error"))
     finally:
-      if not finished:
-        job.handle.cancel()
+      job.release()
     yield SSE_DONE
 
   def chunk(self, job: _Job, content: Any, finish: str | None, logprobs: dict | None) -> dict:
@@ -338,7 +343,7 @@ class _Server:
     finally:
       gone.cancel()
       if not collect.done():  # the client left (or this handler was cancelled)
-        job.handle.cancel()
+        job.release()
         collect.cancel()
     if not collect.done() or collect.cancelled():
       return fastapi.Response(status_code=499)  # nobody reads it
@@ -410,8 +415,12 @@ def create_app(
     job = make_job(body)
     if job.stream_wanted:
       headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+      # The background task also runs when the client left before the stream began.
       return responses.StreamingResponse(
-        server.events(job), media_type="text/event-stream", headers=headers
+        server.events(job),
+        media_type="text/event-stream",
+        headers=headers,
+        background=background.BackgroundTask(job.release),
       )
     return await server.respond(request, job)
 
