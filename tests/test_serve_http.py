@@ -1,8 +1,15 @@
-"""The OpenAI-compatible server, live on loopback, driven by the official `openai` client."""
+"""The OpenAI-compatible server, live on loopback, driven by the official `openai` client.
+
+The server runs the real scheduler over the bundled target with its EAGLE-3 drafter (4 slots,
+128 tokens each, one prompt bucket, one step per tick so streams last several ticks); a plain
+decoding server joins in the slow tests. Error paths the engine cannot be made to take (an
+engine failure, a full queue) use small stand-in schedulers.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import http.client
 import json
 import math
@@ -17,20 +24,40 @@ import time
 import openai
 import pytest
 
+from jaxspec.drafters import defaults, registry
 from jaxspec.serve import app as app_lib
 from jaxspec.serve import background
-from jaxspec.serve.scheduler import Delta, QueueFull, SchedulerClosed
-
-from tests import serve_fake
+from jaxspec.serve.scheduler import Delta, QueueFull, Scheduler, SchedulerClosed
 
 MODEL = "jaxspec-test"
 KEY = "sk-test-key"
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n  def push(self, x):", "x", "# sum\n" * 6]
+SLOTS = 4
+MAX_LEN = 128
+
+
+def make_scheduler(method: str) -> Scheduler:
+  target, _ = defaults.load_target(None)
+  engine, _ = defaults.make_engine(
+    target,
+    method,
+    draft_dir=registry.bundled_dir(method) if method == "eagle3" else None,
+    verify="chain",
+    tree_budget=0,
+    max_len=MAX_LEN,
+    batch_size=SLOTS,
+    min_prompt_bucket=MAX_LEN,  # one prefill program to compile
+  )
+  sched = Scheduler(engine, max_queue=64, steps_per_tick=1)
+  sched.start()
+  return sched
 
 
 @pytest.fixture(scope="module")
 def scheduler():
-  return serve_fake.FakeScheduler(slots=4, max_len=256, tick=0.01)
+  sched = make_scheduler("eagle3")
+  yield sched
+  sched.shutdown(drain=False, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +72,9 @@ def client(server):
   return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def aclient(server):
-  return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def async_client(server, **kw) -> openai.AsyncOpenAI:
+  """A client for one event loop (asyncio.run): its connections belong to that loop."""
+  return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, **kw)
 
 
 def greedy(client, prompt, **kw):
@@ -131,69 +158,93 @@ def test_streaming_equals_non_streaming(client):
   assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
 
 
-def test_32_concurrent_mixed_requests_equal_served_alone(client, aclient):
+def mixed_cases(n: int = 32) -> list[tuple[str, dict]]:
+  """Prompts of mixed lengths; greedy and seeded sampled requests (top-k / top-p) alternate."""
   cases = []
-  for i in range(32):
+  for i in range(n):
     prompt = PROMPTS[i % len(PROMPTS)] * (1 + i % 3)
     if i % 2:
-      kw = dict(temperature=0.8, top_p=0.9, top_k=20 if i % 4 == 1 else 0, seed=i)
+      kw = {"temperature": 0.8, "top_p": 0.9, "seed": i}
+      if i % 4 == 1:
+        kw["extra_body"] = {"top_k": 20}
     else:
-      kw = dict(temperature=0)
-    cases.append((prompt, dict(max_tokens=4 + i % 13, **kw)))
+      kw = {"temperature": 0}
+    cases.append((prompt, {"max_tokens": 4 + i % 13, **kw}))
+  return cases
 
-  def split(kw):
-    kw = dict(kw)
-    extra = {"top_k": kw.pop("top_k")} if "top_k" in kw else {}
-    return kw, extra
 
-  alone = {}
-  for i, (prompt, kw) in enumerate(cases):
-    if kw["temperature"] == 0:
-      args, extra = split(kw)
-      alone[i] = client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **args)
-
+def run_concurrently(server, cases) -> list:
   async def run_all():
-    async def one(prompt, kw):
-      args, extra = split(kw)
-      return await aclient.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **args)
+    aclient = async_client(server)
+    calls = (aclient.completions.create(model=MODEL, prompt=p, **kw) for p, kw in cases)
+    return await asyncio.gather(*calls)
 
-    return await asyncio.gather(*(one(p, kw) for p, kw in cases))
+  return asyncio.run(run_all())
 
-  together = asyncio.run(run_all())
-  for i, out in enumerate(together):
+
+def test_32_concurrent_mixed_requests_equal_served_alone(client, server):
+  """Each request (greedy, or sampled with a seed) returns what it returns served alone."""
+  cases = mixed_cases()
+  alone = [client.completions.create(model=MODEL, prompt=p, **kw) for p, kw in cases]
+  together = run_concurrently(server, cases)
+  for i, (out, ref) in enumerate(zip(together, alone)):
     assert out.choices[0].finish_reason in ("stop", "length")
     assert out.usage.completion_tokens <= cases[i][1]["max_tokens"]
-    if i in alone:
-      assert out.choices[0].text == alone[i].choices[0].text, i
+    assert out.choices[0].text == ref.choices[0].text, (i, cases[i])
 
 
-def wait_for(pred, timeout=20.0):
+def wait_for(pred, timeout=30.0):
   deadline = time.monotonic() + timeout
   while not pred():
     assert time.monotonic() < deadline, "timed out"
     time.sleep(0.01)
 
 
-def test_cancelled_stream_frees_its_slot(client, scheduler):
-  other_alone = greedy(client, PROMPTS[3], max_tokens=40).choices[0].text
-  stream = greedy(client, PROMPTS[0], max_tokens=200, stream=True)
-  next(iter(stream))
-  before = scheduler.metrics()["requests_running"]
-  assert before >= 1
-  other = greedy(client, PROMPTS[3], max_tokens=40)
-  stream.close()  # the client goes away mid-stream
+LONG = "def fib(n):"  # the bundled model does not stop within 100 tokens after it
+
+
+def test_cancelled_streams_free_their_slots_and_leave_others_intact(client, scheduler):
+  others = [(PROMPTS[i], {"max_tokens": 40, "temperature": 0}) for i in range(1, 4)]
+  alone = [client.completions.create(model=MODEL, prompt=p, **kw) for p, kw in others]
+  before = scheduler.metrics()["requests_cancelled_total"]
+  with concurrent.futures.ThreadPoolExecutor(len(others)) as pool:
+    running = [
+      pool.submit(client.completions.create, model=MODEL, prompt=p, **kw) for p, kw in others
+    ]
+    # As many cancelled streams as there are slots: each next one needs a freed slot.
+    for _ in range(SLOTS):
+      stream = greedy(client, LONG, max_tokens=100, stream=True)
+      next(iter(stream))
+      stream.close()  # the client goes away mid-stream
+    results = [f.result() for f in running]
+  wait_for(lambda: scheduler.metrics()["requests_cancelled_total"] == before + SLOTS)
   wait_for(lambda: scheduler.metrics()["requests_running"] == 0)
-  assert other.choices[0].text == other_alone
-  assert greedy(client, PROMPTS[3], max_tokens=40).choices[0].text == other_alone  # slot reused
+  assert [r.choices[0].text for r in results] == [r.choices[0].text for r in alone]
+  assert greedy(client, LONG, max_tokens=100).usage.completion_tokens == 100  # slots reused
 
 
 def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, scheduler):
-  quick = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=0.2)
-  before = scheduler.metrics()["tokens_generated_total"]
-  with pytest.raises(openai.APITimeoutError):
-    quick.completions.create(model=MODEL, prompt="x", max_tokens=240, temperature=0)
+  before = scheduler.metrics()["requests_cancelled_total"]
+
+  async def scenario():
+    aclient, quick = async_client(server), async_client(server, timeout=0.3)
+    # Enough work queued ahead that the last request is still waiting when its client leaves.
+    ahead = [
+      asyncio.ensure_future(
+        aclient.completions.create(model=MODEL, prompt=LONG, max_tokens=100, temperature=0)
+      )
+      for _ in range(6 * SLOTS)
+    ]
+    while scheduler.metrics()["requests_waiting"] < 4 * SLOTS:
+      await asyncio.sleep(0.01)
+    with pytest.raises(openai.APITimeoutError):
+      await quick.completions.create(model=MODEL, prompt="x", max_tokens=100, temperature=0)
+    return await asyncio.gather(*ahead)
+
+  done = asyncio.run(scenario())
   wait_for(lambda: scheduler.metrics()["requests_running"] == 0)
-  assert scheduler.metrics()["tokens_generated_total"] - before < 240
+  assert scheduler.metrics()["requests_cancelled_total"] == before + 1
+  assert all(r.usage.completion_tokens == 100 for r in done)
 
 
 @pytest.mark.parametrize(
@@ -211,7 +262,7 @@ def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, schedu
     ({"model": MODEL, "prompt": "", "max_tokens": 4}, "prompt", "empty"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "one prompt"),
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, None, "capacity"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, None, "max_len"),
     ({"model": MODEL, "prompt": [10**9]}, None, "vocab"),
     (
       {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
