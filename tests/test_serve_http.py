@@ -127,6 +127,13 @@ def test_chat_uses_the_template(client):
   )
 
 
+def test_chat_without_max_tokens_fills_the_slot(client, scheduler):
+  messages = [{"role": "user", "content": "def fib(n):"}]
+  out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+  room = MAX_LEN - out.usage.prompt_tokens - scheduler.engine.lookahead - 1
+  assert out.choices[0].finish_reason == "stop" or out.usage.completion_tokens == room
+
+
 def test_streaming_equals_non_streaming(client):
   whole = greedy(client, PROMPTS[2], logprobs=1)
   chunks = list(
@@ -191,6 +198,26 @@ def test_32_concurrent_mixed_requests_equal_served_alone(client, server):
     assert out.choices[0].finish_reason in ("stop", "length")
     assert out.usage.completion_tokens <= cases[i][1]["max_tokens"]
     assert out.choices[0].text == ref.choices[0].text, (i, cases[i])
+
+
+@pytest.mark.slow
+def test_plain_server_agrees(client):
+  """A plain-decoding server: the same mixed load equals its served-alone outputs, and every
+  greedy output equals the speculative server's (lossless speculative decoding)."""
+  cases = mixed_cases()
+  sched = make_scheduler("plain")
+  try:
+    with background.BackgroundServer(app_lib.create_app(sched, MODEL)) as srv:
+      plain = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+      alone = [plain.completions.create(model=MODEL, prompt=p, **kw) for p, kw in cases]
+      together = run_concurrently(srv, cases)
+  finally:
+    sched.shutdown(drain=False, timeout=60)
+  for i, (prompt, kw) in enumerate(cases):
+    assert together[i].choices[0].text == alone[i].choices[0].text, (i, cases[i])
+    if kw["temperature"] == 0:
+      spec = client.completions.create(model=MODEL, prompt=prompt, **kw)
+      assert alone[i].choices[0].text == spec.choices[0].text, (i, cases[i])
 
 
 def wait_for(pred, timeout=30.0):

@@ -252,11 +252,11 @@ class _Server:
     )
 
   def default_chat_tokens(self, prompt_len: int) -> int:
-    """Chat without max_tokens: the engine's room after the prompt (OpenAI: up to the context)."""
-    room = getattr(self.scheduler, "max_new_tokens", None)
-    if callable(room):
-      return max(1, room(prompt_len))
-    return protocol.DEFAULT_MAX_TOKENS
+    """Chat without max_tokens: the room left in the slot after the prompt, as OpenAI runs to
+    the context's end. The engine needs prompt + max_tokens + its draft lookahead + 1 positions
+    (SpecEngine's capacity check); a prompt with no room gets 1 and that check's 400."""
+    engine = self.scheduler.engine
+    return max(1, engine.config.max_len - prompt_len - engine.lookahead - 1)
 
   # ---- generation --------------------------------------------------------------------------
 
