@@ -36,7 +36,10 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 
 # scheduler.metrics() key → (Prometheus type, help). Keys not listed are exported as gauges.
 SCHEDULER_METRICS = {
-  "requests_total": ("counter", "Requests admitted by the scheduler."),
+  "requests_total": ("counter", "Requests queued by the scheduler."),
+  "requests_finished_total": ("counter", "Requests that ended with a stop or the length."),
+  "requests_cancelled_total": ("counter", "Requests cancelled (client gone, stop string)."),
+  "steps_total": ("counter", "Compiled engine steps run."),
   "requests_running": ("gauge", "Requests holding a slot."),
   "requests_waiting": ("gauge", "Requests in the waiting queue."),
   "tokens_generated_total": ("counter", "Tokens committed across all requests."),
