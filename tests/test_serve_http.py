@@ -380,15 +380,18 @@ def test_api_key_is_enforced(scheduler):
       openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
 
 
-def test_stop_strings(client):
-  full = greedy(client, PROMPTS[1], max_tokens=40).choices[0].text
-  stop = full[len(full) // 2 : len(full) // 2 + 3]
+def test_stop_strings(client, scheduler):
+  full = greedy(client, PROMPTS[1], max_tokens=100).choices[0].text
+  at = len(full) // 4  # early, so the request is still running when the stop string shows
+  stop = full[at : at + 3]
   assert stop.strip() and stop in full
   expect = full[: full.index(stop)]
-  out = greedy(client, PROMPTS[1], max_tokens=40, stop=[stop, "never seen"], logprobs=0)
+  before = scheduler.metrics()["requests_cancelled_total"]
+  out = greedy(client, PROMPTS[1], max_tokens=100, stop=[stop, "never seen"], logprobs=0)
   assert out.choices[0].text == expect and out.choices[0].finish_reason == "stop"
   assert len(out.choices[0].logprobs.tokens) == out.usage.completion_tokens
-  streamed = greedy(client, PROMPTS[1], max_tokens=40, stop=stop, stream=True)
+  wait_for(lambda: scheduler.metrics()["requests_cancelled_total"] == before + 1)  # slot freed
+  streamed = greedy(client, PROMPTS[1], max_tokens=100, stop=stop, stream=True)
   chunks = [c.choices[0] for c in streamed]
   assert "".join(c.text for c in chunks) == expect and chunks[-1].finish_reason == "stop"
 
@@ -513,6 +516,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _answers(port: int) -> bool:
+  try:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("GET", "/health")
+    return conn.getresponse().status == 200
+  except OSError:
+    return False
+
+
 @pytest.mark.slow
 def test_serve_script_drains_on_sigterm():
   """launch/serve.py end to end: it serves, and SIGTERM mid-stream lets the stream finish."""
@@ -535,6 +547,8 @@ def test_serve_script_drains_on_sigterm():
         break
     else:
       pytest.fail(f"the server exited with {proc.wait()}")
+    # "serving" is printed just before uvicorn binds: wait until it answers.
+    wait_for(lambda: _answers(port), timeout=60)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     chunks = iter(
       c.completions.create(
