@@ -6,9 +6,10 @@ but cannot honour (n > 1, echo, top_logprobs > 0, penalties, logit_bias, ...) wi
 naming it, rather than silently serving something else. Extensions, as vLLM spells them:
 `top_k` and `stop_token_ids`.
 
-Responses are plain dicts in OpenAI's shapes: `completion` / `completion_chunk` for
-/v1/completions (object "text_completion"), `chat_completion` / `chat_chunk` for
-/v1/chat/completions ("chat.completion", "chat.completion.chunk"), `usage`, `error_body`.
+Responses are plain dicts in OpenAI's shapes: `completion` (a response or one of its SSE
+chunks, object "text_completion") for /v1/completions, `chat_completion` / `chat_chunk` for
+/v1/chat/completions ("chat.completion", "chat.completion.chunk"), `usage_chunk`, `usage`,
+`error_body`.
 """
 
 from __future__ import annotations
