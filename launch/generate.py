@@ -23,32 +23,12 @@ import jax  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
-from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
+from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 from jaxspec.quant.profile import load_policy  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
-flags.DEFINE_enum(
-  "method",
-  "auto",
-  ("auto",) + registry.METHODS,
-  "Drafting method; auto = the best one available for the model.",
-)
-flags.DEFINE_string(
-  "draft_model",
-  None,
-  "Drafter checkpoint directory: a draft model, DFlash or EAGLE-3 (default: the bundled one "
-  "of the method).",
-)
-flags.DEFINE_enum("verify", "auto", ("auto", "chain", "tree"), "Chain or DDTree verification.")
-flags.DEFINE_integer("tree_budget", 0, "Draft nodes per tree (0 = the measured default).")
-flags.DEFINE_integer(
-  "gamma",
-  None,
-  "Draft tokens per step (default: the method's own: 4 for chains; DFlash: block_size - 1).",
-  lower_bound=1,
-)
+defaults.define_model_flags()
 flags.DEFINE_string("prompt", "def fib(n):", "The prompt (text; needs the model's tokenizer).")
 flags.DEFINE_list(
   "prompt_ids",
@@ -78,9 +58,6 @@ flags.DEFINE_string(
   "or a policy JSON file (launch/profile_quant.py writes one).",
 )
 flags.DEFINE_bool("compare_plain", True, "Also run plain decoding and print the speedup.")
-
-ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
-
 
 MESH_FORM = "name=size pairs over data, expert and tensor, e.g. data=1,expert=2,tensor=1"
 
@@ -125,80 +102,10 @@ def _prompt(target: jaxspec.TargetModel, source: str) -> tuple[str | list[int], 
   return FLAGS.prompt, FLAGS.prompt
 
 
-def _tiny_random() -> jaxspec.TargetModel:
-  import configs  # pylint: disable=import-outside-toplevel
-  from jaxspec.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-
-  c = configs.get("tiny_random")
-  cfg = jaxspec.ModelConfig(
-    architecture=c.architecture,
-    vocab_size=c.vocab_size,
-    hidden_size=c.hidden_size,
-    num_layers=c.num_layers,
-    num_heads=c.num_heads,
-    num_kv_heads=c.num_kv_heads,
-    head_dim=c.head_dim,
-    intermediate_size=c.intermediate_size,
-    num_experts=c.num_experts,
-    num_experts_per_tok=c.num_experts_per_tok,
-    moe_intermediate_size=c.moe_intermediate_size,
-    norm_topk_prob=c.norm_topk_prob,
-    rope_theta=c.rope_theta,
-    eos_token_ids=(c.eos_token_id,),
-    pad_token_id=c.pad_token_id,
-  )
-  model = target_lib.TargetModel.random(cfg, seed=c.seed, tokenizer=Tokenizer.bundled())
-  return model.with_scan_layers(False)
-
-
-def load_target() -> tuple[jaxspec.TargetModel, str]:
-  if FLAGS.model:
-    return jaxspec.load_model(FLAGS.model, scan_layers=False), FLAGS.model
-  bundled = os.path.join(ASSETS, "target")
-  if os.path.exists(os.path.join(bundled, "config.json")):
-    return jaxspec.load_model(bundled, scan_layers=False), "bundled target"
-  return _tiny_random(), "tiny random model (no bundled weights found)"
-
-
-# The fastest method measured on the bundled target (launch/bench.py, docs/benchmarks.md):
-# (method, verify, tree budget).
-# EAGLE-3 (γ = 4, chain) was the fastest at temperature 0 (1.14× plain decoding) and the fastest
-# speculative method at temperature 1; budget 8 the fastest DDTree budget.
-BUNDLED_BEST = ("eagle3", "chain", 0)
-DEFAULT_TREE_BUDGET = 8
-
-
-def choose_method(
-  target: jaxspec.TargetModel, model_dir_given: bool
-) -> tuple[str, str | None, str, int]:
-  """(method, drafter dir, verify, tree budget) from the flags.
-
-  auto: on the bundled target, the fastest measured method (BUNDLED_BEST); on another model its
-  own MTP layers when it has them, else a given draft model, else prompt lookup.
-  """
-  method, verify, budget = FLAGS.method, FLAGS.verify, FLAGS.tree_budget
-  if method == "auto":
-    best, best_verify, best_budget = BUNDLED_BEST
-    asset = {"draft_model": "draft", "dflash": "dflash", "eagle3": "eagle3"}.get(best, "target")
-    if not model_dir_given and registry.bundled_dir(asset):
-      method = best
-      verify = best_verify if verify == "auto" else verify
-      budget = budget or best_budget
-    elif target.config.num_mtp_layers > 0:
-      method = "mtp"
-    else:
-      method = "draft_model" if FLAGS.draft_model else "ngram"
-  draft_dir = FLAGS.draft_model
-  if draft_dir is None and not model_dir_given and method in ("draft_model", "dflash", "eagle3"):
-    draft_dir = registry.bundled_dir("draft" if method == "draft_model" else method)
-  verify = "chain" if verify == "auto" else verify
-  return method, draft_dir, verify, budget or DEFAULT_TREE_BUDGET
-
-
 def main(argv):
   del argv
   mesh_shape = _parse_mesh(FLAGS.mesh)
-  target, source = load_target()
+  target, source = defaults.load_target(FLAGS.model)
   policy = load_policy(FLAGS.quant_policy)
   if policy and any(v != 1 for v in mesh_shape.values()):
     raise jaxspec.ConfigError("--quant_policy with a --mesh: sharding quantized weights is planned")
@@ -218,13 +125,6 @@ def main(argv):
       target.tokenizer,
       target.hf_config,
     )
-  method, draft_dir, verify, budget = choose_method(target, FLAGS.model is not None)
-  drafter = registry.make_drafter(method, target, gamma=FLAGS.gamma, draft_dir=draft_dir)
-  tree = dict(verify="tree", tree_budget=budget) if verify == "tree" and drafter else {}
-  cfg = jaxspec.EngineConfig(
-    method=method, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format, **tree
-  )
-  label = f"{method} + tree verification ({budget} nodes)" if tree else method
   sample = dict(
     max_new_tokens=FLAGS.max_new_tokens,
     temperature=FLAGS.temperature,
@@ -235,12 +135,14 @@ def main(argv):
   )
   prompts = [prompt]
   jaxspec.Request.build(prompts, **sample)  # bad flags fail here, before any output
+  spec_engine, method, label = defaults.engine_from_flags(
+    target, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format
+  )
   print(
     f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
     f"method: {label}; devices: {jax.device_count()} ({jax.default_backend()})"
   )
 
-  spec_engine = jaxspec.SpecEngine(target, drafter, cfg)
   spec_engine.generate(prompts, **sample)  # compile
   out = spec_engine.generate(prompts, **sample)
   text = out.texts[0] if out.texts else f" + {out.tokens[0]}"
@@ -252,7 +154,7 @@ def main(argv):
     f"{method}: {st.tokens_generated} tokens, acceptance length {st.acceptance_length:.2f}, "
     f"{st.tokens_per_second:.1f} tok/s"
   )
-  if FLAGS.compare_plain and drafter is not None:
+  if FLAGS.compare_plain and spec_engine.drafter is not None:
     plain_engine = jaxspec.SpecEngine(
       target,
       None,

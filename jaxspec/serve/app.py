@@ -1,0 +1,452 @@
+"""The OpenAI-compatible HTTP API over a `Scheduler`: FastAPI routes, SSE streaming, errors.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the /v1 routes need
+the Bearer key when one is set), GET /health, GET /metrics (Prometheus text). Every error is
+OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`: bad JSON or parameters, a
+request over the engine's capacity or an unknown model → 400, a missing or wrong key → 401, a
+body over `max_body_bytes` → 413, a full queue → 429, shutting down → 503.
+
+A request's tokens come from its `RequestHandle`; `text.TextStream` turns them into text, and a
+stop string cancels the request in the scheduler. A client that goes away (mid-stream, or
+while a non-streaming request is being generated) cancels its request, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hmac
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import fastapi
+from fastapi import responses
+from starlette import background
+from starlette import exceptions as starlette_exceptions
+
+from jaxspec.errors import InputError
+from jaxspec.serve import protocol, text
+from jaxspec.serve.scheduler import QueueFull, SamplingOptions, SchedulerClosed
+
+SSE_DONE = b"data: [DONE]\n\n"
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+# scheduler.metrics() key → (Prometheus type, help). Keys not listed are exported as gauges.
+SCHEDULER_METRICS = {
+  "requests_total": ("counter", "Requests queued by the scheduler."),
+  "requests_finished_total": ("counter", "Requests that ended with a stop or the length."),
+  "requests_cancelled_total": ("counter", "Requests cancelled (client gone, stop string)."),
+  "steps_total": ("counter", "Compiled engine steps run."),
+  "requests_running": ("gauge", "Requests holding a slot."),
+  "requests_waiting": ("gauge", "Requests in the waiting queue."),
+  "tokens_generated_total": ("counter", "Tokens committed across all requests."),
+  "target_passes_total": ("counter", "Target forward passes (verify steps)."),
+  "acceptance_length": ("gauge", "Mean tokens committed per target pass."),
+  "step_seconds_avg": ("gauge", "Mean seconds per compiled step."),
+  "batch_occupancy": ("gauge", "Fraction of slots holding a request."),
+  "slots": ("gauge", "Slots (the engine's batch size)."),
+}
+
+
+class ApiError(Exception):
+  """An error response: HTTP status and OpenAI's error fields."""
+
+  def __init__(
+    self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+  ):
+    super().__init__(message)
+    self.status, self.message, self.type, self.param, self.code = (
+      status,
+      message,
+      type_,
+      param,
+      code,
+    )
+
+
+class _EngineFailure(Exception):
+  """The scheduler ended a request with "error", or with "cancelled" that no client asked for
+  (a shutdown without draining); `status` is the HTTP status of a non-streaming reply."""
+
+  def __init__(self, message: str, status: int = 500):
+    super().__init__(message)
+    self.status = status
+
+
+def _error_response(e: ApiError) -> responses.JSONResponse:
+  body = protocol.error_body(e.message, e.type, e.param, e.code)
+  headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+  return responses.JSONResponse(body, status_code=e.status, headers=headers)
+
+
+def _bad_request(e: InputError) -> ApiError:
+  return ApiError(400, str(e), "invalid_request_error", getattr(e, "param", None))
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+  return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _StatusCounter:
+  """Pure-ASGI middleware counting responses by route and status (for /metrics).
+
+  Pure ASGI rather than a BaseHTTPMiddleware so the app's own `receive` (which reports a client
+  disconnect) and streaming responses pass through untouched.
+  """
+
+  def __init__(self, app: Any, counts: collections.Counter):
+    self.app, self.counts = app, counts
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    route = scope["path"] if scope["path"] in ROUTES else "other"
+
+    async def counting_send(message):
+      if message["type"] == "http.response.start":
+        self.counts[(route, message["status"])] += 1
+      await send(message)
+
+    return await self.app(scope, receive, counting_send)
+
+
+@dataclasses.dataclass
+class _Job:
+  """One admitted request: its handle, how its text is made, and how it is reported."""
+
+  handle: Any
+  stream: text.TextStream
+  rid: str
+  created: int
+  chat: bool
+  logprobs: bool
+  stream_wanted: bool
+  include_usage: bool
+  finished: bool = False  # the scheduler's stream ended (or a stop string ended the request)
+
+  def release(self) -> None:
+    """Cancels the request unless it has finished: its client is gone or stopped reading."""
+    if not self.finished:
+      self.handle.cancel()
+
+
+class _Server:
+  """The state behind the routes: scheduler, tokenizer, template, limits."""
+
+  def __init__(self, scheduler, model_name, api_key, max_body_bytes, chat_template):
+    tokenizer = scheduler.engine.target.tokenizer
+    if tokenizer is None:
+      raise InputError("serving needs the model's tokenizer (tokenizer.json)")
+    self.scheduler = scheduler
+    self.tokenizer = tokenizer
+    self.model_name = model_name
+    self.api_key = api_key
+    self.max_body_bytes = max_body_bytes
+    if chat_template is None:
+      source = getattr(tokenizer, "source", None)
+      chat_template = text.load_chat_template(os.path.dirname(source) if source else None)
+    self.chat_template = chat_template
+    self.started = protocol.now()
+
+  # ---- request intake ----------------------------------------------------------------------
+
+  def authorize(self, request: fastapi.Request) -> None:
+    if self.api_key is None:
+      return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+      key.strip().encode(), self.api_key.encode()
+    ):
+      raise ApiError(
+        401,
+        "missing or wrong API key (Authorization: Bearer <key>)",
+        "authentication_error",
+        code="invalid_api_key",
+      )
+
+  async def read_json(self, request: fastapi.Request) -> Any:
+    """The body as JSON, refused with 413 past the size limit (checked while reading)."""
+    too_big = ApiError(
+      413,
+      f"request body over {self.max_body_bytes} bytes",
+      "invalid_request_error",
+      code="request_too_large",
+    )
+    body = bytearray()
+    async for chunk in request.stream():
+      body += chunk
+      if len(body) > self.max_body_bytes:
+        raise too_big
+    try:
+      return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_request_error") from None
+
+  def check_model(self, model: str) -> None:
+    if model != self.model_name:
+      raise ApiError(
+        400,
+        f"model {model!r} is not served here (serving {self.model_name!r})",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+      )
+
+  def submit(self, ids: list[int], options: SamplingOptions, req: Any, **job: Any) -> _Job:
+    try:
+      handle = self.scheduler.submit(ids, options)
+    except QueueFull as e:
+      raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full")
+    except SchedulerClosed as e:
+      raise ApiError(
+        503, f"the server is shutting down: {e}", "service_unavailable", code="shutting_down"
+      )
+    except InputError as e:
+      raise _bad_request(e) from None
+    stream = text.TextStream(self.tokenizer, ids, req.stop_strings, logprobs=options.logprobs)
+    return _Job(
+      handle,
+      stream,
+      created=protocol.now(),
+      logprobs=options.logprobs,
+      stream_wanted=req.stream,
+      include_usage=req.include_usage,
+      **job,
+    )
+
+  def options(self, req: Any, max_tokens: int) -> SamplingOptions:
+    return SamplingOptions(
+      max_tokens=max_tokens,
+      temperature=req.temperature,
+      top_p=req.top_p,
+      top_k=req.top_k,
+      seed=req.seed,
+      stop_token_ids=tuple(req.stop_token_ids or ()),
+      logprobs=req.want_logprobs,
+    )
+
+  def completion_job(self, body: Any) -> _Job:
+    req = protocol.parse(protocol.CompletionRequest, body)
+    self.check_model(req.model)
+    prompt = req.prompt_input()
+    if isinstance(prompt, str):
+      ids = self.tokenizer.encode(prompt, split_special_tokens=True)
+    else:
+      ids = list(prompt)
+    return self.submit(
+      ids, self.options(req, req.max_tokens), req, rid=protocol.new_id("cmpl"), chat=False
+    )
+
+  def chat_job(self, body: Any) -> _Job:
+    req = protocol.parse(protocol.ChatRequest, body)
+    self.check_model(req.model)
+    prompt = self.chat_template.render(req.message_dicts())
+    # A template's own markers (<|im_start|>, ...) are control tokens, so special-token
+    # strings are parsed here, as HF's apply_chat_template does.
+    ids = self.tokenizer.encode(prompt, split_special_tokens=False)
+    max_tokens = req.token_limit
+    if max_tokens is None:
+      max_tokens = self.default_chat_tokens(len(ids))
+    return self.submit(
+      ids, self.options(req, max_tokens), req, rid=protocol.new_id("chatcmpl"), chat=True
+    )
+
+  def default_chat_tokens(self, prompt_len: int) -> int:
+    """Chat without max_tokens: the room left in the slot after the prompt, as OpenAI runs to
+    the context's end. The engine needs prompt + max_tokens + its draft lookahead + 1 positions
+    (SpecEngine's capacity check); a prompt with no room gets 1 and that check's 400."""
+    engine = self.scheduler.engine
+    return max(1, engine.config.max_len - prompt_len - engine.lookahead - 1)
+
+  # ---- generation --------------------------------------------------------------------------
+
+  async def pieces(self, job: _Job) -> AsyncIterator[tuple[text.Piece, str | None]]:
+    """(piece, finish_reason) per scheduler delta; the last one has a finish reason."""
+    async for delta in job.handle:
+      piece = job.stream.add(delta.token_ids, delta.logprobs)
+      if piece.stopped:
+        job.handle.cancel()  # a stop string: the rest is not wanted
+        job.finished = True
+        yield piece, "stop"
+        return
+      if delta.finish_reason is None:
+        yield piece, None
+        continue
+      job.finished = True
+      if delta.finish_reason == "error":
+        raise _EngineFailure(delta.error or "the engine failed on this request")
+      if delta.finish_reason == "cancelled":  # the client is still here: the server stopped it
+        raise _EngineFailure("the server cancelled the request (shutting down)", status=503)
+      yield piece, None
+      yield job.stream.finish(), delta.finish_reason
+      return
+    raise _EngineFailure("the request's stream ended without a finish reason")
+
+  def token_strings(self, ids: list[int]) -> list[str]:
+    return [self.tokenizer.decode([i]) for i in ids]
+
+  def logprobs(self, job: _Job, piece: text.Piece) -> dict | None:
+    if not job.logprobs:
+      return None
+    tokens = self.token_strings(piece.token_ids)
+    if job.chat:
+      raw = [text.token_bytes(self.tokenizer, i) for i in piece.token_ids]
+      return protocol.chat_logprobs(tokens, raw, piece.logprobs)
+    return protocol.completion_logprobs(tokens, piece.logprobs, piece.offsets)
+
+  def usage(self, job: _Job) -> dict[str, int]:
+    return protocol.usage(job.handle.prompt_tokens, job.stream.completion_tokens)
+
+  async def collect(self, job: _Job) -> dict[str, Any]:
+    """The whole response of a non-streaming request."""
+    parts, ids, lps, offsets, finish = [], [], [], [], None
+    async for piece, finish in self.pieces(job):
+      parts.append(piece.text)
+      ids += piece.token_ids
+      lps += piece.logprobs or []
+      offsets += piece.offsets
+    whole = text.Piece("".join(parts), ids, lps, offsets)
+    args = (job.rid, job.created, self.model_name, whole.text, finish, self.logprobs(job, whole))
+    build = protocol.chat_completion if job.chat else protocol.completion
+    return build(*args, self.usage(job))
+
+  async def events(self, job: _Job) -> AsyncIterator[bytes]:
+    """The SSE stream of a streaming request; leaving early (a disconnect) cancels it."""
+    try:
+      if job.chat:
+        yield _sse(self.chunk(job, {"role": "assistant", "content": ""}, None, None))
+      async for piece, finish in self.pieces(job):
+        if piece.text or piece.token_ids or finish is not None:
+          yield _sse(self.chunk(job, piece.text, finish, self.logprobs(job, piece)))
+      if job.include_usage:
+        obj = "chat.completion.chunk" if job.chat else "text_completion"
+        yield _sse(
+          protocol.usage_chunk(job.rid, obj, job.created, self.model_name, self.usage(job))
+        )
+    except _EngineFailure as e:
+      yield _sse(protocol.error_body(str(e), "server_error", code="engine_error"))
+    finally:
+      job.release()
+    yield SSE_DONE
+
+  def chunk(self, job: _Job, content: Any, finish: str | None, logprobs: dict | None) -> dict:
+    if job.chat:
+      delta = content if isinstance(content, dict) else ({"content": content} if content else {})
+      return protocol.chat_chunk(job.rid, job.created, self.model_name, delta, finish, logprobs)
+    return protocol.completion(job.rid, job.created, self.model_name, content, finish, logprobs)
+
+  async def respond(self, request: fastapi.Request, job: _Job) -> fastapi.Response:
+    collect = asyncio.ensure_future(self.collect(job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+      await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+      gone.cancel()
+      if not collect.done():  # the client left (or this handler was cancelled)
+        job.release()
+        collect.cancel()
+    if not collect.done() or collect.cancelled():
+      return fastapi.Response(status_code=499)  # nobody reads it
+    try:
+      return responses.JSONResponse(collect.result())
+    except _EngineFailure as e:
+      raise ApiError(e.status, str(e), "server_error", code="engine_error") from None
+
+  # ---- /metrics ------------------------------------------------------------------------------
+
+  def prometheus(self, counts: collections.Counter) -> str:
+    lines = []
+    for key, value in sorted(self.scheduler.metrics().items()):
+      kind, doc = SCHEDULER_METRICS.get(key, ("gauge", key.replace("_", " ")))
+      name = f"jaxspec_{key}"
+      lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {float(value)!r}"]
+    name = "jaxspec_http_requests_total"
+    lines += [f"# HELP {name} HTTP responses by route and status.", f"# TYPE {name} counter"]
+    for (route, status), n in sorted(counts.items()):
+      lines.append(f'{name}{{endpoint="{route}",status="{status}"}} {n}')
+    return "\n".join(lines) + "\n"
+
+
+async def _disconnected(request: fastapi.Request) -> None:
+  """Returns when the client disconnects (the body has been read, so nothing else arrives)."""
+  while (await request.receive())["type"] != "http.disconnect":
+    pass
+
+
+def create_app(
+  scheduler: Any,
+  model_name: str,
+  *,
+  api_key: str | None = None,
+  max_body_bytes: int = 1 << 20,
+  chat_template: text.ChatTemplate | None = None,
+) -> fastapi.FastAPI:
+  """The FastAPI app serving `scheduler` (already started) as the model `model_name`.
+
+  `chat_template`: None = the one in the tokenizer's directory (tokenizer_config.json), else
+  text.DEFAULT_CHAT_TEMPLATE. The caller owns the scheduler: it starts it before serving and
+  shuts it down (draining) after the HTTP server stops.
+  """
+  server = _Server(scheduler, model_name, api_key, max_body_bytes, chat_template)
+  counts: collections.Counter = collections.Counter()
+  app = fastapi.FastAPI(title="jaxspec", docs_url=None, redoc_url=None, openapi_url=None)
+  app.add_middleware(_StatusCounter, counts=counts)
+  auth = [fastapi.Depends(server.authorize)]
+
+  @app.exception_handler(ApiError)
+  async def _api_error(_request, e: ApiError):
+    return _error_response(e)
+
+  @app.exception_handler(InputError)
+  async def _input_error(_request, e: InputError):
+    return _error_response(_bad_request(e))
+
+  @app.exception_handler(starlette_exceptions.HTTPException)
+  async def _http_error(_request, e: starlette_exceptions.HTTPException):
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return _error_response(ApiError(e.status_code, str(e.detail), kind))
+
+  @app.exception_handler(Exception)
+  async def _bug(_request, e: Exception):
+    return _error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+  async def serve(request: fastapi.Request, make_job) -> fastapi.Response:
+    body = await server.read_json(request)
+    job = make_job(body)
+    if job.stream_wanted:
+      headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+      # The background task also runs when the client left before the stream began.
+      return responses.StreamingResponse(
+        server.events(job),
+        media_type="text/event-stream",
+        headers=headers,
+        background=background.BackgroundTask(job.release),
+      )
+    return await server.respond(request, job)
+
+  @app.post("/v1/completions", dependencies=auth)
+  async def completions(request: fastapi.Request):
+    return await serve(request, server.completion_job)
+
+  @app.post("/v1/chat/completions", dependencies=auth)
+  async def chat_completions(request: fastapi.Request):
+    return await serve(request, server.chat_job)
+
+  @app.get("/v1/models", dependencies=auth)
+  async def models():
+    return protocol.model_list(model_name, server.started)
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok"}
+
+  @app.get("/metrics")
+  async def metrics():
+    return responses.PlainTextResponse(
+      server.prometheus(counts), media_type="text/plain; version=0.0.4"
+    )
+
+  return app

@@ -1,0 +1,111 @@
+"""Serve a model over the OpenAI HTTP API, with continuous batching over the speculative step.
+
+Defaults to the bundled target and its best drafter (as launch/generate.py), bound to
+127.0.0.1. See docs/serving.md for the API subset.
+
+  python launch/serve.py                                    # http://127.0.0.1:8000/v1
+  python launch/serve.py --method=dflash --verify=tree --batch_size=8 --max_len=2048
+  JAXSPEC_API_KEY=sk-... python launch/serve.py --host=0.0.0.0 --port=8080
+
+Ctrl-C or SIGTERM stops admitting requests, lets the ones in flight finish, then exits.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import sys
+
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import uvicorn  # pylint: disable=wrong-import-position
+
+from jaxspec import cli  # pylint: disable=wrong-import-position
+from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
+from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
+from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
+from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=wrong-import-position
+
+FLAGS = flags.FLAGS
+defaults.define_model_flags()
+flags.DEFINE_integer("batch_size", 4, "Slots: requests decoded together.", lower_bound=1)
+flags.DEFINE_integer("max_len", 2048, "Tokens per slot (prompt + generated + draft slack).")
+flags.DEFINE_enum("kv_format", "float", ("float", "fp8", "q4_0"), "The target's KV cache format.")
+flags.DEFINE_integer(
+  "steps_per_tick",
+  None,
+  "Compiled steps between admissions (default: the scheduler's).",
+  lower_bound=1,
+)
+flags.DEFINE_integer("max_queue", 256, "Waiting requests before 429s.", lower_bound=0)
+flags.DEFINE_string("host", "127.0.0.1", "Address to bind (loopback by default).")
+flags.DEFINE_integer("port", 8000, "Port to bind.", lower_bound=1, upper_bound=65535)
+flags.DEFINE_string(
+  "api_key",
+  os.environ.get("JAXSPEC_API_KEY"),
+  "Bearer key the /v1 routes require (default: $JAXSPEC_API_KEY; unset = none).",
+)
+flags.DEFINE_string(
+  "model_name", None, "The model id clients send (default: --model or 'jaxspec')."
+)
+flags.DEFINE_integer("max_body_bytes", 1 << 20, "Request body limit (413 above).", lower_bound=1)
+flags.DEFINE_float(
+  "drain_timeout", 300, "Seconds shutdown waits for in-flight requests to finish.", lower_bound=0
+)
+
+
+def _ignore(signum, frame) -> None:
+  """Stands in for SIGINT/SIGTERM's default once uvicorn has drained and hands the signal on,
+  so the scheduler is shut down here rather than the process killed."""
+  del signum, frame
+
+
+def main(argv):
+  del argv
+  try:
+    loopback = ipaddress.ip_address(FLAGS.host).is_loopback
+  except ValueError:
+    raise ConfigError(f"--host={FLAGS.host}: expected an IP address") from None
+  target, source = defaults.load_target(FLAGS.model)
+  engine, _, label = defaults.engine_from_flags(
+    target, max_len=FLAGS.max_len, batch_size=FLAGS.batch_size, kv_format=FLAGS.kv_format
+  )
+  scheduler = scheduler_lib.Scheduler(
+    engine, max_queue=FLAGS.max_queue, steps_per_tick=FLAGS.steps_per_tick
+  )
+  name = FLAGS.model_name or FLAGS.model or "jaxspec"
+  app = app_lib.create_app(
+    scheduler, name, api_key=FLAGS.api_key or None, max_body_bytes=FLAGS.max_body_bytes
+  )
+  print(f"target: {source}; method: {label}; {FLAGS.batch_size} slots of {FLAGS.max_len} tokens")
+  if not loopback and not FLAGS.api_key:
+    print(f"warning: serving on {FLAGS.host} without an API key", file=sys.stderr)
+  print("compiling and warming up ...", flush=True)
+  scheduler.start()
+  host = f"[{FLAGS.host}]" if ":" in FLAGS.host else FLAGS.host
+  print(f"serving {name!r} on http://{host}:{FLAGS.port}/v1", flush=True)
+  server = uvicorn.Server(
+    uvicorn.Config(
+      app,
+      host=FLAGS.host,
+      port=FLAGS.port,
+      lifespan="off",
+      log_level="info",
+      timeout_graceful_shutdown=FLAGS.drain_timeout,
+    )
+  )
+  previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    server.run()  # returns once a signal arrived and in-flight HTTP requests finished
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+    scheduler.shutdown(drain=True, timeout=FLAGS.drain_timeout)
+  print("stopped", flush=True)
+
+
+if __name__ == "__main__":
+  cli.run(main)

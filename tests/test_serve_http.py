@@ -1,0 +1,567 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official `openai` client.
+
+The server runs the real scheduler over the bundled target with its EAGLE-3 drafter (4 slots,
+128 tokens each, one prompt bucket, one step per tick so streams last several ticks); a plain
+decoding server joins in the slow tests. Error paths the engine cannot be made to take (an
+engine failure, a full queue) use small stand-in schedulers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import http.client
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from jaxspec.drafters import defaults, registry
+from jaxspec.serve import app as app_lib
+from jaxspec.serve import background
+from jaxspec.serve.scheduler import Delta, QueueFull, Scheduler, SchedulerClosed
+
+MODEL = "jaxspec-test"
+KEY = "sk-test-key"
+PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n  def push(self, x):", "x", "# sum\n" * 6]
+SLOTS = 4
+MAX_LEN = 128
+
+
+def make_scheduler(method: str) -> Scheduler:
+  target, _ = defaults.load_target(None)
+  engine, _ = defaults.make_engine(
+    target,
+    method,
+    draft_dir=registry.bundled_dir(method) if method == "eagle3" else None,
+    verify="chain",
+    tree_budget=0,
+    max_len=MAX_LEN,
+    batch_size=SLOTS,
+    min_prompt_bucket=MAX_LEN,  # one prefill program to compile
+  )
+  sched = Scheduler(engine, max_queue=64, steps_per_tick=1)
+  sched.start()
+  return sched
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+  sched = make_scheduler("eagle3")
+  yield sched
+  sched.shutdown(drain=False, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(scheduler):
+  app = app_lib.create_app(scheduler, MODEL, max_body_bytes=4096)
+  with background.BackgroundServer(app) as srv:
+    yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def async_client(server, **kw) -> openai.AsyncOpenAI:
+  """A client for one event loop (asyncio.run): its connections belong to that loop."""
+  return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, **kw)
+
+
+def greedy(client, prompt, **kw):
+  kw.setdefault("max_tokens", 24)
+  return client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+
+
+def raw(server, method, path, body=b"", headers=None, chunked=False):
+  """(status, decoded JSON or text) of a raw HTTP request."""
+  conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+  conn.request(method, path, body=body, headers=headers or {}, encode_chunked=chunked)
+  resp = conn.getresponse()
+  data = resp.read().decode()
+  conn.close()
+  try:
+    return resp.status, json.loads(data)
+  except json.JSONDecodeError:
+    return resp.status, data
+
+
+def test_models_and_health(client, server):
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  assert raw(server, "GET", "/health") == (200, {"status": "ok"})
+
+
+def test_completion(client, scheduler):
+  out = greedy(client, PROMPTS[0])
+  choice = out.choices[0]
+  assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
+  assert choice.text and choice.finish_reason in ("stop", "length")
+  prompt_ids = scheduler.engine.target.tokenizer.encode(PROMPTS[0], split_special_tokens=True)
+  assert out.usage.prompt_tokens == len(prompt_ids)
+  assert 0 < out.usage.completion_tokens <= 24
+  assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+  # The same prompt as token ids (and as one-element lists) is the same request.
+  assert greedy(client, prompt_ids).choices[0].text == choice.text
+  assert greedy(client, [PROMPTS[0]]).choices[0].text == choice.text
+  assert greedy(client, [prompt_ids]).choices[0].text == choice.text
+
+
+def test_chat_uses_the_template(client):
+  messages = [{"role": "user", "content": "hi"}]
+  out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)
+  assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+  assert out.choices[0].message.role == "assistant"
+  # The default template renders "user: hi\nassistant:"; a completion of that is the same.
+  assert (
+    out.choices[0].message.content
+    == greedy(client, "user: hi\nassistant:", max_tokens=12).choices[0].text
+  )
+
+
+def test_chat_without_max_tokens_fills_the_slot(client, scheduler):
+  messages = [{"role": "user", "content": "def fib(n):"}]
+  out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+  room = MAX_LEN - out.usage.prompt_tokens - scheduler.engine.lookahead - 1
+  assert out.choices[0].finish_reason == "stop" or out.usage.completion_tokens == room
+
+
+def test_streaming_equals_non_streaming(client):
+  whole = greedy(client, PROMPTS[2], logprobs=1)
+  chunks = list(
+    greedy(client, PROMPTS[2], stream=True, logprobs=1, stream_options={"include_usage": True})
+  )
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[
+    0
+  ].finish_reason
+  assert (
+    chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+  )
+  streamed_lps = [x for c in chunks if c.choices for x in c.choices[0].logprobs.token_logprobs]
+  assert streamed_lps == whole.choices[0].logprobs.token_logprobs
+
+  messages = [{"role": "user", "content": PROMPTS[1]}]
+  chat = client.chat.completions.create(
+    model=MODEL, messages=messages, temperature=0, max_tokens=10
+  )
+  stream = list(
+    client.chat.completions.create(
+      model=MODEL, messages=messages, temperature=0, max_tokens=10, stream=True
+    )
+  )
+  assert stream[0].choices[0].delta.role == "assistant"
+  assert (
+    "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+  )
+  assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+
+def mixed_cases(n: int = 32) -> list[tuple[str, dict]]:
+  """Prompts of mixed lengths; greedy and seeded sampled requests (top-k / top-p) alternate."""
+  cases = []
+  for i in range(n):
+    prompt = PROMPTS[i % len(PROMPTS)] * (1 + i % 3)
+    if i % 2:
+      kw = {"temperature": 0.8, "top_p": 0.9, "seed": i}
+      if i % 4 == 1:
+        kw["extra_body"] = {"top_k": 20}
+    else:
+      kw = {"temperature": 0}
+    cases.append((prompt, {"max_tokens": 4 + i % 13, **kw}))
+  return cases
+
+
+def run_concurrently(server, cases) -> list:
+  async def run_all():
+    aclient = async_client(server)
+    calls = (aclient.completions.create(model=MODEL, prompt=p, **kw) for p, kw in cases)
+    return await asyncio.gather(*calls)
+
+  return asyncio.run(run_all())
+
+
+def test_32_concurrent_mixed_requests_equal_served_alone(client, server):
+  """Each request (greedy, or sampled with a seed) returns what it returns served alone."""
+  cases = mixed_cases()
+  alone = [client.completions.create(model=MODEL, prompt=p, **kw) for p, kw in cases]
+  together = run_concurrently(server, cases)
+  for i, (out, ref) in enumerate(zip(together, alone)):
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.completion_tokens <= cases[i][1]["max_tokens"]
+    assert out.choices[0].text == ref.choices[0].text, (i, cases[i])
+
+
+@pytest.mark.slow
+def test_plain_server_agrees(client):
+  """A plain-decoding server: the same mixed load equals its served-alone outputs, and every
+  greedy output equals the speculative server's (lossless speculative decoding)."""
+  cases = mixed_cases()
+  sched = make_scheduler("plain")
+  try:
+    with background.BackgroundServer(app_lib.create_app(sched, MODEL)) as srv:
+      plain = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+      alone = [plain.completions.create(model=MODEL, prompt=p, **kw) for p, kw in cases]
+      together = run_concurrently(srv, cases)
+  finally:
+    sched.shutdown(drain=False, timeout=60)
+  for i, (prompt, kw) in enumerate(cases):
+    assert together[i].choices[0].text == alone[i].choices[0].text, (i, cases[i])
+    if kw["temperature"] == 0:
+      spec = client.completions.create(model=MODEL, prompt=prompt, **kw)
+      assert alone[i].choices[0].text == spec.choices[0].text, (i, cases[i])
+
+
+def wait_for(pred, timeout=30.0):
+  deadline = time.monotonic() + timeout
+  while not pred():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.01)
+
+
+LONG = "def fib(n):"  # the bundled model does not stop within 100 tokens after it
+
+
+def test_cancelled_streams_free_their_slots_and_leave_others_intact(client, scheduler):
+  others = [(PROMPTS[i], {"max_tokens": 40, "temperature": 0}) for i in range(1, 4)]
+  alone = [client.completions.create(model=MODEL, prompt=p, **kw) for p, kw in others]
+  before = scheduler.metrics()["requests_cancelled_total"]
+  with concurrent.futures.ThreadPoolExecutor(len(others)) as pool:
+    running = [
+      pool.submit(client.completions.create, model=MODEL, prompt=p, **kw) for p, kw in others
+    ]
+    # As many cancelled streams as there are slots: each next one needs a freed slot.
+    for _ in range(SLOTS):
+      stream = greedy(client, LONG, max_tokens=100, stream=True)
+      next(iter(stream))
+      stream.close()  # the client goes away mid-stream
+    results = [f.result() for f in running]
+  wait_for(lambda: scheduler.metrics()["requests_cancelled_total"] == before + SLOTS)
+  wait_for(lambda: scheduler.metrics()["requests_running"] == 0)
+  assert [r.choices[0].text for r in results] == [r.choices[0].text for r in alone]
+  assert greedy(client, LONG, max_tokens=100).usage.completion_tokens == 100  # slots reused
+
+
+def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, scheduler):
+  before = scheduler.metrics()["requests_cancelled_total"]
+
+  async def scenario():
+    aclient, quick = async_client(server), async_client(server, timeout=0.3)
+    # Enough work queued ahead that the last request is still waiting when its client leaves.
+    ahead = [
+      asyncio.ensure_future(
+        aclient.completions.create(model=MODEL, prompt=LONG, max_tokens=100, temperature=0)
+      )
+      for _ in range(6 * SLOTS)
+    ]
+    while scheduler.metrics()["requests_waiting"] < 4 * SLOTS:
+      await asyncio.sleep(0.01)
+    with pytest.raises(openai.APITimeoutError):
+      await quick.completions.create(model=MODEL, prompt="x", max_tokens=100, temperature=0)
+    return await asyncio.gather(*ahead)
+
+  done = asyncio.run(scenario())
+  wait_for(lambda: scheduler.metrics()["requests_running"] == 0)
+  assert scheduler.metrics()["requests_cancelled_total"] == before + 1
+  assert all(r.usage.completion_tokens == 100 for r in done)
+
+
+@pytest.mark.parametrize(
+  "body,param,needle",
+  [
+    ({"prompt": "x"}, "model", "model"),
+    ({"model": "other", "prompt": "x"}, "model", "not served"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, "n", "n=1"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 5}, "logprobs", "emitted tokens"),
+    ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "echo"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature", "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p", "top_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
+    ({"model": MODEL, "prompt": [True]}, "prompt", "token ids"),
+    ({"model": MODEL, "prompt": "", "max_tokens": 4}, "prompt", "empty"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "one prompt"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, None, "max_len"),
+    ({"model": MODEL, "prompt": [10**9]}, None, "vocab"),
+    (
+      {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+      "stream_options",
+      "stream",
+    ),
+  ],
+)
+def test_bad_completion_requests_are_400(server, body, param, needle):
+  status, out = raw(server, "POST", "/v1/completions", json.dumps(body).encode())
+  assert status == 400, out
+  err = out["error"]
+  assert err["type"] == "invalid_request_error" and needle in err["message"], err
+  if param:
+    assert err["param"] == param
+
+
+@pytest.mark.parametrize(
+  "body,needle",
+  [
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    (
+      {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "top_logprobs": 2,
+        "logprobs": True,
+      },
+      "emitted tokens",
+    ),
+    (
+      {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+      "content",
+    ),
+  ],
+)
+def test_bad_chat_requests_are_400(server, body, needle):
+  status, out = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode())
+  assert status == 400 and needle in out["error"]["message"], out
+
+
+def test_malformed_and_oversized_requests_then_still_serving(server, client):
+  status, out = raw(server, "POST", "/v1/completions", b"{not json")
+  assert status == 400 and "JSON" in out["error"]["message"]
+  status, out = raw(server, "POST", "/v1/completions", b"[1, 2]")
+  assert status == 400 and "JSON object" in out["error"]["message"]
+  big = json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode()
+  status, out = raw(server, "POST", "/v1/completions", big)
+  assert status == 413 and out["error"]["code"] == "request_too_large"
+  # Chunked, without a Content-Length: the limit is checked while reading.
+  chunks = (big[i : i + 1000] for i in range(0, len(big), 1000))
+  status, out = raw(server, "POST", "/v1/completions", chunks, chunked=True)
+  assert status == 413 and out["error"]["code"] == "request_too_large"
+  status, out = raw(server, "GET", "/v1/nothing")
+  assert status == 404 and "error" in out
+  with pytest.raises(openai.BadRequestError):
+    client.completions.create(model=MODEL, prompt="x", n=3)
+  assert greedy(client, "x", max_tokens=3).choices[0].text
+
+
+def test_unknown_fields_are_ignored_and_null_means_unset(server):
+  body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "user": "u1", "whatever": {"a": 1}}
+  assert raw(server, "POST", "/v1/completions", json.dumps(body).encode())[0] == 200
+  nulls = {"temperature": None, "stop": None, "logprobs": None, "stream": None, "n": None}
+  status, out = raw(server, "POST", "/v1/completions", json.dumps({**body, **nulls}).encode())
+  assert status == 200 and out["choices"][0]["logprobs"] is None, out
+
+
+def test_api_key_is_enforced(scheduler):
+  app = app_lib.create_app(scheduler, MODEL, api_key=KEY)
+  with background.BackgroundServer(app) as srv:
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    wrong = (
+      {},
+      {"Authorization": "Bearer nope"},
+      {"Authorization": KEY},
+      {"Authorization": f"Basic {KEY}"},
+    )
+    for headers in wrong:
+      status, out = raw(srv, "POST", "/v1/completions", body, headers)
+      assert status == 401 and out["error"]["code"] == "invalid_api_key", headers
+    assert raw(srv, "GET", "/v1/models")[0] == 401
+    assert raw(srv, "GET", "/health")[0] == 200
+    good = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+    assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_stop_strings(client, scheduler):
+  full = greedy(client, PROMPTS[1], max_tokens=100).choices[0].text
+  at = len(full) // 4  # early, so the request is still running when the stop string shows
+  stop = full[at : at + 3]
+  assert stop.strip() and stop in full
+  expect = full[: full.index(stop)]
+  before = scheduler.metrics()["requests_cancelled_total"]
+  out = greedy(client, PROMPTS[1], max_tokens=100, stop=[stop, "never seen"], logprobs=0)
+  assert out.choices[0].text == expect and out.choices[0].finish_reason == "stop"
+  assert len(out.choices[0].logprobs.tokens) == out.usage.completion_tokens
+  wait_for(lambda: scheduler.metrics()["requests_cancelled_total"] == before + 1)  # slot freed
+  streamed = greedy(client, PROMPTS[1], max_tokens=100, stop=stop, stream=True)
+  chunks = [c.choices[0] for c in streamed]
+  assert "".join(c.text for c in chunks) == expect and chunks[-1].finish_reason == "stop"
+
+
+def test_stop_token_ids(client, scheduler):
+  tok = scheduler.engine.target.tokenizer
+  full = greedy(client, PROMPTS[0], max_tokens=30, logprobs=0).choices[0]
+  strings, offsets = full.logprobs.tokens, full.logprobs.text_offset
+  # A token after the first few whose text is plain ASCII and one id on its own.
+  i = next(i for i, t in enumerate(strings) if i >= 3 and t.isascii() and len(tok.encode(t)) == 1)
+  cut = tok.encode(strings[i])[0]
+  first = strings.index(strings[i])
+  out = greedy(client, PROMPTS[0], max_tokens=30, extra_body={"stop_token_ids": [cut]})
+  assert out.choices[0].finish_reason == "stop"
+  assert out.choices[0].text == full.text[: offsets[first]]
+
+
+def test_logprobs_are_present_and_finite(client):
+  out = greedy(client, PROMPTS[0], max_tokens=8, logprobs=1).choices[0].logprobs
+  assert len(out.tokens) == len(out.token_logprobs) == len(out.text_offset) > 0
+  assert all(math.isfinite(x) and x <= 0 for x in out.token_logprobs)
+  messages = [{"role": "user", "content": "hi"}]
+  chat = client.chat.completions.create(
+    model=MODEL, messages=messages, max_tokens=6, logprobs=True, temperature=0
+  )
+  content = chat.choices[0].logprobs.content
+  assert len(content) == chat.usage.completion_tokens
+  assert all(math.isfinite(c.logprob) and c.logprob <= 0 for c in content)
+  assert bytes(b for c in content for b in c.bytes).decode() == chat.choices[0].message.content
+
+
+class _Refusing:
+  """A scheduler whose submit raises `error`."""
+
+  def __init__(self, error, engine):
+    self.error, self.engine = error, engine
+
+  def submit(self, ids, options):
+    raise self.error
+
+  def metrics(self):
+    return {}
+
+
+class _Failing(_Refusing):
+  """A scheduler whose requests end with finish_reason `reason` after one token."""
+
+  def submit(self, ids, options):
+    reason = self.error
+
+    class Handle:
+      prompt_tokens = len(ids)
+
+      def cancel(self):
+        pass
+
+      async def __aiter__(self):
+        yield Delta([481], None, None)
+        yield Delta([], None, reason, "boom" if reason == "error" else None)
+
+    return Handle()
+
+
+@pytest.mark.parametrize("reason,status", [("error", 500), ("cancelled", 503)])
+def test_engine_failure_is_reported(scheduler, reason, status):
+  app = app_lib.create_app(_Failing(reason, scheduler.engine), MODEL)
+  with background.BackgroundServer(app) as srv:
+    body = {"model": MODEL, "prompt": "x"}
+    got, out = raw(srv, "POST", "/v1/completions", json.dumps(body).encode())
+    assert got == status and out["error"]["type"] == "server_error", out
+    got, out = raw(srv, "POST", "/v1/completions", json.dumps({**body, "stream": True}).encode())
+    events = [e for e in out.split("\n\n") if e]
+    assert got == 200 and '"error"' in events[-2] and events[-1] == "data: [DONE]", events
+
+
+@pytest.mark.parametrize("error,status", [(QueueFull("full"), 429), (SchedulerClosed("bye"), 503)])
+def test_queue_full_and_closed(scheduler, error, status):
+  app = app_lib.create_app(_Refusing(error, scheduler.engine), MODEL)
+  with background.BackgroundServer(app) as srv:
+    body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
+    got, out = raw(srv, "POST", "/v1/completions", body)
+    assert got == status and "error" in out
+
+
+def test_metrics_are_prometheus_text(server, client):
+  greedy(client, "x", max_tokens=2)
+  status, body = raw(server, "GET", "/metrics")
+  assert status == 200
+  samples = {}
+  for line in body.splitlines():
+    if line and not line.startswith("#"):
+      name, value = line.rsplit(" ", 1)
+      samples[name] = float(value)
+  assert samples["jaxspec_requests_total"] >= 1
+  assert "jaxspec_requests_running" in samples and "jaxspec_batch_occupancy" in samples
+  assert samples['jaxspec_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+  assert "# TYPE jaxspec_tokens_generated_total counter" in body
+
+
+def test_shutdown_drains_a_stream_in_flight(scheduler):
+  app = app_lib.create_app(scheduler, MODEL)
+  srv = background.BackgroundServer(app)
+  srv.__enter__()
+  c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+  alone = greedy(c, PROMPTS[2], max_tokens=60).choices[0]
+  chunks = iter(greedy(c, PROMPTS[2], max_tokens=60, stream=True))
+  first = next(chunks)
+  stopper = threading.Thread(target=srv.__exit__, args=(None, None, None))
+  stopper.start()  # the server stops listening, but lets the stream finish
+  wait_for(lambda: srv.server.should_exit)
+  rest = [ch.choices[0] for ch in chunks]
+  stopper.join(timeout=60)
+  assert first.choices[0].text + "".join(ch.text for ch in rest) == alone.text
+  assert rest[-1].finish_reason == alone.finish_reason
+  with pytest.raises(openai.APIConnectionError):
+    c.models.list()
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _answers(port: int) -> bool:
+  try:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("GET", "/health")
+    return conn.getresponse().status == 200
+  except OSError:
+    return False
+
+
+@pytest.mark.slow
+def test_serve_script_drains_on_sigterm():
+  """launch/serve.py end to end: it serves, and SIGTERM mid-stream lets the stream finish."""
+  port = _free_port()
+  script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch", "serve.py")
+  args = [
+    sys.executable,
+    script,
+    "--method=plain",
+    "--batch_size=2",
+    "--max_len=128",
+    f"--port={port}",
+    "--model_name=m",
+    "--api_key=",
+  ]
+  proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    for line in proc.stdout:
+      if line.startswith("serving"):
+        break
+    else:
+      pytest.fail(f"the server exited with {proc.wait()}")
+    # "serving" is printed just before uvicorn binds: wait until it answers.
+    wait_for(lambda: _answers(port), timeout=60)
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    chunks = iter(
+      c.completions.create(
+        model="m", prompt="def f(x):", max_tokens=100, temperature=0, stream=True
+      )
+    )
+    next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    rest = [ch.choices[0] for ch in chunks]
+    assert rest[-1].finish_reason in ("stop", "length")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "stopped" in out
+  finally:
+    if proc.poll() is None:
+      proc.kill()
