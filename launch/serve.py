@@ -41,6 +41,12 @@ flags.DEFINE_integer(
   lower_bound=1,
 )
 flags.DEFINE_integer("max_queue", 256, "Waiting requests before 429s.", lower_bound=0)
+flags.DEFINE_integer(
+  "max_stop_ids",
+  64,
+  "Stop token ids a request may hold, the model's eos ids included (a static shape).",
+  lower_bound=1,
+)
 flags.DEFINE_string("host", "127.0.0.1", "Address to bind (loopback by default).")
 flags.DEFINE_integer("port", 8000, "Port to bind.", lower_bound=1, upper_bound=65535)
 flags.DEFINE_string(
@@ -71,7 +77,11 @@ def main(argv):
     raise ConfigError(f"--host={FLAGS.host}: expected an IP address") from None
   target, source = defaults.load_target(FLAGS.model)
   engine, _, label = defaults.engine_from_flags(
-    target, max_len=FLAGS.max_len, batch_size=FLAGS.batch_size, kv_format=FLAGS.kv_format
+    target,
+    max_len=FLAGS.max_len,
+    batch_size=FLAGS.batch_size,
+    kv_format=FLAGS.kv_format,
+    max_stop_ids=FLAGS.max_stop_ids,
   )
   scheduler = scheduler_lib.Scheduler(
     engine, max_queue=FLAGS.max_queue, steps_per_tick=FLAGS.steps_per_tick

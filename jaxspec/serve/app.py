@@ -256,10 +256,9 @@ class _Server:
 
   def default_chat_tokens(self, prompt_len: int) -> int:
     """Chat without max_tokens: the room left in the slot after the prompt, as OpenAI runs to
-    the context's end. The engine needs prompt + max_tokens + its draft lookahead + 1 positions
-    (SpecEngine's capacity check); a prompt with no room gets 1 and that check's 400."""
-    engine = self.scheduler.engine
-    return max(1, engine.config.max_len - prompt_len - engine.lookahead - 1)
+    the context's end (`SpecEngine.max_new_tokens_for`); a prompt with no room gets 1 and
+    the capacity check's 400."""
+    return max(1, self.scheduler.engine.max_new_tokens_for(prompt_len))
 
   # ---- generation --------------------------------------------------------------------------
 

@@ -633,7 +633,7 @@ class SpecEngine:
     stop_ids = self._row_stop_ids(request, batch)
     for i, (p, m) in enumerate(zip(ids, request.max_new_tokens)):
       need = len(p) + m + self.lookahead + 1
-      if need > cfg.max_len:
+      if m > self.max_new_tokens_for(len(p)):
         what = (
           f"{self.gamma} draft tokens"
           if self.tree is None
@@ -644,6 +644,11 @@ class SpecEngine:
           f"it needs {need} slots, more than max_len={cfg.max_len}"
         )
     return ids, stop_ids
+
+  def max_new_tokens_for(self, prompt_len: int) -> int:
+    """The most tokens a prompt of `prompt_len` tokens may generate: its sequence, the
+    drafter's lookahead past the last token and the root must fit in max_len (≤ 0: none)."""
+    return self.config.max_len - prompt_len - self.lookahead - 1
 
   def _start(self, request: Request, batch: Optional[int] = None) -> SpecState:
     """Validates, pads to `batch` rows (default batch_size) and prefills."""
