@@ -144,7 +144,10 @@ def profile(
   drafter_fn(target) → a drafter bound to that (quantized) target, for Δ acceptance length.
   """
   evaluator = Evaluator(target, tokens)
-  base_tau = acceptance_length(target, drafter_fn(target), prompts, max_new) if drafter_fn else None
+  measure_tau = drafter_fn is not None and bool(prompts)
+  base_tau = None
+  if measure_tau:
+    base_tau = acceptance_length(target, drafter_fn(target), prompts, max_new)
   todo = [(g, f) for g in groups(target) for f in formats]
   results = []
   bar = None
@@ -160,8 +163,8 @@ def profile(
       model = None
     if model is not None and model.quant_report.formats:
       r = model.quant_report
-      tau = None
-      if drafter_fn is not None:
+      tau = None  # no drafter or no prompts: Δτ not measured (not NaN)
+      if measure_tau:
         tau = acceptance_length(model, drafter_fn(model), prompts, max_new) / base_tau - 1.0
       stored = _quantized_bytes(model)
       as_float = r.bytes_before - r.bytes_after + stored  # the group's own float bytes
