@@ -694,9 +694,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   target = jaxspec.load_model(cfg.model, scan_layers=False)  # decoding's layout
   if target.tokenizer is None and cfg.prompts is None:
     raise ConfigError(f"{cfg.model} has no tokenizer.json: text prompts cannot be encoded")
-  draft = (
-    jaxspec.load_model(cfg.draft_model, scan_layers=False) if "draft_model" in bases else None
-  )
+  draft = jaxspec.load_model(cfg.draft_model, scan_layers=False) if "draft_model" in bases else None
   texts = load_prompts(cfg)
   if not texts:
     raise ConfigError("no prompts")
