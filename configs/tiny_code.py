@@ -214,7 +214,9 @@ def drafter_config(arg: str) -> ml_collections.ConfigDict:
   # DFlash: 2 epochs (1024 steps); EAGLE-3: 1 epoch (its 7-step unroll costs more per batch).
   config.train = drafter_train_config(num_epochs=2.0 if method == "dflash" else 1.0)
   config.workdir = f"/tmp/jaxspec_runs/tiny_code_{arg}"
-  config.init_from = ""  # a drafter directory to continue from (same architecture), or fresh
+  # A drafter directory to continue from (same architecture), or "" to start fresh. Pass it to
+  # --export_only too: EAGLE-3's draft vocabulary (d2t) comes from it, not from the checkpoint.
+  config.init_from = ""
   config.export_dir = assets_dir(method)
   if arg.startswith("test_"):
     d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size = 2, 1, 16, 64
