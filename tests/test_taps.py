@@ -14,7 +14,7 @@ import torch
 import jaxspec
 from jaxspec.models import target as target_lib
 
-from tests import hf_models, near_ties
+from tests import engine_models, hf_models, near_ties
 
 NAMES = sorted(hf_models.CONFIGS)
 
@@ -22,12 +22,9 @@ NAMES = sorted(hf_models.CONFIGS)
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   """name → (hf model, jaxspec model), built once per module."""
-  out = {}
-  for name in NAMES:
-    d = str(tmp_path_factory.mktemp(name))
-    hf = hf_models.save_hf_model(name, d)
-    out[name] = (hf, jaxspec.load_model(d))
-  return out
+  return {
+    n: (hf, jaxspec.load_model(d)) for n, (hf, d) in hf_models.save_all(tmp_path_factory).items()
+  }
 
 
 def _hf_hidden(hf_model, ids: np.ndarray) -> np.ndarray:
@@ -64,18 +61,6 @@ def test_block_taps_equal_hf_hidden_states(saved, name):
   b, sizes = 2, (6, 1, 6)
   ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (b, sum(sizes)))
   taps = tuple(reversed(range(model.config.num_layers)))
-  state, pieces, pos = model.init_state(b, 32), [], 0
-  for size in sizes:
-    out = target_lib.forward(
-      model.config,
-      model.params,
-      jnp.asarray(ids[:, pos : pos + size]),
-      jnp.full((b,), pos, jnp.int32),
-      state,
-      taps=taps,
-    )
-    state = out.state.commit(jnp.full((b,), size, jnp.int32))
-    pieces.append(np.asarray(out.taps))
-    pos += size
+  _, got = engine_models.blockwise_outputs(model, ids, sizes, taps=taps)
   ref = _hf_hidden(hf_model, ids)[list(taps)]
-  _assert_taps_match(model, ids, np.concatenate(pieces, axis=2), ref)
+  _assert_taps_match(model, ids, got, ref)
