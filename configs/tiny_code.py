@@ -15,8 +15,8 @@ there and ``launch/train_target.py`` writes it after training. ``test_target`` a
 Two feature-conditioned drafters are trained against the target by self-distillation
 (``launch/train_drafter.py``) and shipped in their published layouts:
 
-* ``dflash``: a DFlash block-diffusion drafter (2 layers, block 16) reading target layers 1-3;
-* ``eagle3``: an EAGLE-3 head (one layer over fused layers 1-3, a 2048-token draft vocabulary).
+* ``dflash``: a DFlash block-diffusion drafter (block 16) reading target layers 1-3;
+* ``eagle3``: an EAGLE-3 head (one layer over fused layers 0-2, a 2048-token draft vocabulary).
 
 ``test_dflash`` / ``test_eagle3`` are miniature drafter runs for unit tests.
 
@@ -191,9 +191,12 @@ def drafter_config(arg: str) -> ml_collections.ConfigDict:
   config.method = method
   config.target_dir = assets_dir("target")
   d = ml_collections.ConfigDict()
-  # Taps: a 4-layer target has no room for DFlash's default spread over [1, L-3] or EAGLE-3's
-  # (1, L//2-1, L-4); both read the outputs of layers 1, 2 and 3.
-  d.target_layer_ids = (1, 2, 3)
+  # Taps (layer outputs, HF hidden_states[id + 1]; docs/drafters.md): the published spreads
+  # degenerate on 4 layers (DFlash's [1, L-3] gives (1, 1), EAGLE-3's (1, L//2-1, L-4) gives
+  # (1, 1, 0)). DFlash reads layers 1-3, the last one final-normed as HF reports it (what the
+  # LM head reads); EAGLE-3 reads layers 0-2 (the inputs of layers 1-3), low/mid/high inside
+  # the stack, where SpecForge, SGLang and HF agree on what each id means.
+  d.target_layer_ids = (1, 2, 3) if method == "dflash" else (0, 1, 2)
   d.num_heads = 4
   d.num_kv_heads = 2
   d.head_dim = 32
@@ -211,6 +214,9 @@ def drafter_config(arg: str) -> ml_collections.ConfigDict:
   # DFlash: 2 epochs (1024 steps); EAGLE-3: 1 epoch (its 7-step unroll costs more per batch).
   config.train = drafter_train_config(num_epochs=2.0 if method == "dflash" else 1.0)
   config.workdir = f"/tmp/jaxspec_runs/tiny_code_{arg}"
+  # A drafter directory to continue from (same architecture), or "" to start fresh. Pass it to
+  # --export_only too: EAGLE-3's draft vocabulary (d2t) comes from it, not from the checkpoint.
+  config.init_from = ""
   config.export_dir = assets_dir(method)
   if arg.startswith("test_"):
     d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size = 2, 1, 16, 64

@@ -53,7 +53,12 @@ HF_PEERS = {
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Target HF model directory (default: the bundled target).")
 flags.DEFINE_string("draft_model", None, "Draft HF model directory (default: the bundled draft).")
-flags.DEFINE_list("methods", ["plain", "draft_model", "ngram"], "jaxspec methods to run.")
+flags.DEFINE_list(
+  "methods",
+  ["plain", "draft_model", "ngram"],
+  "jaxspec methods to run; 'method@N' drafts N tokens per step instead of --gamma (e.g. "
+  "eagle3@15 beside eagle3).",
+)
 flags.DEFINE_string("dflash", None, "DFlash drafter directory (default: the bundled one).")
 flags.DEFINE_string("eagle3", None, "EAGLE-3 drafter directory (default: the bundled one).")
 flags.DEFINE_list(
@@ -370,7 +375,7 @@ class JaxspecRunner:
       target,
       drafter,
       jaxspec.EngineConfig(
-        method=method,
+        method=split_method(method)[0],
         max_len=max_len,
         batch_size=1,
         use_eos=False,
@@ -663,13 +668,24 @@ def load_prompts(cfg: BenchConfig) -> list[str]:
   return data_prompts(cfg.num_prompts, cfg.seed)
 
 
+def split_method(name: str) -> tuple[str, Optional[int]]:
+  """'eagle3@15' → ('eagle3', 15): a method with its own draft length; 'eagle3' → (…, None)."""
+  base, sep, gamma = name.partition("@")
+  if not sep:
+    return name, None
+  if not gamma.isdigit() or int(gamma) < 1:
+    raise ConfigError(f"method {name!r}: the draft length after '@' must be an integer ≥ 1")
+  return base, int(gamma)
+
+
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   """Runs the whole benchmark; returns the results dict (also written to cfg.out if set)."""
   for m in cfg.methods:
-    if m not in registry.METHODS:
+    if split_method(m)[0] not in registry.METHODS:
       raise ConfigError(f"unknown method {m!r}; choose from {registry.METHODS}")
+  bases = [split_method(m)[0] for m in cfg.methods]
   for m in ("draft_model", "dflash", "eagle3"):
-    if m in list(cfg.methods) + list(cfg.tree_methods if cfg.tree_budgets else ()):
+    if m in bases + list(cfg.tree_methods if cfg.tree_budgets else ()):
       if not cfg.drafter_dir(m):
         raise ConfigError(f"method {m} needs a drafter directory (--{m})")
   methods = ["plain"] + [m for m in cfg.methods if m != "plain"]  # plain is the baseline
@@ -678,24 +694,24 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   target = jaxspec.load_model(cfg.model, scan_layers=False)  # decoding's layout
   if target.tokenizer is None and cfg.prompts is None:
     raise ConfigError(f"{cfg.model} has no tokenizer.json: text prompts cannot be encoded")
-  draft = (
-    jaxspec.load_model(cfg.draft_model, scan_layers=False) if "draft_model" in methods else None
-  )
+  draft = jaxspec.load_model(cfg.draft_model, scan_layers=False) if "draft_model" in bases else None
   texts = load_prompts(cfg)
   if not texts:
     raise ConfigError("no prompts")
   prompts = [target.tokenizer.encode(t) for t in texts]
   drafters: dict[str, Any] = {}
   for m in dict.fromkeys(methods + (list(cfg.tree_methods) if cfg.tree_budgets else [])):
-    if m == "draft_model":
-      drafters[m] = jaxspec.DraftModelDrafter.from_model(draft, gamma=cfg.gamma)
+    base, gamma = split_method(m)
+    if base == "draft_model":
+      drafters[m] = jaxspec.DraftModelDrafter.from_model(draft, gamma=gamma or cfg.gamma)
     else:
       drafters[m] = registry.make_drafter(
-        m,
+        base,
         target,
-        gamma=None if m == "dflash" else cfg.gamma,  # DFlash drafts its trained block
+        # DFlash drafts its trained block unless a length is named
+        gamma=gamma or (None if base == "dflash" else cfg.gamma),
         ngram_n=cfg.ngram_n,
-        draft_dir=cfg.drafter_dir(m),
+        draft_dir=cfg.drafter_dir(base),
       )
   lookahead = max(
     [cfg.gamma] + [d.gamma for d in drafters.values() if d is not None] + list(cfg.tree_budgets)

@@ -84,6 +84,10 @@ def main(argv):
   val_data = distill.DistillDataset(val_dir, tc.batch_size, shuffle=False)
   counts = np.bincount(train_data.tokens[train_data.loss_mask], minlength=target.config.vocab_size)
   drafter = drafter_trainer.init_drafter(config.method, target, config.drafter, counts)
+  if config.get("init_from"):  # continue from a published-layout drafter (same architecture)
+    init = registry.load_drafter(config.init_from, target)
+    drafter = drafter_trainer.warm_start(drafter, init)
+    logging.info("initialised from %s", config.init_from)
 
   if _EXPORT_ONLY.value:
     drafter, step = drafter_trainer.load_trained(drafter, tc, workdir)

@@ -93,9 +93,20 @@ def blockwise_logits(
 ) -> np.ndarray:
   """Logits of `ids` [B, T] run through the decoding state in blocks of `sizes` (summing to
   T), each block committed before the next: what a full causal forward must equal."""
+  return blockwise_outputs(model, ids, sizes, max_len)[0]
+
+
+def blockwise_outputs(
+  model: TargetModel,
+  ids: np.ndarray,
+  sizes: Sequence[int],
+  max_len: int = 32,
+  taps: tuple[int, ...] = (),
+) -> tuple[np.ndarray, np.ndarray | None]:
+  """As blockwise_logits, also returning the blocks' taps [n_taps, B, T, H] (None without)."""
   b = ids.shape[0]
   state = model.init_state(b, max_len)
-  pieces, pos = [], 0
+  logits, tapped, pos = [], [], 0
   for size in sizes:
     out = target_lib.forward(
       model.config,
@@ -103,9 +114,12 @@ def blockwise_logits(
       jnp.asarray(ids[:, pos : pos + size]),
       jnp.full((b,), pos, jnp.int32),
       state,
+      taps=taps,
     )
     state = out.state.commit(jnp.full((b,), size, jnp.int32))
-    pieces.append(np.asarray(out.logits))
+    logits.append(np.asarray(out.logits))
+    if taps:
+      tapped.append(np.asarray(out.taps))
     pos += size
   assert pos == ids.shape[1], (sizes, ids.shape)
-  return np.concatenate(pieces, 1)
+  return np.concatenate(logits, 1), np.concatenate(tapped, 2) if taps else None

@@ -194,6 +194,15 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0) -> transformers.PreTra
   return model
 
 
+def save_all(tmp_path_factory) -> dict[str, tuple[transformers.PreTrainedModel, str]]:
+  """name → (HF model, checkpoint dir) for every configuration (for module-scoped fixtures)."""
+  out = {}
+  for name in sorted(CONFIGS):
+    d = str(tmp_path_factory.mktemp(name))
+    out[name] = (save_hf_model(name, d), d)
+  return out
+
+
 def hf_logits(model: transformers.PreTrainedModel, ids: np.ndarray) -> np.ndarray:
   with torch.no_grad():
     return model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()

@@ -106,13 +106,18 @@ def test_bench_with_transformers_peers(model_dirs, tmp_path):
 def test_bench_jaxspec_only(model_dirs, tmp_path):
   prompt = "def add(a, b):\n    return a + b\n"
   report = bench.run_benchmark(
-    _config(model_dirs, None, hf=False, methods=("plain", "ngram"), prompts=[prompt])
+    _config(model_dirs, None, hf=False, methods=("plain", "ngram", "ngram@2"), prompts=[prompt])
   )
   assert "torch" not in report["machine"]
   entry = report["results"]["0"]
-  assert set(entry["runners"]) == {"jaxspec/plain", "jaxspec/ngram"}
+  assert set(entry["runners"]) == {"jaxspec/plain", "jaxspec/ngram", "jaxspec/ngram@2"}
   assert entry["jaxspec_over_transformers"] == {}
   assert entry["tokens"]["jaxspec/ngram"] == entry["tokens"]["jaxspec/plain"]
+  assert entry["tokens"]["jaxspec/ngram@2"] == entry["tokens"]["jaxspec/plain"]
+  assert len(entry["runners"]["jaxspec/ngram@2"]["acceptance_rate_per_position"]) == 2
+  assert bench.split_method("eagle3@15") == ("eagle3", 15)
+  with pytest.raises(jaxspec.ConfigError, match="after '@'"):
+    bench.split_method("eagle3@x")
   assert report["prompts"][0]["text"] == prompt
   assert "profile" not in report
 

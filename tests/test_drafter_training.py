@@ -45,6 +45,28 @@ def datasets(target, tmp_path_factory):
   return train_dir, val_dir
 
 
+def test_warm_start_keeps_the_weights_and_takes_the_new_taps(target):
+  config = tiny_code.get_config("test_eagle3")
+  counts = np.arange(target.config.vocab_size)
+  fresh = drafter_trainer.init_drafter("eagle3", target, config.drafter, counts)
+  spec = dict(config.drafter, target_layer_ids=(1, 2, 3), seed=5)
+  init = drafter_trainer.init_drafter("eagle3", target, spec, counts[::-1].copy())
+  started = drafter_trainer.warm_start(fresh, init)
+  assert started.taps == fresh.taps != init.taps
+  for a, b in zip(
+    jax.tree_util.tree_leaves(started.params), jax.tree_util.tree_leaves(init.params)
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  wider = drafter_trainer.init_drafter("eagle3", target, dict(spec, intermediate_size=32), counts)
+  with pytest.raises(jaxspec.ConfigError, match="warm start: parameter"):
+    drafter_trainer.warm_start(fresh, wider)
+  dflash = drafter_trainer.init_drafter(
+    "dflash", target, tiny_code.get_config("test_dflash").drafter
+  )
+  with pytest.raises(jaxspec.ConfigError, match="cannot warm-start"):
+    drafter_trainer.warm_start(fresh, dflash)
+
+
 def test_distillation_rows_are_the_targets_own_continuations(target, datasets):
   train_dir, _ = datasets
   cfg = distill.DistillConfig.from_mapping(tiny_code.get_config("test_dflash").distill)

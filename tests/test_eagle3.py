@@ -333,3 +333,33 @@ def test_checkpoint_and_target_errors_are_named(tmp_path, target, drafter):
     )
   with pytest.raises(jaxspec.InputError, match="d2t"):
     Eagle3Drafter.for_target(target, drafter.config, drafter.params["draft"])
+
+
+def test_layer_ids_follow_each_keys_convention(tmp_path, target, drafter):
+  """eagle_config's ids name layer outputs (SpecForge, SGLang); the top-level key names layer
+  inputs (vLLM): the same taps either way, and export keeps whichever keys were there."""
+  tensors, config = _published(drafter)
+  outputs = list(drafter.config.target_layer_ids)  # (0, 2, 3)
+  inputs = [i + 1 for i in outputs]
+  nested_only = {k: v for k, v in config.items() if k != "eagle_config"}
+  cases = {
+    "vllm": {**nested_only, "eagle_aux_hidden_state_layer_ids": inputs},
+    "both": {**config, "eagle_aux_hidden_state_layer_ids": inputs},
+  }
+  for name, cfg in cases.items():
+    src, dst = str(tmp_path / name), str(tmp_path / (name + "_out"))
+    _write(src, tensors, cfg)
+    loaded = jaxspec.load_drafter(src, target)
+    assert loaded.taps == tuple(outputs), name
+    jaxspec.save_drafter(loaded, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+      back = json.load(f)
+    assert back["eagle_aux_hidden_state_layer_ids"] == inputs, name
+    assert back["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == outputs, name
+  path = str(tmp_path / "bad")
+  _write(path, tensors, {**config, "eagle_aux_hidden_state_layer_ids": [i + 2 for i in outputs]})
+  with pytest.raises(jaxspec.ConfigError, match="name different layers"):
+    jaxspec.load_drafter(path, target)
+  _write(path, tensors, {**nested_only, "eagle_aux_hidden_state_layer_ids": [0, 2, 3]})
+  with pytest.raises(jaxspec.ConfigError, match="embedding"):
+    jaxspec.load_drafter(path, target)

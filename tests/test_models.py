@@ -21,11 +21,7 @@ NAMES = sorted(hf_models.CONFIGS)
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   """name → (hf model, checkpoint dir), built once per module."""
-  out = {}
-  for name in NAMES:
-    d = str(tmp_path_factory.mktemp(name))
-    out[name] = (hf_models.save_hf_model(name, d), d)
-  return out
+  return hf_models.save_all(tmp_path_factory)
 
 
 @pytest.mark.parametrize("backend", ["dense", "ragged"])

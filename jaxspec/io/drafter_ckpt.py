@@ -48,6 +48,9 @@ from jaxspec.io.hf import (
 
 DFLASH_ARCH = "DFlashDraftModel"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+# Tapped layers: layer outputs under eagle_config (SpecForge, SGLang), layer inputs at the top
+# level (vLLM); see _eagle3_layer_ids.
+EAGLE3_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 
 # (hf suffix, param path, kind); kinds as in jaxspec.io.hf:
 #   same: identical; linear: HF [out, in] ↔ [in, out]; in_heads: HF [heads·D, in] ↔ [in, heads, D];
@@ -371,7 +374,6 @@ def eagle3_config_from_hf(
     raise r.error("attention biases are not part of the EAGLE-3 layout")
   hidden = r.integer("hidden_size")
   heads = r.integer("num_attention_heads")
-  eagle = HFConfigReader(r.mapping("eagle_config"), f"{r.what}: eagle_config")
   vocab = r.integer("vocab_size")
   return dict(
     hidden_size=hidden,
@@ -379,7 +381,7 @@ def eagle3_config_from_hf(
     num_kv_heads=r.integer("num_key_value_heads", heads),
     head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
     intermediate_size=r.integer("intermediate_size"),
-    target_layer_ids=eagle.integers("eagle_aux_hidden_state_layer_ids", None),
+    target_layer_ids=_eagle3_layer_ids(r),
     vocab_size=vocab,
     draft_vocab_size=r.integer("draft_vocab_size", vocab),
     target_hidden_size=r.integer("target_hidden_size", hidden),
@@ -389,6 +391,31 @@ def eagle3_config_from_hf(
     norm_output=r.flag("norm_output", True),
     has_embedding=has_embedding,
   )
+
+
+def _eagle3_layer_ids(r: HFConfigReader) -> Optional[tuple[int, ...]]:
+  """The tapped layers as layer-output ids (HF hidden_states[id + 1]), or None: the default.
+
+  Two conventions share one key name. `eagle_config.eagle_aux_hidden_state_layer_ids`
+  (SpecForge, which trains these checkpoints, and SGLang) names layer outputs; the top-level
+  `eagle_aux_hidden_state_layer_ids` (vLLM, speculators) names layer inputs, i.e. the output
+  of layer id − 1 (0 would be the embedding). Both are read; they must agree.
+  """
+  eagle = HFConfigReader(r.mapping("eagle_config"), f"{r.what}: eagle_config")
+  nested = eagle.integers(EAGLE3_IDS_KEY, None)
+  inputs = r.integers(EAGLE3_IDS_KEY, None)
+  if inputs is not None and min(inputs, default=1) < 1:
+    raise r.error(
+      f"{EAGLE3_IDS_KEY} {list(inputs)} names layer inputs (vLLM's convention), so 0 would be "
+      "the embedding, which jaxspec does not tap"
+    )
+  outputs = None if inputs is None else tuple(i - 1 for i in inputs)
+  if nested is not None and outputs is not None and nested != outputs:
+    raise r.error(
+      f"eagle_config.{EAGLE3_IDS_KEY} {list(nested)} (layer outputs) and the top-level "
+      f"{EAGLE3_IDS_KEY} {list(inputs)} (layer inputs) name different layers"
+    )
+  return nested if nested is not None else outputs
 
 
 def eagle3_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
@@ -410,9 +437,11 @@ def eagle3_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
     draft_vocab_size=config.draft_vocab_size,
     eagle_config={
       **dict(hf.get("eagle_config") or {}),
-      "eagle_aux_hidden_state_layer_ids": list(config.target_layer_ids),
+      EAGLE3_IDS_KEY: list(config.target_layer_ids),
     },
   )
+  if EAGLE3_IDS_KEY in hf:  # vLLM's top-level key names layer inputs: one more
+    hf[EAGLE3_IDS_KEY] = [i + 1 for i in config.target_layer_ids]
   if config.target_hidden_size != config.hidden_size or "target_hidden_size" in hf:
     hf["target_hidden_size"] = config.target_hidden_size
   if config.fc_norm or "fc_norm" in hf:

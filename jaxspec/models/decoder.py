@@ -44,7 +44,8 @@ class DecoderOutput(NamedTuple):
 
   logits: [B, T, V] float32 (or [B, 1, V] with `last_only` or `logits_index`).
   state: the decoding state with the block written (lengths unchanged), or None.
-  taps: [n_taps, B, T, H] outputs of the tapped layers (HF hidden_states[i + 1]), or None.
+  taps: [n_taps, B, T, H] HF hidden_states[i + 1] of the tapped layers i, or None: layer i's
+    output, and for the last layer the final-normed state (HF normalises its last entry).
   hidden: [B, T, H] final-normed output of the last layer (the LM head's input; what HF
     reports as hidden_states[-1] and what MTP layers consume).
   """
@@ -285,11 +286,13 @@ class Decoder(nn.Module):
       entries.append(kv)
     if state is not None:
       state = state.replace(segments=tuple(entries))
+    normed = self.norm(h)
     tapped = None
     if taps:
+      # HF hidden_states[i + 1]: layer i's output, except that the last entry is final-normed.
       all_h = jnp.concatenate(per_layer, axis=0) if len(per_layer) > 1 else per_layer[0]
-      tapped = all_h[jnp.asarray(taps)]
-    normed = self.norm(h)
+      last = self.config.num_layers - 1
+      tapped = jnp.stack([normed if i == last else all_h[i] for i in taps])
     if logits_index is not None:
       picked = jnp.take_along_axis(normed, logits_index[:, None, None], axis=1)
     else:

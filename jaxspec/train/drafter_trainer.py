@@ -126,6 +126,31 @@ def init_drafter(
   return dataclasses.replace(drafter, params=dict(drafter.params, draft=draft))
 
 
+def warm_start(fresh: Drafter, init: Drafter) -> Drafter:
+  """`init`'s weights (and, for EAGLE-3, its draft vocabulary) under `fresh`'s taps.
+
+  Continues training a drafter, e.g. one whose target features changed meaning; the two must
+  have the same architecture (parameter names and shapes), else a ConfigError names the first
+  difference.
+  """
+  if type(init) is not type(fresh):
+    raise ConfigError(f"cannot warm-start a {type(fresh).__name__} from a {type(init).__name__}")
+  want = {jax.tree_util.keystr(k): v.shape for k, v in _leaves(fresh.params)}
+  have = {jax.tree_util.keystr(k): v.shape for k, v in _leaves(init.params)}
+  for name in sorted(set(want) | set(have)):
+    if want.get(name) != have.get(name):
+      raise ConfigError(
+        f"warm start: parameter {name} is {have.get(name)} in the initial drafter, "
+        f"{want.get(name)} in the configured one"
+      )
+  taps = fresh.config.target_layer_ids
+  return dataclasses.replace(init, config=dataclasses.replace(init.config, target_layer_ids=taps))
+
+
+def _leaves(tree: Any) -> list:
+  return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
 def target_features(
   target_config: Any, target_params: Any, tokens: jax.Array, taps: tuple[int, ...], logits: bool
 ) -> tuple[jax.Array, jax.Array | None]:
