@@ -33,7 +33,10 @@ def target():
   return jaxspec.load_model("jaxspec/assets/target", scan_layers=False)
 
 
-@pytest.fixture(scope="module", params=["plain", "dflash_tree"])
+# Plain decoding has the same slot code with less state to move: with the slow tests.
+@pytest.fixture(
+  scope="module", params=[pytest.param("plain", marks=pytest.mark.slow), "dflash_tree"]
+)
 def engine(request, target):
   if request.param == "plain":
     return SpecEngine(target, None, EngineConfig(max_len=80, batch_size=3))
