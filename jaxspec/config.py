@@ -290,6 +290,7 @@ def gpt_oss_windows(num_layers: int, window: int) -> tuple[int, ...]:
 
 # RoPE variants jaxspec computes (layers.rope_frequencies).
 ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
+MOE_BACKENDS = ("auto", "dense", "ragged", "gather", "ep", "ep_replicate", "ep_all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +338,12 @@ class ModelConfig:
   n_shared_experts: int = 0
   layer_is_moe: tuple[bool, ...] = ()
   decoder_sparse_step: int = 1  # Qwen3-MoE: only layers i with (i + 1) % step == 0 may be MoE
-  moe_backend: str = "auto"  # "dense" (the oracle), "ragged", "gather" or "auto" (see moe.py)
+  # "dense" (the oracle), "ragged", "gather", "auto", or expert-parallel on a mesh "ep",
+  # "ep_replicate", "ep_all_to_all" (see moe.py and expert_parallel.py).
+  moe_backend: str = "auto"
+  # Expert-parallel all_to_all buffers: 0 = exact (no pair ever dropped), f > 0 = rows for f times
+  # the mean load per destination, later pairs dropped (models/expert_parallel.py).
+  ep_capacity_factor: float = 0.0
   # Grouped matmul of the ragged backend over MXFP4 expert weights: "xla" (dequantize, then
   # ragged_dot), "pallas" (pallas_kernels/mxfp4_gmm, dequantized tile by tile) or "auto" (XLA
   # until the kernel has run on hardware).
@@ -631,8 +637,15 @@ class ModelConfig:
         f"experts only in layers i with (i + 1) % step == 0",
       )
     need(
-      self.moe_backend in ("auto", "dense", "ragged", "gather"),
-      f"unknown moe_backend {self.moe_backend!r}",
+      self.moe_backend in MOE_BACKENDS,
+      f"unknown moe_backend {self.moe_backend!r}; expected one of {MOE_BACKENDS}",
+    )
+    need(
+      not isinstance(self.ep_capacity_factor, bool)
+      and isinstance(self.ep_capacity_factor, (int, float))
+      and math.isfinite(self.ep_capacity_factor)
+      and self.ep_capacity_factor >= 0,
+      f"ep_capacity_factor must be a finite number >= 0 (0: exact), got {self.ep_capacity_factor!r}",
     )
     need(
       self.gmm_impl in ("auto", "xla", "pallas"),

@@ -463,7 +463,8 @@ def shard_tree(tree: Any, logical_tree: Any, mesh: Mesh, rules: Optional[Rules] 
 # --- Activations -------------------------------------------------------------
 
 
-def _active_mesh() -> Any:
+def active_mesh() -> Any:
+  """The mesh set by ``jax.set_mesh`` / ``use_mesh`` (abstract inside a trace), or None."""
   mesh = jax.sharding.get_abstract_mesh()
   return None if mesh is None or mesh.empty else mesh
 
@@ -477,7 +478,7 @@ def with_logical_constraint(x: jax.Array, logical_axes: LogicalAxes) -> jax.Arra
   not divide their mesh axes are left replicated.
   """
   active_rules = nn.get_logical_axis_rules()
-  mesh = _active_mesh()
+  mesh = active_mesh()
   if not active_rules or mesh is None or logical_axes is None:
     return x
   spec = logical_to_spec(logical_axes, rules_from(active_rules), shape=x.shape, mesh=mesh)
@@ -513,6 +514,7 @@ __all__ = [
   "MESH_AXES",
   "MLP",
   "Rules",
+  "active_mesh",
   "TENSOR",
   "VOCAB",
   "logical_specs",

@@ -107,8 +107,6 @@ def main(argv):
   mesh_shape = _parse_mesh(FLAGS.mesh)
   target, source = defaults.load_target(FLAGS.model)
   policy = load_policy(FLAGS.quant_policy)
-  if policy and any(v != 1 for v in mesh_shape.values()):
-    raise jaxspec.ConfigError("--quant_policy with a --mesh: sharding quantized weights is planned")
   if policy:
     target = jaxspec.quantize(target, policy)
     r = target.quant_report
@@ -121,7 +119,9 @@ def main(argv):
       raise jaxspec.ConfigError(f"--mesh={FLAGS.mesh}: {e}") from None
     target = jaxspec.TargetModel(
       target.config,
-      sharding.shard_tree(target.params, target_lib.logical_axes(target.config), mesh),
+      sharding.shard_tree(
+        target.params, target_lib.params_logical_axes(target.config, target.params), mesh
+      ),
       target.tokenizer,
       target.hf_config,
     )

@@ -18,6 +18,7 @@ import jax
 import pytest
 
 import jaxspec as js
+from jaxspec import sharding
 from jaxspec.errors import ConfigError
 from jaxspec.plan import arch, scale
 from jaxspec.plan.engine import tree_bytes
@@ -277,12 +278,22 @@ def test_fits_and_traffic_model():
   ds = arch.model_spec(_hf("deepseek_v3.json"))
   p = scale.plan(ds, "expert=8", "mxfp4_fp8", max_len=131072, block=16)
   assert p.fits("h200") and not scale.plan(ds, "expert=8", "bf16", max_len=32768).fits("h200")
+  # Tokens replicated over the expert group: an all-to-all also all-gathers its outputs, so
+  # with 8 of 8 experts per token spread over 8 devices replicating is cheaper at any block.
   assert p.decode_traffic["expert_mode"] == "replicate"
-  assert p.verify_traffic["expert_mode"] == "all_to_all"
+  assert p.verify_traffic["expert_mode"] == "replicate"
   h, act, e = 7168, 2, 8
   assert p.decode_traffic["expert"] == int(58 * 2 * (e - 1) / e * h * act)
+  assert p.verify_traffic["expert"] == int(58 * 2 * (e - 1) / e * 16 * h * act)
+  # The batch split over the expert axis too (data-parallel attention): the all-to-all wins.
+  split_rules = (("batch", ("data", "expert")),) + tuple(
+    r for r in sharding.DEFAULT_RULES if r[0] != "batch"
+  )
+  dp = scale.plan(ds, "expert=8", "mxfp4_fp8", batch=8, block=16, rules=split_rules)
   remote = (e - 1) * (1 - (1 - 1 / e) ** 8)
-  assert p.verify_traffic["expert"] == int(58 * 2 * 2 * remote * h * act)
+  assert dp.decode_traffic["expert_mode"] == dp.verify_traffic["expert_mode"] == "all_to_all"
+  assert dp.decode_traffic["expert"] == int(58 * 2 * 1 * remote * h * act)
+  assert dp.verify_traffic["expert"] == int(58 * 2 * 16 * remote * h * act)
   tp = scale.plan(ds, "tensor=8", "bf16", max_len=1024)
   assert tp.decode_traffic["tensor"] == int(61 * 2 * 2 * 7 / 8 * h * act + 7 / 8 * 129280 * 4)
   assert math.isclose(p.total, sum(p.params.values()) + p.state + p.drafter + p.activations)

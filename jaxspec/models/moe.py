@@ -12,6 +12,10 @@ Expert backends (same numbers, different cost):
     `jax.lax.ragged_dot`; FLOPs proportional to k, not to the number of experts.
   * gather: each token reads only its k experts' weights (decode and short verify blocks).
   * auto (default): gather for few tokens, else ragged (dense on CPU); see pick_backend.
+  * ep, ep_replicate, ep_all_to_all: experts sharded over the mesh's `expert` axis, each device
+    running its own with the backend auto picks for it (jaxspec.models.expert_parallel). "auto"
+    becomes "ep" when the step is traced under a mesh (sharding.use_mesh) whose expert axis has
+    more than one device and divides the experts; without such a mesh the ep backends run as auto.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxspec import sharding
 from jaxspec.config import ModelConfig
+from jaxspec.models import expert_parallel as ep
 from jaxspec.models.layers import MLP, dtype_of, normal_init, weight
 from jaxspec.quant.formats import is_quantized, materialize, take
 
@@ -97,8 +103,11 @@ def _biases(w: Experts) -> tuple:
   return w.in_biases if w.in_biases is not None else (None,) * len(w.ins)
 
 
-def experts_dense(x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts) -> jax.Array:
-  """Every expert on every token, combined with a sparse weight matrix: x [N, H] → [N, H]."""
+def experts_dense(
+  x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts, out_dtype: Any = None
+) -> jax.Array:
+  """Every expert on every token, combined with a sparse weight matrix: x [N, H] → [N, H]
+  (in out_dtype, default x's: float32 keeps partial sums exact for a later reduction)."""
   dt = x.dtype
   num_experts = w.down.shape[0]
   combine = (
@@ -114,7 +123,7 @@ def experts_dense(x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts) 
   y = jnp.einsum("nei,eih->neh", hmid, materialize(w.down, dt), preferred_element_type=jnp.float32)
   if w.down_bias is not None:
     y = y + w.down_bias.astype(jnp.float32)[None]
-  return jnp.einsum("neh,ne->nh", y, combine).astype(dt)
+  return jnp.einsum("neh,ne->nh", y, combine).astype(out_dtype or dt)
 
 
 def grouped_matmul(xs: jax.Array, w: Any, group_sizes: jax.Array, impl: str = "auto") -> jax.Array:
@@ -142,7 +151,12 @@ def grouped_matmul(xs: jax.Array, w: Any, group_sizes: jax.Array, impl: str = "a
 
 
 def experts_ragged(
-  x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts, impl: str = "auto"
+  x: jax.Array,
+  weights: jax.Array,
+  ids: jax.Array,
+  w: Experts,
+  impl: str = "auto",
+  out_dtype: Any = None,
 ) -> jax.Array:
   """Tokens sorted by expert, grouped matmuls (`grouped_matmul`); same result as experts_dense."""
   n, k = ids.shape
@@ -162,10 +176,12 @@ def experts_ragged(
   if w.down_bias is not None:
     y = y + w.down_bias.astype(jnp.float32)[expert_of]
   y = y * weights.reshape(-1)[order][:, None]
-  return jnp.zeros((n, x.shape[1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
+  return jnp.zeros((n, x.shape[1]), jnp.float32).at[token_of].add(y).astype(out_dtype or x.dtype)
 
 
-def experts_gather(x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts) -> jax.Array:
+def experts_gather(
+  x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts, out_dtype: Any = None
+) -> jax.Array:
   """Reads only the selected experts' weights per token: the decode path.
 
   With N·k (token, expert) pairs below the number of experts this touches fewer weight bytes
@@ -181,17 +197,34 @@ def experts_gather(x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts)
   y = jnp.einsum("nki,nkih->nkh", hmid, take(w.down, ids, dt), preferred_element_type=jnp.float32)
   if w.down_bias is not None:
     y = y + w.down_bias.astype(jnp.float32)[ids]
-  return jnp.einsum("nkh,nk->nh", y, weights).astype(dt)
+  return jnp.einsum("nkh,nk->nh", y, weights).astype(out_dtype or dt)
 
 
 EXPERT_BACKENDS = {"dense": experts_dense, "ragged": experts_ragged, "gather": experts_gather}
+
+
+def local_experts(
+  name: str,
+  x: jax.Array,
+  weights: jax.Array,
+  ids: jax.Array,
+  w: Experts,
+  out_dtype: Any = None,
+  gmm_impl: str = "auto",
+) -> jax.Array:
+  """Experts held on this device on their (token, expert) pairs, by the backend `name` resolves to
+  (pick_backend); the per-device step of the expert-parallel backends too."""
+  backend = pick_backend(name, ids.size, w.down.shape[0])
+  if backend == "ragged":
+    return experts_ragged(x, weights, ids, w, gmm_impl, out_dtype)
+  return EXPERT_BACKENDS[backend](x, weights, ids, w, out_dtype)
 
 
 def pick_backend(name: str, num_pairs: int, num_experts: int) -> str:
   """Resolves "auto": gather when the N·k pairs need fewer expert reads than there are experts
   (decode, short verify blocks); otherwise grouped matmuls on accelerators and the dense oracle
   on CPU, where XLA lowers ragged_dot to a masked dense product anyway."""
-  if name != "auto":
+  if name not in ("auto", *ep.EP_BACKENDS):
     return name
   if num_pairs <= num_experts:
     return "gather"
@@ -217,21 +250,21 @@ class MoE(nn.Module):
     pdt = dtype_of(c.param_dtype)
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
     if c.fused_gate_up:
-      ins = (self._expert_param("gate_up_proj", ("expert", "embed", "mlp"), (e, h, 2 * i), pdt),)
+      ins = (self._expert_param("gate_up_proj", ep.INS_AXES, (e, h, 2 * i), pdt),)
       act = functools.partial(clamped_swiglu, limit=c.swiglu_limit, alpha=c.swiglu_alpha)
     else:
       ins = tuple(
-        self._expert_param(name, ("expert", "embed", "mlp"), (e, h, i), pdt)
+        self._expert_param(name, ep.INS_AXES, (e, h, i), pdt)
         for name in ("gate_proj", "up_proj")
       )
       act = swiglu
-    down = self._expert_param("down_proj", ("expert", "mlp", "embed"), (e, i, h), pdt)
+    down = self._expert_param("down_proj", ep.DOWN_AXES, (e, i, h), pdt)
     in_biases = down_bias = None
     if c.expert_bias:
       width = ins[0].shape[-1]
       names = ("gate_up_bias",) if c.fused_gate_up else ("gate_bias", "up_bias")
-      in_biases = tuple(self._bias(n, ("expert", "mlp"), (e, width)) for n in names)
-      down_bias = self._bias("down_bias", ("expert", "embed"), (e, h))
+      in_biases = tuple(self._bias(n, ep.IN_BIAS_AXES, (e, width)) for n in names)
+      down_bias = self._bias("down_bias", ep.DOWN_BIAS_AXES, (e, h))
     return Experts(ins, in_biases, down, down_bias, act)
 
   @nn.compact
@@ -283,11 +316,24 @@ class MoE(nn.Module):
       "intermediates", "router_score", jnp.mean(scores / jnp.sum(scores, -1, keepdims=True), axis=0)
     )
     dt = dtype_of(c.dtype)
-    backend = pick_backend(c.moe_backend, ids.size, e)
-    if backend == "ragged":
-      y = experts_ragged(xf.astype(dt), weights, ids, experts, c.gmm_impl)
+    mesh = sharding.active_mesh()
+    run_local = functools.partial(local_experts, "auto", gmm_impl=c.gmm_impl)
+    if ep.applies(c.moe_backend, e, mesh):
+      y, dropped = ep.experts_ep(
+        xf.astype(dt),
+        weights,
+        ids,
+        experts,
+        run_local,
+        mesh=mesh,
+        rules=nn.get_logical_axis_rules() or None,
+        backend="ep" if c.moe_backend == "auto" else c.moe_backend,
+        capacity_factor=c.ep_capacity_factor,
+        ragged_all_to_all=None if jax.default_backend() == "cpu" else jax.lax.ragged_all_to_all,
+      )
+      self.sow("intermediates", "ep_dropped", dropped)
     else:  # gather reads (and dequantizes) only the selected experts
-      y = EXPERT_BACKENDS[backend](xf.astype(dt), weights, ids, experts)
+      y = local_experts(c.moe_backend, xf.astype(dt), weights, ids, experts, gmm_impl=c.gmm_impl)
     y = y.reshape(*lead, h)
     if c.n_shared_experts:
       y = y + MLP(c, c.shared_intermediate_size, name="shared_experts")(x)

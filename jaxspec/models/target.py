@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import InputError
+from jaxspec.quant.formats import stored_logical_axes
 from jaxspec.models.decoder import (
   Decoder,
   DecoderOutput,
@@ -96,6 +97,12 @@ def init_params(config: ModelConfig, seed: int = 0) -> Any:
 def logical_axes(config: ModelConfig) -> Any:
   """Tree of logical PartitionSpecs matching the parameter tree."""
   return nn.get_partition_spec(_abstract_variables(config))["params"]
+
+
+def params_logical_axes(config: ModelConfig, params: Any) -> Any:
+  """Logical PartitionSpecs of `params` as stored: `logical_axes(config)`, with each quantized
+  weight's values and scales named after the weight (jaxspec.quant.formats.stored_axes)."""
+  return stored_logical_axes(params, logical_axes(config))
 
 
 def param_shapes(config: ModelConfig) -> Any:

@@ -33,19 +33,23 @@ device, an all-gather (g−1)/g·S.
   DeltaNet) and its feed-forward (dense, shared and routed experts, whose `mlp` axis is on
   `tensor`) with an all-reduce of the T_d·H activations: 2 · 2·(t−1)/t · T_d·H·act per layer.
   The vocabulary-sharded logits are all-gathered for sampling: (t−1)/t · T_d·V·4.
-* Expert parallel (expert = e > 1), per MoE layer, the cheaper of:
+* Expert parallel (expert = e > 1), per MoE layer, the cheaper of the two exchanges the
+  expert-parallel backend runs (jaxspec.models.expert_parallel.exchange_bytes, the same model
+  its "ep" backend picks by):
   - all-to-all: tokens split over the expert group (⌈T_d/e⌉ per device); each token goes once
     to every other device owning one of its k experts — on average (e−1)·(1−(1−1/e)^k) devices
-    for uniform routing — and comes back combined: 2·⌈T_d/e⌉·(e−1)·(1−(1−1/e)^k)·H·act;
+    for uniform routing — and comes back combined: 2·⌈T_d/e⌉·(e−1)·(1−(1−1/e)^k)·H·act; when
+    the tokens arrive replicated over the group (the batch on `data` only, the default rules)
+    the outputs are then all-gathered, (e−1)/e·T_d·H·act more;
   - replicate + reduce: every device of the group holds all T_d tokens, runs its local experts
-    and the partial outputs are all-reduced: 2·(e−1)/e·T_d·H·act.
-  With one token per step the all-reduce is the smaller (the design's "decode replicates");
-  the all-to-all wins once a block has more tokens than devices, by up to the factor
-  e/((e−1)(1−(1−1/e)^k)) · T_d / ⌈T_d/e⌉.
+    and the partial outputs are all-reduced (all-gathered and reduce-scattered when the tokens
+    arrive split): 2·(e−1)/e·T_d·H·act.
+  With tokens replicated over the group (the default rules) the all-to-all can win only when a
+  token's experts touch fewer than half of the other devices, 1−(1−1/e)^k < 1/2, and a block has
+  at least e tokens; DeepSeek-V3 (e = 8, k = 8: 0.66) replicates at every block size. With the
+  batch split over `expert` too (data-parallel attention, `launch/plan.py
+  --batch_axes=data,expert`) the all-to-all wins once a device has a token.
 * The data axis moves nothing per step (sequences are independent; weights are replicated).
-  The traffic model splits the batch over `data` only; a rule table that also splits it over
-  `expert` (data-parallel attention, `launch/plan.py --batch_axes=data,expert`) changes the
-  memory figures but not these.
 
 What the model leaves out: the latency terms (all-to-all count exchange, kernel launches),
 load imbalance across experts, pipeline or sequence parallelism, and the drafter's own
@@ -63,6 +67,7 @@ import jax
 
 from jaxspec import sharding
 from jaxspec.errors import ConfigError
+from jaxspec.models import expert_parallel
 from jaxspec.plan.arch import ModelSpec, Tensor, kv_kind_tensors, tensors_of
 from jaxspec.plan.engine import human_bytes
 from jaxspec.quant.formats import quantize_weight, stored_axes
@@ -330,17 +335,18 @@ def activation_bytes(
   return int(residual + max(attention, ffn) + logits + snapshots)
 
 
-def _expected_remote_devices(e: int, k: int) -> float:
-  """Other devices of an e-device expert group that hold at least one of a token's k experts
-  (uniform routing, experts spread evenly)."""
-  return (e - 1) * (1 - (1 - 1 / e) ** k)
-
-
 def traffic(
-  spec: ModelSpec, batch: int, block: int, sizes: Mapping[str, int], act: int = 2
+  spec: ModelSpec,
+  batch: int,
+  block: int,
+  sizes: Mapping[str, int],
+  act: int = 2,
+  split: bool = False,
 ) -> dict[str, Any]:
   """Interconnect bytes one device sends in one step of `block` tokens per sequence (see the
-  module docstring): {"tensor", "expert", "total": bytes, "expert_mode": ...}."""
+  module docstring): {"tensor", "expert", "total": bytes, "expert_mode": ...}. `split`: the
+  batch is split over `expert` too (data-parallel attention), so the tokens arrive split over
+  each expert group instead of replicated."""
   d, t, e = spec.dims, sizes["tensor"], sizes["expert"]
   tokens = math.ceil(batch / sizes["data"]) * block
   h = d["hidden"]
@@ -351,10 +357,12 @@ def traffic(
     tensor += (t - 1) / t * tokens * d["vocab"] * 4
   expert, mode = 0.0, "-"
   if e > 1 and d["moe_layers"]:
-    a2a = 2 * math.ceil(tokens / e) * _expected_remote_devices(e, d["top_k"]) * h * act
-    reduce = 2 * (e - 1) / e * tokens * h * act
-    mode = "all_to_all" if a2a < reduce else "replicate"
-    expert = d["moe_layers"] * min(a2a, reduce)
+    cost = {
+      name: expert_parallel.exchange_bytes(name, tokens, e, d["top_k"], h, act, split)
+      for name in expert_parallel.EXCHANGES
+    }
+    mode = "all_to_all" if cost["all_to_all"] < cost["replicate"] else "replicate"
+    expert = d["moe_layers"] * cost[mode]
   return {
     "tensor": int(tensor),
     "expert": int(expert),
@@ -437,6 +445,13 @@ def accelerator_bytes(name: str) -> float:
   return ACCELERATORS[name][1]
 
 
+def _batch_on_expert(batch: int, sizes: Mapping[str, int], rules: sharding.Rules) -> bool:
+  """Whether the rules split a batch of this size over the `expert` mesh axis."""
+  spec = sharding.logical_to_spec((sharding.BATCH,), rules, shape=(batch,), mesh=sizes)
+  entry = spec[0] if len(spec) else None
+  return sharding.EXPERT_AXIS in ((entry,) if isinstance(entry, str) else tuple(entry or ()))
+
+
 def plan(
   spec: ModelSpec,
   mesh: Any,
@@ -472,8 +487,8 @@ def plan(
     state=state_bytes(spec, batch, max_len, kv_format, sizes, rules),
     drafter=draft_bytes,
     activations=activation_bytes(spec, batch, block, sizes, rules=rules),
-    decode_traffic=traffic(spec, batch, 1, sizes),
-    verify_traffic=traffic(spec, batch, block, sizes),
+    decode_traffic=traffic(spec, batch, 1, sizes, split=_batch_on_expert(batch, sizes, rules)),
+    verify_traffic=traffic(spec, batch, block, sizes, split=_batch_on_expert(batch, sizes, rules)),
   )
 
 

@@ -240,3 +240,20 @@ def stored_axes(logical: tuple, fmt: str, axes: tuple[int, ...]) -> tuple[tuple,
     moved = tuple(logical[:c]) + tuple(logical[c + 1 :]) + (logical[c],)
     return moved + (None,), moved
   raise ConfigError(f"no stored layout for format {fmt!r}; expected one of {FORMATS}")
+
+
+def stored_logical_axes(params: Any, logical: Any) -> Any:
+  """`logical` (the float parameter tree's logical PartitionSpecs) matched to `params`: where
+  params holds a QTensor, its values and scales get their own names (`stored_axes`), so a
+  quantized target shards like its float original (sharding.shard_tree)."""
+  spec_leaf = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+
+  def one(spec: Any, w: Any) -> Any:
+    if not is_quantized(w):
+      return spec
+    values, scales = stored_axes(tuple(spec), w.format, w.axes)
+    return w.replace(
+      values=jax.sharding.PartitionSpec(*values), scales=jax.sharding.PartitionSpec(*scales)
+    )
+
+  return jax.tree_util.tree_map(one, logical, params, is_leaf=spec_leaf)
