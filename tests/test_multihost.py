@@ -1,0 +1,186 @@
+"""Two processes, one program: generation over a mesh spanning both (jax.distributed on CPU).
+
+Two local processes with 4 virtual CPU devices each join through a coordinator on a free
+localhost port (jaxspec.distributed, settings from the environment as a cluster launcher would
+set them) and run the same script: restore an orbax checkpoint onto a (data=2, expert=2,
+tensor=2) mesh over all 8 devices, take the leader's inputs by broadcast, generate greedily
+(plain and DFlash chain) and save the sharded model back. The tokens must equal this process's
+one-device result. Both processes are killed if either outlives the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jaxspec import distributed
+from jaxspec.errors import ConfigError
+from tests import engine_models, near_ties
+from tests.virtual_devices import REPO
+
+PROMPTS = [[5, 17, 33, 8, 17, 33, 8], [40, 2, 71]]
+NEW = 12
+TIMEOUT_S = 240
+
+# Shared by the reference (this process, one device) and the processes (imported there).
+DRAFTER = dict(mask_token_id=2, num_layers=1, block_size=4, target_layer_ids=(0, 1), seed=1)
+
+SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    from jaxspec import distributed
+    distributed.initialize()  # from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    import jax, numpy as np
+    import jaxspec
+    from jaxspec import sharding
+    from jaxspec.io import checkpoint
+    from tests.test_multihost import DRAFTER
+
+    ckpt, saved = sys.argv[1], sys.argv[2]
+    # Only the leader has the request (argv[3]); the others learn it by broadcast.
+    request = distributed.broadcast(json.loads(sys.argv[3]) if distributed.is_leader() else None)
+    mesh = sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2})
+    target = checkpoint.restore(ckpt, mesh=mesh)
+    experts = target.params["layers_1"]["mlp"]["gate_proj"]
+    report = {
+        "process": jax.process_index(), "processes": jax.process_count(),
+        "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+        "request": request, "expert_spec": [str(a) for a in experts.sharding.spec],
+        "experts_span_processes": not experts.is_fully_addressable,
+    }
+    for name in ("plain", "dflash"):
+        drafter = jaxspec.DFlashDrafter.random(target, **DRAFTER) if name == "dflash" else None
+        engine = jaxspec.SpecEngine(target, drafter, jaxspec.EngineConfig(
+            method=name, max_len=64, batch_size=2))
+        out = engine.generate(request["prompts"], max_new_tokens=request["max_new_tokens"])
+        report[name] = out.tokens
+        report[name + "_generated"] = out.stats.tokens_generated
+    # Save from the two-process mesh, restore again: the same values in the same layout.
+    checkpoint.save(target, saved)
+    again = checkpoint.restore(saved, mesh=mesh)
+    a, b = jax.tree.leaves(target.params), jax.tree.leaves(again.params)
+    report["resaved_equal"] = all(
+        x.sharding == y.sharding and np.array_equal(u, v)
+        for x, y, u, v in zip(a, b, distributed.gather(a), distributed.gather(b)))
+    print(json.dumps(report))
+""")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _start_processes(args: list[str], n: int = 2) -> list[subprocess.Popen]:
+  """Starts SCRIPT in n processes of 4 CPU devices each, joined through a local coordinator."""
+  address = f"localhost:{_free_port()}"
+  procs = []
+  for pid in range(n):
+    env = dict(
+      os.environ,
+      XLA_FLAGS="--xla_force_host_platform_device_count=4",
+      JAX_PLATFORMS="cpu",
+      JAX_COORDINATOR_ADDRESS=address,
+      JAX_NUM_PROCESSES=str(n),
+      JAX_PROCESS_ID=str(pid),
+      PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+      )
+    )
+  return procs
+
+
+def _finish(procs: list[subprocess.Popen], deadline: float) -> list[dict]:
+  """Each process's last stdout line, parsed; every process is killed by `deadline`."""
+  outputs = []
+  try:
+    for p in procs:
+      outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+  finally:
+    for p in procs:  # a hung peer (say one waiting on a dead coordinator) must not outlive us
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  for pid, (p, (out, err)) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"process {pid} exited {p.returncode}:\n{err[-4000:]}"
+  return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_two_processes_generate_as_one_device(tmp_path):
+  import jaxspec  # pylint: disable=import-outside-toplevel
+  from jaxspec.io import checkpoint  # pylint: disable=import-outside-toplevel
+
+  ckpt = str(tmp_path / "ckpt")
+  checkpoint.save(engine_models.random_target(), ckpt)
+  request = {"prompts": PROMPTS, "max_new_tokens": NEW}
+  deadline = time.monotonic() + TIMEOUT_S
+  procs = _start_processes([ckpt, str(tmp_path / "resaved"), json.dumps(request)])
+  try:  # the one-device reference, while the processes run
+    target = checkpoint.restore(ckpt)  # the layout the processes restore, on one device
+    reference = {}
+    for name in ("plain", "dflash"):
+      drafter = jaxspec.DFlashDrafter.random(target, **DRAFTER) if name == "dflash" else None
+      engine = jaxspec.SpecEngine(
+        target, drafter, jaxspec.EngineConfig(method=name, max_len=64, batch_size=2)
+      )
+      reference[name] = engine.generate(PROMPTS, max_new_tokens=NEW).tokens
+  finally:
+    reports = _finish(procs, deadline)
+  assert reference["dflash"] == reference["plain"]  # lossless on one device
+
+  for pid, r in enumerate(reports):
+    assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (pid, 2, 8, 4)
+    assert r["request"] == request  # process 1 got it by broadcast only
+    assert r["expert_spec"][1] == "expert" and r["experts_span_processes"], r["expert_spec"]
+    for name in ("plain", "dflash"):
+      near_ties.assert_greedy_match(target, PROMPTS, reference[name], r[name])
+      assert r[name + "_generated"] == sum(len(t) for t in r[name])
+    assert r["resaved_equal"]
+  assert reports[0]["plain"] == reports[1]["plain"]
+  assert reports[0]["dflash"] == reports[1]["dflash"]
+
+
+def test_resolve_reads_flags_then_environment(monkeypatch):
+  for name in distributed.ENV.values():
+    monkeypatch.delenv(name, raising=False)
+  assert distributed.resolve() is None  # nothing set: one process
+  assert distributed.resolve(num_processes=1) is None
+  cfg = distributed.resolve("10.0.0.1:1234", 4, 3)
+  assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("10.0.0.1:1234", 4, 3)
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host:99")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  assert distributed.resolve() == distributed.DistributedConfig("host:99", 2, 1)
+  assert distributed.resolve(process_id=0).process_id == 0  # a flag wins over the environment
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+  with pytest.raises(ConfigError, match="coordinator_address"):
+    distributed.resolve()  # incomplete: no coordinator
+  bad = [
+    (("host:99", 2, 2), "outside"),
+    (("host:99", 0, 0), ">= 1"),
+    (("host", 2, 0), "host:port"),
+    (("host:port", 2, 0), "host:port"),
+  ]
+  for args, message in bad:
+    with pytest.raises(ConfigError, match=message):
+      distributed.resolve(*args)
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host:99")
+  monkeypatch.setenv("JAX_PROCESS_ID", "one")
+  with pytest.raises(ConfigError, match="JAX_PROCESS_ID"):
+    distributed.resolve()
