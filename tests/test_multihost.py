@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent(r"""
     from jaxspec import distributed
     distributed.initialize()  # from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
     import jax, numpy as np
+    from jax.sharding import PartitionSpec as P
     import jaxspec
     from jaxspec import sharding
     from jaxspec.io import checkpoint
@@ -61,6 +62,20 @@ SCRIPT = textwrap.dedent(r"""
         out = engine.generate(request["prompts"], max_new_tokens=request["max_new_tokens"])
         report[name] = out.tokens
         report[name + "_generated"] = out.stats.tokens_generated
+    # The host boundary once the state is batch-sharded over processes (the engine's own
+    # placement of its state may shard it so): inputs become global arrays, outputs and stats
+    # are gathered from both processes.
+    by_batch = jax.sharding.NamedSharding(mesh, P("data"))
+    placed = engine._to_device(np.zeros((2, 64), np.int32), ("batch", "length"))
+    report["input_spec"] = [str(a) for a in placed.sharding.spec]
+    report["input_spans_processes"] = not placed.is_fully_addressable
+    state = engine.run(engine.init_state(request["prompts"], request["max_new_tokens"]))
+    state = state.replace(**{k: jax.device_put(getattr(state, k), by_batch)
+                             for k in ("tokens", "seq_len", "prompt_len")})
+    state = state.replace(stats=jax.tree.map(lambda x: jax.device_put(x, by_batch), state.stats))
+    assert not state.tokens.is_fully_addressable and not state.tokens.is_fully_replicated
+    report["sharded_outputs"] = engine._outputs(state, 2)
+    report["sharded_generated"] = engine._stats(state, 0.0, 1.0, 2).tokens_generated
     # Save from the two-process mesh, restore again: the same values in the same layout.
     checkpoint.save(target, saved)
     again = checkpoint.restore(saved, mesh=mesh)
@@ -152,6 +167,9 @@ def test_two_processes_generate_as_one_device(tmp_path):
       near_ties.assert_greedy_match(target, PROMPTS, reference[name], r[name])
       assert r[name + "_generated"] == sum(len(t) for t in r[name])
     assert r["resaved_equal"]
+    assert r["input_spec"] == ["data", "None"] and r["input_spans_processes"]
+    assert r["sharded_outputs"] == r["dflash"]
+    assert r["sharded_generated"] == r["dflash_generated"]
   assert reports[0]["plain"] == reports[1]["plain"]
   assert reports[0]["dflash"] == reports[1]["dflash"]
 
