@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -33,7 +34,14 @@ TIMEOUT_S = 240
 DRAFTER = dict(mask_token_id=2, num_layers=1, block_size=4, target_layer_ids=(0, 1), seed=1)
 
 SCRIPT = textwrap.dedent(r"""
-    import json, sys
+    import json, os, sys, traceback
+
+    def die(*exc):  # at once: jax.distributed's shutdown at exit would wait for the peers
+        traceback.print_exception(*exc)
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = die
     from jaxspec import distributed
     distributed.initialize()  # from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
     import jax, numpy as np
@@ -93,9 +101,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start_processes(args: list[str], n: int = 2) -> list[subprocess.Popen]:
-  """Starts SCRIPT in n processes of 4 CPU devices each, joined through a local coordinator."""
+def _start_processes(args: list[str], logs: pathlib.Path, n: int = 2) -> list[subprocess.Popen]:
+  """Starts SCRIPT in n processes of 4 CPU devices each, joined through a local coordinator;
+  process i writes logs/i.out and logs/i.err (files, so that no pipe fills while we wait)."""
   address = f"localhost:{_free_port()}"
+  logs.mkdir(parents=True, exist_ok=True)
   procs = []
   for pid in range(n):
     env = dict(
@@ -107,33 +117,40 @@ def _start_processes(args: list[str], n: int = 2) -> list[subprocess.Popen]:
       JAX_PROCESS_ID=str(pid),
       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
-    procs.append(
-      subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=REPO,
+    with open(logs / f"{pid}.out", "w") as out, open(logs / f"{pid}.err", "w") as err:
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, "-c", SCRIPT, *args], stdout=out, stderr=err, env=env, cwd=REPO
+        )
       )
-    )
   return procs
 
 
-def _finish(procs: list[subprocess.Popen], deadline: float) -> list[dict]:
-  """Each process's last stdout line, parsed; every process is killed by `deadline`."""
-  outputs = []
+def _finish(procs: list[subprocess.Popen], logs: pathlib.Path, deadline: float) -> list[dict]:
+  """Each process's last stdout line, parsed. When one fails the others are killed at once
+  (a peer left waiting in a collective would hang), and all of them by `deadline`."""
+  exited: list[int] = []  # in the order they ended
   try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    while time.monotonic() < deadline and len(exited) < len(procs):
+      exited += [i for i, p in enumerate(procs) if i not in exited and p.poll() is not None]
+      if any(procs[i].returncode for i in exited):
+        break
+      time.sleep(0.2)
   finally:
-    for p in procs:  # a hung peer (say one waiting on a dead coordinator) must not outlive us
+    for p in procs:
       if p.poll() is None:
         p.kill()
-        p.communicate()
-  for pid, (p, (out, err)) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f"process {pid} exited {p.returncode}:\n{err[-4000:]}"
-  return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+      p.wait()
+  failed = [  # in the order they ended: a peer that lost its partner fails right after it
+    f"process {i} {'exited' if i in exited else 'was killed (timeout or a failed peer)'} "
+    f"({procs[i].returncode}):\n{(logs / f'{i}.err').read_text()[-3000:]}"
+    for i in exited + [i for i in range(len(procs)) if i not in exited]
+    if procs[i].returncode
+  ]
+  assert not failed, "\n".join(failed)
+  return [
+    json.loads((logs / f"{i}.out").read_text().strip().splitlines()[-1]) for i in range(len(procs))
+  ]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
@@ -145,7 +162,8 @@ def test_two_processes_generate_as_one_device(tmp_path):
   checkpoint.save(engine_models.random_target(), ckpt)
   request = {"prompts": PROMPTS, "max_new_tokens": NEW}
   deadline = time.monotonic() + TIMEOUT_S
-  procs = _start_processes([ckpt, str(tmp_path / "resaved"), json.dumps(request)])
+  logs = tmp_path / "logs"
+  procs = _start_processes([ckpt, str(tmp_path / "resaved"), json.dumps(request)], logs)
   try:  # the one-device reference, while the processes run
     target = checkpoint.restore(ckpt)  # the layout the processes restore, on one device
     reference = {}
@@ -156,7 +174,7 @@ def test_two_processes_generate_as_one_device(tmp_path):
       )
       reference[name] = engine.generate(PROMPTS, max_new_tokens=NEW).tokens
   finally:
-    reports = _finish(procs, deadline)
+    reports = _finish(procs, logs, deadline)
   assert reference["dflash"] == reference["plain"]  # lossless on one device
 
   for pid, r in enumerate(reports):
