@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -92,6 +93,8 @@ def define_flags() -> None:
     None,
     f"This process's index in [0, num_processes), 0 = the leader (else ${ENV['process_id']}).",
   )
+  for name in ENV:  # listed by the script's --help, as its own flags are
+    FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
 
 
 def _env_int(name: str) -> int | None:

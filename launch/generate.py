@@ -1,4 +1,4 @@
-"""Generate with jaxspec: speculative decoding, compared with plain decoding in the same engine.
+r"""Generate with jaxspec: speculative decoding, compared with plain decoding in the same engine.
 
 Defaults to the bundled model (jaxspec/assets/target) and its best drafter; without bundled
 weights it falls back to a tiny random model (configs/tiny_random.py) so the command always runs.
@@ -9,9 +9,9 @@ weights it falls back to a tiny random model (configs/tiny_random.py) so the com
   python launch/generate.py --mesh=data=1,expert=2,tensor=1   # needs 2 devices
   python launch/generate.py --quant_policy=default            # MXFP4 experts, FP8 attention
 
-Several hosts (the same command on each, process 0 the leader: it tokenizes and prints):
-  python launch/generate.py --mesh=data=-1,expert=8,tensor=1 --coordinator_address=host0:1234 \
-      --num_processes=2 --process_id=0     # and --process_id=1 on the other host
+Several hosts (the same command on each but --process_id; process 0 tokenizes and prints):
+  python launch/generate.py --mesh=data=-1,expert=8 --coordinator_address=host0:1234 \
+      --num_processes=2 --process_id=0   # host 1: --process_id=1
 """
 
 from __future__ import annotations

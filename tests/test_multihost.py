@@ -54,13 +54,22 @@ SCRIPT = textwrap.dedent(r"""
     ckpt, saved = sys.argv[1], sys.argv[2]
     # Only the leader has the request (argv[3]); the others learn it by broadcast.
     request = distributed.broadcast(json.loads(sys.argv[3]) if distributed.is_leader() else None)
+
+    def refuse():  # run by the leader only; every process must raise its error
+        raise jaxspec.InputError(f"refused by process {jax.process_index()}")
+
+    try:
+        distributed.on_leader(refuse)
+        refused = None
+    except jaxspec.InputError as e:
+        refused = str(e)
     mesh = sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2})
     target = checkpoint.restore(ckpt, mesh=mesh)
     experts = target.params["layers_1"]["mlp"]["gate_proj"]
     report = {
         "process": jax.process_index(), "processes": jax.process_count(),
         "devices": jax.device_count(), "local_devices": jax.local_device_count(),
-        "request": request, "expert_spec": [str(a) for a in experts.sharding.spec],
+        "request": request, "refused": refused, "expert_spec": [str(a) for a in experts.sharding.spec],
         "experts_span_processes": not experts.is_fully_addressable,
     }
     for name in ("plain", "dflash"):
@@ -180,6 +189,7 @@ def test_two_processes_generate_as_one_device(tmp_path):
   for pid, r in enumerate(reports):
     assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (pid, 2, 8, 4)
     assert r["request"] == request  # process 1 got it by broadcast only
+    assert r["refused"] == "refused by process 0"  # the leader's error, raised everywhere
     assert r["expert_spec"][1] == "expert" and r["experts_span_processes"], r["expert_spec"]
     for name in ("plain", "dflash"):
       near_ties.assert_greedy_match(target, PROMPTS, reference[name], r[name])
