@@ -28,7 +28,7 @@ from tests.virtual_devices import REPO
 
 PROMPTS = [[5, 17, 33, 8, 17, 33, 8], [40, 2, 71]]
 NEW = 12
-TIMEOUT_S = 240
+TIMEOUT_S = 420  # the processes take ~170 s at a load average of 10 on 2 cores
 
 # Shared by the reference (this process, one device) and the processes (imported there).
 DRAFTER = dict(mask_token_id=2, num_layers=1, block_size=4, target_layer_ids=(0, 1), seed=1)
@@ -42,11 +42,17 @@ SCRIPT = textwrap.dedent(r"""
         os._exit(1)
 
     sys.excepthook = die
+    import jaxspec
     from jaxspec import distributed
-    distributed.initialize()  # from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    joined = distributed.initialize()  # from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, ...
+    assert distributed.initialize(joined) == joined  # once: a second call changes nothing
+    try:
+        distributed.initialize(distributed.DistributedConfig("localhost:1", 3, 0))
+        raise AssertionError("joined a second, different run")
+    except jaxspec.ConfigError:
+        pass
     import jax, numpy as np
     from jax.sharding import PartitionSpec as P
-    import jaxspec
     from jaxspec import sharding
     from jaxspec.io import checkpoint
     from tests.test_multihost import DRAFTER
@@ -69,7 +75,8 @@ SCRIPT = textwrap.dedent(r"""
     report = {
         "process": jax.process_index(), "processes": jax.process_count(),
         "devices": jax.device_count(), "local_devices": jax.local_device_count(),
-        "request": request, "refused": refused, "expert_spec": [str(a) for a in experts.sharding.spec],
+        "request": request, "refused": refused,
+        "expert_spec": [str(a) for a in experts.sharding.spec],
         "experts_span_processes": not experts.is_fully_addressable,
     }
     for name in ("plain", "dflash"):
