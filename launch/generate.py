@@ -1,4 +1,4 @@
-"""Generate with jaxspec: speculative decoding, compared with plain decoding in the same engine.
+r"""Generate with jaxspec: speculative decoding, compared with plain decoding in the same engine.
 
 Defaults to the bundled model (jaxspec/assets/target) and its best drafter; without bundled
 weights it falls back to a tiny random model (configs/tiny_random.py) so the command always runs.
@@ -8,6 +8,10 @@ weights it falls back to a tiny random model (configs/tiny_random.py) so the com
   python launch/generate.py --model=/path/to/hf_dir_without_tokenizer --prompt_ids=1,2,3
   python launch/generate.py --mesh=data=1,expert=2,tensor=1   # needs 2 devices
   python launch/generate.py --quant_policy=default            # MXFP4 experts, FP8 attention
+
+Several hosts (the same command on each but --process_id; process 0 tokenizes and prints):
+  python launch/generate.py --mesh=data=-1,expert=8 --coordinator_address=host0:1234 \
+      --num_processes=2 --process_id=0   # host 1: --process_id=1
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
-from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
+from jaxspec import cli, distributed, sharding  # pylint: disable=wrong-import-position
 from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 from jaxspec.quant.profile import load_policy  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 defaults.define_model_flags()
+distributed.define_flags()
 flags.DEFINE_string("prompt", "def fib(n):", "The prompt (text; needs the model's tokenizer).")
 flags.DEFINE_list(
   "prompt_ids",
@@ -79,8 +84,9 @@ def _parse_mesh(spec: str) -> dict[str, int]:
     raise jaxspec.ConfigError(f"--mesh={spec}: {e}") from None
 
 
-def _prompt(target: jaxspec.TargetModel, source: str) -> tuple[str | list[int], str]:
-  """(the prompt for the engine, how to print it) from --prompt or --prompt_ids."""
+def _prompt(target: jaxspec.TargetModel, source: str) -> tuple[list[int], str]:
+  """(the prompt's token ids, how to print it) from --prompt or --prompt_ids: run by the leader,
+  whose ids every process then generates from."""
   if FLAGS.prompt_ids is not None:
     if FLAGS["prompt"].present:
       raise jaxspec.ConfigError("pass --prompt or --prompt_ids, not both")
@@ -99,21 +105,48 @@ def _prompt(target: jaxspec.TargetModel, source: str) -> tuple[str | list[int], 
       f"the model ({source}) has no tokenizer (tokenizer.json) to encode --prompt: "
       "pass the prompt as token ids, e.g. --prompt_ids=1,2,3"
     )
-  return FLAGS.prompt, FLAGS.prompt
+  # Text is plain text unless --parse_special, as the engine itself encodes it.
+  ids = target.tokenizer.encode(FLAGS.prompt, split_special_tokens=not FLAGS.parse_special)
+  if not ids:
+    raise jaxspec.InputError(f"--prompt {FLAGS.prompt!r} encodes to no tokens")
+  return ids, FLAGS.prompt
+
+
+def _leader_inputs(target: jaxspec.TargetModel, source: str) -> dict:
+  """The request, read and checked on the leader: token ids, how to print them, sampling."""
+  ids, shown = _prompt(target, source)
+  sample = dict(
+    max_new_tokens=FLAGS.max_new_tokens,
+    temperature=FLAGS.temperature,
+    top_k=FLAGS.top_k,
+    top_p=FLAGS.top_p,
+    seed=FLAGS.seed,
+  )
+  jaxspec.Request.build([ids], **sample)  # bad flags fail here, before any output
+  return dict(ids=ids, shown=shown, sample=sample)
 
 
 def main(argv):
   del argv
+  # First: the backend learns the other processes' devices when it starts.
+  joined = distributed.initialize(distributed.config_from_flags())
+  say = print if distributed.is_leader() else lambda *args, **kwargs: None
+  if not distributed.is_leader():
+    print(f"process {jax.process_index()}/{jax.process_count()}: following process 0")
   mesh_shape = _parse_mesh(FLAGS.mesh)
   target, source = defaults.load_target(FLAGS.model)
   policy = load_policy(FLAGS.quant_policy)
+  if policy and joined:
+    raise jaxspec.ConfigError(
+      "--quant_policy across processes: quantized weights on a multi-process mesh are planned"
+    )
   if policy:
     target = jaxspec.quantize(target, policy)
     r = target.quant_report
     source += f", quantized ({FLAGS.quant_policy}: {r.bytes_before:,} → {r.bytes_after:,} bytes)"
-  prompt, shown = _prompt(target, source)
-  if any(v != 1 for v in mesh_shape.values()):
-    try:
+  inputs = distributed.on_leader(lambda: _leader_inputs(target, source))
+  if joined or any(v != 1 for v in mesh_shape.values()):
+    try:  # with several processes the mesh spans all their devices
       mesh = sharding.make_mesh(mesh_shape)
     except ValueError as e:  # more or fewer devices than the mesh needs
       raise jaxspec.ConfigError(f"--mesh={FLAGS.mesh}: {e}") from None
@@ -125,32 +158,24 @@ def main(argv):
       target.tokenizer,
       target.hf_config,
     )
-  sample = dict(
-    max_new_tokens=FLAGS.max_new_tokens,
-    temperature=FLAGS.temperature,
-    top_k=FLAGS.top_k,
-    top_p=FLAGS.top_p,
-    seed=FLAGS.seed,
-    parse_special=FLAGS.parse_special,
-  )
-  prompts = [prompt]
-  jaxspec.Request.build(prompts, **sample)  # bad flags fail here, before any output
+  sample, shown, prompts = inputs["sample"], inputs["shown"], [inputs["ids"]]
   spec_engine, method, label = defaults.engine_from_flags(
     target, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format
   )
-  print(
+  hosts = f" over {jax.process_count()} processes" if joined else ""
+  say(
     f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
-    f"method: {label}; devices: {jax.device_count()} ({jax.default_backend()})"
+    f"method: {label}; devices: {jax.device_count()} ({jax.default_backend()}){hosts}"
   )
 
   spec_engine.generate(prompts, **sample)  # compile
   out = spec_engine.generate(prompts, **sample)
   text = out.texts[0] if out.texts else f" + {out.tokens[0]}"
-  print("-" * 72)
-  print(shown + text)
-  print("-" * 72)
+  say("-" * 72)
+  say(shown + text)
+  say("-" * 72)
   st = out.stats
-  print(
+  say(
     f"{method}: {st.tokens_generated} tokens, acceptance length {st.acceptance_length:.2f}, "
     f"{st.tokens_per_second:.1f} tok/s"
   )
@@ -164,7 +189,7 @@ def main(argv):
     plain = plain_engine.generate(prompts, **sample)
     speedup = st.tokens_per_second / max(plain.stats.tokens_per_second, 1e-9)
     same = "identical" if plain.tokens == out.tokens else "different (sampled)"
-    print(
+    say(
       f"plain: {plain.stats.tokens_per_second:.1f} tok/s → speedup {speedup:.2f}× (outputs {same})"
     )
 

@@ -32,19 +32,25 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def save(model: target_lib.TargetModel, out_dir: str) -> None:
-  """Writes config.json, the parameters (orbax) and the tokenizer to out_dir."""
+  """Writes config.json, the parameters (orbax) and the tokenizer to out_dir.
+
+  With several processes every one must call it (each writes its own shards of parameters
+  that span processes); process 0 alone writes config.json and the tokenizer, before the
+  parameters, so they exist once orbax's save, which waits for every process, returns.
+  """
   out_dir = os.path.abspath(out_dir)
   os.makedirs(out_dir, exist_ok=True)
-  hf_config = dict(model.hf_config or {})
-  hf_config.update(model.config.to_hf())
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2, sort_keys=True)
+  if jax.process_index() == 0:
+    hf_config = dict(model.hf_config or {})
+    hf_config.update(model.config.to_hf())
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+      json.dump(hf_config, f, indent=2, sort_keys=True)
+    if model.tokenizer is not None:
+      model.tokenizer.save_hf(out_dir)
   checkpointer = ocp.StandardCheckpointer()
   params = model.with_scan_layers(True).params  # one on-disk layout: stacked layers
   checkpointer.save(os.path.join(out_dir, PARAMS_DIR), params, force=True)
   checkpointer.wait_until_finished()
-  if model.tokenizer is not None:
-    model.tokenizer.save_hf(out_dir)
 
 
 def abstract_params(
@@ -69,7 +75,11 @@ def abstract_params(
 def restore(
   ckpt_dir: str, mesh: jax.sharding.Mesh | None = None, rules: Any = None, **config_overrides: Any
 ) -> target_lib.TargetModel:
-  """Loads a checkpoint written by `save`, placing each parameter with its target sharding."""
+  """Loads a checkpoint written by `save`, placing each parameter with its target sharding.
+
+  `mesh` may span several processes (jax.distributed): every process then calls `restore`
+  with the same mesh and reads the shards its own devices hold.
+  """
   ckpt_dir = os.path.abspath(ckpt_dir)
   params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
   if not os.path.isdir(params_dir):

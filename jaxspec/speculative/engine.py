@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import plan
+from jaxspec import distributed, plan, sharding
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
@@ -669,25 +669,37 @@ class SpecEngine:
     seeds, index = request.seeds_and_rows
     pad = b - len(ids)
     keys = sampling.row_keys(seeds + [0] * pad, index + list(range(len(ids), b)))
+    row, vec = (sharding.BATCH, None), (sharding.BATCH,)
+    inputs = self._to_device(
+      (tokens, lens, rows["max_new_tokens"], active, params, keys, stop_ids),
+      ((sharding.BATCH, sharding.LENGTH), vec, vec, vec, jax.tree.map(lambda _: vec, params))
+      + (row, row),
+    )
     return self._prefill(
       self.target.params,
       self.drafter_params,
-      jnp.asarray(tokens),
-      jnp.asarray(lens),
-      jnp.asarray(rows["max_new_tokens"]),
-      jnp.asarray(active),
-      params,
-      keys,
-      jnp.asarray(stop_ids),
+      *inputs,
       jnp.int32(-(-longest // chunk)),
       chunk=chunk,
       kv_format=cfg.kv_format,
     )
 
+  def _to_device(self, host: Any, logical_axes: Any) -> Any:
+    """Host inputs (numpy, the same on every process) as arrays for the jitted functions.
+
+    When the target's params live on a mesh that spans several processes, each becomes a
+    global array on that mesh, its batch axis sharded by the logical rules (a numpy input
+    cannot enter a multi-process program with sharded inputs); otherwise jit places them.
+    """
+    mesh = getattr(self, "mesh", None) or distributed.mesh_of(self.target.params)
+    if mesh is None or not mesh.is_multi_process:
+      return jax.tree.map(jnp.asarray, host)
+    return distributed.put(host, mesh, logical_axes, getattr(self, "rules", None))
+
   def _outputs(self, state: SpecState, n: int, values: str = "tokens") -> list[list]:
-    """Each of the first n rows' generated tokens (or their log-probs, values="logprobs")."""
-    arr = np.asarray(getattr(state, values))
-    seq, prompt = np.asarray(state.seq_len), np.asarray(state.prompt_len)
+    """Each of the first n rows' generated tokens (or their log-probs, values="logprobs");
+    gathered from every process when the state spans several."""
+    arr, seq, prompt = distributed.gather((getattr(state, values), state.seq_len, state.prompt_len))
     return [arr[i, prompt[i] : seq[i]].tolist() for i in range(n)]
 
   def _texts(self, token_lists: list[list[int]]) -> Optional[list[str]]:
@@ -781,7 +793,7 @@ class SpecEngine:
       toks = self._outputs(state, n)
       yield [t[s:] for t, s in zip(toks, sent)]
       sent = [len(t) for t in toks]
-      if bool(np.all(np.asarray(state.done))):
+      if bool(np.all(distributed.gather(state.done))):
         return
       state = self.run(state, self.config.stream_every)
 
@@ -856,7 +868,7 @@ class SpecEngine:
     nothing more and their slots may be reused by `insert`. One compilation; donates `state`."""
     rows = np.zeros((self.config.batch_size,), bool)
     rows[np.asarray(slot, np.int64)] = True
-    return self._evict(state, jnp.asarray(rows))
+    return self._evict(state, self._to_device(rows, (sharding.BATCH,)))
 
   def warm_up_slots(self) -> SpecState:
     """Compiles everything a slot-served engine runs (the one-row prefill of every prompt
@@ -878,9 +890,9 @@ class SpecEngine:
     return self.evict(state, jnp.arange(cfg.batch_size))
 
   def _stats(self, state: SpecState, ttft: float, decode: float, n: int) -> GenerationStats:
-    s = jax.tree_util.tree_map(lambda x: x[:n], state.stats)
-    summary = metrics.summarize(s, decode, ttft)
-    generated = int(np.sum(np.asarray(state.seq_len - state.prompt_len)[:n]))
+    stats, seq, prompt = distributed.gather((state.stats, state.seq_len, state.prompt_len))
+    summary = metrics.summarize(jax.tree_util.tree_map(lambda x: x[:n], stats), decode, ttft)
+    generated = int(np.sum((seq - prompt)[:n]))
     return GenerationStats(
       acceptance_length=summary["acceptance_length"],
       acceptance_rate_per_position=summary["acceptance_rate_per_position"],
