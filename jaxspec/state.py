@@ -15,9 +15,9 @@ is a *layer-state kind*, a pytree class that says how it is
 
 Attention kinds keep the rule "slots at or past `lengths` are scratch": a block writes past the
 committed length, and only the accepted prefix becomes part of the text when `lengths`
-advances. A recurrent kind (Gated DeltaNet) fits the same seam with per-position snapshots
-written by a block and a `commit_path` that selects the accepted one; the engine never looks
-inside an entry.
+advances. The recurrent kind `LinearState` (Gated DeltaNet layers) fits the same seam with
+per-position snapshots written by a block, the next block resuming from the one its start
+selects; the engine never looks inside an entry.
 
 Kinds here: `FloatKV` (the activation dtype), `FP8KV` (E4M3 values with one float32 scale
 per token and KV head, quantized on write) and `Q4KV` (llama.cpp's Q4_0); `KV_FORMATS` maps
@@ -363,6 +363,117 @@ class RingKV:
 
 
 @flax.struct.dataclass
+class LinearState:
+  """Decoding state of a segment of Gated DeltaNet (linear-attention) layers: a fixed number of
+  bytes per sequence, whatever the context length.
+
+  conv [L, B, K−1+W, C]: conv inputs (activation dtype), whose K−1 rows from row a on are the
+  conv window after a tokens of the last block; ssm [L, B, W+1, H, Dk, Dv] float32: the
+  recurrent state after a = 0..count tokens of it; base [L, B]: the position the last block
+  started at; count [L, B]: how many per-position states it left (W = `window` =
+  ModelConfig.linear_snapshots).
+
+  A block of T ≤ W tokens (decode, chain verification) keeps every position's state; a longer
+  block, or one with explicit `valid` lengths (prefill), keeps only the state after its valid
+  tokens (count 0, base moved past them). The next block at `start` resumes from a =
+  clip(start − base, 0, count): committing an accepted prefix is the engine advancing
+  `lengths`, nothing else; positions past the kept ones (prompt padding) resume from the last
+  kept state, and a block at position 0 starts from zeros (a new sequence).
+  """
+
+  conv: jax.Array
+  ssm: jax.Array
+  base: jax.Array
+  count: jax.Array
+  window: int = flax.struct.field(pytree_node=False, default=16)
+
+  format: ClassVar[str] = "linear"
+  max_len: ClassVar[int] = 2**31 - 1  # no length limit of its own
+
+  @classmethod
+  def create(cls, config, num_layers: int, batch: int, max_len: int = 0) -> "LinearState":
+    del max_len  # fixed size
+    w = config.linear_snapshots
+    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim
+    channels += config.linear_num_value_heads * config.linear_value_head_dim
+    conv = (num_layers, batch, config.linear_conv_kernel_dim - 1 + w, channels)
+    ssm = (
+      num_layers,
+      batch,
+      w + 1,
+      config.linear_num_value_heads,
+      config.linear_key_head_dim,
+      config.linear_value_head_dim,
+    )
+    return cls(
+      jnp.zeros(conv, jnp.dtype(config.dtype)),
+      jnp.zeros(ssm, jnp.float32),
+      jnp.zeros((num_layers, batch), jnp.int32),
+      jnp.zeros((num_layers, batch), jnp.int32),
+      w,
+    )
+
+  @property
+  def kernel_rows(self) -> int:
+    return self.conv.shape[2] - self.window  # K − 1
+
+  def initial(self, layer: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(conv window [B, K−1, C], recurrent state [B, H, Dk, Dv]) before position `start`."""
+    rows = jnp.arange(start.shape[0])
+    a = jnp.clip(start - self.base[layer], 0, self.count[layer])
+    cols = a[:, None] + jnp.arange(self.kernel_rows)[None, :]
+    window = self.conv[layer][rows[:, None], cols]
+    ssm = self.ssm[layer][rows, a]
+    fresh = start == 0
+    window = jnp.where(fresh[:, None, None], 0, window)
+    return window, jnp.where(fresh[:, None, None, None], 0.0, ssm)
+
+  def write_snapshots(
+    self,
+    layer: jax.Array,
+    start: jax.Array,
+    conv_inputs: jax.Array,
+    s0: jax.Array,
+    states: jax.Array,
+  ) -> "LinearState":
+    """A short block's conv inputs [B, K−1+T, C], initial state and per-position states
+    [B, T, H, Dk, Dv] (T ≤ window)."""
+    t = states.shape[1]
+    conv = self.conv.at[layer, :, : conv_inputs.shape[1]].set(conv_inputs.astype(self.conv.dtype))
+    ssm = self.ssm.at[layer, :, 0].set(s0).at[layer, :, 1 : t + 1].set(states)
+    return self.replace(
+      conv=conv,
+      ssm=ssm,
+      base=self.base.at[layer].set(start),
+      count=self.count.at[layer].set(jnp.full_like(start, t)),
+    )
+
+  def write_final(
+    self,
+    layer: jax.Array,
+    start: jax.Array,
+    n: jax.Array,
+    conv_inputs: jax.Array,
+    final: jax.Array,
+  ) -> "LinearState":
+    """Only the state after the first n [B] tokens of a block (conv inputs [B, K−1+T, C])."""
+    rows = jnp.arange(start.shape[0])[:, None]
+    window = conv_inputs[rows, n[:, None] + jnp.arange(self.kernel_rows)[None, :]]
+    return self.replace(
+      conv=self.conv.at[layer, :, : self.kernel_rows].set(window.astype(self.conv.dtype)),
+      ssm=self.ssm.at[layer, :, 0].set(final),
+      base=self.base.at[layer].set(start + n),
+      count=self.count.at[layer].set(jnp.zeros_like(start)),
+    )
+
+  def commit_path(self, start: jax.Array, path: jax.Array) -> "LinearState":
+    raise ConfigError(
+      "tree verification is not implemented for linear-attention (Gated DeltaNet) layers; "
+      "use chain verification"
+    )
+
+
+@flax.struct.dataclass
 class DecodingState:
   """The model's decoding state: one entry per layer segment plus committed lengths [B].
 
@@ -387,21 +498,27 @@ class DecodingState:
     (1,) for one MTP or drafter layer)."""
     if kv_format not in KV_FORMATS:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
-    if segment_layers is None:
-      segment_layers = tuple(n for _, n, _ in config.segments())
     kind = KV_FORMATS[kv_format]
+    if segment_layers is None:  # the main stack: linear-attention runs get a LinearState
+      kinds = [
+        LinearState if config.is_linear(first) else kind for first, _, _ in config.segments()
+      ]
+      segment_layers = tuple(n for _, n, _ in config.segments())
+    else:
+      kinds = [kind] * len(segment_layers)
     return cls(
-      tuple(kind.create(config, n, batch, max_len) for n in segment_layers),
+      tuple(k.create(config, n, batch, max_len) for k, n in zip(kinds, segment_layers)),
       jnp.zeros((batch,), jnp.int32),
     )
 
   @property
   def max_len(self) -> int:
-    return self.segments[0].max_len
+    return min(s.max_len for s in self.segments)
 
   @property
   def kv_format(self) -> str:
-    return self.segments[0].format
+    formats = [s.format for s in self.segments if s.format != LinearState.format]
+    return formats[0] if formats else "float"
 
   def with_lengths(self, lengths: jax.Array) -> "DecodingState":
     return self.replace(lengths=lengths.astype(jnp.int32))
