@@ -307,8 +307,7 @@ def _hybrid_fields(r: HFConfigReader, arch: str, num_layers: int) -> dict[str, A
     if interval < 1:
       raise r.error(f"full_attention_interval must be positive, got {interval}")
     types = tuple(
-      "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-      for i in range(num_layers)
+      "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
     )
   if len(types) != num_layers or set(types) - set(LAYER_TYPES):
     raise r.error(
@@ -688,7 +687,8 @@ class ModelConfig:
       f"swiglu_limit must be a finite number ≥ 0, got {_show(self.swiglu_limit)}",
     )
     need(
-      isinstance(self.layer_types, (tuple, list)) and all(t in LAYER_TYPES for t in self.layer_types),
+      isinstance(self.layer_types, (tuple, list))
+      and all(t in LAYER_TYPES for t in self.layer_types),
       f"layer_types must name {' or '.join(LAYER_TYPES)} per layer, got {_show(self.layer_types)}",
     )
     need(
@@ -879,15 +879,16 @@ class ModelConfig:
     if unknown:
       raise ConfigError(f"{arch}: unknown ModelConfig field(s) {', '.join(unknown)} in overrides")
     r = HFConfigReader(hf, arch)
-    r.require("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    if arch != "Qwen3_5MoeForCausalLM":  # all of its layers are MoE
-      r.require("intermediate_size")
+    required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+    if arch != "Qwen3_5MoeForCausalLM":  # all of its layers are MoE: no dense width
+      required.append("intermediate_size")
+    r.require(*required)
     gpt_oss = arch == "GptOssForCausalLM"
     hybrid = arch in HYBRID_ARCHITECTURES
-    if not gpt_oss and not hybrid and (
-      r.flag("use_sliding_window", False)
-      or any(t != "full_attention" for t in r.strings("layer_types", ()))
-    ):
+    sliding = r.flag("use_sliding_window", False) or any(
+      t != "full_attention" for t in r.strings("layer_types", ())
+    )
+    if sliding and not (gpt_oss or hybrid):
       raise r.error("sliding-window attention layers are not supported")
     if r.string("hidden_act", "silu") != "silu":
       raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")

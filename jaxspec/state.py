@@ -37,6 +37,13 @@ from jaxspec.errors import ConfigError
 # Logical axes of an attention entry's K/V arrays and of the FP8 scales (for sharding rules).
 KV_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 SCALE_AXES = ("layers", "batch", "length", "kv_heads")
+# Logical axes of a LinearState's arrays, by field (conv channels and state dims unsharded).
+LINEAR_STATE_AXES = {
+  "conv": ("layers", "batch", None, None),
+  "ssm": ("layers", "batch", None, None, None, None),
+  "base": ("layers", "batch"),
+  "count": ("layers", "batch"),
+}
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value

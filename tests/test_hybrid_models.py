@@ -21,7 +21,6 @@ from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import DecodingState, LinearState
-
 from tests import engine_models, hf_models, near_ties
 
 NAMES = sorted(hf_models.HYBRID_CONFIGS)
@@ -51,7 +50,9 @@ def test_config_reading_and_export_roundtrip(saved, tmp_path):
     hf_model, path = saved[name]
     model = jaxspec.load_model(path)
     c = model.config
-    kinds[name] = [("L" if c.is_linear(i) else "F") + ("m" if m else "d") for i, m in enumerate(c.layer_is_moe)]
+    kinds[name] = [
+      ("L" if c.is_linear(i) else "F") + ("m" if m else "d") for i, m in enumerate(c.layer_is_moe)
+    ]
     out = tmp_path / name
     hf_io.save_hf(model, str(out))
     back = getattr(transformers, type(hf_model).__name__).from_pretrained(str(out)).float().eval()

@@ -124,7 +124,7 @@ def chunked(
   S' = exp(Γ_C) S + (K ⊙ exp(Γ_C − Γ))ᵀ u.
   """
   q, k, v, g, beta = _f32(q, k, v, g, beta)
-  b, t, h, dk = q.shape
+  b, t, h, _ = q.shape
   dv = v.shape[-1]
   s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
   c = max(1, min(chunk_size, t))
@@ -190,9 +190,7 @@ def causal_conv(x: jax.Array, window: jax.Array, w: jax.Array) -> tuple[jax.Arra
   kernel = w.shape[0]
   z = jnp.concatenate([window.astype(x.dtype), x], axis=1)
   t = x.shape[1]
-  acc = sum(
-    z[:, j : j + t].astype(jnp.float32) * w[j].astype(jnp.float32) for j in range(kernel)
-  )
+  acc = sum(z[:, j : j + t].astype(jnp.float32) * w[j].astype(jnp.float32) for j in range(kernel))
   return jax.nn.silu(acc).astype(x.dtype), z
 
 
@@ -221,7 +219,12 @@ class GatedDeltaNet(nn.Module):
     """Qwen3-Next's grouped in_proj_qkvz / in_proj_ba → q, k, v, z, b, a (its
     fix_query_key_value_ordering)."""
     c = self.config
-    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    nk, nv, dk, dv = (
+      c.linear_num_key_heads,
+      c.linear_num_value_heads,
+      c.linear_key_head_dim,
+      c.linear_value_head_dim,
+    )
     r = nv // nk
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
     bsz, t = x.shape[:2]
@@ -238,7 +241,12 @@ class GatedDeltaNet(nn.Module):
 
   def _split_plain(self, x: jax.Array):
     c = self.config
-    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    nk, nv, dk, dv = (
+      c.linear_num_key_heads,
+      c.linear_num_value_heads,
+      c.linear_key_head_dim,
+      c.linear_value_head_dim,
+    )
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
     bsz, t = x.shape[:2]
     qkv = Dense((2 * nk * dk + nv * dv,), ("embed", None), name="in_proj_qkv", **dense)(x)
@@ -257,7 +265,12 @@ class GatedDeltaNet(nn.Module):
     valid: jax.Array | None = None,
   ) -> tuple[jax.Array, Any]:
     c = self.config
-    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    nk, nv, dk, dv = (
+      c.linear_num_key_heads,
+      c.linear_num_value_heads,
+      c.linear_key_head_dim,
+      c.linear_value_head_dim,
+    )
     pdt = dtype_of(c.param_dtype)
     bsz, t = x.shape[:2]
     if c.architecture == "Qwen3NextForCausalLM":
@@ -319,7 +332,7 @@ class GatedDeltaNet(nn.Module):
         n = jnp.full((bsz,), t, jnp.int32) if valid is None else jnp.clip(valid, 0, t)
         entry = entry.write_final(layer, start, n, conv_inputs, final)
     out = gated_rmsnorm(out.astype(x.dtype), z, norm_w, c.rms_norm_eps)
-    out = Dense((c.hidden_size,), (None, "embed"), name="out_proj", dtype=c.dtype, param_dtype=c.param_dtype)(
-      out.reshape(bsz, t, nv * dv)
-    )
+    out = Dense(
+      (c.hidden_size,), (None, "embed"), name="out_proj", dtype=c.dtype, param_dtype=c.param_dtype
+    )(out.reshape(bsz, t, nv * dv))
     return out, entry

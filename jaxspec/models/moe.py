@@ -296,5 +296,6 @@ class MoE(nn.Module):
         (1,), ("embed", None), name="shared_expert_gate", dtype=c.dtype, param_dtype=c.param_dtype
       )(x)
       shared = MLP(c, c.shared_expert_intermediate_size, name="shared_expert")(x)
-      y = y + (jax.nn.sigmoid(gate.astype(jnp.float32)) * shared.astype(jnp.float32)).astype(y.dtype)
+      gated = jax.nn.sigmoid(gate.astype(jnp.float32)) * shared.astype(jnp.float32)
+      y = y + gated.astype(y.dtype)
     return y
