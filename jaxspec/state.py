@@ -15,9 +15,9 @@ is a *layer-state kind*, a pytree class that says how it is
 
 Attention kinds keep the rule "slots at or past `lengths` are scratch": a block writes past the
 committed length, and only the accepted prefix becomes part of the text when `lengths`
-advances. The recurrent kind `LinearState` (Gated DeltaNet layers) fits the same seam with
-per-position snapshots written by a block, the next block resuming from the one its start
-selects; the engine never looks inside an entry.
+advances. The recurrent kind `LinearState` (Gated DeltaNet layers) fits the same seam: a block
+leaves per-position snapshots and committing the new `lengths` keeps the accepted one; the
+engine never looks inside an entry.
 
 Kinds here: `FloatKV` (the activation dtype), `FP8KV` (E4M3 values with one float32 scale
 per token and KV head, quantized on write) and `Q4KV` (llama.cpp's Q4_0); `KV_FORMATS` maps
@@ -40,9 +40,10 @@ SCALE_AXES = ("layers", "batch", "length", "kv_heads")
 # Logical axes of a LinearState's arrays, by field (conv channels and state dims unsharded).
 LINEAR_STATE_AXES = {
   "conv": ("layers", "batch", None, None),
-  "ssm": ("layers", "batch", None, None, None, None),
-  "base": ("layers", "batch"),
-  "count": ("layers", "batch"),
+  "ssm": ("layers", "batch", None, None, None),
+  "pending_conv": ("layers", "batch", None, None),
+  "pending_ssm": ("layers", "batch", None, None, None, None),
+  "pending_start": ("batch",),
 }
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -374,25 +375,25 @@ class LinearState:
   """Decoding state of a segment of Gated DeltaNet (linear-attention) layers: a fixed number of
   bytes per sequence, whatever the context length.
 
-  conv [L, B, K−1+W, C]: conv inputs (activation dtype), whose K−1 rows from row a on are the
-  conv window after a tokens of the last block; ssm [L, B, W+1, H, Dk, Dv] float32: the
-  recurrent state after a = 0..count tokens of it; base [L, B]: the position the last block
-  started at; count [L, B]: how many per-position states it left (W = `window` =
-  ModelConfig.linear_snapshots).
+  conv [L, B, K−1, C]: the conv window (the last K−1 inputs of the q/k/v channels, activation
+  dtype); ssm [L, B, H, Dk, Dv] float32: the delta-rule state; both after the committed tokens.
 
-  A block of T ≤ W tokens (decode, chain verification) keeps every position's state; a longer
-  block, or one with explicit `valid` lengths (prefill), keeps only the state after its valid
-  tokens (count 0, base moved past them). The next block at `start` resumes from a =
-  clip(start − base, 0, count): committing an accepted prefix is the engine advancing
-  `lengths`, nothing else; positions past the kept ones (prompt padding) resume from the last
-  kept state, and a block at position 0 starts from zeros (a new sequence).
+  A forward over a block of T ≤ `ModelConfig.linear_snapshots` tokens without `valid` lengths
+  (decode, chain verification) leaves the state as it was and fills the *pending* fields:
+  pending_conv [L, B, K−1+T, C] (the window before the block, then the block's conv inputs;
+  rows a..a+K−2 are the window after a tokens) and pending_ssm [L, B, T+1, H, Dk, Dv] (the
+  state after a = 0..T tokens), for the block at pending_start [B]. `DecodingState.with_lengths`
+  (and `commit`) then keeps the snapshot of the committed prefix, a = lengths − pending_start,
+  and drops the pending fields: only the committed state is carried between steps. Any other
+  block (prefill with `valid` lengths, or a longer block, taken as committed whole) writes the
+  state after its valid tokens directly. A block at position 0 starts from zeros.
   """
 
   conv: jax.Array
   ssm: jax.Array
-  base: jax.Array
-  count: jax.Array
-  window: int = flax.struct.field(pytree_node=False, default=16)
+  pending_conv: jax.Array | None = None
+  pending_ssm: jax.Array | None = None
+  pending_start: jax.Array | None = None
 
   format: ClassVar[str] = "linear"
   max_len: ClassVar[int] = 2**31 - 1  # no length limit of its own
@@ -400,78 +401,74 @@ class LinearState:
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int = 0) -> "LinearState":
     del max_len  # fixed size
-    w = config.linear_snapshots
     channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim
     channels += config.linear_num_value_heads * config.linear_value_head_dim
-    conv = (num_layers, batch, config.linear_conv_kernel_dim - 1 + w, channels)
+    conv = (num_layers, batch, config.linear_conv_kernel_dim - 1, channels)
     ssm = (
       num_layers,
       batch,
-      w + 1,
       config.linear_num_value_heads,
       config.linear_key_head_dim,
       config.linear_value_head_dim,
     )
-    return cls(
-      jnp.zeros(conv, jnp.dtype(config.dtype)),
-      jnp.zeros(ssm, jnp.float32),
-      jnp.zeros((num_layers, batch), jnp.int32),
-      jnp.zeros((num_layers, batch), jnp.int32),
-      w,
-    )
+    return cls(jnp.zeros(conv, jnp.dtype(config.dtype)), jnp.zeros(ssm, jnp.float32))
 
   @property
-  def kernel_rows(self) -> int:
-    return self.conv.shape[2] - self.window  # K − 1
+  def has_pending(self) -> bool:
+    return self.pending_ssm is not None
 
   def initial(self, layer: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(conv window [B, K−1, C], recurrent state [B, H, Dk, Dv]) before position `start`."""
-    rows = jnp.arange(start.shape[0])
-    a = jnp.clip(start - self.base[layer], 0, self.count[layer])
-    cols = a[:, None] + jnp.arange(self.kernel_rows)[None, :]
-    window = self.conv[layer][rows[:, None], cols]
-    ssm = self.ssm[layer][rows, a]
+    """(conv window [B, K−1, C], recurrent state [B, H, Dk, Dv]) a block at `start` resumes
+    from: the committed state, or zeros at position 0 (a new sequence)."""
     fresh = start == 0
-    window = jnp.where(fresh[:, None, None], 0, window)
-    return window, jnp.where(fresh[:, None, None, None], 0.0, ssm)
+    window = jnp.where(fresh[:, None, None], 0, self.conv[layer])
+    return window, jnp.where(fresh[:, None, None, None], 0.0, self.ssm[layer])
+
+  def with_pending(self, start: jax.Array, t: int) -> "LinearState":
+    """Room for the per-position states of a block of t tokens at `start`."""
+    n, b, rows, c = self.conv.shape
+    return self.replace(
+      pending_conv=jnp.zeros((n, b, rows + t, c), self.conv.dtype),
+      pending_ssm=jnp.zeros((n, b, t + 1, *self.ssm.shape[2:]), jnp.float32),
+      pending_start=start.astype(jnp.int32),
+    )
 
   def write_snapshots(
-    self,
-    layer: jax.Array,
-    start: jax.Array,
-    conv_inputs: jax.Array,
-    s0: jax.Array,
-    states: jax.Array,
+    self, layer: jax.Array, conv_inputs: jax.Array, s0: jax.Array, states: jax.Array
   ) -> "LinearState":
     """A short block's conv inputs [B, K−1+T, C], initial state and per-position states
-    [B, T, H, Dk, Dv] (T ≤ window)."""
-    t = states.shape[1]
-    conv = self.conv.at[layer, :, : conv_inputs.shape[1]].set(conv_inputs.astype(self.conv.dtype))
-    ssm = self.ssm.at[layer, :, 0].set(s0).at[layer, :, 1 : t + 1].set(states)
+    [B, T, H, Dk, Dv] into the pending fields."""
+    ssm = jnp.concatenate([s0[:, None], states], axis=1)
     return self.replace(
-      conv=conv,
-      ssm=ssm,
-      base=self.base.at[layer].set(start),
-      count=self.count.at[layer].set(jnp.full_like(start, t)),
+      pending_conv=self.pending_conv.at[layer].set(conv_inputs.astype(self.conv.dtype)),
+      pending_ssm=self.pending_ssm.at[layer].set(ssm),
     )
 
   def write_final(
-    self,
-    layer: jax.Array,
-    start: jax.Array,
-    n: jax.Array,
-    conv_inputs: jax.Array,
-    final: jax.Array,
+    self, layer: jax.Array, n: jax.Array, conv_inputs: jax.Array, final: jax.Array
   ) -> "LinearState":
-    """Only the state after the first n [B] tokens of a block (conv inputs [B, K−1+T, C])."""
-    rows = jnp.arange(start.shape[0])[:, None]
-    window = conv_inputs[rows, n[:, None] + jnp.arange(self.kernel_rows)[None, :]]
+    """The state after the first n [B] tokens of a block (conv inputs [B, K−1+T, C])."""
+    k = self.conv.shape[2]
+    rows = jnp.arange(n.shape[0])[:, None]
+    window = conv_inputs[rows, n[:, None] + jnp.arange(k)[None, :]]
     return self.replace(
-      conv=self.conv.at[layer, :, : self.kernel_rows].set(window.astype(self.conv.dtype)),
-      ssm=self.ssm.at[layer, :, 0].set(final),
-      base=self.base.at[layer].set(start + n),
-      count=self.count.at[layer].set(jnp.zeros_like(start)),
+      conv=self.conv.at[layer].set(window.astype(self.conv.dtype)),
+      ssm=self.ssm.at[layer].set(final),
     )
+
+  def committed(self, lengths: jax.Array) -> "LinearState":
+    """The state after `lengths` tokens: the pending snapshot of the committed prefix (a =
+    lengths − pending_start, clipped to the block), pending fields dropped."""
+    if not self.has_pending:
+      return self
+    t = self.pending_ssm.shape[2] - 1
+    k = self.conv.shape[2]
+    a = jnp.clip(lengths - self.pending_start, 0, t)  # [B]
+    rows = jnp.arange(a.shape[0])
+    cols = a[:, None] + jnp.arange(k)[None, :]
+    conv = self.pending_conv[:, rows[:, None], cols]  # [L, B, K−1, C]
+    ssm = self.pending_ssm[:, rows, a]  # [L, B, H, Dk, Dv]
+    return LinearState(conv, ssm)
 
   def commit_path(self, start: jax.Array, path: jax.Array) -> "LinearState":
     raise ConfigError(
@@ -528,7 +525,13 @@ class DecodingState:
     return formats[0] if formats else "float"
 
   def with_lengths(self, lengths: jax.Array) -> "DecodingState":
-    return self.replace(lengths=lengths.astype(jnp.int32))
+    """The state with `lengths` committed tokens per sequence; a recurrent entry keeps the
+    snapshot of that prefix from its last block (LinearState.committed)."""
+    lengths = lengths.astype(jnp.int32)
+    segments = tuple(
+      s.committed(lengths) if isinstance(s, LinearState) else s for s in self.segments
+    )
+    return self.replace(segments=segments, lengths=lengths)
 
   def commit(self, num_new: jax.Array) -> "DecodingState":
     """Advances each sequence's committed length by num_new [B]."""

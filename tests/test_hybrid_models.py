@@ -111,6 +111,8 @@ def test_linear_state_bytes_do_not_grow_with_context():
   linear = [i for i, s in enumerate(short.segments) if isinstance(s, LinearState)]
   assert linear == [0]
   assert nbytes(short.segments[0]) == nbytes(long.segments[0])
+  # 3 linear layers × (conv window (K−1) × C channels + the state H × Dk × Dv), float32.
+  assert nbytes(short.segments[0]) == 3 * ((4 - 1) * (2 * 2 * 8 + 4 * 6) + 4 * 8 * 6) * 4
   assert nbytes(long.segments[1]) == 32 * nbytes(short.segments[1])  # the attention KV grows
 
 

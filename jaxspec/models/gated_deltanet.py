@@ -315,10 +315,9 @@ class GatedDeltaNet(nn.Module):
     g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
       a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
     )
-    snapshots = entry is not None and valid is None and t <= entry.window
-    if snapshots:  # short block: keep the state after every position (chain verification)
+    if entry is not None and entry.has_pending:  # short block: every position's state
       out, states = recurrent(q, k, v, g, beta, s0)
-      entry = entry.write_snapshots(layer, start, conv_inputs, s0, states)
+      entry = entry.write_snapshots(layer, conv_inputs, s0, states)
     else:
       if valid is not None:  # tokens past a sequence's valid length leave the state alone
         inside = jnp.arange(t)[None, :, None] < valid[:, None, None]
@@ -330,7 +329,7 @@ class GatedDeltaNet(nn.Module):
         out, final = chunked(q, k, v, g, beta, s0, c.linear_chunk)
       if entry is not None:
         n = jnp.full((bsz,), t, jnp.int32) if valid is None else jnp.clip(valid, 0, t)
-        entry = entry.write_final(layer, start, n, conv_inputs, final)
+        entry = entry.write_final(layer, n, conv_inputs, final)
     out = gated_rmsnorm(out.astype(x.dtype), z, norm_w, c.rms_norm_eps)
     out = Dense(
       (c.hidden_size,), (None, "embed"), name="out_proj", dtype=c.dtype, param_dtype=c.param_dtype
