@@ -52,13 +52,14 @@ def test_state_carried_across_calls_equals_one_call():
   """Two chunked calls (7 + 6 tokens, chunks of 4) with the state carried equal one call; a
   padding token (g = 0, β = 0) leaves the state unchanged."""
   q, k, v, g, beta, s0 = _inputs(2, t=13)
-  out, s = gdn.chunked(q, k, v, g, beta, s0, chunk_size=4)
+  chunked = jax.jit(gdn.chunked, static_argnames="chunk_size")
+  out, s = chunked(q, k, v, g, beta, s0, chunk_size=4)
   a = [x[:, :7] for x in (q, k, v, g, beta)]
   c = [x[:, 7:] for x in (q, k, v, g, beta)]
-  out1, s1 = gdn.chunked(*a, s0, chunk_size=4)
-  out2, s2 = gdn.chunked(*c, s1, chunk_size=4)
+  out1, s1 = chunked(*a, s0, chunk_size=4)
+  out2, s2 = chunked(*c, s1, chunk_size=4)
   np.testing.assert_allclose(np.concatenate([out1, out2], 1), np.asarray(out), atol=1e-5)
   np.testing.assert_allclose(np.asarray(s2), np.asarray(s), atol=1e-5)
   zero = jnp.zeros_like(g[:, :3])
-  _, s3 = gdn.chunked(q[:, :3], k[:, :3], v[:, :3], zero, zero, s, chunk_size=4)
+  _, s3 = chunked(q[:, :3], k[:, :3], v[:, :3], zero, zero, s, chunk_size=4)
   np.testing.assert_allclose(np.asarray(s3), np.asarray(s), atol=1e-6)

@@ -69,6 +69,7 @@ def test_config_reading_and_export_roundtrip(saved, tmp_path):
   }
 
 
+@pytest.mark.slow  # ~40 s on 2 busy cores; test_chain_speculation_equals_plain covers commits
 def test_blocks_and_partial_commits_equal_full_forward(saved):
   """Blocks through the decoding state (each short block keeps per-position states) equal the
   full forward; so does a block of which only a prefix is committed before the next block
@@ -116,7 +117,10 @@ def test_linear_state_bytes_do_not_grow_with_context():
   assert nbytes(long.segments[1]) == 32 * nbytes(short.segments[1])  # the attention KV grows
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_dense_3to1_tied", "qwen3next_moe_mlponly"])
+@pytest.mark.parametrize(
+  "name",
+  ["qwen3_5_dense_3to1_tied", pytest.param("qwen3next_moe_mlponly", marks=pytest.mark.slow)],
+)
 def test_greedy_generate_matches_transformers(saved, name):
   """Two prompts of different lengths in one padded batch (prefill in chunks of 4, so padding
   must stay out of the recurrent state), then 12 greedy tokens, each equal to HF generate."""
