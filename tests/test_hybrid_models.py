@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 
@@ -61,6 +62,12 @@ def test_config_reading_and_export_roundtrip(saved, tmp_path):
       hf_models.hf_logits(back, ids), hf_models.hf_logits(hf_model, ids), atol=1e-5
     )
     assert jaxspec.load_model(str(out)).config == c
+  # Published Qwen3.5 checkpoints carry an MTP module (mtp.*) that transformers skips: so do we.
+  tensors = safetensors.numpy.load_file(str(out / "model.safetensors"))
+  tensors["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
+  safetensors.numpy.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.warns(UserWarning, match="mtp.fc.weight"):
+    jaxspec.load_model(str(out))
   assert kinds == {
     "qwen3_5_dense_3to1_tied": ["Ld", "Ld", "Ld", "Fd"],
     "qwen3_5_dense_full_first": ["Fd", "Ld", "Ld", "Fd", "Ld"],

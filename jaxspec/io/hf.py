@@ -433,13 +433,16 @@ def load_params(
 
   Each tensor is checked as it is read: present, of the config's shape, finite once cast to
   param_dtype. Tensors the config does not use raise (`check_unexpected`), except a tied
-  `lm_head.weight` (transformers ignores it too) and, with `extra_layers_ok` (the caller asked
+  `lm_head.weight` (transformers ignores it too), a hybrid target's `mtp.*` module (skipped
+  as transformers skips it) and, with `extra_layers_ok` (the caller asked
   for fewer layers than stored), the layers past the ones loaded: those warn.
   """
   depth = config.num_layers + config.num_mtp_layers
 
   def ignorable(name: str) -> bool:
     if config.tie_word_embeddings and name == "lm_head.weight":
+      return True
+    if config.is_hybrid and name.startswith("mtp."):  # Qwen3.5's MTP module: not built yet
       return True
     i = _layer_index(name)
     return extra_layers_ok and i is not None and i >= depth
