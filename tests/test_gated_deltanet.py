@@ -63,3 +63,15 @@ def test_state_carried_across_calls_equals_one_call():
   zero = jnp.zeros_like(g[:, :3])
   _, s3 = chunked(q[:, :3], k[:, :3], v[:, :3], zero, zero, s, chunk_size=4)
   np.testing.assert_allclose(np.asarray(s3), np.asarray(s), atol=1e-6)
+
+
+def test_chunked_with_strong_decay_stays_finite_and_exact():
+  """Decays of e^-20 per token (exp of the in-chunk cumulative decay underflows to 0): still
+  finite and equal to the reference."""
+  q, k, v, g, beta, s0 = _inputs(3, t=9)
+  g = g * 14.0 - 1.0
+  ref_out, ref_s = gdn.recurrent_reference(q, k, v, g, beta, s0)
+  out, s = jax.jit(gdn.chunked, static_argnames="chunk_size")(q, k, v, g, beta, s0, chunk_size=8)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(s), np.asarray(ref_s), atol=1e-5, rtol=1e-5)
