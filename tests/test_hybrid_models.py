@@ -17,6 +17,7 @@ import transformers
 
 import jaxspec
 from jaxspec.drafters.base import Drafter, Proposal, ProposeContext
+from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.errors import ConfigError
 from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
@@ -194,3 +195,5 @@ def test_chain_speculation_equals_plain(saved):
     SpecEngine(model, drafter, EngineConfig(max_len=48, verify="tree"))
   with pytest.raises(ConfigError, match="linear_snapshots"):
     SpecEngine(model.with_config(linear_snapshots=3), drafter, cfg)
+  with pytest.raises(ConfigError, match="draft model with linear-attention"):
+    DraftModelDrafter.from_model(model)
