@@ -15,6 +15,16 @@ import numpy as np
 from jaxspec.models import gated_deltanet as gdn
 
 
+def _min_ms(f, args: tuple, kwargs: dict, repeats: int) -> float:
+  jax.block_until_ready(f(*args, **kwargs))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args, **kwargs))
+    times.append(time.perf_counter() - t0)
+  return min(times) * 1e3
+
+
 def main() -> None:
   b, h, dk, dv = 1, 16, 128, 128
   rec = jax.jit(gdn.recurrent)
@@ -27,19 +37,11 @@ def main() -> None:
     g = -jnp.asarray(rng.uniform(0.01, 1.0, size=(b, t, h)), jnp.float32)
     beta = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(b, t, h)), jnp.float32))
     s0 = jnp.zeros((b, h, dk, dv), jnp.float32)
-    res = {}
-    forms = {
-      "recurrent": lambda: rec(q, k, v, g, beta, s0),
-      "chunked": lambda: chk(q, k, v, g, beta, s0, chunk_size=64),
+    args = (q, k, v, g, beta, s0)
+    res = {
+      "recurrent": _min_ms(rec, args, {}, 15 if t <= 64 else 5),
+      "chunked": _min_ms(chk, args, {"chunk_size": 64}, 15 if t <= 64 else 5),
     }
-    for name, f in forms.items():
-      jax.block_until_ready(f())
-      times = []
-      for _ in range(15 if t <= 64 else 5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append(time.perf_counter() - t0)
-      res[name] = min(times) * 1e3
     print(f"T={t:4d}  recurrent {res['recurrent']:8.2f} ms   chunked(64) {res['chunked']:8.2f} ms")
 
 
