@@ -19,7 +19,14 @@ SUPPORTED_ARCHITECTURES = (
   "Qwen3MoeForCausalLM",
   "Glm4MoeForCausalLM",
   "GptOssForCausalLM",
+  "Qwen3NextForCausalLM",
+  "Qwen3_5ForCausalLM",
+  "Qwen3_5MoeForCausalLM",
 )
+# Hybrid targets: Gated DeltaNet (linear-attention) layers beside gated full-attention layers,
+# zero-centred RMSNorms ((1 + w) · x) and a sigmoid-gated shared expert (models/gated_deltanet.py).
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+LAYER_TYPES = ("full_attention", "linear_attention")
 # gpt-oss's RoPE when config.json states none (transformers' GptOssConfig default).
 GPT_OSS_DEFAULT_ROPE = {
   "rope_type": "yarn",
@@ -293,6 +300,56 @@ ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 MOE_BACKENDS = ("auto", "dense", "ragged", "gather", "ep", "ep_replicate", "ep_all_to_all")
 
 
+def _hybrid_fields(r: HFConfigReader, arch: str, num_layers: int) -> dict[str, Any]:
+  """The Qwen3-Next / Qwen3.5 fields of a config.json (transformers' defaults when absent)."""
+  types = r.strings("layer_types", None)
+  if types is None:
+    interval = r.integer("full_attention_interval", 4)
+    if interval < 1:
+      raise r.error(f"full_attention_interval must be positive, got {interval}")
+    types = tuple(
+      "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+    )
+  if len(types) != num_layers or set(types) - set(LAYER_TYPES):
+    raise r.error(
+      f"layer_types must name 'linear_attention' or 'full_attention' for each of the "
+      f"{num_layers} layers, got {_show(list(types))}"
+    )
+  kw: dict[str, Any] = dict(
+    layer_types=tuple(types),
+    linear_conv_kernel_dim=r.integer("linear_conv_kernel_dim", 4),
+    linear_key_head_dim=r.integer("linear_key_head_dim", 128),
+    linear_value_head_dim=r.integer("linear_value_head_dim", 128),
+    linear_num_key_heads=r.integer("linear_num_key_heads", 16),
+    linear_num_value_heads=r.integer("linear_num_value_heads", 32),
+  )
+  if arch == "Qwen3_5ForCausalLM":
+    return kw
+  experts = r.integer("num_experts", 512)
+  moe_arch = arch == "Qwen3_5MoeForCausalLM"
+  if moe_arch and experts < 1:
+    raise r.error(f"num_experts must be positive, got {experts}")
+  step = 1 if moe_arch else r.integer("decoder_sparse_step", 1)
+  if experts > 0 and step < 1:
+    raise r.error(f"decoder_sparse_step must be positive, got {step}")
+  mlp_only = set() if moe_arch else set(r.integers("mlp_only_layers", ()))
+  kw.update(
+    num_experts=experts,
+    num_experts_per_tok=r.integer("num_experts_per_tok", 8 if moe_arch else 10),
+    moe_intermediate_size=r.integer("moe_intermediate_size", 512),
+    shared_expert_intermediate_size=r.integer("shared_expert_intermediate_size", 512)
+    if experts > 0
+    else 0,
+    router="softmax",
+    norm_topk_prob=True if moe_arch else r.flag("norm_topk_prob", True),
+    decoder_sparse_step=step if experts > 0 else 1,
+    layer_is_moe=tuple(
+      (i not in mlp_only) and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+    ),
+  )
+  return kw
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of a decoder-only target (dense or MoE), in jaxspec's own terms.
@@ -364,6 +421,22 @@ class ModelConfig:
   # the XLA path reads the committed prefix in chunks of `attention_chunk` slots.
   attention_impl: str = "auto"
   attention_chunk: int = 256
+  # Hybrid targets (HYBRID_ARCHITECTURES): each layer's token mixer, "full_attention" or
+  # "linear_attention" (Gated DeltaNet; empty: all full), and the linear layers' shapes.
+  layer_types: tuple[str, ...] = ()
+  linear_conv_kernel_dim: int = 4
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  # Chunk of the chunked delta rule (prefill, long blocks) and how many per-position states a
+  # linear layer's decoding state keeps for a block (the widest block chain verification may
+  # commit a prefix of; models/gated_deltanet.py, state.LinearState).
+  linear_chunk: int = 64
+  linear_snapshots: int = 16
+  # Qwen3-Next / Qwen3.5-MoE shared expert: one SwiGLU of this width, gated by
+  # sigmoid(x · w_gate) (0: none).
+  shared_expert_intermediate_size: int = 0
   # Layer runs as one `nn.scan` over stacked parameters [n, ...] (True: compile time flat in
   # depth; training's layout), or unrolled over per-layer parameter buffers (False: decoding's
   # layout, since a scanned layer's weights are sliced out of the stack, a copy on backends
@@ -382,6 +455,10 @@ class ModelConfig:
 
   def __post_init__(self):
     self._check_types()  # before layer_is_moe is derived from num_layers and the sparse step
+    if not self.layer_types:
+      object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+    else:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if not self.layer_windows:
       object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
     else:
@@ -409,6 +486,25 @@ class ModelConfig:
     return self.architecture == "GptOssForCausalLM"
 
   @property
+  def is_hybrid(self) -> bool:
+    """Qwen3-Next / Qwen3.5: zero-centred norms, gated attention output, maybe linear layers."""
+    return self.architecture in HYBRID_ARCHITECTURES
+
+  @property
+  def norm_offset(self) -> float:
+    """RMSNorm weights are stored as w with scale 1 + w (zero-centred) in hybrid targets."""
+    return 1.0 if self.is_hybrid else 0.0
+
+  @property
+  def attention_output_gate(self) -> bool:
+    """Full attention with an output gate: q_proj also yields a per-head gate, out ⊙ σ(gate)."""
+    return self.is_hybrid
+
+  def is_linear(self, layer: int) -> bool:
+    """Whether layer `layer` is a Gated DeltaNet (linear-attention) layer."""
+    return self.layer_types[layer] == "linear_attention"
+
+  @property
   def sliding_window(self) -> int:
     """The largest per-layer window (0: every layer attends to the whole context)."""
     return max(self.layer_windows, default=0)
@@ -427,10 +523,12 @@ class ModelConfig:
     return self.is_moe
 
   def segments(self) -> tuple[tuple[int, int, bool], ...]:
-    """Maximal runs of same-kind layers as (first_layer, num_layers, is_moe); each is one scan."""
+    """Maximal runs of same-kind layers as (first_layer, num_layers, is_moe); each is one scan.
+
+    A run's layers share the FFN kind and the token mixer (`is_linear(first_layer)`)."""
     runs: list[tuple[int, int, bool]] = []
     for i, moe in enumerate(self.layer_is_moe):
-      if runs and runs[-1][2] == moe:
+      if runs and runs[-1][2] == moe and self.is_linear(runs[-1][0]) == self.is_linear(i):
         start, n, _ = runs[-1]
         runs[-1] = (start, n + 1, moe)
       else:
@@ -463,7 +561,24 @@ class ModelConfig:
       changes["layer_is_moe"] = self._layer_is_moe_at_depth(int(n))
     if _is_int(n) and "layer_windows" not in changes:
       changes["layer_windows"] = self._windows_at_depth(int(n))
+    if _is_int(n) and "layer_types" not in changes:
+      changes["layer_types"] = self._types_at_depth(int(n))
     return dataclasses.replace(self, **changes)
+
+  def _types_at_depth(self, n: int) -> tuple[str, ...]:
+    """`layer_types` for `n` layers: the full-attention-every-I-th-layer pattern (HF's
+    `full_attention_interval`) when the config follows one, else the first n entries, grown by
+    repeating the last layer's."""
+    old = self.layer_types
+    if n < 1:
+      return old
+    for interval in range(1, len(old) + 1):
+      pattern = lambda m: tuple(
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(m)
+      )
+      if old == pattern(len(old)):
+        return pattern(n)
+    return old[:n] + old[-1:] * max(0, n - len(old))
 
   def _windows_at_depth(self, n: int) -> tuple[int, ...]:
     """`layer_windows` for `n` layers: gpt-oss's alternation (sliding at even layers) when the
@@ -483,7 +598,8 @@ class ModelConfig:
       return old  # validation reports the bad num_layers
     if not self.is_moe:
       return (False,) * n
-    if self.architecture == "Qwen3MoeForCausalLM" and self.decoder_sparse_step >= 1:
+    sparse_step_archs = ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+    if self.architecture in sparse_step_archs and self.decoder_sparse_step >= 1:
       step = self.decoder_sparse_step
       mlp_only = {i for i, moe in enumerate(old) if not moe}
       return tuple((i + 1) % step == 0 and i not in mlp_only for i in range(n))
@@ -505,6 +621,9 @@ class ModelConfig:
     "topk_group",
     "decoder_sparse_step",
     "attention_chunk",
+    "linear_conv_kernel_dim",
+    "linear_chunk",
+    "linear_snapshots",
   )
   _COUNTS = (
     "intermediate_size",
@@ -513,6 +632,11 @@ class ModelConfig:
     "moe_intermediate_size",
     "n_shared_experts",
     "num_mtp_layers",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "shared_expert_intermediate_size",
   )
   _POSITIVE_FLOATS = (
     "swiglu_alpha",
@@ -567,6 +691,11 @@ class ModelConfig:
     need(
       _is_real(self.swiglu_limit) and math.isfinite(self.swiglu_limit) and self.swiglu_limit >= 0,
       f"swiglu_limit must be a finite number ≥ 0, got {_show(self.swiglu_limit)}",
+    )
+    need(
+      isinstance(self.layer_types, (tuple, list))
+      and all(t in LAYER_TYPES for t in self.layer_types),
+      f"layer_types must name {' or '.join(LAYER_TYPES)} per layer, got {_show(self.layer_types)}",
     )
     need(
       isinstance(self.layer_windows, (tuple, list))
@@ -625,8 +754,8 @@ class ModelConfig:
     )
     if self.decoder_sparse_step > 1:
       need(
-        self.architecture == "Qwen3MoeForCausalLM",
-        "decoder_sparse_step applies only to Qwen3MoeForCausalLM",
+        self.architecture in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
+        "decoder_sparse_step applies only to Qwen3MoeForCausalLM and Qwen3NextForCausalLM",
       )
       off_step = [
         i for i, moe in enumerate(self.layer_is_moe) if moe and (i + 1) % self.decoder_sparse_step
@@ -655,6 +784,33 @@ class ModelConfig:
       len(self.layer_windows) == self.num_layers,
       f"layer_windows has {len(self.layer_windows)} entries but num_layers is "
       f"{self.num_layers}: it needs one entry per layer",
+    )
+    need(
+      len(self.layer_types) == self.num_layers,
+      f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}: "
+      f"it needs one entry per layer",
+    )
+    if any(t == "linear_attention" for t in self.layer_types):
+      need(self.is_hybrid, f"linear_attention layers need one of {HYBRID_ARCHITECTURES}")
+      for name in (
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+      ):
+        need(getattr(self, name) > 0, f"{name} must be positive for linear_attention layers")
+      need(
+        self.linear_num_value_heads % self.linear_num_key_heads == 0,
+        f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+        f"linear_num_key_heads ({self.linear_num_key_heads})",
+      )
+      need(
+        self.linear_conv_kernel_dim >= 2,
+        f"linear_conv_kernel_dim must be ≥ 2, got {self.linear_conv_kernel_dim}",
+      )
+    need(
+      not self.shared_expert_intermediate_size or self.is_hybrid,
+      "a gated shared expert (shared_expert_intermediate_size) is a Qwen3-Next / Qwen3.5 feature",
     )
     gpt_oss = self.architecture == "GptOssForCausalLM"
     need(
@@ -736,14 +892,16 @@ class ModelConfig:
     if unknown:
       raise ConfigError(f"{arch}: unknown ModelConfig field(s) {', '.join(unknown)} in overrides")
     r = HFConfigReader(hf, arch)
-    r.require(
-      "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"
-    )
+    required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+    if arch != "Qwen3_5MoeForCausalLM":  # all of its layers are MoE: no dense width
+      required.append("intermediate_size")
+    r.require(*required)
     gpt_oss = arch == "GptOssForCausalLM"
-    if not gpt_oss and (
-      r.flag("use_sliding_window", False)
-      or any(t != "full_attention" for t in r.strings("layer_types", ()))
-    ):
+    hybrid = arch in HYBRID_ARCHITECTURES
+    sliding = r.flag("use_sliding_window", False) or any(
+      t != "full_attention" for t in r.strings("layer_types", ())
+    )
+    if sliding and not (gpt_oss or hybrid):
       raise r.error("sliding-window attention layers are not supported")
     if r.string("hidden_act", "silu") != "silu":
       raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
@@ -751,9 +909,12 @@ class ModelConfig:
     if gpt_oss and not (r.mapping("rope_parameters") or r.mapping("rope_scaling")):
       r = HFConfigReader({**hf, "rope_parameters": GPT_OSS_DEFAULT_ROPE}, arch)
     # Qwen3 and gpt-oss rotate whole heads whatever the config says; GLM defaults to half.
-    rope_theta, partial = r.rope(
-      150000.0 if gpt_oss else 10000.0, None if qwen or gpt_oss else 0.5, allowed=ROPE_TYPES
-    )
+    if hybrid:  # transformers' default RoPE over the first quarter of each head
+      rope_theta, partial = r.rope(10000.0, 0.25, allowed=("default",))
+    else:
+      rope_theta, partial = r.rope(
+        150000.0 if gpt_oss else 10000.0, None if qwen or gpt_oss else 0.5, allowed=ROPE_TYPES
+      )
 
     hidden = r.integer("hidden_size")
     heads = r.integer("num_attention_heads")
@@ -765,8 +926,10 @@ class ModelConfig:
       num_layers=num_layers,
       num_heads=heads,
       num_kv_heads=r.integer("num_key_value_heads", heads),
-      head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
-      intermediate_size=r.integer("intermediate_size"),
+      head_dim=r.integer("head_dim", 256 if hybrid else hidden // heads if heads > 0 else 0),
+      intermediate_size=r.integer(
+        "intermediate_size", 0 if arch == "Qwen3_5MoeForCausalLM" else _REQUIRED
+      ),
       rms_norm_eps=r.number("rms_norm_eps", 1e-6),
       rope_theta=rope_theta,
       rope_scaling=r.rope_scaling(r.integer("max_position_embeddings", 32768)),
@@ -779,8 +942,10 @@ class ModelConfig:
       bos_token_id=r.integer("bos_token_id", None),
       num_mtp_layers=r.first_integer(("num_nextn_predict_layers", "num_mtp_layers"), 0),
     )
-    if qwen:
+    if qwen or hybrid:
       kw.update(attention_out_bias=kw["attention_bias"], qk_norm=True)
+    if hybrid:
+      kw.update(_hybrid_fields(r, arch, num_layers))
     if arch == "Qwen3MoeForCausalLM":
       experts = r.first_integer(("num_experts", "num_local_experts"), 0)
       sparse_step = r.integer("decoder_sparse_step", 1)
@@ -852,6 +1017,40 @@ class ModelConfig:
     kw.update(overrides)
     return cls(**kw)
 
+  def _hybrid_hf(self) -> dict[str, Any]:
+    """The Qwen3-Next / Qwen3.5 part of `to_hf`."""
+    hf: dict[str, Any] = dict(
+      model_type={
+        "Qwen3NextForCausalLM": "qwen3_next",
+        "Qwen3_5ForCausalLM": "qwen3_5_text",
+        "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+      }[self.architecture],
+      layer_types=list(self.layer_types),
+      linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+      linear_key_head_dim=self.linear_key_head_dim,
+      linear_value_head_dim=self.linear_value_head_dim,
+      linear_num_key_heads=self.linear_num_key_heads,
+      linear_num_value_heads=self.linear_num_value_heads,
+    )
+    if self.architecture == "Qwen3_5ForCausalLM":
+      return hf
+    hf.update(
+      num_experts=self.num_experts,
+      num_experts_per_tok=self.num_experts_per_tok,
+      moe_intermediate_size=self.moe_intermediate_size,
+      shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+    )
+    if self.architecture == "Qwen3NextForCausalLM":
+      step = self.decoder_sparse_step
+      hf.update(
+        norm_topk_prob=self.norm_topk_prob,
+        decoder_sparse_step=step,
+        mlp_only_layers=[
+          i for i, m in enumerate(self.layer_is_moe) if not m and (i + 1) % step == 0
+        ],
+      )
+    return hf
+
   def to_hf(self) -> dict[str, Any]:
     """The HF `config.json` dict that describes this architecture (inverse of from_hf)."""
     hf: dict[str, Any] = dict(
@@ -903,6 +1102,10 @@ class ModelConfig:
       )
       if len(set(w for w in self.layer_windows if w)) > 1:
         raise ConfigError(f"gpt-oss has one sliding window size, got {set(self.layer_windows)}")
+    elif self.is_hybrid:
+      hf.update(self._hybrid_hf())
+      if self.architecture == "Qwen3_5MoeForCausalLM":  # every layer is MoE: no dense width
+        hf.pop("intermediate_size")
     elif self.architecture == "Qwen3MoeForCausalLM":
       step = self.decoder_sparse_step
       hf.update(

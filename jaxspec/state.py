@@ -15,9 +15,9 @@ is a *layer-state kind*, a pytree class that says how it is
 
 Attention kinds keep the rule "slots at or past `lengths` are scratch": a block writes past the
 committed length, and only the accepted prefix becomes part of the text when `lengths`
-advances. A recurrent kind (Gated DeltaNet) fits the same seam with per-position snapshots
-written by a block and a `commit_path` that selects the accepted one; the engine never looks
-inside an entry.
+advances. The recurrent kind `LinearState` (Gated DeltaNet layers) fits the same seam: a block
+leaves per-position snapshots and committing the new `lengths` keeps the accepted one; the
+engine never looks inside an entry.
 
 Kinds here: `FloatKV` (the activation dtype), `FP8KV` (E4M3 values with one float32 scale
 per token and KV head, quantized on write) and `Q4KV` (llama.cpp's Q4_0); `KV_FORMATS` maps
@@ -37,6 +37,14 @@ from jaxspec.errors import ConfigError
 # Logical axes of an attention entry's K/V arrays and of the FP8 scales (for sharding rules).
 KV_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 SCALE_AXES = ("layers", "batch", "length", "kv_heads")
+# Logical axes of a LinearState's arrays, by field (conv channels and state dims unsharded).
+LINEAR_STATE_AXES = {
+  "conv": ("layers", "batch", None, None),
+  "ssm": ("layers", "batch", None, None, None),
+  "pending_conv": ("layers", "batch", None, None),
+  "pending_ssm": ("layers", "batch", None, None, None, None),
+  "pending_start": ("batch",),
+}
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -363,6 +371,113 @@ class RingKV:
 
 
 @flax.struct.dataclass
+class LinearState:
+  """Decoding state of a segment of Gated DeltaNet (linear-attention) layers: a fixed number of
+  bytes per sequence, whatever the context length.
+
+  conv [L, B, K−1, C]: the conv window (the last K−1 inputs of the q/k/v channels, activation
+  dtype); ssm [L, B, H, Dk, Dv] float32: the delta-rule state; both after the committed tokens.
+
+  A forward over a block of T ≤ `ModelConfig.linear_snapshots` tokens without `valid` lengths
+  (decode, chain verification) leaves the state as it was and fills the *pending* fields:
+  pending_conv [L, B, K−1+T, C] (the window before the block, then the block's conv inputs;
+  rows a..a+K−2 are the window after a tokens) and pending_ssm [L, B, T+1, H, Dk, Dv] (the
+  state after a = 0..T tokens), for the block at pending_start [B]. `DecodingState.with_lengths`
+  (and `commit`) then keeps the snapshot of the committed prefix, a = lengths − pending_start,
+  and drops the pending fields: only the committed state is carried between steps. Any other
+  block (prefill with `valid` lengths, or a longer block, taken as committed whole) writes the
+  state after its valid tokens directly. A block at position 0 starts from zeros.
+  """
+
+  conv: jax.Array
+  ssm: jax.Array
+  pending_conv: jax.Array | None = None
+  pending_ssm: jax.Array | None = None
+  pending_start: jax.Array | None = None
+
+  format: ClassVar[str] = "linear"
+  max_len: ClassVar[int] = 2**31 - 1  # no length limit of its own
+
+  @classmethod
+  def create(cls, config, num_layers: int, batch: int, max_len: int = 0) -> "LinearState":
+    del max_len  # fixed size
+    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim
+    channels += config.linear_num_value_heads * config.linear_value_head_dim
+    conv = (num_layers, batch, config.linear_conv_kernel_dim - 1, channels)
+    ssm = (
+      num_layers,
+      batch,
+      config.linear_num_value_heads,
+      config.linear_key_head_dim,
+      config.linear_value_head_dim,
+    )
+    return cls(jnp.zeros(conv, jnp.dtype(config.dtype)), jnp.zeros(ssm, jnp.float32))
+
+  @property
+  def has_pending(self) -> bool:
+    return self.pending_ssm is not None
+
+  def initial(self, layer: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(conv window [B, K−1, C], recurrent state [B, H, Dk, Dv]) a block at `start` resumes
+    from: the committed state, or zeros at position 0 (a new sequence)."""
+    fresh = start == 0
+    window = jnp.where(fresh[:, None, None], 0, self.conv[layer])
+    return window, jnp.where(fresh[:, None, None, None], 0.0, self.ssm[layer])
+
+  def with_pending(self, start: jax.Array, t: int) -> "LinearState":
+    """Room for the per-position states of a block of t tokens at `start`."""
+    n, b, rows, c = self.conv.shape
+    return self.replace(
+      pending_conv=jnp.zeros((n, b, rows + t, c), self.conv.dtype),
+      pending_ssm=jnp.zeros((n, b, t + 1, *self.ssm.shape[2:]), jnp.float32),
+      pending_start=start.astype(jnp.int32),
+    )
+
+  def write_snapshots(
+    self, layer: jax.Array, conv_inputs: jax.Array, s0: jax.Array, states: jax.Array
+  ) -> "LinearState":
+    """A short block's conv inputs [B, K−1+T, C], initial state and per-position states
+    [B, T, H, Dk, Dv] into the pending fields."""
+    ssm = jnp.concatenate([s0[:, None], states], axis=1)
+    return self.replace(
+      pending_conv=self.pending_conv.at[layer].set(conv_inputs.astype(self.conv.dtype)),
+      pending_ssm=self.pending_ssm.at[layer].set(ssm),
+    )
+
+  def write_final(
+    self, layer: jax.Array, n: jax.Array, conv_inputs: jax.Array, final: jax.Array
+  ) -> "LinearState":
+    """The state after the first n [B] tokens of a block (conv inputs [B, K−1+T, C])."""
+    k = self.conv.shape[2]
+    rows = jnp.arange(n.shape[0])[:, None]
+    window = conv_inputs[rows, n[:, None] + jnp.arange(k)[None, :]]
+    return self.replace(
+      conv=self.conv.at[layer].set(window.astype(self.conv.dtype)),
+      ssm=self.ssm.at[layer].set(final),
+    )
+
+  def committed(self, lengths: jax.Array) -> "LinearState":
+    """The state after `lengths` tokens: the pending snapshot of the committed prefix (a =
+    lengths − pending_start, clipped to the block), pending fields dropped."""
+    if not self.has_pending:
+      return self
+    t = self.pending_ssm.shape[2] - 1
+    k = self.conv.shape[2]
+    a = jnp.clip(lengths - self.pending_start, 0, t)  # [B]
+    rows = jnp.arange(a.shape[0])
+    cols = a[:, None] + jnp.arange(k)[None, :]
+    conv = self.pending_conv[:, rows[:, None], cols]  # [L, B, K−1, C]
+    ssm = self.pending_ssm[:, rows, a]  # [L, B, H, Dk, Dv]
+    return LinearState(conv, ssm)
+
+  def commit_path(self, start: jax.Array, path: jax.Array) -> "LinearState":
+    raise ConfigError(
+      "tree verification is not implemented for linear-attention (Gated DeltaNet) layers; "
+      "use chain verification"
+    )
+
+
+@flax.struct.dataclass
 class DecodingState:
   """The model's decoding state: one entry per layer segment plus committed lengths [B].
 
@@ -387,24 +502,36 @@ class DecodingState:
     (1,) for one MTP or drafter layer)."""
     if kv_format not in KV_FORMATS:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
-    if segment_layers is None:
-      segment_layers = tuple(n for _, n, _ in config.segments())
     kind = KV_FORMATS[kv_format]
+    if segment_layers is None:  # the main stack: linear-attention runs get a LinearState
+      kinds = [
+        LinearState if config.is_linear(first) else kind for first, _, _ in config.segments()
+      ]
+      segment_layers = tuple(n for _, n, _ in config.segments())
+    else:
+      kinds = [kind] * len(segment_layers)
     return cls(
-      tuple(kind.create(config, n, batch, max_len) for n in segment_layers),
+      tuple(k.create(config, n, batch, max_len) for k, n in zip(kinds, segment_layers)),
       jnp.zeros((batch,), jnp.int32),
     )
 
   @property
   def max_len(self) -> int:
-    return self.segments[0].max_len
+    return min(s.max_len for s in self.segments)
 
   @property
   def kv_format(self) -> str:
-    return self.segments[0].format
+    formats = [s.format for s in self.segments if s.format != LinearState.format]
+    return formats[0] if formats else "float"
 
   def with_lengths(self, lengths: jax.Array) -> "DecodingState":
-    return self.replace(lengths=lengths.astype(jnp.int32))
+    """The state with `lengths` committed tokens per sequence; a recurrent entry keeps the
+    snapshot of that prefix from its last block (LinearState.committed)."""
+    lengths = lengths.astype(jnp.int32)
+    segments = tuple(
+      s.committed(lengths) if isinstance(s, LinearState) else s for s in self.segments
+    )
+    return self.replace(segments=segments, lengths=lengths)
 
   def commit(self, num_new: jax.Array) -> "DecodingState":
     """Advances each sequence's committed length by num_new [B]."""

@@ -8,6 +8,7 @@ changes the logits.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,9 +163,107 @@ CONFIGS = {
 }
 
 
+# Hybrid targets (Gated DeltaNet + gated full attention): kept apart from CONFIGS so that the
+# suites parametrized over CONFIGS (sharding, quantization, ...) do not grow.
+_LINEAR = dict(
+  linear_conv_kernel_dim=4,
+  linear_key_head_dim=8,
+  linear_value_head_dim=6,
+  linear_num_key_heads=2,
+  linear_num_value_heads=4,
+)
+HYBRID_CONFIGS = {
+  "qwen3_5_dense_3to1_tied": (
+    "Qwen3_5TextConfig",
+    "Qwen3_5ForCausalLM",
+    dict(
+      vocab_size=64,
+      hidden_size=32,
+      intermediate_size=48,
+      num_hidden_layers=4,  # linear, linear, linear, full
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=8,
+      tie_word_embeddings=True,
+      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+      **_LINEAR,
+    ),
+  ),
+  "qwen3_5_dense_full_first": (
+    "Qwen3_5TextConfig",
+    "Qwen3_5ForCausalLM",
+    dict(
+      vocab_size=72,
+      hidden_size=24,
+      intermediate_size=40,
+      num_hidden_layers=5,
+      layer_types=[
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+      ],
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      head_dim=16,  # the default partial_rotary_factor 0.25: 4 rotary features
+      tie_word_embeddings=False,
+      linear_conv_kernel_dim=3,
+      linear_key_head_dim=6,
+      linear_value_head_dim=8,
+      linear_num_key_heads=3,
+      linear_num_value_heads=3,
+    ),
+  ),
+  "qwen3next_moe_mlponly": (
+    "Qwen3NextConfig",
+    "Qwen3NextForCausalLM",
+    dict(
+      vocab_size=80,
+      hidden_size=32,
+      intermediate_size=48,
+      moe_intermediate_size=16,
+      shared_expert_intermediate_size=24,
+      num_experts=4,
+      num_experts_per_tok=2,
+      norm_topk_prob=False,
+      mlp_only_layers=[1],
+      decoder_sparse_step=1,
+      num_hidden_layers=4,
+      full_attention_interval=2,  # linear, full, linear, full
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=8,
+      tie_word_embeddings=False,
+      **_LINEAR,
+    ),
+  ),
+  "qwen3_5moe_3to1": (
+    "Qwen3_5MoeTextConfig",
+    "Qwen3_5MoeForCausalLM",
+    dict(
+      vocab_size=64,
+      hidden_size=32,
+      moe_intermediate_size=16,
+      shared_expert_intermediate_size=24,
+      num_experts=6,
+      num_experts_per_tok=2,
+      num_hidden_layers=4,
+      num_attention_heads=2,
+      num_key_value_heads=2,
+      head_dim=16,
+      tie_word_embeddings=False,
+      **_LINEAR,
+    ),
+  ),
+}
+
+
 def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-  """A float32 HF model of configuration `name` with perturbed random weights, in eval mode."""
-  return build_hf_model_from(*CONFIGS[name], seed=seed)
+  """A float32 HF model of configuration `name` (CONFIGS or HYBRID_CONFIGS) with perturbed
+  random weights, in eval mode."""
+  spec = CONFIGS[name] if name in CONFIGS else HYBRID_CONFIGS[name]
+  return build_hf_model_from(*spec, seed=seed)
 
 
 def build_hf_model_from(
@@ -194,10 +293,13 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0) -> transformers.PreTra
   return model
 
 
-def save_all(tmp_path_factory) -> dict[str, tuple[transformers.PreTrainedModel, str]]:
-  """name → (HF model, checkpoint dir) for every configuration (for module-scoped fixtures)."""
+def save_all(
+  tmp_path_factory, names: Any = None
+) -> dict[str, tuple[transformers.PreTrainedModel, str]]:
+  """name → (HF model, checkpoint dir) for every configuration of CONFIGS (or of `names`), for
+  module-scoped fixtures."""
   out = {}
-  for name in sorted(CONFIGS):
+  for name in sorted(CONFIGS if names is None else names):
     d = str(tmp_path_factory.mktemp(name))
     out[name] = (save_hf_model(name, d), d)
   return out

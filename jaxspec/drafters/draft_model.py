@@ -60,6 +60,10 @@ class DraftModelDrafter(Drafter):
   def __post_init__(self):
     if self.config is None:
       raise ConfigError("DraftModelDrafter needs the draft model's ModelConfig")
+    if "linear_attention" in self.config.layer_types:
+      # Its propose re-runs committed tokens from an earlier slot; a recurrent state cannot
+      # rewind to it (jaxspec/state.py: LinearState).
+      raise ConfigError("a draft model with linear-attention layers is not supported")
     check_gamma("DraftModelDrafter", self.gamma)
 
   @classmethod

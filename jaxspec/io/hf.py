@@ -50,13 +50,42 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 #   "out_heads": HF [H, heads*D] ↔ jaxspec kernel [heads, D, H]
 #   "bias_heads": HF [heads*D]   ↔ jaxspec [heads, D]
 #   "linear": HF [out, in] ↔ jaxspec [in, out];  "same": identical.
+#   "conv": HF depthwise Conv1d weight [C, 1, K] ↔ jaxspec [K, C].
 Entry = tuple[str, tuple[str, ...], str]
 
 
-def _layer_entries(config: ModelConfig, moe: bool) -> list[Entry]:
+def _linear_attn_entries(config: ModelConfig) -> list[Entry]:
+  """A Gated DeltaNet layer's tensors (Qwen3-Next's fused projections or Qwen3.5's four)."""
+  if config.architecture == "Qwen3NextForCausalLM":
+    projections = ("in_proj_qkvz", "in_proj_ba")
+  else:
+    projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+  e: list[Entry] = [
+    (f"linear_attn.{p}.weight", ("linear_attn", p, "kernel"), "linear") for p in projections
+  ]
+  return e + [
+    ("linear_attn.conv1d.weight", ("linear_attn", "conv_kernel"), "conv"),
+    ("linear_attn.dt_bias", ("linear_attn", "dt_bias"), "same"),
+    ("linear_attn.A_log", ("linear_attn", "A_log"), "same"),
+    ("linear_attn.norm.weight", ("linear_attn", "norm"), "same"),
+    ("linear_attn.out_proj.weight", ("linear_attn", "out_proj", "kernel"), "linear"),
+  ]
+
+
+def _layer_entries(config: ModelConfig, moe: bool, linear: bool = False) -> list[Entry]:
   e: list[Entry] = [
     ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
     ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "same"),
+  ]
+  if linear:
+    e += _linear_attn_entries(config)
+  else:
+    e += _attention_entries(config)
+  return e + _ffn_entries(config, moe)
+
+
+def _attention_entries(config: ModelConfig) -> list[Entry]:
+  e: list[Entry] = [
     ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "in_heads"),
     ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "in_heads"),
     ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "in_heads"),
@@ -76,6 +105,11 @@ def _layer_entries(config: ModelConfig, moe: bool) -> list[Entry]:
     ]
   if config.attention_sinks:
     e.append(("self_attn.sinks", ("self_attn", "sinks"), "same"))
+  return e
+
+
+def _ffn_entries(config: ModelConfig, moe: bool) -> list[Entry]:
+  e: list[Entry] = []
   if config.fused_gate_up:  # gpt-oss: stacked experts in jaxspec's own [E, in, out] layout
     return e + [
       ("mlp.router.weight", ("mlp", "router"), "linear"),
@@ -104,6 +138,12 @@ def _layer_entries(config: ModelConfig, moe: bool) -> list[Entry]:
       (f"mlp.shared_experts.{p}.weight", ("mlp", "shared_experts", p, "kernel"), "linear")
       for p in ("gate_proj", "up_proj", "down_proj")
     ]
+  if config.shared_expert_intermediate_size:
+    e += [
+      (f"mlp.shared_expert.{p}.weight", ("mlp", "shared_expert", p, "kernel"), "linear")
+      for p in ("gate_proj", "up_proj", "down_proj")
+    ]
+    e.append(("mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), "linear"))
   return e
 
 
@@ -126,7 +166,7 @@ def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, st
   if not config.tie_word_embeddings:
     yield "lm_head.weight", ("lm_head", "kernel"), None, "linear"
   for s, (first, n, moe) in enumerate(config.segments()):
-    entries = _layer_entries(config, moe)
+    entries = _layer_entries(config, moe, config.is_linear(first))
     for j in range(n):
       for hf, path, kind in entries:
         yield f"model.layers.{first + j}.{hf}", (f"layers_{s}", *path), j, kind
@@ -146,6 +186,8 @@ def _to_jax_layout(w: np.ndarray, kind: str, target_shape: tuple[int, ...]) -> n
     return w.T.reshape(target_shape)
   if kind == "bias_heads":
     return w.reshape(target_shape)
+  if kind == "conv":  # HF depthwise Conv1d [C, 1, K] ↔ jaxspec [K, C]
+    return w[:, 0, :].T
   raise AssertionError(kind)
 
 
@@ -160,6 +202,8 @@ def _to_hf_layout(w: np.ndarray, kind: str) -> np.ndarray:
     return w.reshape(-1, w.shape[-1]).T
   if kind == "bias_heads":
     return w.reshape(-1)
+  if kind == "conv":
+    return w.T[:, None, :]
   raise AssertionError(kind)
 
 
@@ -389,13 +433,16 @@ def load_params(
 
   Each tensor is checked as it is read: present, of the config's shape, finite once cast to
   param_dtype. Tensors the config does not use raise (`check_unexpected`), except a tied
-  `lm_head.weight` (transformers ignores it too) and, with `extra_layers_ok` (the caller asked
+  `lm_head.weight` (transformers ignores it too), a hybrid target's `mtp.*` module (skipped
+  as transformers skips it) and, with `extra_layers_ok` (the caller asked
   for fewer layers than stored), the layers past the ones loaded: those warn.
   """
   depth = config.num_layers + config.num_mtp_layers
 
   def ignorable(name: str) -> bool:
     if config.tie_word_embeddings and name == "lm_head.weight":
+      return True
+    if config.is_hybrid and name.startswith("mtp."):  # Qwen3.5's MTP module: not built yet
       return True
     i = _layer_index(name)
     return extra_layers_ok and i is not None and i >= depth

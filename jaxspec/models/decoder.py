@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import ConfigError
 from jaxspec.models import attention as attention_lib
+from jaxspec.models.gated_deltanet import GatedDeltaNet
 from jaxspec.models.layers import (
   MLP,
   Attention,
@@ -57,10 +59,12 @@ class DecoderOutput(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm block: x + attn(norm(x)); x + ffn(norm(x)). The FFN is dense or MoE."""
+  """Pre-norm block: x + mix(norm(x)); x + ffn(norm(x)). The token mixer is attention or, with
+  `linear`, a Gated DeltaNet (models/gated_deltanet.py); the FFN is dense or MoE."""
 
   config: ModelConfig
   moe: bool
+  linear: bool = False
 
   @nn.compact
   def __call__(
@@ -72,14 +76,27 @@ class DecoderLayer(nn.Module):
     block_mask: jax.Array | None,
     positions: jax.Array | None = None,
     windows: jax.Array | None = None,
+    valid: jax.Array | None = None,
   ):
     h, kv, layer = carry
     c = self.config
-    norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, name=name)
-    window = None if windows is None else attention_lib.Window(windows[layer], positions)
-    attn_out, kv = Attention(c, name="self_attn")(
-      norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, window
+    norm = lambda name: RMSNorm(
+      c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset, name=name
     )
+    if self.linear:
+      if block_mask is not None:
+        raise ConfigError(
+          "tree verification (a block mask) is not implemented for linear-attention layers; "
+          "use chain verification"
+        )
+      attn_out, kv = GatedDeltaNet(c, name="linear_attn")(
+        norm("input_layernorm")(h), kv, layer, start, valid
+      )
+    else:
+      window = None if windows is None else attention_lib.Window(windows[layer], positions)
+      attn_out, kv = Attention(c, name="self_attn")(
+        norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, window
+      )
     h = h + attn_out
     x = norm("post_attention_layernorm")(h)
     ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
@@ -99,13 +116,16 @@ class LayerRun(nn.Module):
   config: ModelConfig
   moe: bool
   length: int
+  linear: bool = False
 
   @nn.compact
-  def __call__(self, carry: tuple, cos, sin, start, block_mask, positions=None, windows=None):
+  def __call__(
+    self, carry: tuple, cos, sin, start, block_mask, positions=None, windows=None, valid=None
+  ):
     outs = []
     for j in range(self.length):
-      carry, h = DecoderLayer(self.config, self.moe, name=str(j))(
-        carry, cos, sin, start, block_mask, positions, windows
+      carry, h = DecoderLayer(self.config, self.moe, self.linear, name=str(j))(
+        carry, cos, sin, start, block_mask, positions, windows, valid
       )
       outs.append(h)
     return carry, jnp.stack(outs)
@@ -152,18 +172,18 @@ def layer_windows(config: ModelConfig, first: int, n: int) -> jax.Array | None:
   return jnp.asarray([w or FULL_WINDOW for w in windows], jnp.int32)
 
 
-def _stack(config: ModelConfig, moe: bool, length: int, name: str) -> nn.Module:
+def _stack(config: ModelConfig, moe: bool, length: int, name: str, linear: bool) -> nn.Module:
   if not config.scan_layers:
-    return LayerRun(config, moe, length, name=name)
+    return LayerRun(config, moe, length, linear, name=name)
   scanned = nn.scan(
     DecoderLayer,
     variable_axes={"params": 0, "intermediates": 0},
     split_rngs={"params": True},
-    in_axes=(nn.broadcast,) * 6,
+    in_axes=(nn.broadcast,) * 7,
     length=length,
     metadata_params={nn.PARTITION_NAME: "layers"},
   )
-  return scanned(config, moe, name=name)
+  return scanned(config, moe, linear, name=name)
 
 
 class MTPLayer(nn.Module):
@@ -214,9 +234,10 @@ class Decoder(nn.Module):
       dtype_of(c.param_dtype),
     )
     self.stacks = [
-      _stack(c, moe, n, name=f"layers_{i}") for i, (_, n, moe) in enumerate(c.segments())
+      _stack(c, moe, n, f"layers_{i}", c.is_linear(first))
+      for i, (first, n, moe) in enumerate(c.segments())
     ]
-    self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
+    self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset)
     if not c.tie_word_embeddings:
       self.lm_head = Dense(
         (c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, param_dtype=c.param_dtype
@@ -256,8 +277,14 @@ class Decoder(nn.Module):
     taps: tuple[int, ...] = (),
     last_only: bool = False,
     logits_index: jax.Array | None = None,
+    valid: jax.Array | None = None,
   ) -> DecoderOutput:
     """Runs a block of T tokens per sequence; see the module docstring.
+
+    `valid` [B] (optional) says how many of the block's tokens belong to each sequence (padded
+    prompts): linear-attention layers then keep the state after that many tokens, and tokens
+    past it never enter their recurrent state. Attention layers ignore it (padding K/V sits
+    past the committed length, where no query looks).
 
     Logits are computed for every block position, only the last (`last_only`), or only at
     per-sequence index `logits_index` [B] (e.g. each padded prompt's last token): the LM head
@@ -273,6 +300,9 @@ class Decoder(nn.Module):
     per_layer, entries = [], []
     for i, (stack, (first, n, _)) in enumerate(zip(self.stacks, self.config.segments())):
       kv = None if state is None else state.segments[i]
+      if kv is not None and self.config.is_linear(first) and valid is None:
+        if t <= self.config.linear_snapshots:  # keep every position's state until commit
+          kv = kv.with_pending(start, t)
       (h, kv, _), hs = stack(
         (h, kv, jnp.int32(0)),
         cos,
@@ -281,6 +311,7 @@ class Decoder(nn.Module):
         block_mask,
         positions,
         layer_windows(self.config, first, n),
+        valid,
       )
       per_layer.append(hs)
       entries.append(kv)

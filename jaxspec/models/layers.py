@@ -63,24 +63,27 @@ def normal_init(stddev: float = 0.02):
 
 
 class RMSNorm(nn.Module):
-  """y = w · x / sqrt(mean(x²) + eps), computed in float32 (HF Qwen3/GLM semantics)."""
+  """y = (offset + w) · x / sqrt(mean(x²) + eps), computed in float32 (HF Qwen3/GLM semantics
+  with offset 0; Qwen3-Next / Qwen3.5's zero-centred norm, weights stored as w, with offset 1)."""
 
   dim: int
   eps: float
   axis_name: str = "embed"
   param_dtype: str = "float32"
+  offset: float = 0.0
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    init = nn.initializers.zeros if self.offset else nn.initializers.ones
     w = self.param(
       "scale",
-      nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+      nn.with_logical_partitioning(init, (self.axis_name,)),
       (self.dim,),
       dtype_of(self.param_dtype),
     )
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (w.astype(jnp.float32) * xf).astype(x.dtype)
+    return ((w.astype(jnp.float32) + self.offset) * xf).astype(x.dtype)
 
 
 class Dense(nn.Module):
@@ -242,13 +245,17 @@ class Attention(nn.Module):
   ) -> tuple[jax.Array, Any]:
     c = self.config
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
+    gated = c.attention_output_gate  # q_proj yields [query; gate] per head
     q = Dense(
-      (c.num_heads, c.head_dim),
+      (c.num_heads, 2 * c.head_dim if gated else c.head_dim),
       ("embed", "heads", "head_dim"),
       c.attention_bias,
       name="q_proj",
       **dense,
     )(x)
+    gate = None
+    if gated:
+      q, gate = q[..., : c.head_dim], q[..., c.head_dim :]
     k = Dense(
       (c.num_kv_heads, c.head_dim),
       ("embed", "kv_heads", "head_dim"),
@@ -264,8 +271,9 @@ class Attention(nn.Module):
       **dense,
     )(x)
     if c.qk_norm:
-      q = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="q_norm")(q)
-      k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm")(k)
+      norm = dict(offset=c.norm_offset)
+      q = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="q_norm", **norm)(q)
+      k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm", **norm)(k)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     sinks = None
@@ -290,6 +298,8 @@ class Attention(nn.Module):
       window=window,
       sinks=sinks,
     )
+    if gate is not None:
+      out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
     out = Dense(
       (c.hidden_size,),
       ("heads", "head_dim", "embed"),

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import expert_parallel as ep
-from jaxspec.models.layers import MLP, dtype_of, normal_init, weight
+from jaxspec.models.layers import MLP, Dense, dtype_of, normal_init, weight
 from jaxspec.quant.formats import is_quantized, materialize, take
 
 
@@ -337,4 +337,11 @@ class MoE(nn.Module):
     y = y.reshape(*lead, h)
     if c.n_shared_experts:
       y = y + MLP(c, c.shared_intermediate_size, name="shared_experts")(x)
+    if c.shared_expert_intermediate_size:  # Qwen3-Next / Qwen3.5: sigmoid-gated shared expert
+      gate = Dense(
+        (1,), ("embed", None), name="shared_expert_gate", dtype=c.dtype, param_dtype=c.param_dtype
+      )(x)
+      shared = MLP(c, c.shared_expert_intermediate_size, name="shared_expert")(x)
+      gated = jax.nn.sigmoid(gate.astype(jnp.float32)) * shared.astype(jnp.float32)
+      y = y + gated.astype(y.dtype)
     return y

@@ -32,7 +32,8 @@ def prefill(
   """Runs the padded prompts [B, P]; returns (last-position logits [B, V], state, taps, hidden).
 
   The state's lengths become prompt_lens. Positions past a prompt's end hold padding K/V that
-  no later query can see (they are at or past the committed length until overwritten).
+  no later query can see (they are at or past the committed length until overwritten), and
+  never enter a linear-attention layer's recurrent state (`valid`).
   """
   out = target_lib.apply_decoder(
     config,
@@ -42,6 +43,7 @@ def prefill(
     state,
     taps=taps,
     logits_index=prompt_lens - 1,
+    valid=prompt_lens,
   )
   return out.logits[:, 0], out.state.with_lengths(prompt_lens), out.taps, out.hidden
 
@@ -78,6 +80,7 @@ def prefill_chunk(
     state,
     taps=taps,
     logits_index=jnp.clip(last, 0, size - 1),
+    valid=jnp.clip(prompt_lens - start, 0, size),
   )
   in_chunk = (last >= 0) & (last < size)
   return out.logits[:, 0], in_chunk, out.state, out.taps, out.hidden

@@ -536,6 +536,18 @@ class SpecEngine:
     self.gamma = drafter.gamma if drafter is not None else 0
     # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
     self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
+    if any(target.config.is_linear(i) for i in range(target.config.num_layers)):
+      if self.tree is not None:
+        raise ConfigError(
+          "tree verification is not implemented for targets with linear-attention (Gated "
+          "DeltaNet) layers; use verify='chain'"
+        )
+      if self.gamma + 1 > target.config.linear_snapshots:
+        raise ConfigError(
+          f"a verify block of γ + 1 = {self.gamma + 1} tokens is wider than the "
+          f"{target.config.linear_snapshots} per-position states a linear-attention layer "
+          f"keeps; raise ModelConfig.linear_snapshots or lower γ"
+        )
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = plan.engine_plan(
       target, drafter, config.batch_size, config.max_len, config.kv_format

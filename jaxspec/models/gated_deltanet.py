@@ -1,0 +1,337 @@
+"""Gated DeltaNet: the gated delta rule and the linear-attention layer of Qwen3-Next / Qwen3.5.
+
+The gated delta rule keeps, per value head, a recurrent state S [Dk, Dv] (float32) and for each
+token t (query q_t, key k_t, value v_t, log-decay g_t ≤ 0, write strength β_t ∈ (0, 1))
+
+    S ← exp(g_t) · S
+    S ← S + k_t ⊗ β_t (v_t − Sᵀ k_t)        (the delta rule: correct what S predicts for k_t)
+    o_t = Sᵀ q_t
+
+Three forms, same numbers:
+
+* `recurrent_reference`: the recurrence above, one token at a time (`lax.scan`), written as
+  literally as possible. The oracle of the tests.
+* `recurrent`: the same scan, also returning the state after every position ([B, T, H, Dk, Dv]):
+  the form for single tokens and short verify blocks, whose per-position snapshots let chain
+  verification commit any accepted prefix.
+* `chunked`: the WY / UT-transform formulation of the FLA library (and transformers'
+  `torch_chunk_gated_delta_rule`): inside a chunk of C tokens the C delta-rule updates are
+  condensed into one unit-lower-triangular solve and a few matmuls; a `lax.scan` over chunks
+  carries S. The form for prefill and long blocks (cost O(T·C·D + T·D²) instead of T sequential
+  rank-1 updates).
+
+All three take q, k [B, T, H, Dk] (already L2-normalised and scaled, and repeated to the value
+heads), v [B, T, H, Dv], g, β [B, T, H] and an initial state [B, H, Dk, Dv] (None: zeros), and
+compute in float32. A token with g = 0 and β = 0 leaves S unchanged, which is how padding and
+positions past a sequence's valid length are kept out of the state.
+
+`GatedDeltaNet` is the layer: in-projections, a causal depthwise conv1d (window K) over the
+q/k/v channels with SiLU, the rule, a gated RMSNorm (norm(o) · silu(z)) and the out-projection.
+Its decoding state (jaxspec/state.py: `LinearState`) holds the conv window and S, a fixed number
+of bytes per sequence whatever the context length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import ModelConfig
+from jaxspec.models.layers import Dense, dtype_of
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _zeros_state(q: jax.Array, v: jax.Array) -> jax.Array:
+  b, _, h, dk = q.shape
+  return jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
+
+
+def _f32(*xs: jax.Array) -> list[jax.Array]:
+  return [x.astype(jnp.float32) for x in xs]
+
+
+def recurrent_reference(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array,
+  beta: jax.Array,
+  state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """The gated delta rule token by token: (out [B, T, H, Dv] float32, final state)."""
+  q, k, v, g, beta = _f32(q, k, v, g, beta)
+  s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
+
+  def step(s, x):
+    q_t, k_t, v_t, g_t, b_t = x  # [B, H, D], ..., [B, H]
+    s = s * jnp.exp(g_t)[..., None, None]
+    predicted = jnp.sum(s * k_t[..., :, None], axis=-2)  # Sᵀ k  [B, H, Dv]
+    delta = (v_t - predicted) * b_t[..., None]
+    s = s + k_t[..., :, None] * delta[..., None, :]
+    return s, jnp.sum(s * q_t[..., :, None], axis=-2)
+
+  xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+  s, out = jax.lax.scan(step, s0, xs)
+  return jnp.moveaxis(out, 0, 1), s
+
+
+def recurrent(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array,
+  beta: jax.Array,
+  state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """The recurrent form with per-position snapshots: (out [B, T, H, Dv], states [B, T, H, Dk,
+  Dv], the state after each position; states[:, -1] is the final one)."""
+  q, k, v, g, beta = _f32(q, k, v, g, beta)
+  s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
+
+  def step(s, x):
+    q_t, k_t, v_t, g_t, b_t = x
+    s = s * jnp.exp(g_t)[..., None, None]
+    predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+    delta = (v_t - predicted) * b_t[..., None]
+    s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=HIGHEST)
+    return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST), s)
+
+  xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+  _, (out, states) = jax.lax.scan(step, s0, xs)
+  return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
+
+
+def chunked(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array,
+  beta: jax.Array,
+  state: jax.Array | None = None,
+  chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array]:
+  """The chunked (UT-transform) form: (out [B, T, H, Dv] float32, final state [B, H, Dk, Dv]).
+
+  T is padded to a multiple of `chunk_size` with tokens of g = 0, β = 0, k = 0 (they leave the
+  state unchanged). Inside chunk c, with Γ_i the cumulative log-decay up to position i and
+  L[i, j] = exp(Γ_i − Γ_j) for j ≤ i: the C delta-rule corrections u satisfy
+  (I + strictly_lower(diag(β) K Kᵀ ⊙ L)) u = β ⊙ (V − exp(Γ) ⊙ K S), one unit-lower-triangular
+  solve per chunk; then O = (Q ⊙ exp(Γ)) S + (Q Kᵀ ⊙ L) u and
+  S' = exp(Γ_C) S + (K ⊙ exp(Γ_C − Γ))ᵀ u.
+  """
+  q, k, v, g, beta = _f32(q, k, v, g, beta)
+  b, t, h, _ = q.shape
+  dv = v.shape[-1]
+  s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
+  c = max(1, min(chunk_size, t))
+  pad = (-t) % c
+  if pad:
+    padding = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(padding, (q, k, v, g, beta))
+  n = (t + pad) // c
+  # [B, H, N, C, D] / [B, H, N, C]
+  split = lambda x: jnp.moveaxis(x.reshape(b, n, c, h, *x.shape[3:]), 3, 1)
+  q, k, v, g, beta = map(split, (q, k, v, g, beta))
+  cum = jnp.cumsum(g, axis=-1)  # Γ
+  causal = jnp.tril(jnp.ones((c, c), bool))
+  diff = jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf)
+  decay = jnp.exp(diff)  # L [B, H, N, C, C], 0 above the diagonal
+  k_beta = k * beta[..., None]
+  mm = lambda x, y: jnp.einsum("...ik,...jk->...ij", x, y, precision=HIGHEST)
+  system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), mm(k_beta, k) * decay, 0.0)
+  system = system + jnp.eye(c, dtype=jnp.float32)
+  solve = lambda rhs: jax.lax.linalg.triangular_solve(
+    system, rhs, left_side=True, lower=True, unit_diagonal=True
+  )
+  new_values = solve(v * beta[..., None])  # [B, H, N, C, Dv]
+  k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])  # [B, H, N, C, Dk]
+  intra = mm(q, k) * decay  # [B, H, N, C, C]
+  q_decayed = q * jnp.exp(cum)[..., None]
+  k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+  chunk_decay = jnp.exp(cum[..., -1])  # [B, H, N]
+
+  def body(s, x):
+    nv, kc, intra_c, qd, kd, cd = x
+    v_new = nv - jnp.einsum("bhck,bhkv->bhcv", kc, s, precision=HIGHEST)
+    out = jnp.einsum("bhck,bhkv->bhcv", qd, s, precision=HIGHEST) + jnp.einsum(
+      "bhij,bhjv->bhiv", intra_c, v_new, precision=HIGHEST
+    )
+    s = s * cd[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, v_new, precision=HIGHEST)
+    return s, out
+
+  xs = [jnp.moveaxis(x, 2, 0) for x in (new_values, k_cumdecay, intra, q_decayed, k_decayed)]
+  xs.append(jnp.moveaxis(chunk_decay, 2, 0))
+  s, out = jax.lax.scan(body, s0, xs)  # out [N, B, H, C, Dv]
+  out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
+  return jnp.moveaxis(out, 1, 2), s
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces of the layer
+# --------------------------------------------------------------------------------------------------
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """x / sqrt(Σx² + eps) over the last axis, in float32 (FLA's and transformers' l2norm)."""
+  xf = x.astype(jnp.float32)
+  return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def causal_conv(x: jax.Array, window: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Causal depthwise conv1d over time, then SiLU: out[t] = silu(Σ_j w[j] · z[t + j]) with z the
+  K − 1 previous inputs (`window` [B, K−1, C]) followed by x [B, T, C]; w [K, C].
+
+  Returns (out [B, T, C], z [B, K−1+T, C]: the conv windows of every position, which the
+  decoding state slices at the committed one)."""
+  kernel = w.shape[0]
+  z = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+  t = x.shape[1]
+  acc = sum(z[:, j : j + t].astype(jnp.float32) * w[j].astype(jnp.float32) for j in range(kernel))
+  return jax.nn.silu(acc).astype(x.dtype), z
+
+
+def gated_rmsnorm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """w · rmsnorm(x) · silu(gate), the norm in float32 (transformers' Qwen3NextRMSNormGated)."""
+  dt = x.dtype
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  y = w.astype(jnp.float32) * xf.astype(dt).astype(jnp.float32)
+  return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(dt)
+
+
+class GatedDeltaNet(nn.Module):
+  """The linear-attention token mixer of a Qwen3-Next / Qwen3.5 layer.
+
+  `entry` is this segment's `LinearState` (or None: no state, the block starts from zeros);
+  `layer` indexes the segment's layers; `start` [B] is the block's first position and `valid`
+  [B] (or None) how many of its tokens belong to each sequence (prefill of padded prompts).
+  Qwen3-Next projects q, k, v, z and b, a with two fused, per-key-head-grouped matrices
+  (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5 with four plain ones. Returns (out, entry).
+  """
+
+  config: ModelConfig
+
+  def _split_fused(self, x: jax.Array):
+    """Qwen3-Next's grouped in_proj_qkvz / in_proj_ba → q, k, v, z, b, a (its
+    fix_query_key_value_ordering)."""
+    c = self.config
+    nk, nv, dk, dv = (
+      c.linear_num_key_heads,
+      c.linear_num_value_heads,
+      c.linear_key_head_dim,
+      c.linear_value_head_dim,
+    )
+    r = nv // nk
+    dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
+    bsz, t = x.shape[:2]
+    qkvz = Dense((nk * (2 * dk + 2 * r * dv),), ("embed", None), name="in_proj_qkvz", **dense)(x)
+    ba = Dense((2 * nv,), ("embed", None), name="in_proj_ba", **dense)(x)
+    qkvz = qkvz.reshape(bsz, t, nk, 2 * dk + 2 * r * dv)
+    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+    ba = ba.reshape(bsz, t, nk, 2 * r)
+    b, a = ba[..., :r].reshape(bsz, t, nv), ba[..., r:].reshape(bsz, t, nv)
+    qkv = jnp.concatenate(
+      [q.reshape(bsz, t, -1), k.reshape(bsz, t, -1), v.reshape(bsz, t, -1)], axis=-1
+    )
+    return qkv, z.reshape(bsz, t, nv, dv), b, a
+
+  def _split_plain(self, x: jax.Array):
+    c = self.config
+    nk, nv, dk, dv = (
+      c.linear_num_key_heads,
+      c.linear_num_value_heads,
+      c.linear_key_head_dim,
+      c.linear_value_head_dim,
+    )
+    dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
+    bsz, t = x.shape[:2]
+    qkv = Dense((2 * nk * dk + nv * dv,), ("embed", None), name="in_proj_qkv", **dense)(x)
+    z = Dense((nv * dv,), ("embed", None), name="in_proj_z", **dense)(x)
+    b = Dense((nv,), ("embed", None), name="in_proj_b", **dense)(x)
+    a = Dense((nv,), ("embed", None), name="in_proj_a", **dense)(x)
+    return qkv, z.reshape(bsz, t, nv, dv), b, a
+
+  @nn.compact
+  def __call__(
+    self,
+    x: jax.Array,
+    entry: Any,
+    layer: jax.Array,
+    start: jax.Array,
+    valid: jax.Array | None = None,
+  ) -> tuple[jax.Array, Any]:
+    c = self.config
+    nk, nv, dk, dv = (
+      c.linear_num_key_heads,
+      c.linear_num_value_heads,
+      c.linear_key_head_dim,
+      c.linear_value_head_dim,
+    )
+    pdt = dtype_of(c.param_dtype)
+    bsz, t = x.shape[:2]
+    if c.architecture == "Qwen3NextForCausalLM":
+      qkv, z, b, a = self._split_fused(x)
+    else:
+      qkv, z, b, a = self._split_plain(x)
+    channels = qkv.shape[-1]
+    conv_w = self.param(
+      "conv_kernel",
+      nn.with_logical_partitioning(nn.initializers.normal(0.2), (None, None)),
+      (c.linear_conv_kernel_dim, channels),
+      pdt,
+    )
+    dt_bias = self.param(
+      "dt_bias", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (nv,), pdt
+    )
+    a_log = self.param(
+      "A_log",
+      nn.with_logical_partitioning(
+        lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0)),
+        (None,),
+      ),
+      (nv,),
+      pdt,
+    )
+    norm_w = self.param(
+      "norm", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (dv,), pdt
+    )
+
+    if entry is None:
+      window, s0 = jnp.zeros((bsz, c.linear_conv_kernel_dim - 1, channels), x.dtype), None
+    else:
+      window, s0 = entry.initial(layer, start)
+    mixed, conv_inputs = causal_conv(qkv, window, conv_w)
+    q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
+    q = l2norm(q.reshape(bsz, t, nk, dk)) * dk**-0.5
+    k = l2norm(k.reshape(bsz, t, nk, dk))
+    v = v.reshape(bsz, t, nv, dv)
+    if nv != nk:  # each q/k head serves nv / nk consecutive value heads
+      q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+      a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    )
+    if entry is not None and entry.has_pending:  # short block: every position's state
+      out, states = recurrent(q, k, v, g, beta, s0)
+      entry = entry.write_snapshots(layer, conv_inputs, s0, states)
+    else:
+      if valid is not None:  # tokens past a sequence's valid length leave the state alone
+        inside = jnp.arange(t)[None, :, None] < valid[:, None, None]
+        g, beta = jnp.where(inside, g, 0.0), jnp.where(inside, beta, 0.0)
+      if t == 1:
+        out, states = recurrent(q, k, v, g, beta, s0)
+        final = states[:, -1]
+      else:
+        out, final = chunked(q, k, v, g, beta, s0, c.linear_chunk)
+      if entry is not None:
+        n = jnp.full((bsz,), t, jnp.int32) if valid is None else jnp.clip(valid, 0, t)
+        entry = entry.write_final(layer, n, conv_inputs, final)
+    out = gated_rmsnorm(out.astype(x.dtype), z, norm_w, c.rms_norm_eps)
+    out = Dense(
+      (c.hidden_size,), (None, "embed"), name="out_proj", dtype=c.dtype, param_dtype=c.param_dtype
+    )(out.reshape(bsz, t, nv * dv))
+    return out, entry
