@@ -24,7 +24,6 @@ import jax  # pylint: disable=wrong-import-position
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
 from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
-from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 from jaxspec.quant.profile import load_policy  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -114,17 +113,12 @@ def main(argv):
     r = target.quant_report
     source += f", quantized ({FLAGS.quant_policy}: {r.bytes_before:,} → {r.bytes_after:,} bytes)"
   prompt, shown = _prompt(target, source)
+  mesh = None  # one device; else the engine places the weights and its state on the mesh
   if any(v != 1 for v in mesh_shape.values()):
     try:
       mesh = sharding.make_mesh(mesh_shape)
     except ValueError as e:  # more or fewer devices than the mesh needs
       raise jaxspec.ConfigError(f"--mesh={FLAGS.mesh}: {e}") from None
-    target = jaxspec.TargetModel(
-      target.config,
-      sharding.shard_tree(target.params, target_lib.logical_axes(target.config), mesh),
-      target.tokenizer,
-      target.hf_config,
-    )
   sample = dict(
     max_new_tokens=FLAGS.max_new_tokens,
     temperature=FLAGS.temperature,
@@ -136,11 +130,13 @@ def main(argv):
   prompts = [prompt]
   jaxspec.Request.build(prompts, **sample)  # bad flags fail here, before any output
   spec_engine, method, label = defaults.engine_from_flags(
-    target, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format
+    target, mesh=mesh, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format
   )
+  target = spec_engine.target  # placed on the mesh (shared, not placed again, below)
   print(
     f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
     f"method: {label}; devices: {jax.device_count()} ({jax.default_backend()})"
+    + ("" if mesh is None else f", mesh {dict(mesh.shape)}")
   )
 
   spec_engine.generate(prompts, **sample)  # compile
@@ -159,6 +155,7 @@ def main(argv):
       target,
       None,
       jaxspec.EngineConfig(method="plain", max_len=FLAGS.max_len, kv_format=FLAGS.kv_format),
+      mesh=mesh,
     )
     plain_engine.generate(prompts, **sample)
     plain = plain_engine.generate(prompts, **sample)
