@@ -242,8 +242,10 @@ def _tiny() -> TargetModel:
   return TargetModel(cfg, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
 
-def test_quantized_weights_on_a_mesh_are_refused():
+def test_quantized_weights_on_a_mesh_and_rules_without_one_are_refused():
   target = _tiny()
+  with pytest.raises(ConfigError, match="without a mesh"):
+    SpecEngine(target, None, EngineConfig(max_len=8), rules=sharding.DEFAULT_RULES)
   params = dict(target.params)
   kernel = params["lm_head"]["kernel"]
   params["lm_head"] = {"kernel": quantize_weight(kernel, "fp8", (-2,))}

@@ -648,6 +648,8 @@ class SpecEngine:
         f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
         f"({target.config.vocab_size})"
       )
+    if rules is not None and mesh is None:
+      raise ConfigError("sharding rules without a mesh: pass mesh=sharding.make_mesh(...) too")
     self.mesh = mesh
     self.rules = None if mesh is None else sharding.rules_from(rules)
     if mesh is not None:
