@@ -511,11 +511,13 @@ def constrain_activation(x: jax.Array, *features: Optional[str]) -> jax.Array:
 def with_logical_constraints(tree: Any, logical_tree: Any) -> Any:
   """``with_logical_constraint`` on every array of ``tree`` (a pytree, e.g. a decoding
   state), by the logical specs of ``logical_tree`` (its structure, as ``logical_to_sharding``
-  takes it; a None leaf constrains nothing). A no-op without an active mesh and rules."""
+  takes it; a None leaf constrains nothing; an empty tuple is an empty container, as in
+  ``tree``, e.g. a drafter-less engine's ``drafter_state=()``). A no-op without an active mesh
+  and rules."""
   specs = jax.tree_util.tree_map(
     lambda x: None if x is None else PartitionSpec(*x),
     logical_tree,
-    is_leaf=_is_logical_leaf,
+    is_leaf=lambda x: _is_logical_leaf(x) and x != (),
   )
   return jax.tree_util.tree_map(
     lambda spec, x: x if spec is None else with_logical_constraint(x, spec),

@@ -66,6 +66,8 @@ SCRIPT = textwrap.dedent(r"""
     report, reference = {}, None
 
     def drafter(kind, t):
+        if kind == "plain":
+            return None
         if kind == "dflash":
             return small_dflash(t, target_layer_ids=(0, 1), num_layers=1)
         if kind == "eagle3":
@@ -93,6 +95,8 @@ SCRIPT = textwrap.dedent(r"""
 
     def drafter_kv(state):
         d = state.drafter_state
+        if d == ():
+            return None  # plain decoding
         if hasattr(d, "ctx_k"):
             return d.ctx_k  # DFlash context K
         if hasattr(d, "kv"):
@@ -128,7 +132,8 @@ SCRIPT = textwrap.dedent(r"""
         state = eng.init_state(ps2, max_new_tokens=NEW)
         r["prefill_wrong"] = wrong_layout(eng, state)
         r["target_kv"] = [shards(s.k) for s in state.target_state.segments]
-        r["drafter_kv"] = shards(drafter_kv(state))
+        kv = drafter_kv(state)
+        r["drafter_kv"] = None if kv is None else shards(kv)
         r["tokens"] = shards(state.tokens)
         stepped = eng.run(state, 1)
         r["donated"] = bool(state.tokens.is_deleted())
@@ -137,7 +142,8 @@ SCRIPT = textwrap.dedent(r"""
         r["compiles"] = eng.compile_counts()
         if src is placed:
             r["kept_placed"] = all(a is b for a, b in zip(leaves(placed.params), leaves(eng.target.params)))
-        r["shares_embed"] = eng.drafter.params["embed"] is eng.target.params["embed"]
+        r["shares_embed"] = eng.drafter is None or (
+            eng.drafter.params["embed"] is eng.target.params["embed"])
         r["expert_kernel"] = shards(eng.target.params["layers_1"]["mlp"]["down_proj"])
         r["cpu_s"] = time.process_time() - CLOCK
         report[case] = r
@@ -170,6 +176,7 @@ SCRIPT = textwrap.dedent(r"""
 KEY = ("dflash-tree", "eagle3-chain", "mtp-chain", "slots")
 KEY_TWINS = ("dflash-tree",)
 SLOW = ("dflash-chain", "eagle3-tree", "mtp-tree", "eagle3-chain", "mtp-chain", "mtp-chain-fp8")
+SLOW += ("plain-chain",)
 
 
 def _check_case(r: dict, case: str) -> None:
@@ -181,7 +188,8 @@ def _check_case(r: dict, case: str) -> None:
     assert kv["shape"][1:] == [2, 48, 2, 8] and kv["local"][1:] == [1, 48, 1, 8], (case, kv)
     assert kv["spec"] == "P(None, 'data', None, 'tensor')", (case, kv)
   d = r["drafter_kv"]  # the drafter's K/V: batch over data, KV heads over tensor
-  assert d["local"][1] * 2 == d["shape"][1] and d["local"][3] * 2 == d["shape"][3], (case, d)
+  if d is not None:
+    assert d["local"][1] * 2 == d["shape"][1] and d["local"][3] * 2 == d["shape"][3], (case, d)
   assert r["tokens"]["local"] == [1, 48], (case, r["tokens"])
   assert r["donated"], case
   # One program per function and bucket: two generate calls, init_state, run(1), run().
@@ -252,6 +260,16 @@ def test_quantized_weights_on_a_mesh_and_rules_without_one_are_refused():
   mesh = sharding.make_mesh({})
   with pytest.raises(ConfigError, match="quantized"):
     SpecEngine(TargetModel(target.config, params), None, EngineConfig(max_len=8), mesh=mesh)
+
+
+def test_state_constraints_pass_empty_containers():
+  """A drafter-less engine's drafter_state is (): constraining the state must keep it so."""
+  axes = {"none": (), "x": PartitionSpec("batch", None)}
+  with sharding.use_mesh(sharding.make_mesh({})):  # one device: the rules and a mesh active
+    out = jax.jit(lambda t: sharding.with_logical_constraints(t, axes))(
+      {"none": (), "x": jnp.zeros((2, 3))}
+    )
+  assert out["none"] == () and out["x"].shape == (2, 3)
 
 
 @flax.struct.dataclass
