@@ -333,10 +333,13 @@ def _resolve_rules(rules: Optional[Rules]) -> Rules:
 
 
 def _is_logical_leaf(x: Any) -> bool:
+  """A logical spec: None, a PartitionSpec or a non-empty tuple of names. An empty tuple is an
+  empty container, as in the data (a drafter-less engine's ``drafter_state=()``); name a scalar
+  by None or ``PartitionSpec()``."""
   return (
     x is None
     or isinstance(x, PartitionSpec)
-    or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+    or (isinstance(x, tuple) and x != () and all(n is None or isinstance(n, str) for n in x))
   )
 
 
@@ -511,13 +514,11 @@ def constrain_activation(x: jax.Array, *features: Optional[str]) -> jax.Array:
 def with_logical_constraints(tree: Any, logical_tree: Any) -> Any:
   """``with_logical_constraint`` on every array of ``tree`` (a pytree, e.g. a decoding
   state), by the logical specs of ``logical_tree`` (its structure, as ``logical_to_sharding``
-  takes it; a None leaf constrains nothing; an empty tuple is an empty container, as in
-  ``tree``, e.g. a drafter-less engine's ``drafter_state=()``). A no-op without an active mesh
-  and rules."""
+  takes it; a None leaf constrains nothing). A no-op without an active mesh and rules."""
   specs = jax.tree_util.tree_map(
     lambda x: None if x is None else PartitionSpec(*x),
     logical_tree,
-    is_leaf=lambda x: _is_logical_leaf(x) and x != (),
+    is_leaf=_is_logical_leaf,
   )
   return jax.tree_util.tree_map(
     lambda spec, x: x if spec is None else with_logical_constraint(x, spec),

@@ -265,11 +265,14 @@ def test_quantized_weights_on_a_mesh_and_rules_without_one_are_refused():
 def test_state_constraints_pass_empty_containers():
   """A drafter-less engine's drafter_state is (): constraining the state must keep it so."""
   axes = {"none": (), "x": PartitionSpec("batch", None)}
-  with sharding.use_mesh(sharding.make_mesh({})):  # one device: the rules and a mesh active
+  mesh = sharding.make_mesh({})
+  with sharding.use_mesh(mesh):  # one device: the rules and a mesh active
     out = jax.jit(lambda t: sharding.with_logical_constraints(t, axes))(
       {"none": (), "x": jnp.zeros((2, 3))}
     )
   assert out["none"] == () and out["x"].shape == (2, 3)
+  shardings = sharding.shardings_for({"none": (), "x": jnp.zeros((2, 3))}, axes, mesh)
+  assert len(jax.tree_util.tree_leaves(shardings)) == 1  # the empty container has no sharding
 
 
 @flax.struct.dataclass
