@@ -141,7 +141,8 @@ SCRIPT = textwrap.dedent(r"""
         eng.run(stepped)
         r["compiles"] = eng.compile_counts()
         if src is placed:
-            r["kept_placed"] = all(a is b for a, b in zip(leaves(placed.params), leaves(eng.target.params)))
+            pairs = zip(leaves(placed.params), leaves(eng.target.params))
+            r["kept_placed"] = all(a is b for a, b in pairs)
         r["shares_embed"] = eng.drafter is None or (
             eng.drafter.params["embed"] is eng.target.params["embed"])
         r["expert_kernel"] = shards(eng.target.params["layers_1"]["mlp"]["down_proj"])
