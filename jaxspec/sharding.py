@@ -333,10 +333,13 @@ def _resolve_rules(rules: Optional[Rules]) -> Rules:
 
 
 def _is_logical_leaf(x: Any) -> bool:
+  """A logical spec: None, a PartitionSpec or a non-empty tuple of names. An empty tuple is an
+  empty container, as in the data (a drafter-less engine's ``drafter_state=()``); name a scalar
+  by None or ``PartitionSpec()``."""
   return (
     x is None
     or isinstance(x, PartitionSpec)
-    or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+    or (isinstance(x, tuple) and x != () and all(n is None or isinstance(n, str) for n in x))
   )
 
 
@@ -453,11 +456,23 @@ def shard_tree(tree: Any, logical_tree: Any, mesh: Mesh, rules: Optional[Rules] 
     rules: the rule table (see ``logical_to_spec``).
 
   Returns:
-    The same tree of plain (unboxed) ``jax.Array``s, sharded.
+    The same tree of plain (unboxed) ``jax.Array``s, sharded. An array already placed so is
+    kept as it is (the same object: nothing is copied).
   """
   shardings = shardings_for(tree, logical_tree, mesh, rules)
   values = meta.unbox(tree)
-  return jax.tree_util.tree_map(_put, values, shardings)
+  return jax.tree_util.tree_map(
+    lambda x, s: x if is_placed(x, s) else _put(x, s), values, shardings
+  )
+
+
+def is_placed(x: Any, sharding: NamedSharding) -> bool:
+  """Whether ``x`` is a ``jax.Array`` already laid out as ``sharding`` says."""
+  return (
+    isinstance(x, jax.Array)
+    and not isinstance(x, jax.core.Tracer)
+    and x.sharding.is_equivalent_to(sharding, x.ndim)
+  )
 
 
 # --- Activations -------------------------------------------------------------
@@ -483,6 +498,35 @@ def with_logical_constraint(x: jax.Array, logical_axes: LogicalAxes) -> jax.Arra
     return x
   spec = logical_to_spec(logical_axes, rules_from(active_rules), shape=x.shape, mesh=mesh)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def constrain_activation(x: jax.Array, *features: Optional[str]) -> jax.Array:
+  """``with_logical_constraint`` for a model activation ``[batch, ..., *features]``: the
+  leading axis is ``batch``, one axis between it and the named trailing ``features`` is
+  ``length`` (a block's positions), several are left unnamed (e.g. DFlash's
+  ``[B, blocks, T, H]``). A no-op without an active mesh and rules."""
+  middle = x.ndim - 1 - len(features)
+  if middle < 0:
+    raise ConfigError(f"an activation of shape {x.shape} has no room for the axes {features}")
+  between = (LENGTH,) if middle == 1 else (None,) * middle
+  return with_logical_constraint(x, (BATCH, *between, *features))
+
+
+def with_logical_constraints(tree: Any, logical_tree: Any) -> Any:
+  """``with_logical_constraint`` on every array of ``tree`` (a pytree, e.g. a decoding
+  state), by the logical specs of ``logical_tree`` (its structure, as ``logical_to_sharding``
+  takes it; a None leaf constrains nothing). A no-op without an active mesh and rules."""
+  specs = jax.tree_util.tree_map(
+    lambda x: None if x is None else PartitionSpec(*x),
+    logical_tree,
+    is_leaf=_is_logical_leaf,
+  )
+  return jax.tree_util.tree_map(
+    lambda spec, x: x if spec is None else with_logical_constraint(x, spec),
+    specs,
+    tree,
+    is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+  )
 
 
 @contextlib.contextmanager
@@ -517,6 +561,8 @@ __all__ = [
   "active_mesh",
   "TENSOR",
   "VOCAB",
+  "constrain_activation",
+  "is_placed",
   "logical_specs",
   "logical_to_sharding",
   "logical_to_spec",
@@ -527,4 +573,5 @@ __all__ = [
   "shardings_for",
   "use_mesh",
   "with_logical_constraint",
+  "with_logical_constraints",
 ]

@@ -23,18 +23,26 @@ Kinds here: `FloatKV` (the activation dtype), `FP8KV` (E4M3 values with one floa
 per token and KV head, quantized on write) and `Q4KV` (llama.cpp's Q4_0); `KV_FORMATS` maps
 `EngineConfig.kv_format` to them. `RingKV` keeps only the most recent positions in a ring of
 slots, each with the position it holds (the drafters' long-context feature ring).
+
+Logical axes: each kind's `AXES` table names the logical axis of every dimension of its arrays
+(`layers`, `batch`, `length`, `kv_heads`, `head_dim`); `logical_axes` reads those tables for a
+whole state pytree (the engine's, the drafters' states), so the state can be placed and kept on a
+device mesh by the rules of jaxspec/sharding.py.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
 from jaxspec.errors import ConfigError
 
-# Logical axes of an attention entry's K/V arrays and of the FP8 scales (for sharding rules).
+# Logical axes of an attention entry's K/V arrays (and Q4_0 scales, one per block of head_dim),
+# of the FP8 scales, of a ring's slot positions and of per-row vectors (for sharding rules).
 KV_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 SCALE_AXES = ("layers", "batch", "length", "kv_heads")
 # Logical axes of a LinearState's arrays, by field (conv channels and state dims unsharded).
@@ -45,6 +53,8 @@ LINEAR_STATE_AXES = {
   "pending_ssm": ("layers", "batch", None, None, None, None),
   "pending_start": ("batch",),
 }
+POS_AXES = ("layers", "batch", "length")
+ROW_AXES = ("batch",)
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -85,6 +95,7 @@ class FloatKV:
   v: jax.Array
 
   format: ClassVar[str] = "float"
+  AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES}
 
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int) -> "FloatKV":
@@ -211,6 +222,7 @@ class FP8KV(_QuantizedKV):
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
 
   format: ClassVar[str] = "fp8"
+  AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES, "k_scale": SCALE_AXES, "v_scale": SCALE_AXES}
 
   @staticmethod
   def encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -279,6 +291,8 @@ class Q4KV(_QuantizedKV):
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
 
   format: ClassVar[str] = "q4_0"
+  # Packed head_dim / 2 bytes and head_dim / 32 scales sit where head_dim does.
+  AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES, "k_scale": KV_AXES, "v_scale": KV_AXES}
 
   encode = staticmethod(q4_0_quantize)
   decode = staticmethod(q4_0_dequantize)
@@ -322,6 +336,13 @@ class RingKV:
   limit: jax.Array
 
   format: ClassVar[str] = "ring"
+  AXES: ClassVar[dict] = {
+    "k": KV_AXES,
+    "v": KV_AXES,
+    "pos": POS_AXES,
+    "floor": ROW_AXES,
+    "limit": ROW_AXES,
+  }
 
   @classmethod
   def create(cls, config, num_layers: int, batch: int, capacity: int) -> "RingKV":
@@ -397,6 +418,7 @@ class LinearState:
 
   format: ClassVar[str] = "linear"
   max_len: ClassVar[int] = 2**31 - 1  # no length limit of its own
+  AXES: ClassVar[dict] = LINEAR_STATE_AXES
 
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int = 0) -> "LinearState":
@@ -489,6 +511,8 @@ class DecodingState:
   segments: tuple
   lengths: jax.Array  # [B] int32: committed tokens per sequence
 
+  AXES: ClassVar[dict] = {"lengths": ROW_AXES}  # the segments name their own
+
   @classmethod
   def create(
     cls,
@@ -541,3 +565,74 @@ class DecodingState:
     """Moves an accepted tree path (node indices [B, n], root first) of the block written at
     slots lengths.. to slots lengths..lengths+n-1 in every segment; lengths are unchanged."""
     return self.replace(segments=tuple(s.commit_path(self.lengths, path) for s in self.segments))
+
+
+# --------------------------------------------------------------------------------------------------
+# Logical axes of a whole state pytree
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+
+
+def _batch_axis(where: str, one: tuple, two: tuple) -> Optional[int]:
+  """The axis whose size goes 1 → 2 from the 1-row to the 2-row state (None: shared by rows)."""
+  moved = [i for i, (a, b) in enumerate(zip(one, two)) if a != b]
+  if len(moved) > 1 or (moved and (one[moved[0]], two[moved[0]]) != (1, 2)):
+    raise ConfigError(f"state leaf {where} of shape {one} has no single batch axis")
+  return moved[0] if moved else None
+
+
+def logical_axes(tree: Any, two_rows: Any = None) -> Any:
+  """The logical axes of a state pytree: one `PartitionSpec` of logical names per array leaf,
+  in `tree`'s structure (for `jaxspec.sharding.shardings_for` / `with_logical_constraints`).
+
+  A struct whose class has an `AXES` table (field name → a logical name or None per dimension,
+  as the kinds above) names those fields; its other fields and plain containers are walked. With
+  `two_rows`, the same state for 2 rows while `tree` has 1 (arrays or `jax.eval_shape` shapes),
+  every leaf's batch axis is found by comparing the two: a leaf nothing names gets `batch` there
+  and no name elsewhere (a drafter state field without a table is still split by rows), and a
+  named leaf whose `batch` is elsewhere is a ConfigError, so a wrong table cannot go unnoticed.
+  Without `two_rows` an unnamed leaf is a ConfigError.
+  """
+
+  def leaf(path, x, y, names):
+    where, shape = jax.tree_util.keystr(path) or "<root>", tuple(np.shape(x))
+    batch = None if y is None else _batch_axis(where, shape, tuple(np.shape(y)))
+    if names is None:
+      if y is None:
+        raise ConfigError(
+          f"state leaf {where} (shape {shape}) has no logical axes: name them in the AXES "
+          "table of the struct that holds it"
+        )
+      names = tuple("batch" if i == batch else None for i in range(len(shape)))
+    names = tuple(names)
+    if len(names) != len(shape):
+      raise ConfigError(f"state leaf {where} of shape {shape} is named {names}: one name per axis")
+    named_batch = names.index("batch") if "batch" in names else None
+    if y is not None and named_batch != batch:
+      raise ConfigError(
+        f"state leaf {where} of shape {shape} is named {names}, but its batch axis is {batch}"
+      )
+    return PartitionSpec(*names)
+
+  def walk(path, x, y, names=None):
+    if x is None:
+      return None
+    if _is_array(x):
+      return leaf(path, x, y, names)
+    if names is not None:
+      raise ConfigError(f"{jax.tree_util.keystr(path)}: an AXES table names a non-array field")
+    kids, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda n: n is not x)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # not a container, not an array
+      raise ConfigError(f"state leaf {jax.tree_util.keystr(path)} is not an array: {type(x)}")
+    others = [None] * len(kids) if y is None else treedef.flatten_up_to(y)
+    table = getattr(type(x), "AXES", {})
+    out = [
+      walk(path + key, kid, other, table.get(getattr(key[0], "name", None)))
+      for (key, kid), other in zip(kids, others)
+    ]
+    return treedef.unflatten(out)
+
+  return walk((), tree, two_rows)

@@ -28,7 +28,6 @@ import jax  # pylint: disable=wrong-import-position
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli, distributed, sharding  # pylint: disable=wrong-import-position
 from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
-from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 from jaxspec.quant.profile import load_policy  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -145,27 +144,22 @@ def main(argv):
     r = target.quant_report
     source += f", quantized ({FLAGS.quant_policy}: {r.bytes_before:,} → {r.bytes_after:,} bytes)"
   inputs = distributed.on_leader(lambda: _leader_inputs(target, source))
+  mesh = None  # one device; else the engine places the weights and its state on the mesh
   if joined or any(v != 1 for v in mesh_shape.values()):
     try:  # with several processes the mesh spans all their devices
       mesh = sharding.make_mesh(mesh_shape)
     except ValueError as e:  # more or fewer devices than the mesh needs
       raise jaxspec.ConfigError(f"--mesh={FLAGS.mesh}: {e}") from None
-    target = jaxspec.TargetModel(
-      target.config,
-      sharding.shard_tree(
-        target.params, target_lib.params_logical_axes(target.config, target.params), mesh
-      ),
-      target.tokenizer,
-      target.hf_config,
-    )
   sample, shown, prompts = inputs["sample"], inputs["shown"], [inputs["ids"]]
   spec_engine, method, label = defaults.engine_from_flags(
-    target, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format
+    target, mesh=mesh, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format
   )
+  target = spec_engine.target  # placed on the mesh
   hosts = f" over {jax.process_count()} processes" if joined else ""
   say(
     f"target: {source} ({target.config.architecture}, {target.config.num_layers} layers); "
     f"method: {label}; devices: {jax.device_count()} ({jax.default_backend()}){hosts}"
+    + ("" if mesh is None else f", mesh {dict(mesh.shape)}")
   )
 
   spec_engine.generate(prompts, **sample)  # compile
@@ -184,6 +178,7 @@ def main(argv):
       target,
       None,
       jaxspec.EngineConfig(method="plain", max_len=FLAGS.max_len, kv_format=FLAGS.kv_format),
+      mesh=mesh,
     )
     plain_engine.generate(prompts, **sample)
     plain = plain_engine.generate(prompts, **sample)

@@ -13,6 +13,9 @@ to it explicitly; its caches live in a `state` pytree that the engine threads th
   commit(params, state, ctx)   absorb what the target accepted this step
   for_tree()                   the drafter configured for tree verification: its proposals
                                carry per-position `logprobs` (default: itself)
+  param_axes()                 logical axes of `params`, for placing them on a device mesh
+                               (default None: replicated); its state's arrays are named by
+                               `AXES` tables on the state structs (jaxspec/state.py)
 
 Sequence bookkeeping shared by all of them: `tokens[b, :seq_len[b]]` is the committed text; its
 last token (the root of the next draft) is sampled but not yet in the target's KV cache.
@@ -172,6 +175,13 @@ class Drafter:
     Afterwards its commit receives the accepted path, which may leave its own chain.
     """
     return self
+
+  def param_axes(self) -> Any:
+    """Logical axes of `params`: a tree of logical `PartitionSpec`s with its structure (as
+    `nn.get_partition_spec` gives), which `SpecEngine(mesh=...)` places them by; None
+    replicates them all (fine for a drafter small beside the target). Arrays the drafter shares
+    with the target take the target's placement whatever this says."""
+    return None
 
   def init_state(self, params: Any, batch: int, max_len: int) -> Any:
     del params, batch, max_len

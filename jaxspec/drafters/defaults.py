@@ -129,10 +129,10 @@ def choose_method(
 
 
 def engine_from_flags(
-  target: target_lib.TargetModel, **config: Any
+  target: target_lib.TargetModel, *, mesh: Any = None, **config: Any
 ) -> tuple[engine_lib.SpecEngine, str, str]:
   """(engine, method, label) for the flags `define_model_flags` defined; `config` →
-  EngineConfig (max_len, batch_size, ...)."""
+  EngineConfig (max_len, batch_size, ...); `mesh`: run on this device mesh (None: one device)."""
   method, draft_dir, verify, budget = choose_method(
     target,
     FLAGS.model is not None,
@@ -148,6 +148,7 @@ def engine_from_flags(
     verify=verify,
     tree_budget=budget,
     gamma=FLAGS.gamma,
+    mesh=mesh,
     **config,
   )
   return engine, method, label
@@ -161,11 +162,13 @@ def make_engine(
   verify: str,
   tree_budget: int,
   gamma: int | None = None,
+  mesh: Any = None,
   **config: Any,
 ) -> tuple[engine_lib.SpecEngine, str]:
-  """(engine, a label for reports) for `choose_method`'s answer; `config` → EngineConfig."""
+  """(engine, a label for reports) for `choose_method`'s answer; `config` → EngineConfig;
+  `mesh`: the engine's device mesh (None: one device)."""
   drafter = registry.make_drafter(method, target, gamma=gamma, draft_dir=draft_dir)
   tree = dict(verify="tree", tree_budget=tree_budget) if verify == "tree" and drafter else {}
   cfg = engine_lib.EngineConfig(method=method, **tree, **config)
   label = f"{method} + tree verification ({tree_budget} nodes)" if tree else method
-  return engine_lib.SpecEngine(target, drafter, cfg), label
+  return engine_lib.SpecEngine(target, drafter, cfg, mesh=mesh), label

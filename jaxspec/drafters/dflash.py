@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.drafters.base import (
@@ -69,6 +70,7 @@ from jaxspec.models.layers import (
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.speculative import sampling
 from jaxspec.quant.formats import materialize
+from jaxspec.state import KV_AXES
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -609,6 +611,8 @@ class DFlashState:
   ctx_v: jax.Array  # [L, B, C, K, D]
   ctx_pos: jax.Array  # [B, C] int32: position held by each slot, −1 = empty
 
+  AXES: ClassVar[dict] = {"ctx_k": KV_AXES, "ctx_v": KV_AXES, "ctx_pos": ("batch", "length")}
+
 
 def _concat_taps(taps: jax.Array) -> jax.Array:
   """[n_taps, B, T, H] → [B, T, n_taps·H] (tap 0's features first, as torch.cat(dim=-1))."""
@@ -747,6 +751,12 @@ class DFlashDrafter(Drafter):
   @property
   def vocab_size(self) -> Optional[int]:
     return self.config.vocab_size or None
+
+  def param_axes(self) -> dict:
+    axes = {"draft": logical_axes(self.config), "embed": PartitionSpec("vocab", "embed")}
+    if "lm_head" in self.params:
+      axes["lm_head"] = PartitionSpec("embed", "vocab")
+    return axes
 
   @property
   def block_len(self) -> int:

@@ -19,7 +19,7 @@ at least the new root) as one fixed-size padded block: 2 slots suffice for chain
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
@@ -48,6 +48,8 @@ class DraftModelState:
   cache: DecodingState
   chain: jax.Array  # [B, γ] int32
 
+  AXES: ClassVar[dict] = {"chain": ("batch", None)}  # the cache names its own
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelDrafter(Drafter):
@@ -71,6 +73,9 @@ class DraftModelDrafter(Drafter):
     cls, model: target_lib.TargetModel, gamma: int = 4, tree: bool = False
   ) -> "DraftModelDrafter":
     return cls(gamma=gamma, params=model.params, config=model.config, tree=tree)
+
+  def param_axes(self) -> Any:
+    return target_lib.logical_axes(self.config)
 
   def for_tree(self) -> "DraftModelDrafter":
     return dataclasses.replace(self, tree=True)

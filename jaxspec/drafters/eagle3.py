@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.drafters.base import (
@@ -409,6 +410,8 @@ class Eagle3State:
   kv: Any  # the draft layer's K/V: FloatKV [1, B, L, K, D] or RingKV [1, B, N + γ + 1, K, D]
   last_feature: jax.Array  # [B, H] fused target feature at slot seq_len − 2
 
+  AXES: ClassVar[dict] = {"last_feature": ("batch", "embed")}  # kv names its own
+
 
 def _concat_taps(taps: jax.Array) -> jax.Array:
   n, b, t, h = taps.shape
@@ -522,6 +525,14 @@ class Eagle3Drafter(Drafter):
   @property
   def vocab_size(self) -> int:
     return self.config.vocab_size
+
+  def param_axes(self) -> dict:
+    axes: dict = {"draft": logical_axes(self.config)}
+    if "embed" in self.params:
+      axes["embed"] = PartitionSpec("vocab", "embed")
+    if "d2t" in self.params:
+      axes["d2t"] = PartitionSpec(None)
+    return axes
 
   def for_tree(self) -> "Eagle3Drafter":
     """Tree verification: the chain follows the argmax, so each depth's log-probs are

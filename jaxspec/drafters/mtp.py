@@ -18,7 +18,7 @@ the newly committed positions from the verify pass's hidden states.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
@@ -42,6 +42,8 @@ from jaxspec.state import DecodingState
 class MTPState:
   cache: DecodingState  # the MTP layer's own KV cache (one segment of one layer)
   last_hidden: jax.Array  # [B, H] target final-normed hidden at slot seq_len - 2
+
+  AXES: ClassVar[dict] = {"last_hidden": ("batch", "embed")}  # the cache names its own
 
 
 def tree_logprobs(logits: jax.Array, params: sampling.SamplingParams) -> jax.Array:
@@ -114,6 +116,11 @@ class MTPDrafter(Drafter):
   @property
   def vocab_size(self) -> int:
     return self.config.vocab_size
+
+  def param_axes(self) -> dict:
+    """The target's own axes for the arrays it shares (embedding, LM head, MTP layer)."""
+    axes = target_lib.logical_axes(self.config)
+    return {k: axes[k] for k in self.params}
 
   def for_tree(self) -> "MTPDrafter":
     return dataclasses.replace(self, sample_drafts=False)

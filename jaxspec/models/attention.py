@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import ConfigError
-from jaxspec import state as state_lib
+from jaxspec import sharding, state as state_lib
 
 NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
 
@@ -158,7 +158,9 @@ def attend_xla(
       # The last chunk may be clamped to end at max_len; `first` drops slots read before.
       first = c * size
       offset = jnp.minimum(first, kv.max_len - size)
-      k, v = kv.read(layer, offset, size)
+      k, v = kv.read(layer, offset, size)  # [B, S, K, D], split as the cache is
+      k = sharding.constrain_activation(k, "kv_heads", "head_dim")
+      v = sharding.constrain_activation(v, "kv_heads", "head_dim")
       slots = offset + jnp.arange(size)
       fresh = slots[None, :] >= first
       if ring:
@@ -177,7 +179,8 @@ def attend_xla(
     carry = jax.lax.fori_loop(first_chunk, num_chunks, body, carry)
 
   out = OnlineSoftmax.finish(carry)  # [B, K, G, T, D]
-  return jnp.moveaxis(out, 3, 1).reshape(b, t, h, d).astype(q.dtype)
+  out = jnp.moveaxis(out, 3, 1).reshape(b, t, h, d).astype(q.dtype)
+  return sharding.constrain_activation(out, "heads", "head_dim")
 
 
 def attend_pallas(

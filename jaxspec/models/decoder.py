@@ -12,6 +12,9 @@ layer and MoE layers after it make two runs), so compile time does not grow with
 `config.scan_layers=False` each run is unrolled over per-layer parameters instead (`LayerRun`,
 decoding's layout). Each run carries its own state entry whole and updates it in place at the
 block's slots.
+
+Hidden states (batch, length, embed) and logits (batch, length, vocab) carry logical constraints
+(`sharding.constrain_activation`), no-ops unless a mesh is active (`sharding.use_mesh`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.models import attention as attention_lib
@@ -100,7 +104,7 @@ class DecoderLayer(nn.Module):
     h = h + attn_out
     x = norm("post_attention_layernorm")(h)
     ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
-    h = h + ffn(x)
+    h = sharding.constrain_activation(h + ffn(x), "embed")
     return (h, kv, layer + 1), h
 
 
@@ -216,6 +220,7 @@ class MTPLayer(nn.Module):
     block_mask: jax.Array | None,
   ):
     x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(prev_hidden)], axis=-1))
+    x = sharding.constrain_activation(x, "embed")
     (h, kv, _), _ = self.block((x, kv, jnp.int32(0)), cos, sin, start, block_mask)
     return h, self.post_norm(h), kv
 
@@ -247,19 +252,21 @@ class Decoder(nn.Module):
   # -- pieces shared by the main stack and the MTP layers ------------------------------------------
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-    return jnp.take(self.embed, tokens, axis=0).astype(dtype_of(self.config.dtype))
+    h = jnp.take(self.embed, tokens, axis=0).astype(dtype_of(self.config.dtype))
+    return sharding.constrain_activation(h, "embed")
 
   def head(self, h: jax.Array) -> jax.Array:
-    """Final-normed hidden → float32 logits with the (tied or untied) LM head."""
+    """Final-normed hidden → float32 logits [B, T, V] with the (tied or untied) LM head, split
+    over the vocabulary as the head is."""
     c = self.config
     if c.tie_word_embeddings:
       dt = dtype_of(c.dtype)
-      return unfused_logits(
-        jnp.einsum(
-          "bth,vh->btv", h.astype(dt), self.embed.astype(dt), preferred_element_type=jnp.float32
-        )
+      logits = jnp.einsum(
+        "bth,vh->btv", h.astype(dt), self.embed.astype(dt), preferred_element_type=jnp.float32
       )
-    return unfused_logits(self.lm_head(h).astype(jnp.float32))
+    else:
+      logits = self.lm_head(h).astype(jnp.float32)
+    return unfused_logits(sharding.constrain_activation(logits, "vocab"))
 
   def _rope(self, positions: jax.Array):
     c = self.config
@@ -317,7 +324,7 @@ class Decoder(nn.Module):
       entries.append(kv)
     if state is not None:
       state = state.replace(segments=tuple(entries))
-    normed = self.norm(h)
+    normed = sharding.constrain_activation(self.norm(h), "embed")
     tapped = None
     if taps:
       # HF hidden_states[i + 1]: layer i's output, except that the last entry is final-normed.

@@ -1,7 +1,8 @@
 """Transformer building blocks: RMSNorm, RoPE, dense projections, the attention block, SwiGLU MLP.
 
-Every parameter carries logical axis names (see jaxspec/sharding.py); no module names a mesh axis.
-Norms, softmax and RoPE are computed in float32 whatever the activation dtype.
+Every parameter carries logical axis names (see jaxspec/sharding.py), and so do the activations
+that cross the mesh (`sharding.constrain_activation`: q/k/v, attention and MLP outputs); no module
+names a mesh axis. Norms, softmax and RoPE are computed in float32 whatever the activation dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import attention as attention_lib
 from jaxspec.errors import ConfigError
@@ -274,8 +276,10 @@ class Attention(nn.Module):
       norm = dict(offset=c.norm_offset)
       q = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="q_norm", **norm)(q)
       k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm", **norm)(k)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    # Heads split over the mesh as the KV cache is (kv_heads), the batch as the state.
+    q = sharding.constrain_activation(apply_rope(q, cos, sin), "heads", "head_dim")
+    k = sharding.constrain_activation(apply_rope(k, cos, sin), "kv_heads", "head_dim")
+    v = sharding.constrain_activation(v, "kv_heads", "head_dim")
     sinks = None
     if c.attention_sinks:
       sinks = self.param(
@@ -308,7 +312,7 @@ class Attention(nn.Module):
       in_dims=2,
       **dense,
     )(out)
-    return out, kv
+    return sharding.constrain_activation(out, "embed"), kv
 
 
 class MLP(nn.Module):
@@ -323,6 +327,6 @@ class MLP(nn.Module):
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
     gate = Dense((self.intermediate_size,), ("embed", "mlp"), name="gate_proj", **dense)(x)
     up = Dense((self.intermediate_size,), ("embed", "mlp"), name="up_proj", **dense)(x)
-    return Dense((c.hidden_size,), ("mlp", "embed"), name="down_proj", **dense)(
-      jax.nn.silu(gate) * up
-    )
+    hidden = sharding.constrain_activation(jax.nn.silu(gate) * up, "mlp")
+    out = Dense((c.hidden_size,), ("mlp", "embed"), name="down_proj", **dense)(hidden)
+    return sharding.constrain_activation(out, "embed")

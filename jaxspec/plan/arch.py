@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 
 from jaxspec.config import SUPPORTED_ARCHITECTURES, HFConfigReader, ModelConfig
 from jaxspec.errors import ConfigError
-from jaxspec.state import KV_AXES, KV_FORMATS, LINEAR_STATE_AXES, SCALE_AXES, DecodingState
+from jaxspec.state import KV_FORMATS, DecodingState, logical_axes
 
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
 HYBRID_ARCHITECTURES = (
@@ -174,27 +174,20 @@ def _padded(axes: tuple, rank: int) -> tuple:
 
 
 def _state_tensors(tree: Any, prefix: str) -> tuple[Tensor, ...]:
-  """State arrays with their logical axes: K/V and Q4_0 scales [L, B, S, K, ·], FP8 scales
-  [L, B, S, K], lengths [B] (the ranks `jaxspec.state` gives them), and a LinearState's arrays
-  by field name (LINEAR_STATE_AXES)."""
-  by_rank = {5: KV_AXES, 4: SCALE_AXES, 1: ("batch",)}
-  out = []
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    field = getattr(path[-1], "name", None) if path else None
-    axes = LINEAR_STATE_AXES.get(field)
-    if axes is None or len(axes) != len(x.shape):
-      if len(x.shape) not in by_rank:
-        raise ConfigError(f"no logical axes for a rank-{len(x.shape)} state array")
-      axes = by_rank[len(x.shape)]
-    name = prefix + jax.tree_util.keystr(path)
-    out.append(Tensor(name, tuple(x.shape), str(x.dtype), axes))
-  return tuple(out)
+  """State arrays with their logical axes, as the state kinds name them (`jaxspec.state`'s
+  AXES tables: K/V [L, B, S, K, D], FP8 scales [L, B, S, K], lengths [B], ...)."""
+  axes = jax.tree_util.tree_leaves(
+    state_logical_axes(tree), is_leaf=lambda x: isinstance(x, PartitionSpec)
+  )
+  return tuple(
+    Tensor(prefix + jax.tree_util.keystr(path), tuple(x.shape), str(x.dtype), tuple(spec))
+    for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(tree)[0], axes)
+  )
 
 
 def state_logical_axes(tree: Any) -> Any:
   """Logical PartitionSpecs for a live `DecodingState` (for `jaxspec.sharding.shard_tree`)."""
-  tensors = iter(_state_tensors(tree, ""))
-  return jax.tree_util.tree_map(lambda _: PartitionSpec(*next(tensors).axes), tree)
+  return logical_axes(tree)
 
 
 def kv_kind_tensors(

@@ -21,6 +21,13 @@ jaxspec/serve/): `prefill_row` prefills one request as a one-row state, `insert`
 free row of the engine's state, `evict` frees a row, and `run` advances every live row by up to
 k steps. None of them recompiles after warm-up (`warm_up_slots`); a request's output does not
 depend on the row it runs in or on its neighbours (up to float rounding of batched kernels).
+
+On a device mesh (`SpecEngine(..., mesh=sharding.make_mesh(...), rules=...)`) the target's and
+the drafter's parameters are placed by their logical axes, every SpecState leaf has logical axes
+(`SpecEngine.state_axes`: the `AXES` tables of the state structs, jaxspec/state.py) by which it
+is created and kept (batch on `data`, KV heads on `tensor` under the default rules), and the
+jitted functions are traced inside `sharding.use_mesh`, so the model code's activation
+constraints apply too. Same program, same compilations, one layout across the loop.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, ClassVar, Iterator, NamedTuple, Optional
 
 import flax.struct
 import jax
@@ -41,7 +48,8 @@ from jaxspec.errors import ConfigError
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.state import KV_FORMATS, DecodingState
+from jaxspec.quant.formats import QTensor
+from jaxspec.state import KV_FORMATS, ROW_AXES, DecodingState, logical_axes
 from jaxspec.speculative import decode, metrics, sampling, tree as tree_lib, tree_verify, verify
 from jaxspec.speculative.request import Request
 
@@ -171,6 +179,19 @@ class SpecState:
   # of each generated token at its slot; 0 at prompt slots.
   logprobs: jax.Array
 
+  # Logical axes (jaxspec.state.logical_axes); the target's and drafter's states name their own,
+  # sampling parameters and statistics are split by rows.
+  AXES: ClassVar[dict] = {
+    "tokens": ("batch", "length"),
+    "seq_len": ROW_AXES,
+    "prompt_len": ROW_AXES,
+    "max_new": ROW_AXES,
+    "keys": ("batch", None),
+    "done": ROW_AXES,
+    "stop_ids": ("batch", None),
+    "logprobs": ("batch", "length"),
+  }
+
   @property
   def num_generated(self) -> jax.Array:
     return self.seq_len - self.prompt_len
@@ -231,14 +252,17 @@ def prefill(
   num_chunks: jax.Array,
   chunk: int,
   kv_format: str = "float",
+  state_axes: Optional[SpecState] = None,
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step.
 
   tokens [B, max_len] holds the prompts. They run through the target `num_chunks` chunks of
   `chunk` positions at a time in a loop on device (one compilation per chunk size); each
   chunk's target features go to the drafter before the next chunk runs, and a prompt's first
-  token is sampled in the chunk that holds its last position.
+  token is sampled in the chunk that holds its last position. `state_axes` (the state's logical
+  axes, `SpecEngine.state_axes`) lays the state out on the active mesh from its creation on.
   """
+  lay = functools.partial(_laid_out, state_axes)
   batch, max_len = tokens.shape
   taps = drafter.taps if drafter is not None else ()
   rows = jnp.arange(batch)
@@ -261,9 +285,17 @@ def prefill(
     if drafter is not None:
       ctx = PrefillContext(tokens, prompt_len, chunk_taps, hidden, start)
       drafter_state = drafter.prefill(drafter_params, drafter_state, ctx)
-    return target_state, drafter_state, tokens, logprobs
+    return laid_out(target_state, drafter_state, tokens, logprobs)
 
-  init = (
+  def laid_out(target_state, drafter_state, tokens, logprobs):
+    return (
+      lay("target_state", target_state),
+      lay("drafter_state", drafter_state),
+      lay("tokens", tokens),
+      lay("logprobs", logprobs),
+    )
+
+  init = laid_out(
     DecodingState.create(config, batch, max_len, kv_format),
     drafter_state,
     tokens,
@@ -273,7 +305,7 @@ def prefill(
   first = tokens[rows, prompt_len]
   gamma = drafter.gamma if drafter is not None else 0
   done = ~active | _is_stop(first, stop_ids) | (max_new <= 1)
-  return SpecState(
+  state = SpecState(
     tokens=tokens,
     seq_len=prompt_len + 1,
     prompt_len=prompt_len,
@@ -287,6 +319,15 @@ def prefill(
     stats=metrics.init_stats(batch, gamma),
     logprobs=logprobs,
   )
+  return lay(None, state)
+
+
+def _laid_out(axes: Optional[SpecState], field: Optional[str], tree: Any) -> Any:
+  """`tree`, the SpecState field `field` (None: the whole state), constrained to its logical
+  axes in `axes` on the active mesh (jaxspec/sharding.py); as it is when `axes` is None."""
+  if axes is None:
+    return tree
+  return sharding.with_logical_constraints(tree, axes if field is None else getattr(axes, field))
 
 
 def _commit_tokens(
@@ -451,9 +492,12 @@ def run_loop(
   state: SpecState,
   max_steps: Optional[jax.Array] = None,
   tree: Optional[TreeOptions] = None,
+  state_axes: Optional[SpecState] = None,
 ) -> SpecState:
   """`step` in a while_loop until every sequence is done or after `max_steps` steps (a traced
-  int32, so streaming and slot serving at any chunk size share one program; None: no limit)."""
+  int32, so streaming and slot serving at any chunk size share one program; None: no limit).
+  With `state_axes` every step's state keeps the layout they give it on the active mesh."""
+  lay = functools.partial(_laid_out, state_axes, None)
 
   def cond(carry):
     s, i = carry
@@ -462,27 +506,103 @@ def run_loop(
 
   def body(carry):
     s, i = carry
-    return step(config, drafter, tree, target_params, drafter_params, s), i + 1
+    return lay(step(config, drafter, tree, target_params, drafter_params, s)), i + 1
 
-  state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
-  return state
+  state, _ = jax.lax.while_loop(cond, body, (lay(state), jnp.int32(0)))
+  return lay(state)  # the loop's result too: XLA may pick another layout for a while's output
 
 
-def insert_row(axes: Any, state: SpecState, slot: jax.Array, row: SpecState) -> SpecState:
+def insert_row(
+  axes: Any,
+  state: SpecState,
+  slot: jax.Array,
+  row: SpecState,
+  state_axes: Optional[SpecState] = None,
+) -> SpecState:
   """Row `slot` of every batched leaf of `state` ← the one-row state `row` (`axes`: each leaf's
-  batch axis, None for shared leaves, which keep `state`'s)."""
+  batch axis, None for shared leaves, which keep `state`'s); laid out by `state_axes`."""
 
   def put(ax, x, r):
     if ax is None:
       return x
     return jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=ax)
 
-  return jax.tree_util.tree_map(put, axes, state, row)
+  return _laid_out(state_axes, None, jax.tree_util.tree_map(put, axes, state, row))
 
 
-def evict_rows(state: SpecState, rows: jax.Array) -> SpecState:
+def evict_rows(
+  state: SpecState, rows: jax.Array, state_axes: Optional[SpecState] = None
+) -> SpecState:
   """The rows where `rows` [B] bool is set marked done: they commit nothing more."""
-  return state.replace(done=state.done | rows)
+  return _laid_out(state_axes, None, state.replace(done=state.done | rows))
+
+
+def _refuse_quantized(params: Any, what: str) -> None:
+  is_q = lambda x: isinstance(x, QTensor)
+  if any(is_q(x) for x in jax.tree_util.tree_leaves(params, is_leaf=is_q)):
+    raise ConfigError(
+      f"{what} has quantized (QTensor) weights of its own: placing a quantized drafter on a "
+      "device mesh is not supported; quantize the target only, or run without a mesh"
+    )
+
+
+def place_on_mesh(
+  target: TargetModel,
+  drafter: Optional[Drafter],
+  mesh: jax.sharding.Mesh,
+  rules: Any = None,
+) -> tuple[TargetModel, Optional[Drafter]]:
+  """The target and the drafter with their parameters on `mesh`, by their logical axes
+  (`target_lib.params_logical_axes`: a quantized weight's values and scales are named after the
+  weight; `Drafter.param_axes`) and `rules` (jaxspec/sharding.py).
+
+  An array already placed so is kept (pass a target restored onto the mesh and nothing moves);
+  an array the drafter shares with the target (embedding, LM head, MTP layer) takes the target's
+  placement, so it is held once. A drafter's own quantized weights are refused (ConfigError).
+  """
+  t_axes = target_lib.params_logical_axes(target.config, target.params)
+  params = sharding.shard_tree(target.params, t_axes, mesh, rules)
+  placed_target = dataclasses.replace(target, params=params)
+  if drafter is None or drafter.params is None:
+    return placed_target, drafter
+  _refuse_quantized(drafter.params, f"the drafter ({drafter.name})")
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  shared = {
+    id(old): (new, spec)
+    for old, new, spec in zip(
+      jax.tree_util.tree_leaves(target.params),
+      jax.tree_util.tree_leaves(params),
+      jax.tree_util.tree_leaves(t_axes, is_leaf=is_spec),
+    )
+  }
+  axes = drafter.param_axes()
+  if axes is None:  # replicated
+    axes = jax.tree_util.tree_map(lambda _: jax.sharding.PartitionSpec(), drafter.params)
+  own = jax.tree_util.tree_map(
+    lambda x, spec: shared[id(x)][1] if id(x) in shared else spec,
+    drafter.params,
+    axes,
+  )
+  values = jax.tree_util.tree_map(
+    lambda x: shared[id(x)][0] if id(x) in shared else x, drafter.params
+  )
+  placed = sharding.shard_tree(values, own, mesh, rules)
+  return placed_target, dataclasses.replace(drafter, params=placed)
+
+
+class _OnMesh:
+  """A jitted function called inside `sharding.use_mesh(mesh, rules)`: the logical constraints
+  of the model code and of the state apply when it is traced."""
+
+  def __init__(self, mesh: jax.sharding.Mesh, rules: Any, fn: Any):
+    self.mesh, self.rules, self.fn = mesh, rules, fn
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    with sharding.use_mesh(self.mesh, self.rules):
+      return self.fn(*args, **kwargs)
+
+  def _cache_size(self) -> int:
+    return self.fn._cache_size()  # pylint: disable=protected-access
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,13 +618,22 @@ def _bucket(n: int, minimum: int, cap: int) -> int:
 
 
 class SpecEngine:
-  """Speculative (or, with drafter=None, plain) generation for one target and drafter."""
+  """Speculative (or, with drafter=None, plain) generation for one target and drafter.
+
+  mesh: a device mesh (`sharding.make_mesh`) to run on, or None for one device. With a mesh the
+    parameters are placed by their logical axes (`place_on_mesh`; `self.target` and
+    `self.drafter` then hold the placed arrays) and the state is laid out by `state_axes`.
+  rules: the logical-to-mesh rules (`sharding.rules_from`: None = the defaults).
+  """
 
   def __init__(
     self,
     target: TargetModel,
     drafter: Optional[Drafter] = None,
     config: EngineConfig = EngineConfig(),
+    *,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    rules: Any = None,
   ):
     self.target = target
     self.config = config
@@ -513,12 +642,18 @@ class SpecEngine:
       if drafter is None:
         raise ConfigError("verify='tree' needs a drafter that gives per-position distributions")
       drafter = drafter.for_tree()
-    self.drafter = drafter
     if drafter is not None and drafter.vocab_size not in (None, target.config.vocab_size):
       raise InputError(
         f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
         f"({target.config.vocab_size})"
       )
+    if rules is not None and mesh is None:
+      raise ConfigError("sharding rules without a mesh: pass mesh=sharding.make_mesh(...) too")
+    self.mesh = mesh
+    self.rules = None if mesh is None else sharding.rules_from(rules)
+    if mesh is not None:
+      self.target, drafter = place_on_mesh(target, drafter, mesh, self.rules)
+    self.drafter = drafter
     stops = list(config.stop_ids)
     if config.use_eos:
       stops += list(target.config.eos_token_ids)
@@ -550,18 +685,33 @@ class SpecEngine:
         )
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = plan.engine_plan(
-      target, drafter, config.batch_size, config.max_len, config.kv_format
+      self.target, drafter, config.batch_size, config.max_len, config.kv_format
     )
     plan.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
     cfg, dr = target.config, drafter
-    self._prefill = jax.jit(
-      functools.partial(prefill, cfg, dr),
-      static_argnames=("chunk", "kv_format"),
-      donate_argnames=("tokens",),
+    self._abstract: dict[int, SpecState] = {}  # batch → the state's shapes (_abstract_state)
+    # On a mesh: the state's logical axes (traced once) lay out every state the jits return.
+    axes = self._state_axes = None if mesh is None else self.state_axes()
+    self._prefill = self._on_mesh(
+      jax.jit(
+        functools.partial(prefill, cfg, dr, state_axes=axes),
+        static_argnames=("chunk", "kv_format"),
+        donate_argnames=("tokens",),
+      )
     )
-    self._loop = jax.jit(functools.partial(run_loop, cfg, dr, tree=self.tree), donate_argnums=(2,))
+    self._loop = self._on_mesh(
+      jax.jit(
+        functools.partial(run_loop, cfg, dr, tree=self.tree, state_axes=axes), donate_argnums=(2,)
+      )
+    )
     self._insert = None  # built on first use: finding the batch axes traces a prefill
-    self._evict = jax.jit(evict_rows, donate_argnums=(0,))
+    self._evict = self._on_mesh(
+      jax.jit(functools.partial(evict_rows, state_axes=axes), donate_argnums=(0,))
+    )
+
+  def _on_mesh(self, fn: Any) -> Any:
+    """`fn`, called inside the engine's mesh and rules when it has a mesh."""
+    return fn if self.mesh is None else _OnMesh(self.mesh, self.rules, fn)
 
   @property
   def drafter_params(self) -> Any:
@@ -870,8 +1020,11 @@ class SpecEngine:
     if not 0 <= int(slot) < self.config.batch_size:
       raise InputError(f"slot {slot} is outside the batch [0, {self.config.batch_size})")
     if self._insert is None:
-      self._insert = jax.jit(
-        functools.partial(insert_row, self._batch_axes()), donate_argnums=(0,)
+      self._insert = self._on_mesh(
+        jax.jit(
+          functools.partial(insert_row, self._batch_axes(), state_axes=self._state_axes),
+          donate_argnums=(0,),
+        )
       )
     return self._insert(state, jnp.int32(slot), row)
 
@@ -926,7 +1079,13 @@ class SpecEngine:
     }
 
   def _abstract_state(self, batch: int) -> SpecState:
-    """The SpecState a prefill of `batch` rows returns, as shapes (nothing runs)."""
+    """The SpecState a prefill of `batch` rows returns, as shapes (nothing runs; traced once
+    per batch size)."""
+    if batch not in self._abstract:
+      self._abstract[batch] = self._trace_state(batch)
+    return self._abstract[batch]
+
+  def _trace_state(self, batch: int) -> SpecState:
     cfg = self.config
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     params = sampling.make_sampling_params(batch, 0.0, 0, 1.0)
@@ -948,6 +1107,22 @@ class SpecEngine:
       i32(batch, cfg.max_stop_ids),
       i32(),
     )
+
+  def state_axes(self) -> SpecState:
+    """The logical axes of every SpecState leaf (a SpecState of logical PartitionSpecs, e.g.
+    ("layers", "batch", "length", "kv_heads", "head_dim") for the target's K/V): the `AXES`
+    tables of the state structs, checked against the batch axes that 1- and 2-row states show
+    (jaxspec.state.logical_axes). On a mesh the state is laid out by them."""
+    return logical_axes(self._abstract_state(1), self._abstract_state(2))
+
+  def state_shardings(self, batch: Optional[int] = None) -> SpecState:
+    """The NamedSharding of every SpecState leaf for `batch` rows (default batch_size) on the
+    engine's mesh: what `state_axes` gives under its rules (an axis that does not divide its
+    mesh axes is replicated, e.g. the batch of a one-row `prefill_row` state)."""
+    if self.mesh is None:
+      raise ConfigError("state_shardings: this engine has no mesh (SpecEngine(..., mesh=...))")
+    shapes = self._abstract_state(batch or self.config.batch_size)
+    return sharding.shardings_for(shapes, self.state_axes(), self.mesh, self.rules)
 
   def _batch_axes(self) -> Any:
     """Per SpecState leaf, its batch axis (the one whose size follows the batch), or None for
