@@ -53,9 +53,8 @@ def main(argv):
   from jaxspec import sharding  # pylint: disable=import-outside-toplevel
   from jaxspec.config import ModelConfig  # pylint: disable=import-outside-toplevel
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
-  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
-
   from jaxspec.plan.scale import mesh_sizes  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
 
   cfg = ModelConfig(
     architecture="Qwen3MoeForCausalLM",
@@ -93,7 +92,9 @@ def main(argv):
     rows.append({"tokens": t, **{k: v * 1e3 for k, v in times.items()}})
     print(
       f"T={t:4d}  gspmd {base * 1e3:8.2f} ms  "
-      + "  ".join(f"{k} {v * 1e3:8.2f} ms ({v / base:.2f}×)" for k, v in times.items() if k != "gspmd")
+      + "  ".join(
+        f"{k} {v * 1e3:8.2f} ms ({v / base:.2f}×)" for k, v in times.items() if k != "gspmd"
+      )
     )
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:

@@ -31,7 +31,8 @@ only with respect to that function.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,7 @@ def exchange_bytes(
   hidden: int,
   act: int,
   split: bool = False,
-  capacity: Optional[int] = None,
+  capacity: int | None = None,
 ) -> float:
   """Bytes one device sends per MoE layer for an expert group of e devices and `tokens` tokens.
 
@@ -109,8 +110,10 @@ def exchange_bytes(
   row = hidden * act
   if exchange == "replicate":
     return 2 * (e - 1) / e * tokens * row
-  sent = 2 * (e - 1) * capacity if capacity is not None else (
-    2 * math.ceil(tokens / e) * remote_devices(e, k)
+  sent = (
+    2 * (e - 1) * capacity
+    if capacity is not None
+    else (2 * math.ceil(tokens / e) * remote_devices(e, k))
   )
   gather = 0.0 if split else (e - 1) / e * tokens
   return (sent + gather) * row
@@ -219,7 +222,7 @@ def _dispatch_and_combine(
   e: int,
   local_experts: int,
   cap: int,
-  ragged_all_to_all: Optional[Callable[..., jax.Array]],
+  ragged_all_to_all: Callable[..., jax.Array] | None,
 ) -> tuple[jax.Array, jax.Array]:
   """One device's side of the all_to_all exchange: x [m, H] (rows `valid`), its pairs sent to
   their experts' owners and the results combined → (y [m, H] float32, pairs dropped)."""
@@ -232,8 +235,10 @@ def _dispatch_and_combine(
   order = jnp.argsort(dest, stable=True)
   counts = jnp.bincount(dest, length=e + 1)
   starts = jnp.cumsum(counts) - counts
-  rank = jnp.zeros(pairs, jnp.int32).at[order].set(
-    jnp.arange(pairs, dtype=jnp.int32) - starts[dest[order]].astype(jnp.int32)
+  rank = (
+    jnp.zeros(pairs, jnp.int32)
+    .at[order]
+    .set(jnp.arange(pairs, dtype=jnp.int32) - starts[dest[order]].astype(jnp.int32))
   )
   dropped = jnp.sum((dest < e) & (rank >= cap))
   token = jnp.arange(pairs) // k
@@ -270,11 +275,11 @@ def experts_ep(
   run_local: LocalExperts,
   *,
   mesh: Any,
-  rules: Optional[sharding.Rules] = None,
+  rules: sharding.Rules | None = None,
   backend: str = "ep",
   capacity_factor: float = 0.0,
-  ragged_all_to_all: Optional[Callable[..., jax.Array]] = None,
-  act_bytes: Optional[int] = None,
+  ragged_all_to_all: Callable[..., jax.Array] | None = None,
+  act_bytes: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Routed experts over the mesh's expert axis: x [N, H] → (y [N, H] in x's dtype, pairs dropped).
 
@@ -361,7 +366,15 @@ def experts_ep(
     else:
       if split:
         y, dropped = _dispatch_and_combine(
-          x, weights, ids, jnp.ones(rows, bool), local, run_local, e, local_experts, cap,
+          x,
+          weights,
+          ids,
+          jnp.ones(rows, bool),
+          local,
+          run_local,
+          e,
+          local_experts,
+          cap,
           ragged_all_to_all,
         )
       else:  # this device dispatches rows [me·mine, (me+1)·mine) of the (padded) block
@@ -370,7 +383,15 @@ def experts_ep(
         take = lambda a: jax.lax.dynamic_slice_in_dim(grow(a), me * mine, mine)
         valid = jax.lax.dynamic_slice_in_dim(jnp.arange(mine * e) < rows, me * mine, mine)
         y_mine, dropped = _dispatch_and_combine(
-          take(x), take(weights), take(ids), valid, local, run_local, e, local_experts, cap,
+          take(x),
+          take(weights),
+          take(ids),
+          valid,
+          local,
+          run_local,
+          e,
+          local_experts,
+          cap,
           ragged_all_to_all,
         )
         y = jax.lax.all_gather(y_mine, sharding.EXPERT_AXIS, axis=0, tiled=True)[:rows]
