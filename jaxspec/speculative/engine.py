@@ -853,10 +853,10 @@ class SpecEngine:
     global array on that mesh, its batch axis sharded by the logical rules (a numpy input
     cannot enter a multi-process program with sharded inputs); otherwise jit places them.
     """
-    mesh = getattr(self, "mesh", None) or distributed.mesh_of(self.target.params)
+    mesh = self.mesh or distributed.mesh_of(self.target.params)
     if mesh is None or not mesh.is_multi_process:
       return jax.tree.map(jnp.asarray, host)
-    return distributed.put(host, mesh, logical_axes, getattr(self, "rules", None))
+    return distributed.put(host, mesh, logical_axes, self.rules)
 
   def _outputs(self, state: SpecState, n: int, values: str = "tokens") -> list[list]:
     """Each of the first n rows' generated tokens (or their log-probs, values="logprobs");
