@@ -323,6 +323,16 @@ def _hybrid_fields(r: HFConfigReader, arch: str, num_layers: int) -> dict[str, A
     linear_num_key_heads=r.integer("linear_num_key_heads", 16),
     linear_num_value_heads=r.integer("linear_num_value_heads", 32),
   )
+  # Qwen3.5 / Qwen3-Next checkpoints store one MTP module (`mtp.*`) of `mtp_num_hidden_layers`
+  # decoder layers, applied once per draft: jaxspec builds it as one MTP layer.
+  mtp = r.integer("mtp_num_hidden_layers", 0)
+  if mtp not in (0, 1):
+    raise r.error(f"mtp_num_hidden_layers={mtp}: an MTP module of several layers is not supported")
+  if mtp and r.flag("mtp_use_dedicated_embeddings", False):
+    raise r.error(
+      "mtp_use_dedicated_embeddings: an MTP module with its own embedding is not supported"
+    )
+  kw["num_mtp_layers"] = mtp
   if arch == "Qwen3_5ForCausalLM":
     return kw
   experts = r.integer("num_experts", 512)
@@ -1137,7 +1147,9 @@ class ModelConfig:
         first_k_dense_replace=first_dense,
         num_nextn_predict_layers=self.num_mtp_layers,
       )
-    if self.num_mtp_layers and self.architecture != "Glm4MoeForCausalLM":
+    if self.num_mtp_layers and self.is_hybrid:
+      hf["mtp_num_hidden_layers"] = self.num_mtp_layers
+    elif self.num_mtp_layers and self.architecture != "Glm4MoeForCausalLM":
       hf["num_nextn_predict_layers"] = self.num_mtp_layers
     return hf
 

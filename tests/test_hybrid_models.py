@@ -63,7 +63,8 @@ def test_config_reading_and_export_roundtrip(saved, tmp_path):
       hf_models.hf_logits(back, ids), hf_models.hf_logits(hf_model, ids), atol=1e-5
     )
     assert jaxspec.load_model(str(out)).config == c
-  # Published Qwen3.5 checkpoints carry an MTP module (mtp.*) that transformers skips: so do we.
+  # An MTP module config.json does not declare (mtp_num_hidden_layers) is skipped, as
+  # transformers skips every mtp.* tensor; a declared one is read (the MTP tests below).
   tensors = safetensors.numpy.load_file(str(out / "model.safetensors"))
   tensors["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
   safetensors.numpy.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -197,3 +198,165 @@ def test_chain_speculation_equals_plain(saved):
     SpecEngine(model.with_config(linear_snapshots=3), drafter, cfg)
   with pytest.raises(ConfigError, match="draft model with linear-attention"):
     DraftModelDrafter.from_model(model)
+
+
+# MTP: Qwen3.5's `mtp.*` module ----------------------------------------------------------------
+
+MTP_NAMES = ("qwen3_5_dense_3to1_tied", "qwen3_5moe_3to1")  # layer 3: full attention, dense / MoE
+
+
+def _mtp_affine(x):
+  """The MTP block's weights: the main full-attention layer 3's, mapped elementwise (so the
+  same map applies to HF's in-memory layout and to the stored one, and a loader that read
+  layer 3 instead of mtp.layers.0 would be caught)."""
+  return 1.3 * x - 0.02
+
+
+def _with_mtp_module(hf_model, path: str, seed: int):
+  """Adds a published-layout MTP module (mtp.fc / pre_fc_norm_* / norm / layers.0.*) and
+  `mtp_num_hidden_layers: 1` to the checkpoint at `path`; returns the float64 torch pieces."""
+  import copy  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+
+  file = f"{path}/model.safetensors"
+  tensors = safetensors.numpy.load_file(file)
+  for name in [n for n in tensors if n.startswith("model.layers.3.")]:
+    tensors["mtp.layers.0." + name[len("model.layers.3.") :]] = _mtp_affine(tensors[name])
+  h = hf_model.config.hidden_size
+  rng = np.random.default_rng(seed)
+  pieces = {
+    "fc.weight": 0.2 * rng.standard_normal((h, 2 * h)),
+    "pre_fc_norm_embedding.weight": 0.2 * rng.standard_normal(h),
+    "pre_fc_norm_hidden.weight": 0.2 * rng.standard_normal(h),
+    "norm.weight": 0.2 * rng.standard_normal(h),
+  }
+  tensors.update({f"mtp.{k}": v.astype(np.float32) for k, v in pieces.items()})
+  safetensors.numpy.save_file(tensors, file, metadata={"format": "pt"})
+  with open(f"{path}/config.json") as f:
+    config = json.load(f)
+  config["mtp_num_hidden_layers"] = 1
+  with open(f"{path}/config.json", "w") as f:
+    json.dump(config, f)
+  layer = copy.deepcopy(hf_model.model.layers[3]).double()
+  for module in layer.modules():  # the grouped-matmul experts take no float64: the eager loop
+    if getattr(module, "config", None) is not None and hasattr(module.config, "num_experts"):
+      module.config = copy.copy(module.config)
+      module.config._experts_implementation = "eager"  # pylint: disable=protected-access
+  with torch.no_grad():
+    for p in layer.parameters():
+      p.copy_(_mtp_affine(p))
+  f64 = {k: torch.as_tensor(v.astype(np.float32), dtype=torch.float64) for k, v in pieces.items()}
+  return layer, f64
+
+
+def _mtp_reference(hf_model, layer, pieces, tokens, hidden):
+  """float64: norm(layer(fc([norm_e(embed(tokens)); norm_h(hidden)]))) → LM head, with
+  transformers' decoder layer, rotary embedding and zero-centred RMSNorm."""
+  model = hf_model.model
+  eps = hf_model.config.rms_norm_eps
+
+  def norm(x, w):  # Qwen3.5's RMSNorm: (1 + w) · x / rms(x)
+    return (1.0 + w) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+  with torch.no_grad():
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    emb = model.embed_tokens.weight.double()[ids]
+    x = (
+      torch.cat(
+        [
+          norm(emb, pieces["pre_fc_norm_embedding.weight"]),
+          norm(torch.as_tensor(hidden, dtype=torch.float64), pieces["pre_fc_norm_hidden.weight"]),
+        ],
+        -1,
+      )
+      @ pieces["fc.weight"].T
+    )
+    positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    rotary = copy_rotary(model.rotary_emb)
+    cos, sin = rotary(x, positions)
+    x = layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=positions)
+    x = x[0] if isinstance(x, tuple) else x
+    out = norm(x, pieces["norm.weight"])
+    head = hf_model.lm_head.weight.double()
+    return (out @ head.T).numpy(), out.numpy()
+
+
+def copy_rotary(rotary):
+  import copy  # pylint: disable=import-outside-toplevel
+
+  return copy.deepcopy(rotary).double()
+
+
+@pytest.fixture(scope="module")
+def mtp_saved(tmp_path_factory):
+  out = {}
+  for seed, name in enumerate(MTP_NAMES):
+    d = str(tmp_path_factory.mktemp(f"mtp_{name}"))
+    hf_model = hf_models.save_hf_model(name, d)
+    out[name] = (hf_model, d, *_with_mtp_module(hf_model, d, seed))
+  return out
+
+
+@pytest.mark.parametrize("name", MTP_NAMES)
+def test_mtp_module_reads_the_published_layout_and_matches_a_float64_reference(mtp_saved, name):
+  hf_model, path, layer, pieces = mtp_saved[name]
+  model = jaxspec.load_model(path)
+  assert model.config.num_mtp_layers == 1
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, model.config.vocab_size, (2, 6))
+  hidden = rng.standard_normal((2, 6, model.config.hidden_size)).astype(np.float32)
+  logits, next_hidden, _ = target_lib.apply_mtp(
+    model.config, model.params, 0, jnp.asarray(tokens), jnp.asarray(hidden)
+  )
+  ref_logits, ref_hidden = _mtp_reference(hf_model, layer, pieces, tokens, hidden)
+  np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-4, rtol=1e-4)
+  # Chained on its normed output, as vLLM / SGLang run Qwen3.5's MTP.
+  np.testing.assert_allclose(np.asarray(next_hidden), ref_hidden, atol=1e-4, rtol=1e-4)
+  # Exported in the same layout: transformers loads it (skipping mtp.*), jaxspec reads it back.
+  out = f"{path}_export"
+  hf_io.save_hf(model, out)
+  names = safetensors.numpy.load_file(f"{out}/model.safetensors").keys()
+  assert "mtp.fc.weight" in names and "mtp.layers.0.self_attn.q_proj.weight" in names
+  again = jaxspec.load_model(out)
+  assert again.config.num_mtp_layers == 1
+  for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(again.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  back = getattr(transformers, type(hf_model).__name__).from_pretrained(out).float().eval()
+  ids = rng.integers(0, model.config.vocab_size, (1, 5))
+  np.testing.assert_allclose(
+    hf_models.hf_logits(back, ids), hf_models.hf_logits(hf_model, ids), atol=1e-5
+  )
+  # transformers re-saves the declaration without the module: it loads without MTP, warned.
+  back.save_pretrained(f"{out}_hf")
+  with pytest.warns(UserWarning, match="holds none of their tensors"):
+    assert jaxspec.load_model(f"{out}_hf").config.num_mtp_layers == 0
+
+
+@pytest.mark.slow  # ~30 s each on 2 busy cores; the MTP drafter's losslessness is CI-tested on
+# GLM-4 MoE (tests/test_mtp_drafter.py) and the hybrid engine's with other drafters (above)
+@pytest.mark.parametrize("name", MTP_NAMES)
+def test_mtp_drafter_on_a_hybrid_target_equals_plain(mtp_saved, name):
+  """Chain speculation with the checkpoint's own MTP module, 2 rows."""
+  from jaxspec.drafters.mtp import MTPDrafter  # pylint: disable=import-outside-toplevel
+  from tests.drafter_models import GreedyCheck  # pylint: disable=import-outside-toplevel
+
+  target = jaxspec.load_model(mtp_saved[name][1])
+  GreedyCheck(target, MTPDrafter.from_target(target, gamma=3), max_len=40).check(2, new=12)
+
+
+def test_mtp_module_config_errors(mtp_saved, tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+
+  src = mtp_saved["qwen3_5_dense_3to1_tied"][1]
+  for key, value, message in [
+    ("mtp_num_hidden_layers", 2, "several layers"),
+    ("mtp_use_dedicated_embeddings", True, "its own embedding"),
+  ]:
+    d = tmp_path / key
+    shutil.copytree(src, d)
+    config = json.loads((d / "config.json").read_text())
+    config[key] = value
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+      jaxspec.load_model(str(d))

@@ -148,14 +148,20 @@ def _ffn_entries(config: ModelConfig, moe: bool) -> list[Entry]:
 
 
 def _mtp_entries(config: ModelConfig) -> list[Entry]:
+  """An MTP layer's tensors, relative to `mtp_prefix`."""
+  if config.is_hybrid:  # Qwen3.5 / Qwen3-Next: mtp.{fc, pre_fc_norm_*, norm, layers.0.*}
+    names, block = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"), "layers.0."
+  else:
+    names, block = ("enorm", "hnorm", "eh_proj", "shared_head.norm"), ""
   e: list[Entry] = [
-    ("enorm.weight", ("enorm", "scale"), "same"),
-    ("hnorm.weight", ("hnorm", "scale"), "same"),
-    ("eh_proj.weight", ("eh_proj", "kernel"), "linear"),
-    ("shared_head.norm.weight", ("post_norm", "scale"), "same"),
+    (f"{names[0]}.weight", ("enorm", "scale"), "same"),
+    (f"{names[1]}.weight", ("hnorm", "scale"), "same"),
+    (f"{names[2]}.weight", ("eh_proj", "kernel"), "linear"),
+    (f"{names[3]}.weight", ("post_norm", "scale"), "same"),
   ]
   return e + [
-    (hf, ("block", *path), kind) for hf, path, kind in _layer_entries(config, config.mtp_is_moe)
+    (block + hf, ("block", *path), kind)
+    for hf, path, kind in _layer_entries(config, config.mtp_is_moe)
   ]
 
 
@@ -172,7 +178,13 @@ def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, st
         yield f"model.layers.{first + j}.{hf}", (f"layers_{s}", *path), j, kind
   for k in range(config.num_mtp_layers):
     for hf, path, kind in _mtp_entries(config):
-      yield f"model.layers.{config.num_layers + k}.{hf}", (f"mtp_{k}", *path), None, kind
+      yield f"{mtp_prefix(config, k)}{hf}", (f"mtp_{k}", *path), None, kind
+
+
+def mtp_prefix(config: ModelConfig, k: int) -> str:
+  """Where MTP layer k's tensors live: after the main layers (DeepSeek-V3, GLM) or in the
+  `mtp.` module (Qwen3.5 / Qwen3-Next)."""
+  return "mtp." if config.is_hybrid else f"model.layers.{config.num_layers + k}."
 
 
 def _to_jax_layout(w: np.ndarray, kind: str, target_shape: tuple[int, ...]) -> np.ndarray:
@@ -433,8 +445,8 @@ def load_params(
 
   Each tensor is checked as it is read: present, of the config's shape, finite once cast to
   param_dtype. Tensors the config does not use raise (`check_unexpected`), except a tied
-  `lm_head.weight` (transformers ignores it too), a hybrid target's `mtp.*` module (skipped
-  as transformers skips it) and, with `extra_layers_ok` (the caller asked
+  `lm_head.weight` (transformers ignores it too), a hybrid target's `mtp.*` module when the
+  config has no MTP layer (undeclared, or `num_mtp_layers=0` asked for) and, with `extra_layers_ok` (the caller asked
   for fewer layers than stored), the layers past the ones loaded: those warn.
   """
   depth = config.num_layers + config.num_mtp_layers
@@ -442,8 +454,8 @@ def load_params(
   def ignorable(name: str) -> bool:
     if config.tie_word_embeddings and name == "lm_head.weight":
       return True
-    if config.is_hybrid and name.startswith("mtp."):  # Qwen3.5's MTP module: not built yet
-      return True
+    if config.is_hybrid and not config.num_mtp_layers and name.startswith("mtp."):
+      return True  # an MTP module the config leaves out (num_mtp_layers=0): transformers' skip
     i = _layer_index(name)
     return extra_layers_ok and i is not None and i >= depth
 
@@ -575,23 +587,23 @@ def _without_absent_mtp_layers(
 
   transformers' `save_pretrained` of a Glm4MoeForCausalLM keeps `num_nextn_predict_layers`
   in config.json but writes no `model.layers.{num_hidden_layers + k}.*` tensors (its model has
-  no MTP modules). Such a checkpoint is a complete target: it loads with a warning and
+  no MTP modules); of a Qwen3.5 / Qwen3-Next, `mtp_num_hidden_layers` and no `mtp.*`. Such a checkpoint is a complete target: it loads with a warning and
   `num_mtp_layers = 0`. A checkpoint holding some but not all MTP tensors is left alone, so
   that `load_params` names the missing ones.
   """
   names = _TensorSource(model_dir).keys()
-  prefixes = tuple(f"model.layers.{config.num_layers + k}." for k in range(config.num_mtp_layers))
+  prefixes = tuple(mtp_prefix(config, k) for k in range(config.num_mtp_layers))
   if any(name.startswith(prefixes) for name in names):
     return config, hf_config
+  key = "mtp_num_hidden_layers" if config.is_hybrid else "num_nextn_predict_layers"
   warnings.warn(
-    f"checkpoint in {model_dir} declares {config.num_mtp_layers} MTP layer(s) "
-    f"(num_nextn_predict_layers) but holds none of their tensors (model.layers."
-    f"{config.num_layers}.* onwards); the MTP layers are absent, so it loads without them and "
-    f"MTP drafting is unavailable for this model",
+    f"checkpoint in {model_dir} declares {config.num_mtp_layers} MTP layer(s) ({key}) but "
+    f"holds none of their tensors ({prefixes[0]}*); the MTP layers are absent, so it loads "
+    f"without them and MTP drafting is unavailable for this model",
     stacklevel=3,
   )
   hf_config = dict(hf_config)
-  for key in ("num_nextn_predict_layers", "num_mtp_layers"):
+  for key in ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers"):
     if key in hf_config:
       hf_config[key] = 0
   return config.replace(num_mtp_layers=0), hf_config

@@ -191,23 +191,26 @@ def _stack(config: ModelConfig, moe: bool, length: int, name: str, linear: bool)
 
 
 class MTPLayer(nn.Module):
-  """DeepSeek-V3-style multi-token-prediction module.
+  """A multi-token-prediction module (DeepSeek-V3 / GLM, and Qwen3.5 / Qwen3-Next's `mtp.*`).
 
-  h' = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) → a full decoder block → post_norm; the
-  shared LM head turns it into logits for token i+2.
+  h' = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) → a full-attention decoder block →
+  post_norm; the shared LM head turns it into logits for token i+2. Hybrid targets name the
+  pieces fc, pre_fc_norm_embedding, pre_fc_norm_hidden and norm, use zero-centred norms, and
+  feed the *normed* output to the next draft (see `Decoder.mtp_forward`).
   """
 
   config: ModelConfig
 
   def setup(self):
     c = self.config
-    self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
-    self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
+    norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset)
+    self.enorm = norm()
+    self.hnorm = norm()
     self.eh_proj = Dense(
       (c.hidden_size,), ("mlp", "embed"), dtype=c.dtype, param_dtype=c.param_dtype
     )
-    self.block = DecoderLayer(c, c.mtp_is_moe)
-    self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
+    self.block = DecoderLayer(c, c.mtp_is_moe)  # full attention, also in hybrid targets
+    self.post_norm = norm()
 
   def __call__(
     self,
@@ -350,6 +353,10 @@ class Decoder(nn.Module):
   ):
     """MTP layer k over a block: returns (logits, hidden for the next depth, state).
 
+    The hidden for the next depth is the block's output before `post_norm` (DeepSeek-V3, GLM:
+    the shared head norms it) or after it (Qwen3.5 / Qwen3-Next, whose MTP module returns its
+    normed output and is chained on it, as vLLM and SGLang run it).
+
     `tokens` are the tokens one step ahead of `prev_hidden` (token i+1 beside hidden i); the
     layer's own state has one segment of one layer (`DecodingState.create(...,
     segment_layers=(1,))`), or None for a cache-free forward (training).
@@ -366,7 +373,7 @@ class Decoder(nn.Module):
     )
     if state is not None:
       state = state.replace(segments=(kv,))
-    return self.head(normed), h, state
+    return self.head(normed), normed if self.config.is_hybrid else h, state
 
   def init_all(self, tokens: jax.Array) -> Any:
     """Touches every parameter (main stack and MTP layers) so that `init` creates them all."""
