@@ -26,6 +26,30 @@ SUPPORTED_ARCHITECTURES = (
 # Hybrid targets: Gated DeltaNet (linear-attention) layers beside gated full-attention layers,
 # zero-centred RMSNorms ((1 + w) · x) and a sigmoid-gated shared expert (models/gated_deltanet.py).
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# Published Qwen3.5 checkpoints are vision-language models: the text model of each, read from
+# its nested `text_config` (and `model.language_model.*` tensors: jaxspec/io/hf.py).
+MULTIMODAL_TEXT_ARCHITECTURES = {
+  "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+  "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+
+def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+  """The text model's config.json dict: `hf` itself, or a multimodal checkpoint's `text_config`
+  as its text architecture (top-level keys it lacks, such as tie_word_embeddings, inherited)."""
+  archs = hf.get("architectures") if isinstance(hf, Mapping) else None
+  if not (isinstance(archs, (list, tuple)) and len(archs) == 1):
+    return hf
+  text_arch = MULTIMODAL_TEXT_ARCHITECTURES.get(archs[0])
+  if text_arch is None:
+    return hf
+  inner = hf.get("text_config")
+  if not isinstance(inner, Mapping):
+    raise ConfigError(f"{archs[0]} config.json has no text_config object")
+  outer = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+  return {**outer, **inner, "architectures": [text_arch]}
+
+
 LAYER_TYPES = ("full_attention", "linear_attention")
 # gpt-oss's RoPE when config.json states none (transformers' GptOssConfig default).
 GPT_OSS_DEFAULT_ROPE = {
@@ -887,6 +911,7 @@ class ModelConfig:
     """
     if not isinstance(hf, Mapping):
       raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+    hf = text_config(hf)
     archs = hf.get("architectures") or []
     if (
       not isinstance(archs, (list, tuple))

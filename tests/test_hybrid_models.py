@@ -297,7 +297,9 @@ def mtp_saved(tmp_path_factory):
   return out
 
 
-@pytest.mark.parametrize("name", MTP_NAMES)
+@pytest.mark.parametrize(
+  "name", [pytest.param(MTP_NAMES[0], marks=pytest.mark.slow), MTP_NAMES[1]]  # MoE block in CI
+)
 def test_mtp_module_reads_the_published_layout_and_matches_a_float64_reference(mtp_saved, name):
   hf_model, path, layer, pieces = mtp_saved[name]
   model = jaxspec.load_model(path)
@@ -360,3 +362,33 @@ def test_mtp_module_config_errors(mtp_saved, tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
       jaxspec.load_model(str(d))
+
+
+def test_published_vision_language_layout_loads_as_its_text_model(tmp_path):
+  """Qwen3.5 checkpoints are published as Qwen3_5(Moe)ForConditionalGeneration: a nested
+  text_config and model.language_model.* tensors beside the vision tower's model.visual.*."""
+  text = dict(hf_models.HYBRID_CONFIGS["qwen3_5moe_3to1"][2])
+  tied = text.pop("tie_word_embeddings")
+  vision = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=text["hidden_size"],
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+  )
+  hf_model = hf_models.build_hf_model_from(
+    "Qwen3_5MoeConfig",
+    "Qwen3_5MoeForConditionalGeneration",
+    dict(text_config=text, vision_config=vision, tie_word_embeddings=tied),
+  )
+  hf_model.save_pretrained(str(tmp_path))
+  with pytest.warns(UserWarning, match=r"vision-tower tensor\(s\) \(model\.visual\.\*\)"):
+    model = jaxspec.load_model(str(tmp_path), linear_chunk=8)
+  assert model.config.architecture == "Qwen3_5MoeForCausalLM"
+  assert not model.config.tie_word_embeddings and model.config.num_layers == 4
+  ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (2, 11))
+  ref = hf_models.hf_logits(hf_model, ids)  # text-only input: the VL model's text path
+  near_ties.assert_logits_match(model, ids, np.asarray(model.logits(ids)), ref, atol=2e-4)

@@ -330,10 +330,14 @@ def check_finite(name: str, w: np.ndarray, where: str) -> None:
     raise CheckpointError(f"tensor {name} in {where} holds NaN or Inf values")
 
 
+LANGUAGE_MODEL_PREFIX = "model.language_model."  # a vision-language checkpoint's text model
+VISUAL_PREFIX = "model.visual."
+
+
 class _TensorSource:
   """Lazy access to the tensors of one checkpoint directory (single file or sharded)."""
 
-  def __init__(self, model_dir: str):
+  def __init__(self, model_dir: str, quiet: bool = False):
     single = os.path.join(model_dir, SINGLE_FILE)
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.exists(index):
@@ -346,6 +350,33 @@ class _TensorSource:
     else:
       raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
     self._handles: dict[str, Any] = {}
+    self._stored: dict[str, str] = {}  # name read → name in the files (multimodal layout)
+    if any(k.startswith(LANGUAGE_MODEL_PREFIX) for k in self.file_of):
+      self._text_only(model_dir, quiet)
+
+  def _text_only(self, model_dir: str, quiet: bool) -> None:
+    """A vision-language checkpoint (published Qwen3.5): its text model's tensors under the
+    text layout's names (`model.language_model.X` read as `model.X`), the vision tower's
+    (`model.visual.*`) left out with a warning."""
+    visual = [k for k in self.file_of if k.startswith(VISUAL_PREFIX)]
+    files = {}
+    for k, path in self.file_of.items():
+      if k.startswith(VISUAL_PREFIX):
+        continue
+      name = (
+        "model." + k[len(LANGUAGE_MODEL_PREFIX) :] if k.startswith(LANGUAGE_MODEL_PREFIX) else k
+      )
+      if name in files:
+        raise CheckpointError(f"{model_dir} holds both {k} and {name}")
+      files[name] = path
+      self._stored[name] = k
+    self.file_of = files
+    if visual and not quiet:
+      warnings.warn(
+        f"checkpoint in {model_dir}: ignoring the {len(visual)} vision-tower tensor(s) "
+        f"({VISUAL_PREFIX}*): jaxspec runs the text model",
+        stacklevel=4,
+      )
 
   @staticmethod
   def _open(path: str):
@@ -363,7 +394,7 @@ class _TensorSource:
 
   def shape(self, name: str) -> tuple[int, ...]:
     try:
-      return tuple(self._handle(name).get_slice(name).get_shape())
+      return tuple(self._handle(name).get_slice(self._stored.get(name, name)).get_shape())
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(f"cannot read tensor {name} from {self.file_of[name]}: {e}") from None
 
@@ -375,11 +406,12 @@ class _TensorSource:
 
   def get(self, name: str) -> np.ndarray:
     f = self._handle(name)
+    stored = self._stored.get(name, name)
     try:
-      if f.get_slice(name).get_dtype() == "BF16":
+      if f.get_slice(stored).get_dtype() == "BF16":
         with safe_open(self.file_of[name], framework="flax") as fj:
-          return np.asarray(fj.get_tensor(name))
-      return f.get_tensor(name)
+          return np.asarray(fj.get_tensor(stored))
+      return f.get_tensor(stored)
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(
         f"cannot read tensor {name} from {self.file_of[name]} (truncated or corrupt?): {e}"
@@ -591,7 +623,7 @@ def _without_absent_mtp_layers(
   `num_mtp_layers = 0`. A checkpoint holding some but not all MTP tensors is left alone, so
   that `load_params` names the missing ones.
   """
-  names = _TensorSource(model_dir).keys()
+  names = _TensorSource(model_dir, quiet=True).keys()
   prefixes = tuple(mtp_prefix(config, k) for k in range(config.num_mtp_layers))
   if any(name.startswith(prefixes) for name in names):
     return config, hf_config
