@@ -1,0 +1,143 @@
+"""The Pallas chunked gated-delta-rule kernel (pallas_kernels/gated_delta) against its jnp
+oracles (`gated_deltanet.chunked` and the token-by-token `recurrent_reference`), and the hybrid
+model with `linear_attention_impl="pallas"` against "xla".
+
+No GPU was available for these tests: the kernel runs with interpret=True on CPU, and is also
+lowered (not compiled) for CUDA, where it must become a Triton call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.errors import ConfigError
+from jaxspec.models import gated_deltanet as gdn
+from jaxspec.models import target as target_lib
+from pallas_kernels.gated_delta import gated_delta_pallas, gated_delta_rule
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _inputs(seed: int, b: int = 2, t: int = 37, h: int = 2, dk: int = 8, dv: int = 4):
+  rng = np.random.default_rng(seed)
+  q = gdn.l2norm(jnp.asarray(rng.normal(size=(b, t, h, dk)), jnp.float32)) * dk**-0.5
+  k = gdn.l2norm(jnp.asarray(rng.normal(size=(b, t, h, dk)), jnp.float32))
+  v = jnp.asarray(rng.normal(size=(b, t, h, dv)), jnp.float32)
+  g = -jnp.asarray(rng.uniform(0.01, 1.5, size=(b, t, h)), jnp.float32)
+  beta = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(b, t, h)), jnp.float32))
+  s0 = jnp.asarray(rng.normal(size=(b, h, dk, dv)), jnp.float32)
+  return q, k, v, g, beta, s0
+
+
+def _kernel(*args, chunk=16, block_v=None):
+  return gated_delta_pallas(*args, chunk_size=chunk, block_v=block_v, interpret=True)
+
+
+def _close(got, want):
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+
+
+def test_kernel_equals_references_across_chunks():
+  """37 tokens in chunks of 16 (two borders, a padded last chunk), a nonzero initial state, the
+  value columns split over two programs: equal to `chunked` and to the recurrence."""
+  q, k, v, g, beta, s0 = _inputs(0)
+  got = _kernel(q, k, v, g, beta, s0, block_v=2)
+  _close(got, gdn.recurrent_reference(q, k, v, g, beta, s0))
+  _close(got, gdn.chunked(q, k, v, g, beta, s0, 16))
+
+
+def test_kernel_zero_state_and_padding_tokens():
+  """No initial state; padding tokens (g = 0, β = 0) at the end leave the state as it was after
+  the real tokens and do not change their outputs."""
+  q, k, v, g, beta, _ = _inputs(1, t=21)
+  real = 13
+  pad = jnp.arange(21)[None, :, None] >= real
+  g, beta = jnp.where(pad, 0.0, g), jnp.where(pad, 0.0, beta)
+  out, s = _kernel(q, k, v, g, beta, None)
+  ref_out, ref_s = gdn.recurrent_reference(*(x[:, :real] for x in (q, k, v, g, beta)))
+  np.testing.assert_allclose(np.asarray(out[:, :real]), np.asarray(ref_out), **TOL)
+  np.testing.assert_allclose(np.asarray(s), np.asarray(ref_s), **TOL)
+
+
+def test_kernel_strong_decay_stays_finite():
+  """Decays of e^-20 per token (in-chunk exp(Γ) underflows to 0): finite and exact."""
+  q, k, v, g, beta, s0 = _inputs(3, t=19)
+  g = g * 14.0 - 1.0
+  out, s = _kernel(q, k, v, g, beta, s0)
+  assert np.isfinite(np.asarray(out)).all()
+  _close((out, s), gdn.recurrent_reference(q, k, v, g, beta, s0))
+
+
+def test_dispatcher_and_errors():
+  q, k, v, g, beta, s0 = _inputs(4, b=1, t=5)
+  want = gdn.chunked(q, k, v, g, beta, s0, 4)
+  for impl in ("auto", "xla"):  # auto = xla: the very same program
+    got = gated_delta_rule(q, k, v, g, beta, s0, 4, impl=impl)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
+  _close(gated_delta_rule(q, k, v, g, beta, s0, 4, impl="pallas", interpret=True), want)
+  with pytest.raises(ValueError, match="impl="):
+    gated_delta_rule(q, k, v, g, beta, s0, impl="cuda")
+  with pytest.raises(ValueError, match="power of two"):  # Dk = 8 is too narrow for Triton
+    gated_delta_pallas(q, k, v, g, beta, s0)
+  with pytest.raises(ValueError, match="block_v"):
+    gated_delta_pallas(q, k, v, g, beta, s0, block_v=3, interpret=True)
+  with pytest.raises(ConfigError, match="linear_attention_impl"):
+    jaxspec.ModelConfig.from_hf(HYBRID, linear_attention_impl="cuda")
+
+
+def test_kernel_lowers_to_triton():
+  """Qwen3-Next's linear-layer shapes (Dk = Dv = 128), bf16 q/k/v: lowered for CUDA (no
+  compile, no GPU here), the pallas_call becomes a Triton call."""
+  b, t, h, d = 1, 100, 2, 128
+  arg = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  args = (arg(b, t, h, d), arg(b, t, h, d), arg(b, t, h, d))
+  args += (arg(b, t, h, dt=jnp.float32), arg(b, t, h, dt=jnp.float32))
+  args += (arg(b, h, d, d, dt=jnp.float32),)
+  fn = jax.jit(lambda *a: gated_delta_pallas(*a, chunk_size=64, block_v=64))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "xla.gpu.triton" in text
+
+
+HYBRID = {
+  "architectures": ["Qwen3_5ForCausalLM"],
+  "vocab_size": 48,
+  "hidden_size": 16,
+  "intermediate_size": 24,
+  "num_hidden_layers": 2,
+  "layer_types": ["linear_attention", "full_attention"],
+  "num_attention_heads": 2,
+  "num_key_value_heads": 1,
+  "head_dim": 8,
+  "tie_word_embeddings": True,
+  "linear_conv_kernel_dim": 3,
+  "linear_key_head_dim": 8,
+  "linear_value_head_dim": 4,
+  "linear_num_key_heads": 1,
+  "linear_num_value_heads": 2,
+}
+
+
+def test_hybrid_model_pallas_equals_xla():
+  """A tiny Qwen3.5 (linear + full layer): full-forward logits (11 tokens in chunks of 4) and
+  a prefill through the decoding state (logits and the linear layer's recurrent state) agree
+  between linear_attention_impl="pallas" and "xla"."""
+  config = jaxspec.ModelConfig.from_hf(HYBRID, linear_chunk=4)
+  xla = target_lib.TargetModel.random(config.replace(linear_attention_impl="xla"), seed=0)
+  pallas = xla.with_config(linear_attention_impl="pallas")
+  ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
+  want = np.asarray(xla.logits(ids))
+  np.testing.assert_allclose(np.asarray(pallas.logits(ids)), want, **TOL)
+  outs = []
+  for model in (xla, pallas):
+    fwd = target_lib.forward(
+      model.config, model.params, jnp.asarray(ids), jnp.zeros(2, jnp.int32), model.init_state(2, 16)
+    )
+    outs.append(fwd)
+  np.testing.assert_allclose(np.asarray(outs[1].logits), np.asarray(outs[0].logits), **TOL)
+  for a, b in zip(jax.tree_util.tree_leaves(outs[0].state), jax.tree_util.tree_leaves(outs[1].state)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **TOL)
