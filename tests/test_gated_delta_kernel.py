@@ -22,7 +22,7 @@ from pallas_kernels.gated_delta import gated_delta_pallas, gated_delta_rule
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _inputs(seed: int, b: int = 2, t: int = 37, h: int = 2, dk: int = 8, dv: int = 4):
+def _inputs(seed: int, b: int = 2, t: int = 21, h: int = 2, dk: int = 8, dv: int = 4):
   rng = np.random.default_rng(seed)
   q = gdn.l2norm(jnp.asarray(rng.normal(size=(b, t, h, dk)), jnp.float32)) * dk**-0.5
   k = gdn.l2norm(jnp.asarray(rng.normal(size=(b, t, h, dk)), jnp.float32))
@@ -33,8 +33,15 @@ def _inputs(seed: int, b: int = 2, t: int = 37, h: int = 2, dk: int = 8, dv: int
   return q, k, v, g, beta, s0
 
 
-def _kernel(*args, chunk=16, block_v=None):
-  return gated_delta_pallas(*args, chunk_size=chunk, block_v=block_v, interpret=True)
+# One shape for every kernel test (21 tokens, chunks of 8: two borders and a padded last chunk;
+# the value columns split over two programs), so the kernel and the oracles compile once.
+CHUNK, BLOCK_V = 8, 2
+recurrent_ref = jax.jit(gdn.recurrent_reference)
+chunked_ref = jax.jit(gdn.chunked, static_argnames="chunk_size")
+
+
+def _kernel(*args):
+  return gated_delta_pallas(*args, chunk_size=CHUNK, block_v=BLOCK_V, interpret=True)
 
 
 def _close(got, want):
@@ -43,43 +50,44 @@ def _close(got, want):
 
 
 def test_kernel_equals_references_across_chunks():
-  """37 tokens in chunks of 16 (two borders, a padded last chunk), a nonzero initial state, the
-  value columns split over two programs: equal to `chunked` and to the recurrence."""
+  """Across chunk borders with a nonzero initial state: equal to `chunked` and to the
+  recurrence."""
   q, k, v, g, beta, s0 = _inputs(0)
-  got = _kernel(q, k, v, g, beta, s0, block_v=2)
-  _close(got, gdn.recurrent_reference(q, k, v, g, beta, s0))
-  _close(got, gdn.chunked(q, k, v, g, beta, s0, 16))
+  got = _kernel(q, k, v, g, beta, s0)
+  _close(got, recurrent_ref(q, k, v, g, beta, s0))
+  _close(got, chunked_ref(q, k, v, g, beta, s0, chunk_size=CHUNK))
 
 
 def test_kernel_zero_state_and_padding_tokens():
   """No initial state; padding tokens (g = 0, β = 0) at the end leave the state as it was after
   the real tokens and do not change their outputs."""
-  q, k, v, g, beta, _ = _inputs(1, t=21)
+  q, k, v, g, beta, _ = _inputs(1)
   real = 13
   pad = jnp.arange(21)[None, :, None] >= real
   g, beta = jnp.where(pad, 0.0, g), jnp.where(pad, 0.0, beta)
   out, s = _kernel(q, k, v, g, beta, None)
-  ref_out, ref_s = gdn.recurrent_reference(*(x[:, :real] for x in (q, k, v, g, beta)))
+  ref_out, ref_s = recurrent_ref(*(x[:, :real] for x in (q, k, v, g, beta)))
   np.testing.assert_allclose(np.asarray(out[:, :real]), np.asarray(ref_out), **TOL)
   np.testing.assert_allclose(np.asarray(s), np.asarray(ref_s), **TOL)
 
 
 def test_kernel_strong_decay_stays_finite():
   """Decays of e^-20 per token (in-chunk exp(Γ) underflows to 0): finite and exact."""
-  q, k, v, g, beta, s0 = _inputs(3, t=19)
+  q, k, v, g, beta, s0 = _inputs(3)
   g = g * 14.0 - 1.0
   out, s = _kernel(q, k, v, g, beta, s0)
   assert np.isfinite(np.asarray(out)).all()
-  _close((out, s), gdn.recurrent_reference(q, k, v, g, beta, s0))
+  _close((out, s), recurrent_ref(q, k, v, g, beta, s0))
 
 
 def test_dispatcher_and_errors():
-  q, k, v, g, beta, s0 = _inputs(4, b=1, t=5)
-  want = gdn.chunked(q, k, v, g, beta, s0, 4)
-  for impl in ("auto", "xla"):  # auto = xla: the very same program
-    got = gated_delta_rule(q, k, v, g, beta, s0, 4, impl=impl)
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
-  _close(gated_delta_rule(q, k, v, g, beta, s0, 4, impl="pallas", interpret=True), want)
+  q, k, v, g, beta, s0 = _inputs(4)
+  want = chunked_ref(q, k, v, g, beta, s0, chunk_size=CHUNK)
+  for impl in ("auto", "xla"):  # auto = xla: `chunked` itself
+    got = jax.jit(gated_delta_rule, static_argnums=(6, 7))(q, k, v, g, beta, s0, CHUNK, impl)
+    _close(got, want)
+  got = gated_delta_rule(q, k, v, g, beta, s0, CHUNK, "pallas", interpret=True, block_v=BLOCK_V)
+  _close(got, want)
   with pytest.raises(ValueError, match="impl="):
     gated_delta_rule(q, k, v, g, beta, s0, impl="cuda")
   with pytest.raises(ValueError, match="power of two"):  # Dk = 8 is too narrow for Triton
@@ -122,22 +130,49 @@ HYBRID = {
 }
 
 
-def test_hybrid_model_pallas_equals_xla():
-  """A tiny Qwen3.5 (linear + full layer): full-forward logits (11 tokens in chunks of 4) and
-  a prefill through the decoding state (logits and the linear layer's recurrent state) agree
-  between linear_attention_impl="pallas" and "xla"."""
+@pytest.fixture(scope="module")
+def hybrid_models():
   config = jaxspec.ModelConfig.from_hf(HYBRID, linear_chunk=4)
   xla = target_lib.TargetModel.random(config.replace(linear_attention_impl="xla"), seed=0)
-  pallas = xla.with_config(linear_attention_impl="pallas")
-  ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
-  want = np.asarray(xla.logits(ids))
-  np.testing.assert_allclose(np.asarray(pallas.logits(ids)), want, **TOL)
-  outs = []
-  for model in (xla, pallas):
-    fwd = target_lib.forward(
-      model.config, model.params, jnp.asarray(ids), jnp.zeros(2, jnp.int32), model.init_state(2, 16)
+  return xla, xla.with_config(linear_attention_impl="pallas")
+
+
+@pytest.mark.slow  # ~15 s: model init and two model compiles; the layer test below is cheap
+def test_hybrid_logits_pallas_equals_xla(hybrid_models):
+  """A tiny Qwen3.5 (linear + full layer): full-forward logits, 11 tokens in chunks of 4."""
+  xla, pallas = hybrid_models
+  ids = np.random.default_rng(0).integers(0, xla.config.vocab_size, (2, 11))
+  np.testing.assert_allclose(np.asarray(pallas.logits(ids)), np.asarray(xla.logits(ids)), **TOL)
+
+
+@pytest.mark.slow  # ~10 s: two more model compiles
+def test_hybrid_prefill_state_pallas_equals_xla(hybrid_models):
+  """A prefill through the decoding state: logits and every state leaf (the linear layer's
+  conv window and recurrent state) agree between the two impls."""
+  ids = np.random.default_rng(1).integers(0, hybrid_models[0].config.vocab_size, (2, 11))
+  outs = [
+    target_lib.forward(
+      m.config, m.params, jnp.asarray(ids), jnp.zeros(2, jnp.int32), m.init_state(2, 16)
     )
-    outs.append(fwd)
+    for m in hybrid_models
+  ]
   np.testing.assert_allclose(np.asarray(outs[1].logits), np.asarray(outs[0].logits), **TOL)
-  for a, b in zip(jax.tree_util.tree_leaves(outs[0].state), jax.tree_util.tree_leaves(outs[1].state)):
+  leaves = [jax.tree_util.tree_leaves(o.state) for o in outs]
+  assert len(leaves[0]) == len(leaves[1]) > 0
+  for a, b in zip(*leaves):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **TOL)
+
+
+def test_layer_pallas_equals_xla():
+  """The GatedDeltaNet layer's prefill path (11 tokens in chunks of 4, the second sequence only
+  7 valid tokens long) under both impls: the same output."""
+  config = jaxspec.ModelConfig.from_hf(HYBRID, linear_chunk=4)
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 11, config.hidden_size)), jnp.float32)
+  args = (x, None, jnp.int32(0), jnp.zeros(2, jnp.int32), jnp.array([11, 7]))
+  layer = lambda impl: gdn.GatedDeltaNet(config.replace(linear_attention_impl=impl))
+  params = jax.jit(layer("xla").init)(jax.random.PRNGKey(0), *args)
+  got, _ = jax.jit(layer("pallas").apply)(params, *args)
+  want, _ = jax.jit(layer("xla").apply)(params, *args)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+  jaxpr = lambda impl: str(jax.make_jaxpr(layer(impl).apply)(params, *args))
+  assert "pallas_call" in jaxpr("pallas") and "pallas_call" not in jaxpr("auto")
