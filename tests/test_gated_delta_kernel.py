@@ -19,7 +19,7 @@ from jaxspec.models import gated_deltanet as gdn
 from jaxspec.models import target as target_lib
 from pallas_kernels.gated_delta import gated_delta_pallas, gated_delta_rule
 
-TOL = dict(atol=1e-5, rtol=1e-5)
+TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def _inputs(seed: int, b: int = 2, t: int = 21, h: int = 2, dk: int = 8, dv: int = 4):
