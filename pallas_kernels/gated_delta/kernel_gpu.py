@@ -84,13 +84,6 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, s_ref, *, chunk, n
   s_ref[...] = s
 
 
-def _pow2_at_least(n: int, floor: int) -> int:
-  p = floor
-  while p < n:
-    p *= 2
-  return p
-
-
 def _is_hw_width(n: int) -> bool:
   return n >= 16 and not n & (n - 1)
 
@@ -122,7 +115,7 @@ def gated_delta_pallas(
   block_v = dv if block_v is None else block_v
   if dv % block_v:
     raise ValueError(f"block_v={block_v} does not divide Dv={dv}")
-  c = min(chunk_size, _pow2_at_least(t, 16))
+  c = min(chunk_size, max(16, 1 << (t - 1).bit_length()))  # no wider than T needs
   if c < 1:
     raise ValueError(f"chunk_size={chunk_size} must be >= 1")
   if not interpret:
