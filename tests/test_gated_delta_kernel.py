@@ -83,9 +83,12 @@ def test_kernel_strong_decay_stays_finite():
 def test_dispatcher_and_errors():
   q, k, v, g, beta, s0 = _inputs(4)
   want = chunked_ref(q, k, v, g, beta, s0, chunk_size=CHUNK)
-  for impl in ("auto", "xla"):  # auto = xla: `chunked` itself
-    got = jax.jit(gated_delta_rule, static_argnums=(6, 7))(q, k, v, g, beta, s0, CHUNK, impl)
-    _close(got, want)
+  args = (q, k, v, g, beta, s0, CHUNK)
+  program = lambda f, *a: str(
+    jax.make_jaxpr(f, static_argnums=tuple(range(6, 7 + len(a))))(*args, *a)
+  )
+  for impl in ("auto", "xla"):  # auto = xla: the program of `chunked` itself
+    assert program(gated_delta_rule, impl) == program(gdn.chunked)
   got = gated_delta_rule(q, k, v, g, beta, s0, CHUNK, "pallas", interpret=True, block_v=BLOCK_V)
   _close(got, want)
   with pytest.raises(ValueError, match="impl="):
