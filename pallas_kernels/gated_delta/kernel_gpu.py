@@ -106,7 +106,8 @@ def gated_delta_pallas(
   q, k [B, T, H, Dk] (normalised, scaled, repeated to the value heads), v [B, T, H, Dv], g, β
   [B, T, H], state [B, H, Dk, Dv] or None (zeros). The chunk is min(chunk_size, the smallest
   power of two >= max(T, 16)); `block_v` (None: Dv) splits the value columns over programs and
-  must divide Dv; `num_warps` is Triton's (ignored in interpret mode). Only checked in interpret mode: see the module docstring.
+  must divide Dv; `num_warps` is Triton's (ignored in interpret mode). Only checked in
+  interpret mode and by lowering: see the module docstring.
   """
   b, t, h, dk = q.shape
   dv = v.shape[-1]
