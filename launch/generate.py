@@ -135,10 +135,6 @@ def main(argv):
   mesh_shape = _parse_mesh(FLAGS.mesh)
   target, source = defaults.load_target(FLAGS.model)
   policy = load_policy(FLAGS.quant_policy)
-  if policy and joined:
-    raise jaxspec.ConfigError(
-      "--quant_policy across processes: quantized weights on a multi-process mesh are planned"
-    )
   if policy:
     target = jaxspec.quantize(target, policy)
     r = target.quant_report

@@ -4,7 +4,8 @@ Two local processes with 4 virtual CPU devices each join through a coordinator o
 localhost port (jaxspec.distributed, settings from the environment as a cluster launcher would
 set them) and run the same script: restore an orbax checkpoint onto a (data=2, expert=2,
 tensor=2) mesh over all 8 devices, take the leader's inputs by broadcast, generate greedily
-(plain and DFlash chain) and save the sharded model back. The tokens must equal this process's
+(plain and DFlash chain; plain with quantized experts, each process quantizing its own
+one-device restore and the engine placing the QTensors) and save the sharded model back. The tokens must equal this process's
 one-device result. Both processes are killed if either outlives the timeout.
 """
 
@@ -32,6 +33,14 @@ TIMEOUT_S = 420  # the processes take ~170 s at a load average of 10 on 2 cores
 
 # Shared by the reference (this process, one device) and the processes (imported there).
 DRAFTER = dict(mask_token_id=2, num_layers=1, block_size=4, target_layer_ids=(0, 1), seed=1)
+# MXFP4 experts where the contraction allows it (down_proj's 16 inputs are under one 32-block),
+# FP8 for the other expert matrices and attention.
+POLICY = (
+  ("layers_1/mlp/gate_proj", "mxfp4"),
+  ("layers_1/mlp/up_proj", "mxfp4"),
+  ("experts", "fp8"),
+  ("attention", "fp8"),
+)
 
 SCRIPT = textwrap.dedent(r"""
     import json, os, sys, traceback
@@ -55,7 +64,7 @@ SCRIPT = textwrap.dedent(r"""
     from jax.sharding import PartitionSpec as P
     from jaxspec import sharding
     from jaxspec.io import checkpoint
-    from tests.test_multihost import DRAFTER
+    from tests.test_multihost import DRAFTER, POLICY
 
     ckpt, saved = sys.argv[1], sys.argv[2]
     # Only the leader has the request (argv[3]); the others learn it by broadcast.
@@ -86,6 +95,16 @@ SCRIPT = textwrap.dedent(r"""
         out = engine.generate(request["prompts"], max_new_tokens=request["max_new_tokens"])
         report[name] = out.tokens
         report[name + "_generated"] = out.stats.tokens_generated
+    # Quantized weights (MXFP4 and FP8 experts, FP8 attention), quantized by every
+    # process from its own one-device copy and placed by the engine across both processes.
+    quantized = jaxspec.quantize(checkpoint.restore(ckpt, mesh=None), POLICY)
+    engine_q = jaxspec.SpecEngine(quantized, None, jaxspec.EngineConfig(
+        method="plain", max_len=64, batch_size=2), mesh=mesh)
+    q_experts = engine_q.target.params["layers_1"]["mlp"]["gate_proj"]
+    report["quantized_spans_processes"] = not q_experts.values.is_fully_addressable
+    report["quantized_format"] = q_experts.format
+    report["quantized"] = engine_q.generate(
+        request["prompts"], max_new_tokens=request["max_new_tokens"]).tokens
     # The host boundary once the state is batch-sharded over processes (the engine's own
     # placement of its state may shard it so): inputs become global arrays, outputs and stats
     # are gathered from both processes.
@@ -189,6 +208,11 @@ def test_two_processes_generate_as_one_device(tmp_path):
         target, drafter, jaxspec.EngineConfig(method=name, max_len=64, batch_size=2)
       )
       reference[name] = engine.generate(PROMPTS, max_new_tokens=NEW).tokens
+    quantized = jaxspec.quantize(target, POLICY)
+    engine = jaxspec.SpecEngine(
+      quantized, None, jaxspec.EngineConfig(method="plain", max_len=64, batch_size=2)
+    )
+    reference["quantized"] = engine.generate(PROMPTS, max_new_tokens=NEW).tokens
   finally:
     reports = _finish(procs, logs, deadline)
   assert reference["dflash"] == reference["plain"]  # lossless on one device
@@ -201,6 +225,8 @@ def test_two_processes_generate_as_one_device(tmp_path):
     for name in ("plain", "dflash"):
       near_ties.assert_greedy_match(target, PROMPTS, reference[name], r[name])
       assert r[name + "_generated"] == sum(len(t) for t in r[name])
+    assert r["quantized_format"] == "mxfp4" and r["quantized_spans_processes"]  # packed, sharded
+    near_ties.assert_greedy_match(quantized, PROMPTS, reference["quantized"], r["quantized"])
     assert r["resaved_equal"]
     assert r["input_spec"] == ["data", "None"] and r["input_spans_processes"]
     assert r["sharded_outputs"] == r["dflash"]

@@ -56,10 +56,11 @@ def save(model: target_lib.TargetModel, out_dir: str) -> None:
 def abstract_params(
   config: ModelConfig, mesh: jax.sharding.Mesh | None = None, rules: Any = None
 ) -> Any:
-  """ShapeDtypeStructs of the parameter tree, with shardings on `mesh` when given."""
+  """ShapeDtypeStructs of the parameter tree, with shardings on `mesh` when given; else on this
+  process's first device (with several processes, each then restores a whole copy of its own)."""
   shapes = target_lib.param_shapes(config)
   if mesh is None:
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     return jax.tree_util.tree_map(
       lambda s: jax.ShapeDtypeStruct(
         s.shape, s.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
