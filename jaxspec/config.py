@@ -467,6 +467,9 @@ class ModelConfig:
   # linear layer's decoding state keeps for a block (the widest block chain verification may
   # commit a prefix of; models/gated_deltanet.py, state.LinearState).
   linear_chunk: int = 64
+  # The chunked rule of the linear layers' prefill / long blocks: "xla" (`lax.scan` over chunks),
+  # "pallas" (pallas_kernels/gated_delta) or "auto" (XLA until the kernel has run on hardware).
+  linear_attention_impl: str = "auto"
   linear_snapshots: int = 16
   # Qwen3-Next / Qwen3.5-MoE shared expert: one SwiGLU of this width, gated by
   # sigmoid(x · w_gate) (0: none).
@@ -862,6 +865,11 @@ class ModelConfig:
     need(
       self.attention_impl in ("auto", "xla", "pallas"),
       f"unknown attention_impl {self.attention_impl!r} (expected 'auto', 'xla' or 'pallas')",
+    )
+    need(
+      self.linear_attention_impl in ("auto", "xla", "pallas"),
+      f"unknown linear_attention_impl {self.linear_attention_impl!r} "
+      "(expected 'auto', 'xla' or 'pallas')",
     )
     need(self.attention_chunk >= 1, f"attention_chunk must be ≥ 1, got {self.attention_chunk}")
     scaling = dict(self.rope_scaling) if isinstance(self.rope_scaling, tuple) else {}

@@ -607,7 +607,62 @@ def _check_mxfp4_gmm(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
     rec.run(f"mxfp4_gmm/{case.name}/{case.dtype}/{'interpret' if cpu else 'triton'}", check)
 
 
-KERNEL_CHECKS = {"tree_attention": _check_tree_attention, "mxfp4_gmm": _check_mxfp4_gmm}
+# (name, B, T, H, Dk = Dv, chunk, block_v, q/k/v dtype) of the chunked gated delta rule: a
+# Qwen3-Next linear layer's prefill (32 value heads of 128) on the device, tiny ones on CPU.
+DEVICE_GDN_CASES = (
+  ("prefill_t4096", 1, 4096, 32, 128, 64, 64, "bfloat16"),
+  ("prefill_t1000_b2", 2, 1000, 32, 128, 64, 64, "float32"),
+)
+CPU_GDN_CASES = (("t40", 1, 40, 2, 16, 16, 16, "float32"),)
+
+
+def _check_gated_delta(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
+  """The chunked gated-delta-rule kernel (Triton) against `gated_deltanet.chunked` (XLA), from
+  a nonzero initial state; on the device also both times."""
+  # pylint: disable=import-outside-toplevel
+  from jaxspec.models import gated_deltanet as gdn
+  from pallas_kernels.gated_delta import gated_delta_pallas
+
+  reference = jax.jit(gdn.chunked, static_argnames="chunk_size")
+  for name, b, t, h, d, chunk, block_v, dtype in CPU_GDN_CASES if cpu else DEVICE_GDN_CASES:
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    normal = lambda key, *shape: jax.random.normal(key, shape, jnp.float32)
+    q = (gdn.l2norm(normal(keys[0], b, t, h, d)) * d**-0.5).astype(dtype)
+    k = gdn.l2norm(normal(keys[1], b, t, h, d)).astype(dtype)
+    v = normal(keys[2], b, t, h, d).astype(dtype)
+    g = -jax.random.uniform(keys[3], (b, t, h), jnp.float32, 0.01, 1.0)
+    beta = jax.nn.sigmoid(normal(keys[4], b, t, h))
+    s0 = 0.1 * normal(keys[5], b, h, d, d)
+    args = (q, k, v, g, beta, s0)
+    run = functools.partial(
+      gated_delta_pallas, *args, chunk_size=chunk, block_v=block_v, interpret=cpu
+    )
+
+    def check(args=args, run=run, chunk=chunk, dtype=dtype):
+      with _full_precision():
+        want = reference(*args, chunk_size=chunk)
+      got = run()
+      err_o, max_o, nan_o = _rel_err(got[0], want[0])
+      err_s, max_s, nan_s = _rel_err(got[1], want[1])
+      tol = sizes.kernel_tolerance[dtype]
+      numbers = {"rel_err_out": err_o, "rel_err_state": err_s, "max_abs": max(max_o, max_s)}
+      numbers.update(nan=nan_o + nan_s, tol=tol)
+      ok = nan_o + nan_s == 0 and max(err_o, err_s) <= tol
+      if ok and sizes.time_kernels:
+        numbers["kernel_us"] = 1e6 * roofline.median_seconds(run, 20)
+        numbers["xla_us"] = 1e6 * roofline.median_seconds(
+          lambda: reference(*args, chunk_size=chunk), 20
+        )
+      return ("pass" if ok else "fail"), numbers
+
+    rec.run(f"gated_delta/{name}/{dtype}/{'interpret' if cpu else 'triton'}", check)
+
+
+KERNEL_CHECKS = {
+  "tree_attention": _check_tree_attention,
+  "mxfp4_gmm": _check_mxfp4_gmm,
+  "gated_delta": _check_gated_delta,
+}
 
 
 def _bundled_target(**changes: Any) -> jaxspec.TargetModel:

@@ -1,7 +1,12 @@
 """Recurrent form (with per-position states) vs chunked form of the gated delta rule, per call.
 
 One layer's worth (B=1, 16 value heads, Dk = Dv = 128, float32) for blocks of T tokens; the
-minimum over repeats, since CPUs here are shared. Usage: python tools/bench_gated_deltanet.py
+minimum over repeats, since CPUs here are shared. Then the Pallas kernel
+(pallas_kernels/gated_delta) once per block of 16 tokens or more, on CPU in interpret mode: its
+largest difference from `chunked` is printed, its time is not (interpret mode runs the kernel
+body as ordinary XLA ops, one program after another, so says nothing of its speed on a GPU; on a
+GPU backend it runs compiled and is timed like the others). Usage:
+python tools/bench_gated_deltanet.py
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models import gated_deltanet as gdn
+from pallas_kernels.gated_delta import gated_delta_pallas
 
 
 def _min_ms(f, args: tuple, kwargs: dict, repeats: int) -> float:
@@ -42,7 +48,18 @@ def main() -> None:
       "recurrent": _min_ms(rec, args, {}, 15 if t <= 64 else 5),
       "chunked": _min_ms(chk, args, {"chunk_size": 64}, 15 if t <= 64 else 5),
     }
-    print(f"T={t:4d}  recurrent {res['recurrent']:8.2f} ms   chunked(64) {res['chunked']:8.2f} ms")
+    line = f"T={t:4d}  recurrent {res['recurrent']:8.2f} ms   chunked(64) {res['chunked']:8.2f} ms"
+    if t >= 16:
+      interpret = jax.default_backend() == "cpu"
+      out, s = gated_delta_pallas(*args, chunk_size=64, interpret=interpret)
+      ref_out, ref_s = chk(*args, chunk_size=64)
+      err = max(float(jnp.max(jnp.abs(out - ref_out))), float(jnp.max(jnp.abs(s - ref_s))))
+      if interpret:
+        line += f"   pallas (interpret) runs, max |Δ| vs chunked {err:.1e}"
+      else:
+        ms = _min_ms(gated_delta_pallas, args, {"chunk_size": 64}, 15 if t <= 64 else 5)
+        line += f"   pallas {ms:8.2f} ms (max |Δ| {err:.1e})"
+    print(line)
 
 
 if __name__ == "__main__":

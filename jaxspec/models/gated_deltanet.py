@@ -18,7 +18,8 @@ Three forms, same numbers:
   `torch_chunk_gated_delta_rule`): inside a chunk of C tokens the C delta-rule updates are
   condensed into one unit-lower-triangular solve and a few matmuls; a `lax.scan` over chunks
   carries S. The form for prefill and long blocks (cost O(T·C·D + T·D²) instead of T sequential
-  rank-1 updates).
+  rank-1 updates). `chunked_impl` picks it or its Pallas kernel (pallas_kernels/gated_delta)
+  by `ModelConfig.linear_attention_impl`.
 
 All three take q, k [B, T, H, Dk] (already L2-normalised and scaled, and repeated to the value
 heads), v [B, T, H, Dv], g, β [B, T, H] and an initial state [B, H, Dk, Dv] (None: zeros), and
@@ -168,6 +169,35 @@ def chunked(
   s, out = jax.lax.scan(body, s0, xs)  # out [N, B, H, C, Dv]
   out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
   return jnp.moveaxis(out, 1, 2), s
+
+
+def chunked_impl(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array,
+  beta: jax.Array,
+  state: jax.Array | None,
+  chunk_size: int,
+  impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+  """`chunked` by `ModelConfig.linear_attention_impl`: "pallas" runs the Pallas kernel
+  (pallas_kernels/gated_delta, interpret mode on CPU); "auto" and "xla" run `chunked`."""
+  if impl == "pallas":
+    from pallas_kernels.gated_delta import gated_delta_rule  # pylint: disable=import-outside-toplevel
+
+    return gated_delta_rule(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      state,
+      chunk_size,
+      impl="pallas",
+      interpret=jax.default_backend() == "cpu",
+    )
+  return chunked(q, k, v, g, beta, state, chunk_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,7 +356,7 @@ class GatedDeltaNet(nn.Module):
         out, states = recurrent(q, k, v, g, beta, s0)
         final = states[:, -1]
       else:
-        out, final = chunked(q, k, v, g, beta, s0, c.linear_chunk)
+        out, final = chunked_impl(q, k, v, g, beta, s0, c.linear_chunk, c.linear_attention_impl)
       if entry is not None:
         n = jnp.full((bsz,), t, jnp.int32) if valid is None else jnp.clip(valid, 0, t)
         entry = entry.write_final(layer, n, conv_inputs, final)
