@@ -1,0 +1,85 @@
+"""Tree verification (DDTree) on hybrid targets: the Gated DeltaNet layers' per-node states
+and `LinearState.commit_path` under the engine (no transformers needed: the target is built
+from the hybrid test shapes with random weights).
+
+- Greedy: DFlash + DDTree equals plain greedy decoding, batch 4 and 1; committing the last tree
+  node's state instead of the accepted node's (tests/broken_rules.py) breaks the equality.
+- Sampled: whole sequences follow the target's exact distribution (chi-square), and the broken
+  commit fails the same check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import jaxspec
+from jaxspec.errors import ConfigError
+from jaxspec.models import target as target_lib
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.state import LinearState
+from tests import broken_rules, near_ties
+from tests.drafter_models import prompts, random_params, small_dflash
+
+
+# ------------------------------------------------------------------------------------------------
+# Tree verification (DDTree) over the recurrent state
+# ------------------------------------------------------------------------------------------------
+
+
+# tests/hf_models.py's "qwen3_5_dense_3to1_tied" shapes (3 linear layers, then full attention).
+HYBRID = dict(
+  architectures=["Qwen3_5ForCausalLM"],
+  hidden_size=32,
+  intermediate_size=48,
+  num_hidden_layers=4,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=8,
+  tie_word_embeddings=True,
+  linear_conv_kernel_dim=4,
+  linear_key_head_dim=8,
+  linear_value_head_dim=6,
+  linear_num_key_heads=2,
+  linear_num_value_heads=4,
+)
+
+
+def _small_hybrid(vocab: int = 64, factor: float = 4.0, seed: int = 0) -> target_lib.TargetModel:
+  """A small hybrid target with random weights scaled up (sharp logits)."""
+  config = jaxspec.ModelConfig.from_hf({**HYBRID, "vocab_size": vocab})
+  return target_lib.TargetModel(config, random_params(target_lib.param_shapes(config), seed, factor))
+
+
+@pytest.fixture(scope="module")
+def tree_setup():
+  """A hybrid target, a DFlash drafter on it and plain greedy outputs (batch 4)."""
+  target = _small_hybrid()
+  drafter = small_dflash(target, target_layer_ids=(0, 2))
+  cfg = EngineConfig(max_len=64, batch_size=4, use_eos=False)
+  ps = prompts(4, target.config.vocab_size)
+  plain = SpecEngine(target, None, cfg).generate(ps, max_new_tokens=20)
+  tree_cfg = dataclasses.replace(cfg, verify="tree", tree_budget=6)
+  return target, drafter, tree_cfg, ps, plain
+
+
+@pytest.mark.slow  # ~110 s on 2 busy cores: four engine programs over a hybrid target
+def test_greedy_tree_speculation_on_hybrid_equals_plain(tree_setup, monkeypatch):
+  """DFlash + DDTree on a hybrid target, batch 4 and 1: greedy output equals plain decoding;
+  with the broken commit (the last tree node's state kept instead of the accepted node's) it
+  does not, so the equality depends on commit_path. A budget wider than the kept per-node
+  states is refused."""
+  target, drafter, tree_cfg, ps, plain = tree_setup
+  spec = SpecEngine(target, drafter, tree_cfg).generate(ps, max_new_tokens=20)
+  near_ties.assert_greedy_match(target, ps, plain.tokens, spec.tokens)
+  assert spec.stats.acceptance_length > 1.0  # paths deeper than the root are committed
+  one = SpecEngine(target, drafter, dataclasses.replace(tree_cfg, batch_size=1))
+  single = one.generate(ps[1:2], max_new_tokens=20)
+  near_ties.assert_greedy_match(target, ps[1:2], plain.tokens[1:2], single.tokens)
+  monkeypatch.setattr(LinearState, "commit_path", broken_rules.commit_last_tree_node)
+  broken = SpecEngine(target, drafter, tree_cfg).generate(ps, max_new_tokens=20)
+  assert [list(t) for t in broken.tokens] != [list(t) for t in plain.tokens]
+  monkeypatch.undo()
+  with pytest.raises(ConfigError, match="budget \\+ 1 = 17"):
+    SpecEngine(target, drafter, dataclasses.replace(tree_cfg, tree_budget=16))
