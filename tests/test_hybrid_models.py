@@ -196,4 +196,3 @@ def test_chain_speculation_equals_plain(saved):
     SpecEngine(model.with_config(linear_snapshots=3), drafter, cfg)
   with pytest.raises(ConfigError, match="draft model with linear-attention"):
     DraftModelDrafter.from_model(model)
-
