@@ -84,6 +84,15 @@ def recurrent_reference(
   return jnp.moveaxis(out, 0, 1), s
 
 
+def _delta_step(s, q_t, k_t, v_t, g_t, b_t) -> tuple[jax.Array, jax.Array]:
+  """One token of the rule on states s [B, H, Dk, Dv]: (the new state, its output Sᵀ q)."""
+  s = s * jnp.exp(g_t)[..., None, None]
+  predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+  delta = (v_t - predicted) * b_t[..., None]
+  s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=HIGHEST)
+  return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST)
+
+
 def recurrent(
   q: jax.Array,
   k: jax.Array,
@@ -98,12 +107,8 @@ def recurrent(
   s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
 
   def step(s, x):
-    q_t, k_t, v_t, g_t, b_t = x
-    s = s * jnp.exp(g_t)[..., None, None]
-    predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
-    delta = (v_t - predicted) * b_t[..., None]
-    s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=HIGHEST)
-    return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST), s)
+    s, out = _delta_step(s, *x)
+    return s, (out, s)
 
   xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
   _, (out, states) = jax.lax.scan(step, s0, xs)
@@ -223,13 +228,9 @@ def tree_recurrent(
 
   def step(carry, x):
     buf, s = carry  # s: this node's parent state
-    i, next_parent, q_t, k_t, v_t, g_t, b_t = x
-    s = s * jnp.exp(g_t)[..., None, None]
-    predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
-    delta = (v_t - predicted) * b_t[..., None]
-    s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=HIGHEST)
+    i, next_parent, *token = x
+    s, out = _delta_step(s, *token)
     buf = jax.lax.dynamic_update_index_in_dim(buf, s, i + 1, axis=1)
-    out = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST)
     return (buf, buf[rows, next_parent + 1]), out
 
   xs = [jnp.arange(t), jnp.moveaxis(next_parents, 1, 0)]
