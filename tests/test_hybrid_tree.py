@@ -4,6 +4,8 @@ from the hybrid test shapes with random weights).
 
 - Greedy: DFlash + DDTree equals plain greedy decoding, batch 4 and 1; committing the last tree
   node's state instead of the accepted node's (tests/broken_rules.py) breaks the equality.
+- One tree block through the target, committed along a path, equals the path run as a chain
+  (states, K/V and logits): the model/state seam on its own.
 - Sampled: whole sequences follow the target's exact distribution (chi-square), and the broken
   commit fails the same check.
 """
@@ -11,15 +13,18 @@ from the hybrid test shapes with random weights).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
-from jaxspec.state import LinearState
+from jaxspec.state import DecodingState, LinearState
 from tests import broken_rules, near_ties
 from tests.drafter_models import (
   exact_sequence_probs,
@@ -121,3 +126,47 @@ def test_sampled_tree_sequences_on_hybrid_follow_the_target_distribution(monkeyp
   bad = sampled_pvalue(broken, prompt, length, 12, outcomes, probs)
   assert good > 1e-4
   assert bad < 1e-8
+
+
+@pytest.mark.slow  # ~22 s on 2 busy cores: two target programs
+def test_tree_block_commit_equals_the_accepted_chain():
+  """One target forward over a tree block (ancestor mask, positions start + depth), then
+  `commit_path` along an accepted path and the new length: the Gated DeltaNet states (conv
+  window, recurrent state) and attention K/V equal those of a forward over the path as a chain,
+  and so do the logits at the path's nodes. The model-level seam the engine uses."""
+  target = _small_hybrid()
+  config, params = target.config, target.params
+  forward = jax.jit(functools.partial(target_lib.apply_decoder, config))
+  rng = np.random.default_rng(2)
+  prompt = jnp.asarray(rng.integers(0, 64, (1, 5)), jnp.int32)
+  state = DecodingState.create(config, 1, 32)
+  # A 4-token prefill: the same program as the 4-token chain below (one compile less).
+  state = forward(params, prompt[:, :4], jnp.array([0], jnp.int32), state).state
+  state = state.with_lengths(jnp.array([4], jnp.int32))
+  start = jnp.array([4], jnp.int32)
+  parents = [-1, 0, 0, 1, 3, 1, 4]  # depths 0, 1, 1, 2, 3, 2, 4
+  mask = np.eye(7, dtype=bool)
+  for i, j in enumerate(parents):
+    while j >= 0:
+      mask[i, j], j = True, parents[j]
+  block = jnp.concatenate([prompt[:, 4:], jnp.asarray(rng.integers(0, 64, (1, 6)))], axis=1)
+  tree = forward(
+    params,
+    block,
+    start,
+    state,
+    positions=start[:, None] + jnp.asarray(mask.sum(-1)[None] - 1),
+    block_mask=jnp.asarray(mask[None]),
+  )
+  path = jnp.asarray([[0, 1, 3, 4]], jnp.int32)
+  kept = tree.state.commit_path(path).with_lengths(start + 4)
+  chain = forward(params, block[:, path[0]], start, state)
+  want = chain.state.with_lengths(start + 4)
+  np.testing.assert_allclose(tree.logits[0, path[0]], chain.logits[0], atol=1e-5, rtol=1e-5)
+  linear, attention = kept.segments[0], kept.segments[1]
+  assert isinstance(linear, LinearState) and not linear.has_pending
+  np.testing.assert_allclose(linear.conv, want.segments[0].conv, atol=1e-6)
+  np.testing.assert_allclose(linear.ssm, want.segments[0].ssm, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(
+    attention.k[:, :, :8], want.segments[1].k[:, :, :8], atol=1e-5, rtol=1e-5
+  )
