@@ -403,7 +403,9 @@ class LinearState:
   (decode, chain verification) leaves the state as it was and fills the *pending* fields:
   pending_conv [L, B, K−1+T, C] (the window before the block, then the block's conv inputs;
   rows a..a+K−2 are the window after a tokens) and pending_ssm [L, B, T+1, H, Dk, Dv] (the
-  state after a = 0..T tokens), for the block at pending_start [B]. `DecodingState.with_lengths`
+  state after a = 0..T tokens), for the block at pending_start [B]. A tree block (ancestor mask)
+  fills them per node instead (node i's conv input and the state after its root path), and
+  `commit_path` reorders them along the accepted path so that they read as a chain. `DecodingState.with_lengths`
   (and `commit`) then keeps the snapshot of the committed prefix, a = lengths − pending_start,
   and drops the pending fields: only the committed state is carried between steps. Any other
   block (prefill with `valid` lengths, or a longer block, taken as committed whole) writes the
@@ -493,10 +495,21 @@ class LinearState:
     return LinearState(conv, ssm)
 
   def commit_path(self, start: jax.Array, path: jax.Array) -> "LinearState":
-    raise ConfigError(
-      "tree verification is not implemented for linear-attention (Gated DeltaNet) layers; "
-      "use chain verification"
-    )
+    """Reorders a tree block's per-node snapshots so that the accepted path (node indices
+    [B, n], root first) reads as a chain: snapshot a (after a tokens) ← the state after node
+    path[a − 1], conv input K−2+a ← node path[a − 1]'s. `committed` then keeps a = lengths −
+    pending_start as for a chain prefix: the accepted node's state and the last K−1 conv inputs
+    of its root path (the old window's tail when the path is shorter). `start` is implied by
+    pending_start."""
+    del start
+    if not self.has_pending:
+      raise ConfigError("commit_path on a LinearState without a tree block's per-node states")
+    k = self.conv.shape[2]
+    rows = jnp.arange(path.shape[0])[:, None]
+    to = jnp.arange(path.shape[1])[None, :]
+    conv = self.pending_conv.at[:, rows, k + to].set(self.pending_conv[:, rows, k + path])
+    ssm = self.pending_ssm.at[:, rows, 1 + to].set(self.pending_ssm[:, rows, 1 + path])
+    return self.replace(pending_conv=conv, pending_ssm=ssm)
 
 
 @flax.struct.dataclass

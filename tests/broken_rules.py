@@ -137,3 +137,21 @@ TREE = {
   "eagle2_no_renorm": Eagle2NoRenorm(),
   "eagle2_residual_p": Eagle2ResidualP(),
 }
+
+
+def commit_last_tree_node(self, start, path):
+  """A broken `LinearState.commit_path`: keeps the state (and conv window) after the last node
+  of the tree block, whatever path was accepted: as if the tree were a chain committed whole.
+  For monkeypatching onto `state.LinearState`."""
+  del start
+  k, width = self.conv.shape[2], path.shape[1]
+  last = self.pending_ssm.shape[2] - 2  # the block's last node
+  rows = jnp.arange(path.shape[0])[:, None]
+  wrong = jnp.full_like(path, last)
+  conv = self.pending_conv.at[:, rows, k + jnp.arange(width)].set(
+    self.pending_conv[:, rows, k + wrong]
+  )
+  ssm = self.pending_ssm.at[:, rows, 1 + jnp.arange(width)].set(
+    self.pending_ssm[:, rows, 1 + wrong]
+  )
+  return self.replace(pending_conv=conv, pending_ssm=ssm)

@@ -75,3 +75,93 @@ def test_chunked_with_strong_decay_stays_finite_and_exact():
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(s), np.asarray(ref_s), atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tree blocks
+# --------------------------------------------------------------------------------------------------
+
+TREES = {  # parents of nodes 0..6 (node 0 the root)
+  "chain": [-1, 0, 1, 2, 3, 4, 5],
+  "star": [-1, 0, 0, 0, 0, 0, 0],
+  "random": [-1, 0, 0, 1, 3, 1, 4],  # depths 0, 1, 1, 2, 3, 2, 4
+}
+
+
+def _mask(parents: list[int]) -> np.ndarray:
+  t = len(parents)
+  mask = np.eye(t, dtype=bool)
+  for i in range(t):
+    j = parents[i]
+    while j >= 0:
+      mask[i, j] = True
+      j = parents[j]
+  return mask
+
+
+def _root_path(parents: list[int], i: int) -> list[int]:
+  path = [i]
+  while parents[path[-1]] >= 0:
+    path.append(parents[path[-1]])
+  return path[::-1]
+
+
+@pytest.mark.parametrize("shape", sorted(TREES))
+def test_tree_block_equals_each_root_path_run_sequentially(shape):
+  """Every node's conv output, rule output and state equal the chain forms run over its root
+  path (conv from a committed window of an earlier block, rule from a committed state); row 1
+  always has the "random" tree (trees differ per row). Then `LinearState.commit_path`
+  + `committed` keep the accepted node's state and the last K − 1 conv inputs of its path."""
+  from jaxspec.state import LinearState  # pylint: disable=import-outside-toplevel
+
+  t, kernel, ch = 7, 4, 5
+  parents = [TREES[shape], TREES["random"]]
+  mask = jnp.asarray(np.stack([_mask(p) for p in parents]))
+  q, k, v, g, beta, s0 = _inputs(7, t=t)
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.normal(size=(2, t, ch)), jnp.float32)
+  window = jnp.asarray(rng.normal(size=(2, kernel - 1, ch)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(kernel, ch)), jnp.float32)
+
+  par, depth = gdn.tree_structure(mask)
+  np.testing.assert_array_equal(np.asarray(par), np.asarray(parents))
+  conv_out, z = jax.jit(gdn.tree_causal_conv)(x, window, w, par, depth)
+  out, states = jax.jit(gdn.tree_recurrent)(q, k, v, g, beta, par, s0)
+  # The oracle, batched over every (row, node): its root path front-padded with tokens that
+  # leave the state alone (g = 0, β = 0), and the conv window it ends with.
+  pads, windows, last = [], [], []
+  for b in range(2):
+    for i in range(t):
+      path = _root_path(parents[b], i)
+      pads.append([-1] * (t - len(path)) + path)
+      seen = np.concatenate([np.asarray(window[b]), np.asarray(x[b, path])])
+      windows.append(seen[-kernel:-1])
+      last.append(np.asarray(x[b, i]))
+  pads = np.asarray(pads).reshape(2, t, t)
+  rows = np.arange(2)[:, None, None]
+  pick = lambda y, fill: jnp.where(
+    (pads >= 0).reshape(2, t, t, *([1] * (y.ndim - 2))), y[rows, np.maximum(pads, 0)], fill
+  ).reshape(2 * t, t, *y.shape[2:])
+  ref_out, ref_s = gdn.recurrent_reference(
+    pick(q, 0.0), pick(k, 0.0), pick(v, 0.0), pick(g, 0.0), pick(beta, 0.0), jnp.repeat(s0, t, 0)
+  )
+  ref_conv, _ = gdn.causal_conv(jnp.asarray(last)[:, None], jnp.asarray(windows), w)
+  np.testing.assert_allclose(conv_out.reshape(2 * t, ch), ref_conv[:, 0], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(out.reshape(2 * t, *out.shape[2:]), ref_out[:, -1], atol=1e-5)
+  np.testing.assert_allclose(states.reshape(ref_s.shape), ref_s, atol=1e-5, rtol=1e-5)
+
+  # Commit the path to the deepest node of row 0's tree and to node 5 of row 1's.
+  ends = [int(np.argmax(np.asarray(depth[0]))), 5]
+  paths = [_root_path(parents[b], ends[b]) for b in range(2)]
+  width = max(len(p) for p in paths)
+  path = jnp.asarray([p + [0] * (width - len(p)) for p in paths], jnp.int32)
+  h, dk, dv = s0.shape[1:]
+  entry = LinearState(jnp.zeros((1, 2, kernel - 1, ch)), jnp.zeros((1, 2, h, dk, dv)))
+  start = jnp.asarray([9, 4], jnp.int32)
+  entry = entry.with_pending(start, t).write_snapshots(jnp.int32(0), z, s0, states)
+  lengths = start + jnp.asarray([len(p) for p in paths])
+  kept = entry.commit_path(start, path).committed(lengths)
+  for b in range(2):
+    full = np.concatenate([np.asarray(window[b]), np.asarray(x[b, paths[b]])])
+    np.testing.assert_array_equal(kept.conv[0, b], full[-(kernel - 1) :])
+    np.testing.assert_array_equal(kept.ssm[0, b], states[b, ends[b]])

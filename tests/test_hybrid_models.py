@@ -1,6 +1,7 @@
 """Hybrid targets (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: Gated DeltaNet + gated full attention)
 against transformers 5.24 (CPU, float32) on small random configurations, and their decoding
-state (state.LinearState) under plain and chain-speculative decoding."""
+state (state.LinearState) under plain and chain-speculative decoding (tree verification:
+tests/test_hybrid_tree.py)."""
 
 from __future__ import annotations
 
@@ -175,8 +176,8 @@ class ReplayDrafter(Drafter):
 
 def test_chain_speculation_equals_plain(saved):
   """Greedy chain verification (γ = 3, batch 3) commits accepted prefixes of every length out
-  of the per-position states; its output equals plain decoding. Tree verification and verify
-  blocks wider than the kept states are refused."""
+  of the per-position states; its output equals plain decoding. Verify blocks wider than the
+  kept states are refused."""
   _, path = saved["qwen3_5_dense_3to1_tied"]
   model = jaxspec.load_model(path)
   rng = np.random.default_rng(4)
@@ -192,8 +193,6 @@ def test_chain_speculation_equals_plain(saved):
   near_ties.assert_greedy_match(model, prompts, plain.tokens, spec.tokens)
   hist = np.asarray(spec.stats.summary["accept_hist"]).reshape(-1, 4).sum(0)
   assert all(hist > 0), hist  # 0, 1, 2 and 3 drafts accepted, each at least once
-  with pytest.raises(ConfigError, match="tree verification"):
-    SpecEngine(model, drafter, EngineConfig(max_len=48, verify="tree"))
   with pytest.raises(ConfigError, match="linear_snapshots"):
     SpecEngine(model.with_config(linear_snapshots=3), drafter, cfg)
   with pytest.raises(ConfigError, match="draft model with linear-attention"):

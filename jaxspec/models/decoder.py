@@ -28,7 +28,6 @@ import numpy as np
 
 from jaxspec import sharding
 from jaxspec.config import ModelConfig
-from jaxspec.errors import ConfigError
 from jaxspec.models import attention as attention_lib
 from jaxspec.models.gated_deltanet import GatedDeltaNet
 from jaxspec.models.layers import (
@@ -88,13 +87,8 @@ class DecoderLayer(nn.Module):
       c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset, name=name
     )
     if self.linear:
-      if block_mask is not None:
-        raise ConfigError(
-          "tree verification (a block mask) is not implemented for linear-attention layers; "
-          "use chain verification"
-        )
       attn_out, kv = GatedDeltaNet(c, name="linear_attn")(
-        norm("input_layernorm")(h), kv, layer, start, valid
+        norm("input_layernorm")(h), kv, layer, start, valid, block_mask
       )
     else:
       window = None if windows is None else attention_lib.Window(windows[layer], positions)

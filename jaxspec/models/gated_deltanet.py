@@ -7,7 +7,7 @@ token t (query q_t, key k_t, value v_t, log-decay g_t ≤ 0, write strength β_t
     S ← S + k_t ⊗ β_t (v_t − Sᵀ k_t)        (the delta rule: correct what S predicts for k_t)
     o_t = Sᵀ q_t
 
-Three forms, same numbers:
+Three forms, same numbers (and a fourth for draft trees):
 
 * `recurrent_reference`: the recurrence above, one token at a time (`lax.scan`), written as
   literally as possible. The oracle of the tests.
@@ -21,7 +21,10 @@ Three forms, same numbers:
   rank-1 updates). `chunked_impl` picks it or its Pallas kernel (pallas_kernels/gated_delta)
   by `ModelConfig.linear_attention_impl`.
 
-All three take q, k [B, T, H, Dk] (already L2-normalised and scaled, and repeated to the value
+* `tree_recurrent`: the recurrent form over a verify block whose tokens form a tree (each node
+  resumes from its parent's state, the root from the committed one); per-node outputs and states.
+
+All of them take q, k [B, T, H, Dk] (already L2-normalised and scaled, and repeated to the value
 heads), v [B, T, H, Dv], g, β [B, T, H] and an initial state [B, H, Dk, Dv] (None: zeros), and
 compute in float32. A token with g = 0 and β = 0 leaves S unchanged, which is how padding and
 positions past a sequence's valid length are kept out of the state.
@@ -41,6 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import ConfigError
+from jaxspec.models.attention import block_visibility
 from jaxspec.models.layers import Dense, dtype_of
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -80,6 +85,15 @@ def recurrent_reference(
   return jnp.moveaxis(out, 0, 1), s
 
 
+def _delta_step(s, q_t, k_t, v_t, g_t, b_t) -> tuple[jax.Array, jax.Array]:
+  """One token of the rule on states s [B, H, Dk, Dv]: (the new state, its output Sᵀ q)."""
+  s = s * jnp.exp(g_t)[..., None, None]
+  predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+  delta = (v_t - predicted) * b_t[..., None]
+  s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=HIGHEST)
+  return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST)
+
+
 def recurrent(
   q: jax.Array,
   k: jax.Array,
@@ -94,12 +108,8 @@ def recurrent(
   s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
 
   def step(s, x):
-    q_t, k_t, v_t, g_t, b_t = x
-    s = s * jnp.exp(g_t)[..., None, None]
-    predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
-    delta = (v_t - predicted) * b_t[..., None]
-    s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=HIGHEST)
-    return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST), s)
+    s, out = _delta_step(s, *x)
+    return s, (out, s)
 
   xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
   _, (out, states) = jax.lax.scan(step, s0, xs)
@@ -200,6 +210,65 @@ def chunked_impl(
   return chunked(q, k, v, g, beta, state, chunk_size)
 
 
+def tree_structure(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(parents [B, T], −1 for the root; depths [B, T]) of a tree block from its ancestor-or-self
+  mask [B, T, T] (the mask the attention layers get). A node's ancestors form its root path,
+  whose indices increase downwards (parents come before their children), so the parent is the
+  strict ancestor of largest index and the depth is the number of strict ancestors."""
+  t = mask.shape[-1]
+  idx = jnp.arange(t)
+  strict = mask & (idx[None, :] != idx[:, None])
+  parents = jnp.max(jnp.where(strict, idx, -1), axis=-1).astype(jnp.int32)
+  return parents, jnp.sum(strict, axis=-1).astype(jnp.int32)
+
+
+def tree_recurrent(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array,
+  beta: jax.Array,
+  parents: jax.Array,
+  state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """The gated delta rule over a tree block: node i's state is its parent's state updated by
+  node i (a node with parent −1, the root, updates the initial state). parents [B, T] with
+  parents[:, i] < i. Returns (out [B, T, H, Dv], states [B, T, H, Dk, Dv], the state after each
+  node, i.e. at the end of its root path).
+
+  A `lax.scan` over the nodes in index order (topological, since parents come first) carries
+  every node's state and gathers the parent's. Why this form: the per-node states must be kept
+  anyway (the accepted node's is committed, like chain verification's per-position snapshots),
+  and this does the least work that produces them, T rank-1 updates, the same as `recurrent`
+  over a chain of T tokens. The chunked UT form with the ancestor mask in place of the causal
+  one gives the outputs in one solve, but the per-node states then cost a T × T masked sum of
+  rank-1 terms (T² · Dk · Dv); a level-by-level sweep updates all T nodes at each of the D
+  depths (T · D · Dk · Dv). Per node the arithmetic is exactly `recurrent`'s along its root path.
+  """
+  q, k, v, g, beta = _f32(q, k, v, g, beta)
+  s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
+  b, t = q.shape[:2]
+  rows = jnp.arange(b)
+  parents = parents.astype(jnp.int32)
+  # Slot 0 holds the initial state, slot i + 1 node i's. Each step reads the *next* node's
+  # parent state after its write: a read of the buffer before the in-place write would make
+  # XLA copy the whole carried buffer every step (measured 18× slower at T = 17 on CPU).
+  buf = jnp.zeros((b, t + 1, *s0.shape[1:]), jnp.float32).at[:, 0].set(s0)
+  next_parents = jnp.concatenate([parents[:, 1:], jnp.full((b, 1), -1, jnp.int32)], axis=1)
+
+  def step(carry, x):
+    buf, s = carry  # s: this node's parent state
+    i, next_parent, *token = x
+    s, out = _delta_step(s, *token)
+    buf = jax.lax.dynamic_update_index_in_dim(buf, s, i + 1, axis=1)
+    return (buf, buf[rows, next_parent + 1]), out
+
+  xs = [jnp.arange(t), jnp.moveaxis(next_parents, 1, 0)]
+  xs += [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+  (buf, _), out = jax.lax.scan(step, (buf, buf[rows, parents[:, 0] + 1]), xs)
+  return jnp.moveaxis(out, 0, 1), buf[:, 1:]
+
+
 # --------------------------------------------------------------------------------------------------
 # Pieces of the layer
 # --------------------------------------------------------------------------------------------------
@@ -224,6 +293,36 @@ def causal_conv(x: jax.Array, window: jax.Array, w: jax.Array) -> tuple[jax.Arra
   return jax.nn.silu(acc).astype(x.dtype), z
 
 
+def tree_conv_index(parents: jax.Array, depths: jax.Array, kernel: int) -> jax.Array:
+  """[B, T, K] where node i's conv taps sit in z = [window (K−1), block (T)]: tap d (d = 0 the
+  node itself, d = 1..K−1 its ancestor at distance d along the parent chain) is z[K−1 + that
+  ancestor], or, past the root, the committed window's entry d − depth(i) back from its end."""
+  b, t = parents.shape
+  rows = jnp.arange(b)[:, None]
+  taps, cur = [], jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  for d in range(kernel):  # K − 1 steps up the parent chain
+    taps.append(jnp.where(cur >= 0, kernel - 1 + cur, kernel - 1 - (d - depths)))
+    cur = jnp.where(cur >= 0, parents[rows, jnp.maximum(cur, 0)], -1)
+  return jnp.stack(taps, axis=-1)
+
+
+def tree_causal_conv(
+  x: jax.Array, window: jax.Array, w: jax.Array, parents: jax.Array, depths: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """`causal_conv` for a tree block: node i convolves itself and its K − 1 nearest ancestors
+  (then the committed window past the root), silu(Σ_d w[K−1−d] · tap_d). Returns (out [B, T, C],
+  z [B, K−1+T, C] = window then the block's inputs in node order, as `causal_conv`)."""
+  kernel = w.shape[0]
+  z = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+  idx = tree_conv_index(parents, depths, kernel)  # [B, T, K]
+  rows = jnp.arange(x.shape[0])[:, None]
+  acc = sum(
+    z[rows, idx[..., d]].astype(jnp.float32) * w[kernel - 1 - d].astype(jnp.float32)
+    for d in range(kernel)
+  )
+  return jax.nn.silu(acc).astype(x.dtype), z
+
+
 def gated_rmsnorm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   """w · rmsnorm(x) · silu(gate), the norm in float32 (transformers' Qwen3NextRMSNormGated)."""
   dt = x.dtype
@@ -238,7 +337,10 @@ class GatedDeltaNet(nn.Module):
 
   `entry` is this segment's `LinearState` (or None: no state, the block starts from zeros);
   `layer` indexes the segment's layers; `start` [B] is the block's first position and `valid`
-  [B] (or None) how many of its tokens belong to each sequence (prefill of padded prompts).
+  [B] (or None) how many of its tokens belong to each sequence (prefill of padded prompts);
+  `block_mask` [B, T, T] (or None), the ancestor-or-self mask of a tree verify block: the conv
+  and the rule then run along each node's root path (`tree_causal_conv`, `tree_recurrent`) and
+  every node's state is kept for `LinearState.commit_path`.
   Qwen3-Next projects q, k, v, z and b, a with two fused, per-key-head-grouped matrices
   (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5 with four plain ones. Returns (out, entry).
   """
@@ -293,6 +395,7 @@ class GatedDeltaNet(nn.Module):
     layer: jax.Array,
     start: jax.Array,
     valid: jax.Array | None = None,
+    block_mask: jax.Array | None = None,
   ) -> tuple[jax.Array, Any]:
     c = self.config
     nk, nv, dk, dv = (
@@ -334,7 +437,17 @@ class GatedDeltaNet(nn.Module):
       window, s0 = jnp.zeros((bsz, c.linear_conv_kernel_dim - 1, channels), x.dtype), None
     else:
       window, s0 = entry.initial(layer, start)
-    mixed, conv_inputs = causal_conv(qkv, window, conv_w)
+    tree = None
+    if block_mask is not None:  # a tree block: conv and state along each node's root path
+      if entry is None or not entry.has_pending:
+        raise ConfigError(
+          f"a tree block of {t} tokens needs per-node states: at most "
+          f"ModelConfig.linear_snapshots = {c.linear_snapshots} tokens"
+        )
+      tree = tree_structure(block_visibility(block_mask, bsz, t))
+      mixed, conv_inputs = tree_causal_conv(qkv, window, conv_w, *tree)
+    else:
+      mixed, conv_inputs = causal_conv(qkv, window, conv_w)
     q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
     q = l2norm(q.reshape(bsz, t, nk, dk)) * dk**-0.5
     k = l2norm(k.reshape(bsz, t, nk, dk))
@@ -345,7 +458,10 @@ class GatedDeltaNet(nn.Module):
     g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
       a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
     )
-    if entry is not None and entry.has_pending:  # short block: every position's state
+    if tree is not None:  # every node's state, for commit_path
+      out, states = tree_recurrent(q, k, v, g, beta, tree[0], s0)
+      entry = entry.write_snapshots(layer, conv_inputs, s0, states)
+    elif entry is not None and entry.has_pending:  # short block: every position's state
       out, states = recurrent(q, k, v, g, beta, s0)
       entry = entry.write_snapshots(layer, conv_inputs, s0, states)
     else:

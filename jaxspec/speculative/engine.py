@@ -672,16 +672,15 @@ class SpecEngine:
     # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
     self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
     if any(target.config.is_linear(i) for i in range(target.config.num_layers)):
-      if self.tree is not None:
+      width, what = (
+        (self.gamma + 1, "γ + 1") if self.tree is None else (self.tree.budget + 1, "budget + 1")
+      )
+      if width > target.config.linear_snapshots:
         raise ConfigError(
-          "tree verification is not implemented for targets with linear-attention (Gated "
-          "DeltaNet) layers; use verify='chain'"
-        )
-      if self.gamma + 1 > target.config.linear_snapshots:
-        raise ConfigError(
-          f"a verify block of γ + 1 = {self.gamma + 1} tokens is wider than the "
+          f"a verify block of {what} = {width} tokens is wider than the "
           f"{target.config.linear_snapshots} per-position states a linear-attention layer "
-          f"keeps; raise ModelConfig.linear_snapshots or lower γ"
+          f"keeps; raise ModelConfig.linear_snapshots or lower "
+          f"{'γ' if self.tree is None else 'tree_budget'}"
         )
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = plan.engine_plan(
