@@ -78,6 +78,7 @@ def main(argv):
   target, source = defaults.load_target(FLAGS.model)
   engine, _, label = defaults.engine_from_flags(
     target,
+    mesh=defaults.mesh_from_flags(),
     max_len=FLAGS.max_len,
     batch_size=FLAGS.batch_size,
     kv_format=FLAGS.kv_format,
