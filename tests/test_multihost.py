@@ -33,15 +33,20 @@ TIMEOUT_S = 420  # the processes take ~170 s at a load average of 10 on 2 cores
 # Shared by the reference (this process, one device) and the processes (imported there).
 DRAFTER = dict(mask_token_id=2, num_layers=1, block_size=4, target_layer_ids=(0, 1), seed=1)
 
-SCRIPT = textwrap.dedent(r"""
+# Every process script starts so: an uncaught error ends the process at once (jax.distributed's
+# shutdown at exit would wait for the peers).
+DIE_AT_ONCE = textwrap.dedent(r"""
     import json, os, sys, traceback
 
-    def die(*exc):  # at once: jax.distributed's shutdown at exit would wait for the peers
+    def die(*exc):
         traceback.print_exception(*exc)
         sys.stderr.flush()
         os._exit(1)
 
     sys.excepthook = die
+""")
+
+SCRIPT = DIE_AT_ONCE + textwrap.dedent(r"""
     import jaxspec
     from jaxspec import distributed
     joined = distributed.initialize()  # from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, ...

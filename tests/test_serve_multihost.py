@@ -26,15 +26,7 @@ TIMEOUT_S = 420
 # A completion (repeats, so the n-gram drafter proposes) and a streamed chat-free completion.
 ASKS = [("def f(x):\n  return x\ndef f(x):\n", False), ("import os\nimport", True)]
 
-SCRIPT = textwrap.dedent(r"""
-    import json, os, sys, traceback
-
-    def die(*exc):  # at once: jax.distributed's shutdown at exit would wait for the peer
-        traceback.print_exception(*exc)
-        sys.stderr.flush()
-        os._exit(1)
-
-    sys.excepthook = die
+SCRIPT = test_multihost.DIE_AT_ONCE + textwrap.dedent(r"""
     from jaxspec import distributed
     joined = distributed.initialize()
     from jaxspec import sharding
