@@ -1,7 +1,7 @@
 """The server across two processes: the leader serves HTTP, the follower replays its ticks.
 
 Two local processes with 4 virtual CPU devices each (tests/test_multihost.py's launcher) build
-the bundled target's n-gram engine on a (data=2, expert=2, tensor=2) mesh over all 8 devices.
+the bundled target's n-gram engine on a (data=1, expert=2, tensor=4) mesh over all 8 devices.
 Process 0 serves on loopback with a `multihost.TickChannel`; process 1 runs `multihost.follow`.
 A greedy completion and a streamed one must answer what a one-process server answers, and the
 follower must exit when the leader shuts down. A follower that replays ticks wrongly either
@@ -23,6 +23,10 @@ from tests import test_multihost
 
 MODEL = "jaxspec-mh"
 TIMEOUT_S = 420
+# The expert axis spans the two processes (devices 0-3 are process 0's): every step's MoE
+# layers combine both processes' experts, so a follower's wrong state reaches the leader's
+# tokens. (With data=2 outermost, each process would hold whole replicas and never meet.)
+MESH = {"data": 1, "expert": 2, "tensor": 4}
 # A completion (repeats, so the n-gram drafter proposes) and a streamed chat-free completion.
 ASKS = [("def f(x):\n  return x\ndef f(x):\n", False), ("import os\nimport", True)]
 
@@ -33,11 +37,14 @@ SCRIPT = test_multihost.DIE_AT_ONCE + textwrap.dedent(r"""
     from jaxspec.serve import multihost
     from tests import test_serve_multihost as t
 
-    engine = t.make_engine(sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2}))
+    import jax
+    engine = t.make_engine(sharding.make_mesh(t.MESH))
     if not distributed.is_leader():
         print(json.dumps({"ticks": multihost.follow(engine)}))
         sys.exit(0)
-    print(json.dumps(t.serve_and_ask(engine, multihost.TickChannel())))
+    report = t.serve_and_ask(engine, multihost.TickChannel())
+    report["spans"] = any(not x.is_fully_addressable for x in jax.tree.leaves(engine.target.params))
+    print(json.dumps(report))
 """)
 
 
@@ -108,7 +115,54 @@ def test_two_processes_serve_as_one(tmp_path):
   finally:
     leader, follower = test_multihost._finish(procs, logs, deadline)  # pylint: disable=protected-access
   assert all(reference["texts"]), reference  # something was generated
+  assert leader["spans"]  # the weights span both processes: they compute every step together
   assert leader["texts"] == reference["texts"]
   assert leader["metrics"]["requests_finished_total"] == len(ASKS)
   # One tick per step at steps_per_tick=1: the follower replayed every one the leader ran.
   assert follower["ticks"] >= leader["metrics"]["steps_total"] > 0, (leader, follower)
+
+
+class _Store:
+  """The coordinator's key-value store, in memory (the calls TickChannel makes)."""
+
+  def __init__(self):
+    self.data = {}
+
+  def key_value_set(self, key, value):
+    assert key not in self.data, key  # a tick is never overwritten
+    self.data[key] = value
+
+  def key_value_delete(self, key):
+    del self.data[key]
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key not in self.data:
+      raise RuntimeError(f"DEADLINE_EXCEEDED: {key} after {timeout_ms} ms")
+    return self.data[key]
+
+
+def test_tick_channel_orders_ticks_and_forgets_only_read_ones():
+  from jaxspec.serve import multihost  # pylint: disable=import-outside-toplevel
+  from jaxspec.serve.scheduler import Tick  # pylint: disable=import-outside-toplevel
+
+  store = _Store()
+  leader, follower = multihost.TickChannel(store), multihost.TickChannel(store)
+  sent = [
+    Tick([[1, [5, 6], {"seed": 2**62 + 1, "temperature": 0.7}]], [], 2),
+    Tick([], [0], 0),  # evict only: no gather, so a follower may not have read it yet ...
+    Tick([], [], 2),
+  ]
+  leader.publish(sent[0])
+  got = [follower.receive()]  # read before its gather, which the leader waits for
+  leader.publish(sent[1])
+  leader.publish(sent[2])  # ... when the leader publishes the next tick
+  got += [follower.receive(timeout_s=1), follower.receive(timeout_s=1)]
+  assert got == sent  # in order, values exact (a 63-bit seed, a float)
+  assert sorted(store.data) == [f"{multihost.PREFIX}/{n}" for n in (1, 2)]  # 0 is deleted
+  leader.publish(Tick([], [], 0, stop=True))
+  assert follower.receive().stop
+  with pytest.raises(TimeoutError, match="no tick 4"):
+    follower.receive(timeout_s=0)
+  store.blocking_key_value_get = lambda key, ms: (_ for _ in ()).throw(RuntimeError("UNAVAILABLE"))
+  with pytest.raises(RuntimeError, match="UNAVAILABLE"):  # the leader is gone: not a wait
+    follower.receive()

@@ -13,8 +13,8 @@ The channel is the coordinator's key-value store (`distributed.kv_client`), not 
 a tick is a short JSON string under key `<prefix>/<n>`, so its size varies freely (no padded
 shape, nothing to compile) and a follower waiting through an idle spell polls the store from
 the host rather than sitting in a device collective with its timeouts. Keys are deleted once
-every follower has provably read them: after a tick's read-back gather, which no follower
-can join before reading that tick.
+every follower has provably read them: those up to a tick that ran steps, once its read-back
+gather (which no follower joins before reading it) has returned on the leader.
 """
 
 from __future__ import annotations
@@ -37,20 +37,22 @@ class TickChannel:
     self._client = client if client is not None else distributed.kv_client()
     self._prefix = prefix
     self._next = 0  # the next tick's number (published or read)
-    self._unread: list[int] = []  # published ticks whose keys a follower may still read
+    self._kept: list[int] = []  # published ticks whose keys are not deleted yet
+    self._gathered = -1  # the last published tick that ran steps, so ends in a gather
 
   def publish(self, tick: Tick) -> None:
-    """Leader: stores `tick` under the next number."""
-    self._client.key_value_set(f"{self._prefix}/{self._next}", tick.to_json())
-    self._unread.append(self._next)
-    self._next += 1
-    if tick.steps:  # its read-back gather follows: every follower has read up to it by then
-      self._forget(self._unread[:-1])
-      self._unread = self._unread[-1:]
-
-  def _forget(self, numbers: list[int]) -> None:
-    for n in numbers:
+    """Leader: stores `tick` under the next number. Deletes the ticks up to the last one that
+    ran steps: the leader publishes only after that tick's read-back gather, which every
+    follower joins only once it has read it (and all before it)."""
+    read = [n for n in self._kept if n <= self._gathered]
+    for n in read:
       self._client.key_value_delete(f"{self._prefix}/{n}")
+    self._kept = [n for n in self._kept if n > self._gathered]
+    self._client.key_value_set(f"{self._prefix}/{self._next}", tick.to_json())
+    self._kept.append(self._next)
+    if tick.steps:
+      self._gathered = self._next
+    self._next += 1
 
   def receive(self, timeout_s: float | None = None) -> Tick:
     """Follower: the next tick, waiting for it (forever, or TimeoutError after `timeout_s`)."""
