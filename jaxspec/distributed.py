@@ -12,7 +12,9 @@ module holds what that needs at the edges of a program:
 * `broadcast` / `on_leader`: the leader's inputs (token ids, request values), or the error
   reading them raised, to every process;
 * `gather` and `put`: host values of arrays that span processes, and global arrays from host
-  values that every process holds.
+  values that every process holds;
+* `kv_client`: the coordinator's key-value store, a host-side channel that needs no collective
+  (the multi-host server's ticks, jaxspec/serve/multihost.py).
 
 One process (no flags, no environment) is the default and needs none of it: every function
 here is then a plain local operation.
@@ -259,6 +261,19 @@ def put(tree: Any, mesh: Mesh, logical_axes: Any = None, rules: Any = None) -> A
   )
 
 
+def kv_client() -> Any:
+  """The jax.distributed client of this process (its `key_value_set`, `blocking_key_value_get`
+  and `key_value_delete` reach the coordinator's store): host-side messages that, unlike a
+  broadcast, leave no process waiting inside a collective. ConfigError outside a
+  multi-process run."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+
+  client = jax_distributed.global_state.client
+  if client is None:
+    raise ConfigError("no multi-process run: call jaxspec.distributed.initialize first")
+  return client
+
+
 __all__ = [
   "ENV",
   "DistributedConfig",
@@ -268,6 +283,7 @@ __all__ = [
   "gather",
   "initialize",
   "is_leader",
+  "kv_client",
   "mesh_of",
   "on_leader",
   "put",

@@ -167,6 +167,29 @@ def mesh_shape(config: Any) -> dict[str, int]:
   return {a: int(s) for a, s in shape.items()}
 
 
+MESH_FORM = "axis=size pairs over data, expert and tensor, e.g. data=1,expert=2,tensor=1"
+
+
+def parse_mesh(spec: str, flag: Optional[str] = None) -> dict[str, int]:
+  """A mesh written as ``"data=1,expert=2,tensor=1"`` (the scripts' ``--mesh``) as
+  ``{axis: size}``, checked by ``mesh_shape`` (missing axes 1; -1: the remaining devices).
+  A malformed string is a ConfigError naming the expected form (and ``flag``, if given)."""
+  where = f"{flag}={spec}" if flag else f"mesh {spec!r}"
+  out = {}
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    name, eq, value = part.partition("=")
+    try:
+      out[name.strip()] = int(value)
+    except ValueError:
+      raise ConfigError(f"{where}: expected {MESH_FORM}") from None
+    if not eq or not name.strip():
+      raise ConfigError(f"{where}: expected {MESH_FORM}")
+  try:
+    return mesh_shape(out)
+  except (ConfigError, ValueError) as e:
+    raise ConfigError(f"{where}: {e}") from None
+
+
 def make_mesh(shape: Any, devices: Optional[Sequence[Any]] = None) -> Mesh:
   """Builds a ``(data, expert, tensor)`` mesh over all (or the given) devices.
 
@@ -566,7 +589,9 @@ __all__ = [
   "logical_specs",
   "logical_to_sharding",
   "logical_to_spec",
+  "MESH_FORM",
   "make_mesh",
+  "parse_mesh",
   "mesh_shape",
   "rules_from",
   "shard_tree",

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
-from jaxspec import cli, distributed, sharding  # pylint: disable=wrong-import-position
+from jaxspec import cli, distributed  # pylint: disable=wrong-import-position
 from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
 from jaxspec.quant.profile import load_policy  # pylint: disable=wrong-import-position
 
@@ -54,7 +54,6 @@ flags.DEFINE_integer("max_len", 1024, "Cache length (prompt + generated + draft 
 flags.DEFINE_enum(
   "kv_format", "float", ("float", "fp8", "q4_0"), "How the target's KV cache is stored."
 )
-flags.DEFINE_string("mesh", "data=1,expert=1,tensor=1", "Device mesh shape.")
 flags.DEFINE_string(
   "quant_policy",
   "none",
@@ -62,26 +61,6 @@ flags.DEFINE_string(
   "or a policy JSON file (launch/profile_quant.py writes one).",
 )
 flags.DEFINE_bool("compare_plain", True, "Also run plain decoding and print the speedup.")
-
-MESH_FORM = "name=size pairs over data, expert and tensor, e.g. data=1,expert=2,tensor=1"
-
-
-def _parse_mesh(spec: str) -> dict[str, int]:
-  """--mesh as {axis: size}; a malformed value is a ConfigError naming the expected form."""
-  out = {}
-  for part in spec.split(","):
-    name, eq, value = part.partition("=")
-    try:
-      out[name.strip()] = int(value)
-    except ValueError:
-      raise jaxspec.ConfigError(f"--mesh={spec}: expected {MESH_FORM}") from None
-    if not eq or not name.strip():
-      raise jaxspec.ConfigError(f"--mesh={spec}: expected {MESH_FORM}")
-  try:
-    return sharding.mesh_shape(out)
-  except ValueError as e:
-    raise jaxspec.ConfigError(f"--mesh={spec}: {e}") from None
-
 
 def _prompt(target: jaxspec.TargetModel, source: str) -> tuple[list[int], str]:
   """(the prompt's token ids, how to print it) from --prompt or --prompt_ids: run by the leader,
@@ -132,7 +111,7 @@ def main(argv):
   say = print if distributed.is_leader() else lambda *args, **kwargs: None
   if not distributed.is_leader():
     print(f"process {jax.process_index()}/{jax.process_count()}: following process 0")
-  mesh_shape = _parse_mesh(FLAGS.mesh)
+  defaults.mesh_from_flags()  # a malformed --mesh fails here, before the model loads
   target, source = defaults.load_target(FLAGS.model)
   policy = load_policy(FLAGS.quant_policy)
   if policy:
@@ -140,12 +119,9 @@ def main(argv):
     r = target.quant_report
     source += f", quantized ({FLAGS.quant_policy}: {r.bytes_before:,} → {r.bytes_after:,} bytes)"
   inputs = distributed.on_leader(lambda: _leader_inputs(target, source))
-  mesh = None  # one device; else the engine places the weights and its state on the mesh
-  if joined or any(v != 1 for v in mesh_shape.values()):
-    try:  # with several processes the mesh spans all their devices
-      mesh = sharding.make_mesh(mesh_shape)
-    except ValueError as e:  # more or fewer devices than the mesh needs
-      raise jaxspec.ConfigError(f"--mesh={FLAGS.mesh}: {e}") from None
+  # One device, or a mesh on which the engine places the weights and its state; with several
+  # processes it spans all their devices.
+  mesh = defaults.mesh_from_flags(always=joined)
   sample, shown, prompts = inputs["sample"], inputs["shown"], [inputs["ids"]]
   spec_engine, method, label = defaults.engine_from_flags(
     target, mesh=mesh, max_len=FLAGS.max_len, kv_format=FLAGS.kv_format

@@ -162,7 +162,10 @@ def _own_server():
 
   target, source = defaults.load_target(FLAGS.model)
   engine, _, label = defaults.engine_from_flags(
-    target, max_len=FLAGS.max_len, batch_size=FLAGS.batch_size
+    target,
+    mesh=defaults.mesh_from_flags(),
+    max_len=FLAGS.max_len,
+    batch_size=FLAGS.batch_size,
   )
   sched = scheduler_lib.Scheduler(engine, steps_per_tick=FLAGS.steps_per_tick)
   sched.start()

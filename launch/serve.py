@@ -8,6 +8,10 @@ Defaults to the bundled target and its best drafter (as launch/generate.py), bou
   JAXSPEC_API_KEY=sk-... python launch/serve.py --host=0.0.0.0 --port=8080
 
 Ctrl-C or SIGTERM stops admitting requests, lets the ones in flight finish, then exits.
+
+Several hosts: run it on each with --coordinator_address, --num_processes, --process_id (as
+launch/generate.py) and a --mesh over all their devices; process 0 serves HTTP, the others
+replay its scheduler's ticks and exit when it stops (docs/serving.md, "Multi-host").
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import uvicorn  # pylint: disable=wrong-import-position
 
-from jaxspec import cli  # pylint: disable=wrong-import-position
+from jaxspec import cli, distributed  # pylint: disable=wrong-import-position
 from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
+from jaxspec.serve import multihost  # pylint: disable=wrong-import-position
 from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 defaults.define_model_flags()
+distributed.define_flags()
 flags.DEFINE_integer("batch_size", 4, "Slots: requests decoded together.", lower_bound=1)
 flags.DEFINE_integer("max_len", 2048, "Tokens per slot (prompt + generated + draft slack).")
 flags.DEFINE_enum("kv_format", "float", ("float", "fp8", "q4_0"), "The target's KV cache format.")
@@ -71,6 +77,8 @@ def _ignore(signum, frame) -> None:
 
 def main(argv):
   del argv
+  # First: the backend learns the other processes' devices when it starts.
+  joined = distributed.initialize(distributed.config_from_flags())
   try:
     loopback = ipaddress.ip_address(FLAGS.host).is_loopback
   except ValueError:
@@ -78,13 +86,22 @@ def main(argv):
   target, source = defaults.load_target(FLAGS.model)
   engine, _, label = defaults.engine_from_flags(
     target,
+    mesh=defaults.mesh_from_flags(always=joined is not None),
     max_len=FLAGS.max_len,
     batch_size=FLAGS.batch_size,
     kv_format=FLAGS.kv_format,
     max_stop_ids=FLAGS.max_stop_ids,
   )
+  if not distributed.is_leader():  # a follower: no HTTP, the leader's ticks until it stops
+    print(f"process {joined.process_id}/{joined.num_processes}: following process 0", flush=True)
+    ticks = multihost.follow(engine)
+    print(f"stopped after {ticks} ticks", flush=True)
+    return
   scheduler = scheduler_lib.Scheduler(
-    engine, max_queue=FLAGS.max_queue, steps_per_tick=FLAGS.steps_per_tick
+    engine,
+    max_queue=FLAGS.max_queue,
+    steps_per_tick=FLAGS.steps_per_tick,
+    channel=multihost.TickChannel() if joined else None,
   )
   name = FLAGS.model_name or FLAGS.model or "jaxspec"
   app = app_lib.create_app(

@@ -42,15 +42,20 @@ POLICY = (
   ("attention", "fp8"),
 )
 
-SCRIPT = textwrap.dedent(r"""
+# Every process script starts so: an uncaught error ends the process at once (jax.distributed's
+# shutdown at exit would wait for the peers).
+DIE_AT_ONCE = textwrap.dedent(r"""
     import json, os, sys, traceback
 
-    def die(*exc):  # at once: jax.distributed's shutdown at exit would wait for the peers
+    def die(*exc):
         traceback.print_exception(*exc)
         sys.stderr.flush()
         os._exit(1)
 
     sys.excepthook = die
+""")
+
+SCRIPT = DIE_AT_ONCE + textwrap.dedent(r"""
     import jaxspec
     from jaxspec import distributed
     joined = distributed.initialize()  # from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, ...
@@ -136,8 +141,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start_processes(args: list[str], logs: pathlib.Path, n: int = 2) -> list[subprocess.Popen]:
-  """Starts SCRIPT in n processes of 4 CPU devices each, joined through a local coordinator;
+def _start_processes(
+  args: list[str], logs: pathlib.Path, n: int = 2, script: str = SCRIPT
+) -> list[subprocess.Popen]:
+  """Starts `script` in n processes of 4 CPU devices each, joined through a local coordinator;
   process i writes logs/i.out and logs/i.err (files, so that no pipe fills while we wait)."""
   address = f"localhost:{_free_port()}"
   logs.mkdir(parents=True, exist_ok=True)
@@ -155,7 +162,7 @@ def _start_processes(args: list[str], logs: pathlib.Path, n: int = 2) -> list[su
     with open(logs / f"{pid}.out", "w") as out, open(logs / f"{pid}.err", "w") as err:
       procs.append(
         subprocess.Popen(
-          [sys.executable, "-c", SCRIPT, *args], stdout=out, stderr=err, env=env, cwd=REPO
+          [sys.executable, "-c", script, *args], stdout=out, stderr=err, env=env, cwd=REPO
         )
       )
   return procs

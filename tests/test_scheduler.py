@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec.errors import InputError
 from jaxspec.serve import QueueFull, SamplingOptions, Scheduler, SchedulerClosed
+from jaxspec.serve.scheduler import Tick, apply_tick
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
 from tests import near_ties
@@ -181,3 +183,47 @@ def test_async_iteration_and_draining_shutdown(engine, target):
       stopper.join()
     s.shutdown(drain=False, timeout=60)
   assert not s.running
+
+
+class _Recorder:
+  """A stand-in TickChannel: keeps what the scheduler publishes."""
+
+  def __init__(self):
+    self.ticks = []
+
+  def publish(self, tick):
+    self.ticks.append(Tick.from_json(tick.to_json()))  # what a follower would read
+
+
+def test_published_ticks_replay_the_leaders_engine_calls(engine, target):
+  # A follower replays the ticks from a warmed-up free state (multihost.follow): its read-backs
+  # must equal the leader's, sampled rows (seeds travel in the tick) and an eviction included.
+  channel = _Recorder()
+  s = Scheduler(engine, max_queue=8, steps_per_tick=2, channel=channel)
+  seen = []
+  deliver = s._deliver_tokens  # pylint: disable=protected-access
+  s._deliver_tokens = lambda host: (seen.append(host), deliver(host))[1]  # pylint: disable=protected-access
+  s.start()
+  try:
+    ids = [target.tokenizer.encode(p) for p in PROMPTS[:4]]
+    hog = s.submit(ids[0], SamplingOptions(max_tokens=60, temperature=0.0))
+    handles = [s.submit(i, _options(k)) for k, i in enumerate(ids[1:], 1)]
+    next(iter(hog))
+    hog.cancel()
+    for h in handles:
+      h.result()
+  finally:
+    s.shutdown(drain=True, timeout=60)
+  ticks = channel.ticks
+  assert ticks[-1].stop and not any(t.stop for t in ticks[:-1])
+  assert any(t.evict for t in ticks) and sum(len(t.admit) for t in ticks) == 4
+  state, replayed = engine.warm_up_slots(), []
+  for tick in ticks[:-1]:
+    state, host = apply_tick(engine, state, tick)
+    if host is not None:
+      replayed.append(host)
+  assert len(replayed) == len(seen)
+  for want, got in zip(seen, replayed):
+    assert want.keys() == got.keys()
+    for k in want:
+      np.testing.assert_array_equal(want[k], got[k], err_msg=k)

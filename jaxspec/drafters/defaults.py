@@ -12,7 +12,9 @@ from typing import Any
 
 from absl import flags
 
+from jaxspec import sharding
 from jaxspec.drafters import registry
+from jaxspec.errors import ConfigError
 from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
 from jaxspec.speculative import engine as engine_lib
@@ -25,12 +27,13 @@ BUNDLED_BEST = ("eagle3", "chain", 0)
 DEFAULT_TREE_BUDGET = 8
 
 FLAGS = flags.FLAGS
-MODEL_FLAGS = ("model", "method", "draft_model", "verify", "tree_budget", "gamma")
+MODEL_FLAGS = ("model", "method", "draft_model", "verify", "tree_budget", "gamma", "mesh")
 
 
 def define_model_flags() -> None:
   """Defines the scripts' shared model and method flags (once): --model, --method,
-  --draft_model, --verify, --tree_budget, --gamma; `engine_from_flags` reads them."""
+  --draft_model, --verify, --tree_budget, --gamma, --mesh; `engine_from_flags` and
+  `mesh_from_flags` read them."""
   if "method" in FLAGS:
     return
   flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
@@ -53,6 +56,12 @@ def define_model_flags() -> None:
     None,
     "Draft tokens per step (default: the method's own: 4 for chains; DFlash: block_size - 1).",
     lower_bound=1,
+  )
+  flags.DEFINE_string(
+    "mesh",
+    "data=1,expert=1,tensor=1",
+    f"Device mesh of the engine ({sharding.MESH_FORM}; -1 fills an axis). On CPU, "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N virtual devices.",
   )
   for name in MODEL_FLAGS:  # listed by the script's --help, as its own flags are
     FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
@@ -126,6 +135,18 @@ def choose_method(
     draft_dir = registry.bundled_dir("draft" if method == "draft_model" else method)
   verify = "chain" if verify == "auto" else verify
   return method, draft_dir, verify, budget or DEFAULT_TREE_BUDGET
+
+
+def mesh_from_flags(always: bool = False) -> Any:
+  """The --mesh device mesh, or None for a one-device run (`always`: build it even then, as a
+  multi-process run needs a mesh over every process's devices)."""
+  shape = sharding.parse_mesh(FLAGS.mesh, "--mesh")
+  if not always and all(v == 1 for v in shape.values()):
+    return None
+  try:
+    return sharding.make_mesh(shape)
+  except ValueError as e:  # more or fewer devices than the mesh needs
+    raise ConfigError(f"--mesh={FLAGS.mesh}: {e}") from None
 
 
 def engine_from_flags(

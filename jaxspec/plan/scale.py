@@ -111,15 +111,7 @@ def policy_rules(policy: str | Iterable) -> tuple[tuple[str, str], ...]:
 
 def mesh_sizes(mesh: Any) -> dict[str, int]:
   """`{data, expert, tensor}` sizes from a dict, MeshConfig or "expert=8,tensor=2" string."""
-  if isinstance(mesh, str):
-    parsed = {}
-    for part in filter(None, (p.strip() for p in mesh.split(","))):
-      name, eq, value = part.partition("=")
-      if not eq or not value.strip().lstrip("-").isdigit():
-        raise ConfigError(f"mesh entry {part!r} is not axis=size (e.g. expert=8,tensor=1)")
-      parsed[name.strip()] = int(value)
-    mesh = parsed
-  sizes = sharding.mesh_shape(mesh)
+  sizes = sharding.parse_mesh(mesh) if isinstance(mesh, str) else sharding.mesh_shape(mesh)
   bad = {a: s for a, s in sizes.items() if s < 1}
   if bad:
     raise ConfigError(f"a planned mesh needs explicit positive sizes; got {bad}")

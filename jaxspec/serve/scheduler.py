@@ -24,6 +24,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import json
 import queue
 import secrets
 import threading
@@ -32,6 +33,7 @@ from typing import Any, AsyncIterator, Iterator, Optional
 
 import numpy as np
 
+from jaxspec import distributed
 from jaxspec.errors import InputError, JaxspecError
 from jaxspec.speculative.engine import SpecEngine, SpecState
 
@@ -148,6 +150,58 @@ class RequestHandle:
     return tokens, logprobs, reason
 
 
+@dataclasses.dataclass(frozen=True)
+class Tick:
+  """One scheduler round's engine calls, all a follower process needs to replay it: prefill
+  and insert each admitted request, evict slots, run `steps` steps (0: none) and read back."""
+
+  admit: list  # [slot, prompt token ids, prefill_row keyword arguments] per admitted request
+  evict: list[int]  # slots to free
+  steps: int
+  stop: bool = False  # the leader's last tick: followers return
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, text: str) -> "Tick":
+    return cls(**json.loads(text))
+
+
+READ_BACK = ("seq_len", "prompt_len", "done", "tokens", "logprobs")
+
+
+def apply_tick(
+  engine: SpecEngine, state: SpecState, tick: Tick
+) -> tuple[SpecState, dict[str, np.ndarray] | None]:
+  """`tick`'s engine calls on `state`, in a fixed order (the leader's scheduler and every
+  follower run these, so their collectives match): the new state, and when it ran steps the
+  rows' progress read back to the host (gathered from every process)."""
+  return run_tick(engine, admit_tick(engine, state, tick), tick.steps)
+
+
+def admit_tick(engine: SpecEngine, state: SpecState, tick: Tick) -> SpecState:
+  """`apply_tick`'s first half: prefill + insert each admitted request, evict slots."""
+  for slot, ids, arguments in tick.admit:
+    state = engine.insert(state, slot, engine.prefill_row(ids, **arguments))
+  if tick.evict:
+    state = engine.evict(state, tick.evict)
+  return state
+
+
+def run_tick(
+  engine: SpecEngine, state: SpecState, steps: int
+) -> tuple[SpecState, dict[str, np.ndarray] | None]:
+  """`apply_tick`'s second half: `steps` steps (0: none) and the read-back."""
+  if not steps:
+    return state, None
+  state = engine.run(state, steps)
+  values = {k: getattr(state, k) for k in READ_BACK}
+  values["target_passes"] = state.stats.target_passes
+  values["tokens_committed"] = state.stats.tokens_committed
+  return state, distributed.gather(values)
+
+
 @dataclasses.dataclass
 class _Slot:
   """A request in a row: how many of its tokens were delivered, its stop set."""
@@ -165,19 +219,28 @@ class Scheduler:
   Args:
     engine: its `config.batch_size` rows are the slots; its `max_len` bounds prompt +
       max_tokens (+ the drafter's lookahead).
+    channel: in a multi-host run, where each tick is published before it runs (a
+      `multihost.TickChannel`: followers replay it, so every process makes the same engine
+      calls and collectives); None for one process.
     max_queue: requests that may wait for a slot; `submit` raises QueueFull past it.
     steps_per_tick: engine steps per host round trip (default: the engine's stream_every);
       fewer means lower streaming latency and admission delay, more means fewer round trips.
   """
 
   def __init__(
-    self, engine: SpecEngine, *, max_queue: int = 256, steps_per_tick: Optional[int] = None
+    self,
+    engine: SpecEngine,
+    *,
+    max_queue: int = 256,
+    steps_per_tick: Optional[int] = None,
+    channel: Any = None,
   ):
     if max_queue < 0 or (steps_per_tick is not None and steps_per_tick < 1):
       raise InputError(
         f"max_queue must be ≥ 0 and steps_per_tick ≥ 1, got {max_queue} and {steps_per_tick}"
       )
     self.engine = engine
+    self._channel = channel
     self.max_queue = max_queue
     self.steps_per_tick = steps_per_tick or engine.config.stream_every
     self.slots = engine.config.batch_size
@@ -285,6 +348,7 @@ class Scheduler:
     try:
       while self._tick():
         pass
+      self._stop_followers()
     except Exception as e:  # pylint: disable=broad-except  # a bug: fail every request loudly
       self.failure = f"scheduler stopped: {type(e).__name__}: {e}"
       with self._lock:
@@ -293,7 +357,12 @@ class Scheduler:
         self._active = [None] * self.slots
       for h in victims:
         h._deliver(Delta([], None, "error", self.failure))  # pylint: disable=protected-access
+      self._stop_followers()
       raise
+
+  def _stop_followers(self) -> None:
+    if self._channel is not None:
+      self._channel.publish(Tick([], [], 0, stop=True))
 
   def _tick(self) -> bool:
     """One round: admit, evict, step, deliver. Returns False when the thread should stop."""
@@ -318,27 +387,29 @@ class Scheduler:
     if idle:
       return not self._closing
 
+    rows = []
     for slot, handle in admitted:
       if handle.cancelled:
         self._finish_waiting(handle)
         continue
-      arguments = self._row_arguments(handle.options, handle.seed)
-      row = self.engine.prefill_row(handle.prompt_ids, **arguments)
-      self._state = self.engine.insert(self._state, slot, row)
+      rows.append([slot, handle.prompt_ids, self._row_arguments(handle.options, handle.seed)])
       stops = frozenset(self.engine.stop_ids) | frozenset(handle.options.stop_token_ids)
       with self._lock:
         self._active[slot] = _Slot(handle, 0, stops)
-
     cancelled = [i for i, s in enumerate(self._active) if s is not None and s.handle.cancelled]
-    if cancelled:
-      self._state = self.engine.evict(self._state, cancelled)
-      for i in cancelled:
-        self._release(i, Delta([], None, "cancelled"))
-
-    if any(s is not None for s in self._active):
-      t0 = time.perf_counter()
-      self._state = self.engine.run(self._state, self.steps_per_tick)
-      self._deliver_tokens()
+    live = any(s is not None and i not in cancelled for i, s in enumerate(self._active))
+    tick = Tick(rows, cancelled, self.steps_per_tick if live else 0)
+    if not (rows or cancelled or tick.steps):
+      return True  # every admitted request was cancelled while it waited
+    if self._channel is not None:  # the followers replay it (jaxspec/serve/multihost.py)
+      self._channel.publish(tick)
+    self._state = admit_tick(self.engine, self._state, tick)  # as apply_tick, timing the steps
+    t0 = time.perf_counter()
+    self._state, host = run_tick(self.engine, self._state, tick.steps)
+    for i in cancelled:
+      self._release(i, Delta([], None, "cancelled"))
+    if host is not None:
+      self._deliver_tokens(host)
       self._step_seconds += time.perf_counter() - t0
       self._counters["ticks_total"] += 1
     return True
@@ -356,12 +427,11 @@ class Scheduler:
       cancelled = last.finish_reason == "cancelled"
       self._counters["requests_cancelled_total" if cancelled else "requests_finished_total"] += 1
 
-  def _deliver_tokens(self) -> None:
-    """Reads back every row's progress and hands each live request its new tokens."""
-    st = self._state
-    seq_len, prompt_len = np.asarray(st.seq_len), np.asarray(st.prompt_len)
-    done, tokens, logprobs = np.asarray(st.done), np.asarray(st.tokens), np.asarray(st.logprobs)
-    passes, committed = np.asarray(st.stats.target_passes), np.asarray(st.stats.tokens_committed)
+  def _deliver_tokens(self, host: dict[str, np.ndarray]) -> None:
+    """Hands each live request the new tokens of its row in `host` (`apply_tick`'s read-back)."""
+    seq_len, prompt_len, done = host["seq_len"], host["prompt_len"], host["done"]
+    tokens, logprobs = host["tokens"], host["logprobs"]
+    passes, committed = host["target_passes"], host["tokens_committed"]
     self._counters["steps_total"] += self.steps_per_tick
     for i, s in enumerate(self._active):
       if s is None:
@@ -388,4 +458,3 @@ class Scheduler:
         self._release(i, Delta(new, lps, reason))
       elif new:
         s.handle._deliver(Delta(new, lps))  # pylint: disable=protected-access
-
