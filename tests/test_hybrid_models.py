@@ -297,7 +297,7 @@ def mtp_saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-  "name", [pytest.param(MTP_NAMES[0], marks=pytest.mark.slow), MTP_NAMES[1]]  # MoE block in CI
+  "name", [MTP_NAMES[0], pytest.param(MTP_NAMES[1], marks=pytest.mark.slow)]  # ~5 s vs ~14 s
 )
 def test_mtp_module_reads_the_published_layout_and_matches_a_float64_reference(mtp_saved, name):
   hf_model, path, layer, pieces = mtp_saved[name]
