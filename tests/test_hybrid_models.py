@@ -5,7 +5,10 @@ tests/test_hybrid_tree.py)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import shutil
 from typing import Any
 
 import jax
@@ -214,9 +217,6 @@ def _mtp_affine(x):
 def _with_mtp_module(hf_model, path: str, seed: int):
   """Adds a published-layout MTP module (mtp.fc / pre_fc_norm_* / norm / layers.0.*) and
   `mtp_num_hidden_layers: 1` to the checkpoint at `path`; returns the float64 torch pieces."""
-  import copy  # pylint: disable=import-outside-toplevel
-  import json  # pylint: disable=import-outside-toplevel
-
   file = f"{path}/model.safetensors"
   tensors = safetensors.numpy.load_file(file)
   for name in [n for n in tensors if n.startswith("model.layers.3.")]:
@@ -271,19 +271,12 @@ def _mtp_reference(hf_model, layer, pieces, tokens, hidden):
       @ pieces["fc.weight"].T
     )
     positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-    rotary = copy_rotary(model.rotary_emb)
-    cos, sin = rotary(x, positions)
+    cos, sin = copy.deepcopy(model.rotary_emb).double()(x, positions)
     x = layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=positions)
     x = x[0] if isinstance(x, tuple) else x
     out = norm(x, pieces["norm.weight"])
     head = hf_model.lm_head.weight.double()
     return (out @ head.T).numpy(), out.numpy()
-
-
-def copy_rotary(rotary):
-  import copy  # pylint: disable=import-outside-toplevel
-
-  return copy.deepcopy(rotary).double()
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +290,8 @@ def mtp_saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-  "name", [MTP_NAMES[0], pytest.param(MTP_NAMES[1], marks=pytest.mark.slow)]  # ~5 s vs ~14 s
+  "name",
+  [MTP_NAMES[0], pytest.param(MTP_NAMES[1], marks=pytest.mark.slow)],  # ~5 s vs ~14 s
 )
 def test_mtp_module_reads_the_published_layout_and_matches_a_float64_reference(mtp_saved, name):
   hf_model, path, layer, pieces = mtp_saved[name]
@@ -346,9 +340,6 @@ def test_mtp_drafter_on_a_hybrid_target_equals_plain(mtp_saved, name):
 
 
 def test_mtp_module_config_errors(mtp_saved, tmp_path):
-  import json  # pylint: disable=import-outside-toplevel
-  import shutil  # pylint: disable=import-outside-toplevel
-
   src = mtp_saved["qwen3_5_dense_3to1_tied"][1]
   for key, value, message in [
     ("mtp_num_hidden_layers", 2, "several layers"),
