@@ -16,8 +16,8 @@ Three forms, same numbers (and a fourth for draft trees):
   verification commit any accepted prefix.
 * `chunked`: the WY / UT-transform formulation of the FLA library (and transformers'
   `torch_chunk_gated_delta_rule`): inside a chunk of C tokens the C delta-rule updates are
-  condensed into one unit-lower-triangular solve and a few matmuls; a `lax.scan` over chunks
-  carries S. The form for prefill and long blocks (cost O(T·C·D + T·D²) instead of T sequential
+  condensed into one unit-lower-triangular inverse (`unit_lower_inverse`, all matmuls) and a
+  few more matmuls; a `lax.scan` over chunks carries S. The form for prefill and long blocks (cost O(T·C·D + T·D²) instead of T sequential
   rank-1 updates). `chunked_impl` picks it or its Pallas kernel (pallas_kernels/gated_delta)
   by `ModelConfig.linear_attention_impl`.
 
@@ -42,6 +42,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
@@ -131,7 +132,7 @@ def chunked(
   state unchanged). Inside chunk c, with Γ_i the cumulative log-decay up to position i and
   L[i, j] = exp(Γ_i − Γ_j) for j ≤ i: the C delta-rule corrections u satisfy
   (I + strictly_lower(diag(β) K Kᵀ ⊙ L)) u = β ⊙ (V − exp(Γ) ⊙ K S), one unit-lower-triangular
-  solve per chunk; then O = (Q ⊙ exp(Γ)) S + (Q Kᵀ ⊙ L) u and
+  inverse per chunk; then O = (Q ⊙ exp(Γ)) S + (Q Kᵀ ⊙ L) u and
   S' = exp(Γ_C) S + (K ⊙ exp(Γ_C − Γ))ᵀ u.
   """
   q, k, v, g, beta = _f32(q, k, v, g, beta)
@@ -155,9 +156,8 @@ def chunked(
   mm = lambda x, y: jnp.einsum("...ik,...jk->...ij", x, y, precision=HIGHEST)
   system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), mm(k_beta, k) * decay, 0.0)
   system = system + jnp.eye(c, dtype=jnp.float32)
-  solve = lambda rhs: jax.lax.linalg.triangular_solve(
-    system, rhs, left_side=True, lower=True, unit_diagonal=True
-  )
+  inverse = unit_lower_inverse(system)  # [B, H, N, C, C]
+  solve = lambda rhs: jnp.einsum("...ij,...jd->...id", inverse, rhs, precision=HIGHEST)
   new_values = solve(v * beta[..., None])  # [B, H, N, C, Dv]
   k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])  # [B, H, N, C, Dk]
   intra = mm(q, k) * decay  # [B, H, N, C, C]
@@ -179,6 +179,42 @@ def chunked(
   s, out = jax.lax.scan(body, s0, xs)  # out [N, B, H, C, Dv]
   out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
   return jnp.moveaxis(out, 1, 2), s
+
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+  """(A)⁻¹ of unit-lower-triangular matrices [..., C, C], by recursive block inversion.
+
+  Bottom-up over block sizes s = 1, 2, 4, …: the inverse of a 2s-block [[A11, 0], [A21, A22]]
+  is [[X1, 0], [−X2 A21 X1, X2]] with X1, X2 the inverses of its diagonal halves, so log2(C)
+  rounds of batched matmuls replace a sequential substitution. Exact algebra (no power series:
+  a Neumann product would cancel catastrophically for correlated keys), and all matmuls, which
+  is what accelerators want. It also replaces `lax.linalg.triangular_solve`, whose CPU
+  custom call intermittently never completed under `jax.grad` in training (jaxlib 0.10.2).
+  C that is not a power of two is padded with identity rows.
+  """
+  c = a.shape[-1]
+  size = 1 << max(0, (c - 1).bit_length())
+  if size != c:
+    pad = [(0, 0)] * (a.ndim - 2) + [(0, size - c), (0, size - c)]
+    a = jnp.pad(a, pad) + jnp.diag((jnp.arange(size) >= c).astype(a.dtype))
+  batch = a.shape[:-2]
+  inv = jnp.ones(batch + (size, 1, 1), a.dtype)  # the inverses of the 1 × 1 diagonal blocks
+  s = 1
+  while s < size:
+    m = size // (2 * s)
+    base = (np.arange(m) * 2 * s)[:, None, None]
+    rows = base + s + np.arange(s)[None, :, None]
+    cols = base + np.arange(s)[None, None, :]
+    lower_left = a[..., rows, cols]  # A21 of each 2s block [..., m, s, s]
+    pairs = inv.reshape(batch + (m, 2, s, s))
+    x1, x2 = pairs[..., 0, :, :], pairs[..., 1, :, :]
+    mm = lambda x, y: jnp.matmul(x, y, precision=HIGHEST)
+    new = -mm(mm(x2, lower_left), x1)
+    top = jnp.concatenate([x1, jnp.zeros_like(x1)], axis=-1)
+    bottom = jnp.concatenate([new, x2], axis=-1)
+    inv = jnp.concatenate([top, bottom], axis=-2)  # [..., m, 2s, 2s]
+    s *= 2
+  return inv.reshape(batch + (size, size))[..., :c, :c]
 
 
 def chunked_impl(

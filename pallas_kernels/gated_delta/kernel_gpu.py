@@ -14,10 +14,10 @@ math as `jaxspec.models.gated_deltanet.chunked`:
   O  = (exp(Γ) ⊙ Q) S + (Q Kᵀ ⊙ L) V'
   S  ← exp(Γ_C) S + (exp(Γ_C − Γ) ⊙ K)ᵀ V'
 
-`chunked` solves (I + A) X = R with `triangular_solve`; the kernel forms T once per chunk
-instead, so the two value blocks and the key product become plain matmuls. T depends only on
-k, g and β, so programs of the same head that hold different value blocks recompute it (a
-C×C×C substitution, small next to the C×Dk×Dv products for Dk = Dv = 128, C = 64).
+`chunked` forms T by recursive block inversion (`unit_lower_inverse`), the kernel by
+substitution, once per chunk; the two value blocks and the key product are then plain matmuls.
+T depends only on k, g and β, so programs of the same head that hold different value blocks
+recompute it (a C×C×C substitution, small next to the C×Dk×Dv products for Dk = Dv = 128, C = 64).
 
 Inputs stay in the caller's layout [B, T, H, D] (BlockSpecs pick one head with a squeezed axis;
 each chunk is a strided `pl.ds` load), so no transposed copy is made; only a T that is not a
