@@ -179,8 +179,8 @@ class ReplayDrafter(Drafter):
 
 def test_chain_speculation_equals_plain(saved):
   """Greedy chain verification (γ = 3, batch 3) commits accepted prefixes of every length out
-  of the per-position states; its output equals plain decoding. Verify blocks wider than the
-  kept states are refused."""
+  of the per-position states; its output equals plain decoding. The engine widens
+  `linear_snapshots` to its verify block (a narrower one would commit whole blocks)."""
   _, path = saved["qwen3_5_dense_3to1_tied"]
   model = jaxspec.load_model(path)
   rng = np.random.default_rng(4)
@@ -196,8 +196,9 @@ def test_chain_speculation_equals_plain(saved):
   near_ties.assert_greedy_match(model, prompts, plain.tokens, spec.tokens)
   hist = np.asarray(spec.stats.summary["accept_hist"]).reshape(-1, 4).sum(0)
   assert all(hist > 0), hist  # 0, 1, 2 and 3 drafts accepted, each at least once
-  with pytest.raises(ConfigError, match="linear_snapshots"):
-    SpecEngine(model.with_config(linear_snapshots=3), drafter, cfg)
+  narrow = SpecEngine(model.with_config(linear_snapshots=3), drafter, cfg)
+  assert narrow.target.config.linear_snapshots == 4
+  np.testing.assert_array_equal(narrow.generate(prompts, max_new_tokens=24).tokens, spec.tokens)
   with pytest.raises(ConfigError, match="draft model with linear-attention"):
     DraftModelDrafter.from_model(model)
 

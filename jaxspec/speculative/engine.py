@@ -672,16 +672,14 @@ class SpecEngine:
     # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
     self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
     if any(target.config.is_linear(i) for i in range(target.config.num_layers)):
-      width, what = (
-        (self.gamma + 1, "γ + 1") if self.tree is None else (self.tree.budget + 1, "budget + 1")
-      )
+      # A verify block keeps per-position (chain) or per-node (tree) linear-attention states
+      # when it is at most `linear_snapshots` tokens wide: widen the threshold to this
+      # engine's block (γ + 1, or the tree's budget + 1). The snapshots are sized by the block
+      # itself, so only the threshold changes.
+      width = self.gamma + 1 if self.tree is None else self.tree.budget + 1
       if width > target.config.linear_snapshots:
-        raise ConfigError(
-          f"a verify block of {what} = {width} tokens is wider than the "
-          f"{target.config.linear_snapshots} per-position states a linear-attention layer "
-          f"keeps; raise ModelConfig.linear_snapshots or lower "
-          f"{'γ' if self.tree is None else 'tree_budget'}"
-        )
+        self.target = self.target.with_config(linear_snapshots=width)
+        target = self.target
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = plan.engine_plan(
       self.target, drafter, config.batch_size, config.max_len, config.kv_format

@@ -177,6 +177,10 @@ def make_train_step(
 ) -> Callable:
   """The jitted update: (state, batch [B, T+1]) → (state, scalar metrics); state is donated."""
 
+  # Aux-loss-free balancing steers the sigmoid router's e_score_correction_bias; a softmax
+  # router (Qwen3-MoE / Qwen3.5) has none and is balanced by aux_loss_weight instead.
+  bias_rate = tc.bias_update_rate if config.router == "sigmoid" else 0.0
+
   def loss_fn(params, batch):
     return losses.lm_losses(
       config, params, batch, mtp_weight=tc.mtp_weight, aux_weight=tc.aux_loss_weight
@@ -188,7 +192,7 @@ def make_train_step(
     updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     loads = aux.pop("expert_load")
-    params = losses.bias_update(params, loads, tc.bias_update_rate)
+    params = losses.bias_update(params, loads, bias_rate)
     metrics = dict(aux, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
     if loads:
       metrics["max_violation"] = jnp.mean(
