@@ -31,8 +31,8 @@ import os
 
 import ml_collections
 
-MODEL_ARGS = ("target", "draft", "test_target", "test_draft")
-DRAFTER_ARGS = ("dflash", "eagle3", "test_dflash", "test_eagle3")
+MODEL_ARGS = ("target", "draft", "hybrid", "test_target", "test_draft", "test_hybrid")
+DRAFTER_ARGS = ("dflash", "eagle3", "hybrid_dflash", "test_dflash", "test_eagle3")
 ARGS = MODEL_ARGS + DRAFTER_ARGS
 
 
@@ -80,6 +80,45 @@ def target_model() -> ml_collections.ConfigDict:
   m.max_position_embeddings = 4096
   # On CPU the dense oracle (all experts, masked combine) trains faster than ragged_dot here;
   # the numbers are identical. Inference loads use the library default.
+  m.moe_backend = "dense"
+  return m
+
+
+def hybrid_model() -> ml_collections.ConfigDict:
+  """The Qwen3.5-MoE-style hybrid target: 3 Gated DeltaNet layers, then 1 full-attention layer.
+
+  Width, heads, experts and vocabulary match the GLM target so that the two compare at equal
+  size; the hybrid-specific parts follow Qwen3.5: zero-centred RMSNorms, gated attention output,
+  a quarter of each head rotated, a softmax router over 8 experts (top-2) and a sigmoid-gated
+  shared expert, and one MTP module (a full-attention MoE layer over fc([norm(e); norm(h)])).
+  """
+  m = ml_collections.ConfigDict()
+  m.architecture = "Qwen3_5MoeForCausalLM"
+  _special(m)
+  m.hidden_size = 128
+  m.num_layers = 4
+  m.layer_types = ("linear_attention",) * 3 + ("full_attention",)
+  m.num_heads = 4
+  m.num_kv_heads = 2
+  m.head_dim = 32
+  m.partial_rotary_factor = 0.25
+  m.rope_theta = 10000.0
+  m.linear_conv_kernel_dim = 4
+  m.linear_num_key_heads = 2
+  m.linear_num_value_heads = 4
+  m.linear_key_head_dim = 32
+  m.linear_value_head_dim = 32
+  m.intermediate_size = 384  # unused: every layer routes (Qwen3.5-MoE has no dense layers)
+  m.num_experts = 8
+  m.num_experts_per_tok = 2
+  m.moe_intermediate_size = 64
+  m.shared_expert_intermediate_size = 128
+  m.router = "softmax"
+  m.norm_topk_prob = True
+  m.layer_is_moe = (True,) * 4
+  m.num_mtp_layers = 1
+  m.tie_word_embeddings = True
+  m.max_position_embeddings = 4096
   m.moe_backend = "dense"
   return m
 
@@ -185,17 +224,20 @@ def drafter_train_config(**overrides) -> ml_collections.ConfigDict:
 
 def drafter_config(arg: str) -> ml_collections.ConfigDict:
   """A drafter run: architecture, distillation data, training, target and export paths."""
-  method = arg.replace("test_", "")
+  name = arg.replace("test_", "")
+  method = name.replace("hybrid_", "")
   config = ml_collections.ConfigDict()
   config.name = arg
   config.method = method
-  config.target_dir = assets_dir("target")
+  config.target_dir = assets_dir("hybrid" if name.startswith("hybrid_") else "target")
   d = ml_collections.ConfigDict()
   # Taps (layer outputs, HF hidden_states[id + 1]; docs/drafters.md): the published spreads
   # degenerate on 4 layers (DFlash's [1, L-3] gives (1, 1), EAGLE-3's (1, L//2-1, L-4) gives
   # (1, 1, 0)). DFlash reads layers 1-3, the last one final-normed as HF reports it (what the
   # LM head reads); EAGLE-3 reads layers 0-2 (the inputs of layers 1-3), low/mid/high inside
-  # the stack, where SpecForge, SGLang and HF agree on what each id means.
+  # the stack, where SpecForge, SGLang and HF agree on what each id means. The hybrid target's
+  # DFlash reads the same ids: the outputs of its Gated DeltaNet layers 1 and 2 (what the
+  # recurrent state has folded in) and of its full-attention layer 3, final-normed.
   d.target_layer_ids = (1, 2, 3) if method == "dflash" else (0, 1, 2)
   d.num_heads = 4
   d.num_kv_heads = 2
@@ -210,14 +252,18 @@ def drafter_config(arg: str) -> ml_collections.ConfigDict:
   config.drafter = d
   config.distill = distill_config()
   config.val_distill = distill_config(split="validation", num_prompts=128)
-  config.distill_dir = "/tmp/jaxspec_runs/tiny_code_distill"
+  config.distill_dir = (
+    "/tmp/jaxspec_runs/tiny_code_hybrid_distill"
+    if name.startswith("hybrid_")
+    else "/tmp/jaxspec_runs/tiny_code_distill"
+  )
   # DFlash: 2 epochs (1024 steps); EAGLE-3: 1 epoch (its 7-step unroll costs more per batch).
   config.train = drafter_train_config(num_epochs=2.0 if method == "dflash" else 1.0)
   config.workdir = f"/tmp/jaxspec_runs/tiny_code_{arg}"
   # A drafter directory to continue from (same architecture), or "" to start fresh. Pass it to
   # --export_only too: EAGLE-3's draft vocabulary (d2t) comes from it, not from the checkpoint.
   config.init_from = ""
-  config.export_dir = assets_dir(method)
+  config.export_dir = assets_dir(name)
   if arg.startswith("test_"):
     d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size = 2, 1, 16, 64
     d.target_layer_ids = (0, 1, 1) if method == "eagle3" else (0, 1)
@@ -256,31 +302,40 @@ def get_config(arg: str = "target") -> ml_collections.ConfigDict:
     return drafter_config(arg)
   config = ml_collections.ConfigDict()
   config.name = arg
-  is_target = arg.endswith("target")
-  config.model = target_model() if is_target else draft_model()
-  if is_target:
+  kind = arg.replace("test_", "")
+  config.model = {"target": target_model, "hybrid": hybrid_model, "draft": draft_model}[kind]()
+  if kind == "target":
     # Half-epoch evaluations: 688 batches of 16 x 256 per epoch of the 3.11 stdlib.
     # 3.5 epochs (2408 steps, 9.9M tokens), evaluated every half epoch; ~2,900 tokens/s on an
     # idle 2-core machine. (The shipped run was extended twice on a shared machine, with warm
     # restarts of the schedule: see docs/training.md for the exact commands.)
     config.train = train_config(num_epochs=3.5, eval_every=344)
+  elif kind == "hybrid":
+    # Softmax router without a correction bias: Qwen3.5's switch-style auxiliary loss balances it.
+    config.train = train_config(num_epochs=2.0, eval_every=344, aux_loss_weight=0.01)
   else:
     config.train = train_config(num_epochs=2.0, learning_rate=3e-3)
   config.workdir = f"/tmp/jaxspec_runs/tiny_code_{arg}"
-  config.export_dir = assets_dir("target" if is_target else "draft")
+  config.export_dir = assets_dir(kind)
   # Stored as trained (float32: ~10 MB + ~2.7 MB); "bfloat16" halves the bytes while
   # config.json keeps float32 as the compute dtype.
   config.export_dtype = "float32"
   config.assets = ml_collections.ConfigDict(
-    {name: assets_dir(name) for name in ("target", "draft", "dflash", "eagle3")}
+    {name: assets_dir(name) for name in ("target", "draft", "dflash", "eagle3", "hybrid")}
   )
   if arg.startswith("test_"):
     m = config.model
     m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim = 32, 2, 1, 16
     m.intermediate_size = 64
-    if is_target:
+    if kind == "target":
       m.num_layers, m.num_experts, m.moe_intermediate_size = 2, 4, 16
       m.layer_is_moe = (False, True)
+    elif kind == "hybrid":
+      m.num_layers, m.num_experts, m.moe_intermediate_size = 2, 4, 16
+      m.layer_types, m.layer_is_moe = ("linear_attention", "full_attention"), (True, True)
+      m.linear_num_key_heads, m.linear_num_value_heads = 1, 2
+      m.linear_key_head_dim = m.linear_value_head_dim = 16
+      m.shared_expert_intermediate_size = 32
     config.train = train_config(
       seq_len=32,
       batch_size=4,
