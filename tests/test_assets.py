@@ -1,12 +1,13 @@
-"""The bundled models (jaxspec/assets/{target,draft}): size, and parity with transformers.
+"""The bundled models (jaxspec/assets/{target,draft,hybrid}): size, and parity with transformers.
 
-Both load in jaxspec (`load_model`) and in transformers (`AutoModelForCausalLM`) and give the
+All three load in jaxspec (`load_model`) and in transformers (`AutoModelForCausalLM`) and give the
 same float32 logits; transformers also finds the target's MTP layer and speculates with it
 (`generate(..., use_mtp=True)`), with the same greedy output as plain decoding and as jaxspec.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -26,10 +27,12 @@ from tests import near_ties
 ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 TARGET = os.path.join(ASSETS, "target")
 DRAFT = os.path.join(ASSETS, "draft")
+HYBRID = os.path.join(ASSETS, "hybrid")
 MAX_BYTES = 30 * 1024 * 1024
+MAX_HYBRID_BYTES = 15 * 10**6  # the hybrid target and its DFlash drafter (issue 17)
 # Acceptance length (tokens per verify pass, greedy) the shipped drafters must exceed; an
 # untrained or mis-wired drafter gives ~1. The measured values are in docs/benchmarks.md.
-MIN_ACCEPTANCE = {"dflash": 3.0, "eagle3": 2.0}
+MIN_ACCEPTANCE = {"dflash": 3.0, "eagle3": 2.0, "hybrid_dflash": 2.0, "mtp": 1.8}
 
 
 def _prompt_ids(tok, n: int = 2) -> list[list[int]]:
@@ -46,22 +49,31 @@ def test_assets_exist_and_fit_the_size_budget():
   total = 0
   for root, _, files in os.walk(ASSETS):
     total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-  for d in (TARGET, DRAFT):
+  for d in (TARGET, DRAFT, HYBRID):
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
       assert os.path.exists(os.path.join(d, f)), os.path.join(d, f)
   assert total <= MAX_BYTES, f"assets hold {total / 2**20:.1f} MiB > 30 MiB"
+  hybrid = sum(
+    os.path.getsize(os.path.join(root, f))
+    for d in ("hybrid", "hybrid_dflash")
+    for root, _, files in os.walk(os.path.join(ASSETS, d))
+    for f in files
+  )
+  assert hybrid <= MAX_HYBRID_BYTES, f"the hybrid assets hold {hybrid / 1e6:.1f} MB > 15 MB"
   cfg = tiny_code.get_config("target")
   assert cfg.assets.target == TARGET and cfg.assets.draft == DRAFT
+  assert cfg.assets.hybrid == HYBRID
 
 
-@pytest.mark.parametrize("which", ["target", "draft"])
+@pytest.mark.parametrize("which", ["target", "draft", "hybrid"])
 def test_bundled_model_matches_transformers(which):
-  model_dir = TARGET if which == "target" else DRAFT
+  model_dir = os.path.join(ASSETS, which)
   model = jaxspec.load_model(model_dir)
   expected = tiny_code.get_config(which).model
   assert model.config.architecture == expected.architecture
   assert model.config.num_layers == expected.num_layers
-  assert model.config.num_mtp_layers == (1 if which == "target" else 0)
+  assert model.config.layer_types == tuple(expected.get("layer_types", model.config.layer_types))
+  assert model.config.num_mtp_layers == (0 if which == "draft" else 1)
   ids = _prompt_ids(model.tokenizer)
   t = min(len(x) for x in ids)
   batch = np.asarray([x[:t] for x in ids], np.int32)
@@ -111,20 +123,34 @@ def test_target_mtp_layer_in_transformers():
   np.testing.assert_allclose(np.asarray(ours_mtp), theirs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("method", ["dflash", "eagle3"])
-def test_bundled_feature_drafters_are_lossless_and_accept(method):
-  """The shipped DFlash / EAGLE-3 drafters load for the bundled target in their published
-  layouts, reproduce plain greedy decoding token for token, and have learned something."""
+@pytest.mark.parametrize(
+  "target_name,method,verify",
+  [
+    ("target", "dflash", "chain"),
+    ("target", "eagle3", "chain"),
+    ("hybrid", "hybrid_dflash", "tree"),
+    ("hybrid", "mtp", "chain"),
+  ],
+)
+def test_bundled_drafters_are_lossless_and_accept(target_name, method, verify):
+  """The shipped DFlash / EAGLE-3 drafters load for their bundled target in their published
+  layouts, and the hybrid target's own MTP module drafts; each reproduces plain greedy decoding
+  token for token (the hybrid's DFlash under DDTree verification of its recurrent state) and
+  has learned something."""
   from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
 
-  path = os.path.join(ASSETS, method)
-  assert registry.checkpoint_kind(path) == method
-  target = jaxspec.load_model(TARGET)
-  drafter = registry.load_drafter(path, target)
+  target = jaxspec.load_model(os.path.join(ASSETS, target_name))
+  if method == "mtp":
+    drafter = registry.make_drafter("mtp", target, gamma=3)
+  else:
+    path = os.path.join(ASSETS, method)
+    assert registry.checkpoint_kind(path) == method.replace("hybrid_", "")
+    drafter = registry.load_drafter(path, target)
   prompts = _prompt_ids(target.tokenizer, n=2)
   cfg = jaxspec.EngineConfig(max_len=192, batch_size=2, use_eos=False)
   plain = jaxspec.SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=48)
-  spec = jaxspec.SpecEngine(target, drafter, cfg).generate(prompts, max_new_tokens=48)
+  spec_cfg = cfg if verify == "chain" else dataclasses.replace(cfg, verify="tree", tree_budget=8)
+  spec = jaxspec.SpecEngine(target, drafter, spec_cfg).generate(prompts, max_new_tokens=48)
   near_ties.assert_greedy_match(target, prompts, plain.tokens, spec.tokens)
   # Untrained or mis-wired drafters accept ~1 token per pass.
   assert spec.stats.acceptance_length > MIN_ACCEPTANCE[method], spec.stats.acceptance_length
