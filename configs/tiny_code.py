@@ -1,22 +1,25 @@
 """jaxspec's own small models, trained on the Python standard library source.
 
-Two models share the bundled 8192-id BPE tokenizer:
+Three models share the bundled 8192-id BPE tokenizer:
 
 * ``target``: a ``Glm4MoeForCausalLM`` (4 layers, width 128, one dense first layer then
   routed experts — 8 per layer, top-2, sigmoid routing with a correction bias — plus a shared
   expert) with one MTP layer trained jointly (loss = main + 0.3 × MTP).
 * ``draft``: a ``Qwen3ForCausalLM`` (2 layers, width 64) with 6.5× fewer active
   non-embedding parameters: the drafter of classic speculative sampling.
+* ``hybrid``: a ``Qwen3_5MoeForCausalLM`` of the target's width and experts with 3 Gated
+  DeltaNet layers and 1 full-attention layer, and Qwen3.5's MTP module (issue 17).
 
-Both are shipped in HF layout under ``jaxspec/assets/{target,draft}/``; ``export_dir`` points
-there and ``launch/train_target.py`` writes it after training. ``test_target`` and
-``test_draft`` are miniature versions for unit tests (a few seconds per run).
+All are shipped in HF layout under ``jaxspec/assets/{target,draft,hybrid}/``; ``export_dir``
+points there and ``launch/train_target.py`` writes it after training. ``test_target``,
+``test_draft`` and ``test_hybrid`` are miniature versions for unit tests (seconds per run).
 
-Two feature-conditioned drafters are trained against the target by self-distillation
+Feature-conditioned drafters are trained against the targets by self-distillation
 (``launch/train_drafter.py``) and shipped in their published layouts:
 
 * ``dflash``: a DFlash block-diffusion drafter (block 16) reading target layers 1-3;
-* ``eagle3``: an EAGLE-3 head (one layer over fused layers 0-2, a 2048-token draft vocabulary).
+* ``eagle3``: an EAGLE-3 head (one layer over fused layers 0-2, a 2048-token draft vocabulary);
+* ``hybrid_dflash``: the same DFlash drafter against the hybrid target (layers 1-3).
 
 ``test_dflash`` / ``test_eagle3`` are miniature drafter runs for unit tests.
 
