@@ -129,13 +129,13 @@ def test_target_mtp_layer_in_transformers():
     ("target", "dflash", "chain"),
     ("target", "eagle3", "chain"),
     ("hybrid", "hybrid_dflash", "tree"),
-    ("hybrid", "mtp", "chain"),
+    ("hybrid", "mtp", "tree"),
   ],
 )
 def test_bundled_drafters_are_lossless_and_accept(target_name, method, verify):
   """The shipped DFlash / EAGLE-3 drafters load for their bundled target in their published
   layouts, and the hybrid target's own MTP module drafts; each reproduces plain greedy decoding
-  token for token (the hybrid's DFlash under DDTree verification of its recurrent state) and
+  token for token (the hybrid's drafters under DDTree verification of its recurrent state) and
   has learned something."""
   from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
 
