@@ -229,10 +229,11 @@ def drafter_config(arg: str) -> ml_collections.ConfigDict:
   """A drafter run: architecture, distillation data, training, target and export paths."""
   name = arg.replace("test_", "")
   method = name.replace("hybrid_", "")
+  hybrid = name != method  # a drafter of the hybrid target
   config = ml_collections.ConfigDict()
   config.name = arg
   config.method = method
-  config.target_dir = assets_dir("hybrid" if name.startswith("hybrid_") else "target")
+  config.target_dir = assets_dir("hybrid" if hybrid else "target")
   d = ml_collections.ConfigDict()
   # Taps (layer outputs, HF hidden_states[id + 1]; docs/drafters.md): the published spreads
   # degenerate on 4 layers (DFlash's [1, L-3] gives (1, 1), EAGLE-3's (1, L//2-1, L-4) gives
@@ -255,11 +256,7 @@ def drafter_config(arg: str) -> ml_collections.ConfigDict:
   config.drafter = d
   config.distill = distill_config()
   config.val_distill = distill_config(split="validation", num_prompts=128)
-  config.distill_dir = (
-    "/tmp/jaxspec_runs/tiny_code_hybrid_distill"
-    if name.startswith("hybrid_")
-    else "/tmp/jaxspec_runs/tiny_code_distill"
-  )
+  config.distill_dir = f"/tmp/jaxspec_runs/tiny_code_{'hybrid_' if hybrid else ''}distill"
   # DFlash: 2 epochs (1024 steps); EAGLE-3: 1 epoch (its 7-step unroll costs more per batch).
   config.train = drafter_train_config(num_epochs=2.0 if method == "dflash" else 1.0)
   config.workdir = f"/tmp/jaxspec_runs/tiny_code_{arg}"

@@ -45,20 +45,20 @@ def _hf(model_dir: str):
   return model.eval()
 
 
+def _bytes(path: str) -> int:
+  """Bytes of every file under `path`."""
+  return sum(
+    os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+  )
+
+
 def test_assets_exist_and_fit_the_size_budget():
-  total = 0
-  for root, _, files in os.walk(ASSETS):
-    total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
   for d in (TARGET, DRAFT, HYBRID):
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
       assert os.path.exists(os.path.join(d, f)), os.path.join(d, f)
+  total = _bytes(ASSETS)
   assert total <= MAX_BYTES, f"assets hold {total / 2**20:.1f} MiB > 30 MiB"
-  hybrid = sum(
-    os.path.getsize(os.path.join(root, f))
-    for d in ("hybrid", "hybrid_dflash")
-    for root, _, files in os.walk(os.path.join(ASSETS, d))
-    for f in files
-  )
+  hybrid = _bytes(HYBRID) + _bytes(os.path.join(ASSETS, "hybrid_dflash"))
   assert hybrid <= MAX_HYBRID_BYTES, f"the hybrid assets hold {hybrid / 1e6:.1f} MB > 15 MB"
   cfg = tiny_code.get_config("target")
   assert cfg.assets.target == TARGET and cfg.assets.draft == DRAFT

@@ -18,6 +18,7 @@ per sequence (jaxspec.plan.decoding_state_bytes). Prompts are random token ids (
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -36,7 +37,9 @@ flags.DEFINE_string("out", "", "Also write the rows as JSON here.")
 FLAGS = flags.FLAGS
 
 
+@functools.lru_cache(maxsize=None)
 def _model(name: str) -> jaxspec.TargetModel:
+  """The model `name`, loaded once for all its contexts."""
   if name == "attention":
     return jaxspec.load_model(registry.bundled_dir("target"))
   hybrid = jaxspec.load_model(registry.bundled_dir("hybrid"))

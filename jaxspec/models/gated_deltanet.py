@@ -17,9 +17,9 @@ Three forms, same numbers (and a fourth for draft trees):
 * `chunked`: the WY / UT-transform formulation of the FLA library (and transformers'
   `torch_chunk_gated_delta_rule`): inside a chunk of C tokens the C delta-rule updates are
   condensed into one unit-lower-triangular inverse (`unit_lower_inverse`, all matmuls) and a
-  few more matmuls; a `lax.scan` over chunks carries S. The form for prefill and long blocks (cost O(T·C·D + T·D²) instead of T sequential
-  rank-1 updates). `chunked_impl` picks it or its Pallas kernel (pallas_kernels/gated_delta)
-  by `ModelConfig.linear_attention_impl`.
+  few more matmuls; a `lax.scan` over chunks carries S. The form for prefill and long blocks
+  (cost O(T·C·D + T·D²) instead of T sequential rank-1 updates). `chunked_impl` picks it or
+  its Pallas kernel (pallas_kernels/gated_delta) by `ModelConfig.linear_attention_impl`.
 
 * `tree_recurrent`: the recurrent form over a verify block whose tokens form a tree (each node
   resumes from its parent's state, the root from the committed one); per-node outputs and states.
@@ -199,6 +199,7 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     a = jnp.pad(a, pad) + jnp.diag((jnp.arange(size) >= c).astype(a.dtype))
   batch = a.shape[:-2]
   inv = jnp.ones(batch + (size, 1, 1), a.dtype)  # the inverses of the 1 × 1 diagonal blocks
+  mm = lambda x, y: jnp.matmul(x, y, precision=HIGHEST)
   s = 1
   while s < size:
     m = size // (2 * s)
@@ -208,7 +209,6 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     lower_left = a[..., rows, cols]  # A21 of each 2s block [..., m, s, s]
     pairs = inv.reshape(batch + (m, 2, s, s))
     x1, x2 = pairs[..., 0, :, :], pairs[..., 1, :, :]
-    mm = lambda x, y: jnp.matmul(x, y, precision=HIGHEST)
     new = -mm(mm(x2, lower_left), x1)
     top = jnp.concatenate([x1, jnp.zeros_like(x1)], axis=-1)
     bottom = jnp.concatenate([new, x2], axis=-1)
