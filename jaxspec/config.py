@@ -321,7 +321,7 @@ def gpt_oss_windows(num_layers: int, window: int) -> tuple[int, ...]:
 
 # RoPE variants jaxspec computes (layers.rope_frequencies).
 ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
-MOE_BACKENDS = ("auto", "dense", "ragged", "gather", "ep", "ep_replicate", "ep_all_to_all")
+MOE_BACKENDS = ("auto", "dense", "ragged", "gather", "loop", "ep", "ep_replicate", "ep_all_to_all")
 
 
 def _hybrid_fields(r: HFConfigReader, arch: str, num_layers: int) -> dict[str, Any]:
@@ -429,7 +429,7 @@ class ModelConfig:
   n_shared_experts: int = 0
   layer_is_moe: tuple[bool, ...] = ()
   decoder_sparse_step: int = 1  # Qwen3-MoE: only layers i with (i + 1) % step == 0 may be MoE
-  # "dense" (the oracle), "ragged", "gather", "auto", or expert-parallel on a mesh "ep",
+  # "dense" (the oracle), "ragged", "gather", "loop", "auto", or expert-parallel on a mesh "ep",
   # "ep_replicate", "ep_all_to_all" (see moe.py and expert_parallel.py).
   moe_backend: str = "auto"
   # Expert-parallel all_to_all buffers: 0 = exact (no pair ever dropped), f > 0 = rows for f times

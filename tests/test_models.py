@@ -24,7 +24,7 @@ def saved(tmp_path_factory):
   return hf_models.save_all(tmp_path_factory)
 
 
-@pytest.mark.parametrize("backend", ["dense", "ragged"])
+@pytest.mark.parametrize("backend", ["dense", "ragged", "loop"])
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers(saved, name, backend):
   hf_model, path = saved[name]
@@ -42,9 +42,11 @@ def test_moe_backends_agree_and_differ_from_wrong_routing(saved):
   ragged = np.asarray(model.with_config(moe_backend="ragged").logits(ids))
   dense = np.asarray(model.with_config(moe_backend="dense").logits(ids))
   gather = np.asarray(model.with_config(moe_backend="gather").logits(ids))
+  loop = np.asarray(model.with_config(moe_backend="loop").logits(ids))
   auto = np.asarray(model.logits(ids))
   np.testing.assert_allclose(ragged, dense, atol=1e-5)
   np.testing.assert_allclose(gather, dense, atol=1e-5)
+  np.testing.assert_allclose(loop, dense, atol=1e-5)
   np.testing.assert_allclose(auto, dense, atol=1e-5)
   # The oracle must notice a routing mistake: ignoring the groups changes the logits.
   ungrouped = np.asarray(model.with_config(n_group=1, topk_group=1).logits(ids))
