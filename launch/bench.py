@@ -988,13 +988,16 @@ def run_cost_curves(
 
   shapes = COST_MODELS[size]
   bandwidth = roofline.reference_bandwidth(roofline.GIB if size == "1gb" else 1 << 24)
+  peak_flops = roofline.reference_flops(2048 if size == "1gb" else 256)
   position = max_len // 2
   curves: dict[str, list] = {}
   drafts: dict[str, dict[str, float]] = {}
   lines = [
     f"reference bandwidth: stream {bandwidth['stream'] / 1e9:.1f} GB/s, matvec "
     f"{bandwidth['matvec'] / 1e9:.1f} GB/s (float32, jax {jax.__version__}, "
-    f"{jax.default_backend()}); forwards at position {position} of {max_len}",
+    f"{jax.default_backend()}); compute ceiling {peak_flops / 1e9:.0f} GFLOP/s (one square "
+    f"matmul; ridge point {peak_flops / bandwidth['best']:.1f} FLOP/byte); forwards at "
+    f"position {position} of {max_len}",
     "",
   ]
   for kind, kw in shapes.items():
@@ -1005,7 +1008,7 @@ def run_cost_curves(
       params = roofline.random_params(config)
       name = f"{kind} ({'scanned' if scan else 'unrolled'} layers)"
       curves[name] = roofline.cost_curve(config, params, tokens, max_len, position)
-      lines += roofline.curve_table(name, curves[name], bandwidth["best"]) + [""]
+      lines += roofline.curve_table(name, curves[name], bandwidth["best"], peak_flops) + [""]
       if not scan:
         target = jaxspec.TargetModel(config, params)
         drafts[kind] = {}
@@ -1048,6 +1051,7 @@ def run_cost_curves(
     )
   report = {
     "bandwidth_bytes_per_s": bandwidth,
+    "peak_flops_per_s": peak_flops,
     "max_len": max_len,
     "position": position,
     "curves": {name: [dataclasses.asdict(p) for p in pts] for name, pts in curves.items()},
@@ -1062,7 +1066,7 @@ def run_cost_curves(
   with open(out, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1, default=float)
   png = os.path.splitext(out)[0] + ".png"
-  report["plot"] = png if roofline.plot_curves(curves, bandwidth["best"], png) else None
+  report["plot"] = png if roofline.plot_curves(curves, bandwidth["best"], png, peak_flops) else None
   return report
 
 

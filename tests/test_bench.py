@@ -164,6 +164,13 @@ def test_projection_formula():
   pts = [roofline.CostPoint(1, 1.0, 10.0), roofline.CostPoint(4, 2.0, 10.0)]
   assert roofline.interpolate(pts, 2) == pytest.approx(1.5)  # halfway in log2(T)
   assert roofline.interpolate(pts, 8) == pytest.approx(4.0)  # linear past the last point
+  # The roofline is the larger of the bytes' time and the FLOPs' time.
+  p = roofline.CostPoint(16, 3.0, 10.0, flops=40.0)
+  assert roofline.roofline_seconds(p, bandwidth=5.0) == pytest.approx(2.0)
+  assert roofline.roofline_seconds(p, bandwidth=5.0, flops_per_s=10.0) == pytest.approx(4.0)
+  assert roofline.roofline_seconds(p, bandwidth=5.0, flops_per_s=40.0) == pytest.approx(2.0)
+  table = "\n".join(roofline.curve_table("m", [p], 5.0, 10.0))
+  assert "t/roofline" in table and table.split()[-1] == "0.75"  # 3 s against a 4 s floor
   # Expected distinct experts: all of them for many tokens, k for one token.
   assert roofline.expected_distinct_experts(64, 8, 1) == pytest.approx(8)
   assert roofline.expected_distinct_experts(64, 8, 1000) == pytest.approx(64)
@@ -193,6 +200,31 @@ def test_weight_bytes_read_counts_only_routed_experts_and_stored_bytes():
   q = jaxspec.quantize(jaxspec.TargetModel(config, params), (("experts", "mxfp4"),))
   want_q = sum(sizes.values()) + embed / 512 + experts * 4.25 / 32 * 2 / 8
   assert roofline.weight_bytes_read(config, q.params, 1) == pytest.approx(want_q)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_forward_flops_counts_every_product_once_per_token(moe):
+  """2 FLOPs per weight element per token (a token's own k experts, not all of them; no
+  embedding products) plus QKᵀ and PV over each token's prefix, written out from the shapes."""
+  from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+
+  h, n, v, heads, kv, hd, inter, e, k = 256, 2, 512, 4, 2, 64, 384, 8, 2
+  kw = dict(hidden=h, layers=n, vocab=v, head_dim=hd, kv_heads=kv)
+  if moe:
+    config = roofline.moe_config(experts=e, experts_per_tok=k, expert_intermediate=inter, **kw)
+  else:
+    config = roofline.dense_config(intermediate=inter, **kw)
+  config = config.replace(scan_layers=False, num_mtp_layers=0)
+  params = target_lib.init_params(config)
+  attn_proj = h * heads * hd * 2 + h * kv * hd * 2
+  mlp = 3 * h * inter * (k if moe else 1) + (h * e if moe else 0)  # + the router
+  norms = n * (2 * h + 2 * hd) + h  # input/post norms, q/k norms, the final norm
+  per_token = n * (attn_proj + mlp) + v * h + norms
+  tokens, position = 5, 7
+  prefix = sum(position + i + 1 for i in range(tokens))
+  want = 2 * tokens * per_token + n * 4 * prefix * heads * hd
+  assert roofline.forward_flops(config, params, tokens, position) == pytest.approx(want)
 
 
 @pytest.mark.slow  # ~45 s of compiles; weight_bytes_read and quantize are tested on their own

@@ -7,10 +7,16 @@ both halves on the machine at hand:
 
 * `reference_bandwidth`: the better of a ≥ 1 GiB streaming reduction and one large XLA
   matrix-vector product: what this backend can read per second.
+* `reference_flops`: one large square matmul: what this backend can compute per second. The
+  roofline of a forward is the larger of its bytes' time and its FLOPs' time
+  (`roofline_seconds`); their ratio at T = 1 is the machine's ridge point, the T beyond which
+  a verify block costs more than one token.
 * `cost_curve`: one target forward of T = 1, 2, 4, … tokens at a mid-cache position, timed
   (median of repeats) with the decoding state donated as in decoding.
 * `weight_bytes_read`: the bytes a forward of T tokens must read (all dense weights, the LM
-  head, T embedding rows, the experts its tokens route to, the KV prefix), for the roofline %.
+  head, T embedding rows, the experts its tokens route to, the KV prefix), for the roofline %;
+  `forward_flops`: the multiply-adds it must do (every weight once per token, a token's own
+  experts, attention over its prefix).
 * `project_speedup`: τ · t(1) / (t_verify + t_draft), the speculative speedup these costs imply
   for an acceptance length τ.
 
@@ -164,6 +170,41 @@ def weight_bytes_read(config: ModelConfig, params: Any, tokens: int = 1) -> floa
   return total
 
 
+def _elements_by_role(params: Any) -> dict[str, int]:
+  """Weight elements of a parameter tree per role (quantized weights by their logical shape)."""
+  from jaxspec.quant.formats import QTensor  # pylint: disable=import-outside-toplevel
+  from jaxspec.quant.policy import path_str, role_of  # pylint: disable=import-outside-toplevel
+
+  out: dict[str, int] = {}
+  is_q = lambda x: isinstance(x, QTensor)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]:
+    role = role_of(path_str(path))
+    out[role] = out.get(role, 0) + math.prod(leaf.shape)
+  return out
+
+
+def forward_flops(config: ModelConfig, params: Any, tokens: int = 1, position: int = 0) -> float:
+  """FLOPs a forward of `tokens` tokens after `position` cached ones must do (its compute-roofline
+  numerator): 2 per weight element per token (the embedding is a lookup, the MTP layers are not
+  run, a token multiplies only its own k experts), plus QKᵀ and PV of every full-attention
+  layer over each token's prefix (sliding windows ignored: an upper bound there). Norms,
+  activations, routing and the linear-attention recurrences are left out (O(hidden) per
+  token, against O(hidden²) for the products)."""
+  by_role = _elements_by_role(params)
+  embed = by_role.pop("embed", 0)
+  by_role.pop("mtp", None)
+  experts = by_role.pop("experts", 0)
+  per_token = sum(by_role.values())
+  if config.tie_word_embeddings:
+    per_token += embed
+  if experts:
+    per_token += experts * config.num_experts_per_tok / config.num_experts
+  attention_layers = sum(not config.is_linear(i) for i in range(config.num_layers))
+  prefix = tokens * position + tokens * (tokens + 1) / 2  # Σ over the tokens of their context
+  attention = 4 * prefix * config.num_heads * config.head_dim * attention_layers
+  return 2.0 * tokens * per_token + attention
+
+
 def kv_bytes_read(config: ModelConfig, position: int, batch: int = 1, kv_format: str = "float"):
   """Bytes of the decoding state a forward at `position` reads (the committed prefix)."""
   return decoding_state_bytes(config, batch, position, kv_format) if position else 0
@@ -203,11 +244,31 @@ def reference_bandwidth(nbytes: int = GIB, repeats: int = 5) -> dict[str, float]
   return {"stream": stream, "matvec": mv, "best": max(stream, mv)}
 
 
+def reference_flops(size: int = 2048, repeats: int = 5, dtype: Any = jnp.float32) -> float:
+  """FLOP/s of one [size, size] × [size, size] matmul: the compute ceiling of the roofline."""
+  a = jax.jit(lambda k: jax.random.normal(k, (size, size), jnp.float32).astype(dtype))(
+    jax.random.PRNGKey(2)
+  )
+  matmul = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
+  seconds = median_seconds(functools.partial(matmul, a), repeats)
+  return 2.0 * size**3 / seconds
+
+
 @dataclasses.dataclass(frozen=True)
 class CostPoint:
+  """One timed forward: its tokens, median seconds, and the weight bytes and FLOPs it needs."""
+
   tokens: int
   seconds: float
   weight_bytes: float
+  flops: float = 0.0
+
+
+def roofline_seconds(point: CostPoint, bandwidth: float, flops_per_s: float = 0.0) -> float:
+  """The least time `point`'s forward can take: its weight bytes at `bandwidth`, or its FLOPs
+  at `flops_per_s` if that is longer (0: no compute ceiling)."""
+  compute = point.flops / flops_per_s if flops_per_s > 0 else 0.0
+  return max(point.weight_bytes / bandwidth, compute)
 
 
 def cost_curve(
@@ -239,7 +300,14 @@ def cost_curve(
 
     seconds = median_seconds(run, repeats)
     state = holder["state"]
-    points.append(CostPoint(t, seconds, weight_bytes_read(config, params, t * batch)))
+    points.append(
+      CostPoint(
+        t,
+        seconds,
+        weight_bytes_read(config, params, t * batch),
+        batch * forward_flops(config, params, t, position),
+      )
+    )
   return points
 
 
@@ -336,26 +404,39 @@ def drafter_step_seconds(
 # -- the report ----------------------------------------------------------------------------------
 
 
-def curve_table(name: str, points: Sequence[CostPoint], bandwidth: float) -> list[str]:
-  """Rows: T, ms, t(T)/t(1), weight GB/s, roofline %, and t(T) against the byte time."""
-  lines = [
-    f"{name}: weights read at T=1 {points[0].weight_bytes / 1e9:.2f} GB; reference bandwidth "
-    f"{bandwidth / 1e9:.1f} GB/s",
-    f"{'T':>4}{'ms':>10}{'t(T)/t(1)':>11}{'GB/s':>8}{'roofline':>10}{'t/bytes':>9}",
-  ]
+def curve_table(
+  name: str, points: Sequence[CostPoint], bandwidth: float, flops_per_s: float = 0.0
+) -> list[str]:
+  """Rows: T, ms, t(T)/t(1), weight GB/s, bandwidth %, t(T) against the byte time; with a
+  compute ceiling also GFLOP/s, the FLOPs' time against the byte time (> 1: compute-bound
+  even at the ceiling) and t(T) against the roofline, the larger of the two."""
+  head = f"{name}: weights read at T=1 {points[0].weight_bytes / 1e9:.2f} GB; reference bandwidth "
+  head += f"{bandwidth / 1e9:.1f} GB/s"
+  cols = f"{'T':>4}{'ms':>10}{'t(T)/t(1)':>11}{'GB/s':>8}{'roofline':>10}{'t/bytes':>9}"
+  if flops_per_s:
+    head += f", compute ceiling {flops_per_s / 1e9:.0f} GFLOP/s"
+    cols += f"{'GFLOP/s':>9}{'flops/bytes':>13}{'t/roofline':>12}"
+  lines = [head, cols]
   for p in points:
     byte_time = p.weight_bytes / bandwidth
-    lines.append(
+    row = (
       f"{p.tokens:>4}{p.seconds * 1e3:>10.1f}{p.seconds / points[0].seconds:>11.2f}"
       f"{p.weight_bytes / p.seconds / 1e9:>8.1f}{100 * byte_time / p.seconds:>9.0f}%"
       f"{p.seconds / byte_time:>9.2f}"
     )
+    if flops_per_s:
+      row += f"{p.flops / p.seconds / 1e9:>9.1f}{p.flops / flops_per_s / byte_time:>13.2f}"
+      row += f"{p.seconds / roofline_seconds(p, bandwidth, flops_per_s):>12.2f}"
+    lines.append(row)
   return lines
 
 
-def plot_curves(curves: dict[str, Sequence[CostPoint]], bandwidth: float, path: str) -> bool:
-  """t(T)/t(1) and roofline % against T, one line per model, as a PNG; False without
-  matplotlib."""
+def plot_curves(
+  curves: dict[str, Sequence[CostPoint]], bandwidth: float, path: str, flops_per_s: float = 0.0
+) -> bool:
+  """t(T)/t(1) and roofline % against T, one line per model, as a PNG; with a compute ceiling
+  the second panel also draws each model's attainable % (roofline time over byte time, dashed).
+  False without matplotlib."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
 
@@ -367,9 +448,13 @@ def plot_curves(curves: dict[str, Sequence[CostPoint]], bandwidth: float, path: 
   for name, pts in curves.items():
     ts = [p.tokens for p in pts]
     ax1.plot(ts, [p.seconds / pts[0].seconds for p in pts], marker="o", label=name)
-    ax2.plot(
+    line = ax2.plot(
       ts, [100 * p.weight_bytes / bandwidth / p.seconds for p in pts], marker="o", label=name
-    )
+    )[0]
+    if flops_per_s:
+      ceiling = [100 * p.weight_bytes / bandwidth / roofline_seconds(p, bandwidth, flops_per_s)
+                 for p in pts]
+      ax2.plot(ts, ceiling, ls="--", color=line.get_color(), lw=0.8)
   for ax, title in ((ax1, "forward time t(T) / t(1)"), (ax2, "weight-read roofline %")):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per forward (T)")
