@@ -106,18 +106,19 @@ def _biases(w: Experts) -> tuple:
   return w.in_biases if w.in_biases is not None else (None,) * len(w.ins)
 
 
+def _combine_matrix(weights: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+  """[N, E] float32: each token's routing weight in its experts' columns, 0 elsewhere."""
+  n = ids.shape[0]
+  return jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], ids].add(weights)
+
+
 def experts_dense(
   x: jax.Array, weights: jax.Array, ids: jax.Array, w: Experts, out_dtype: Any = None
 ) -> jax.Array:
   """Every expert on every token, combined with a sparse weight matrix: x [N, H] → [N, H]
   (in out_dtype, default x's: float32 keeps partial sums exact for a later reduction)."""
   dt = x.dtype
-  num_experts = w.down.shape[0]
-  combine = (
-    jnp.zeros((x.shape[0], num_experts), jnp.float32)
-    .at[jnp.arange(x.shape[0])[:, None], ids]
-    .add(weights)
-  )
+  combine = _combine_matrix(weights, ids, w.down.shape[0])
   hs = []
   for m, b in zip(w.ins, _biases(w)):
     h = jnp.einsum("nh,ehi->nei", x, materialize(m, dt), preferred_element_type=jnp.float32)
@@ -213,15 +214,16 @@ def experts_loop(
   matmul; FLOPs are N per selected expert, against k per token for ragged. It is XLA:CPU's fast
   path at every N: there gather copies the selected weights before a batched product, and the
   dense oracle's einsum over experts is slower still (one token, 32 experts of 2048 × 768, two
-  layers: loop 14 ms, gather 74 ms, dense 306 ms; docs/benchmarks.md). Tokens that did not pick an expert get weight 0 in its combine column,
-  so each token's result sums its own experts in ascending id order whatever N is. The loop has
+  layers: loop 14 ms, gather 74 ms, dense 306 ms; docs/benchmarks.md). Tokens that did not pick
+  an expert get weight 0 in its combine column, so each token's result sums its own experts in
+  ascending id order whatever N is. The loop has
   a static trip count (min(E, N·k)) so it stays reverse-differentiable; steps past the distinct
   experts skip their work under a `lax.cond`.
   """
   dt = x.dtype
   n = x.shape[0]
   num_experts = w.down.shape[0]
-  combine = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], ids].add(weights)
+  combine = _combine_matrix(weights, ids, num_experts)
   used = jnp.zeros((num_experts,), bool).at[ids.reshape(-1)].set(True)
   order = jnp.argsort(~used, stable=True)  # the selected experts first, ascending
   count = jnp.sum(used)
@@ -389,7 +391,7 @@ class MoE(nn.Module):
         ragged_all_to_all=None if jax.default_backend() == "cpu" else jax.lax.ragged_all_to_all,
       )
       self.sow("intermediates", "ep_dropped", dropped)
-    else:  # gather reads (and dequantizes) only the selected experts
+    else:  # the backend pick_backend resolves (gather and loop dequantize only selected experts)
       y = local_experts(c.moe_backend, xf.astype(dt), weights, ids, experts, gmm_impl=c.gmm_impl)
     y = y.reshape(*lead, h)
     if c.n_shared_experts:

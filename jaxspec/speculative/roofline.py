@@ -126,18 +126,24 @@ def random_params(config: ModelConfig, seed: int = 0, stddev: float = 0.02) -> A
 # -- what must be read ---------------------------------------------------------------------------
 
 
-def _bytes_by_role(params: Any) -> dict[str, int]:
-  """Stored bytes of a parameter tree per weight role (jaxspec.quant.policy.role_of), quantized
-  weights counted as stored."""
-  from jaxspec.quant.formats import QTensor, nbytes  # pylint: disable=import-outside-toplevel
+def _sum_by_role(params: Any, measure: Callable[[Any], int]) -> dict[str, int]:
+  """`measure` of each weight (array or QTensor) summed per role (jaxspec.quant.policy.role_of)."""
+  from jaxspec.quant.formats import QTensor  # pylint: disable=import-outside-toplevel
   from jaxspec.quant.policy import path_str, role_of  # pylint: disable=import-outside-toplevel
 
   out: dict[str, int] = {}
   is_q = lambda x: isinstance(x, QTensor)
   for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]:
     role = role_of(path_str(path))
-    out[role] = out.get(role, 0) + nbytes(leaf)
+    out[role] = out.get(role, 0) + measure(leaf)
   return out
+
+
+def _bytes_by_role(params: Any) -> dict[str, int]:
+  """Stored bytes of a parameter tree per weight role, quantized weights counted as stored."""
+  from jaxspec.quant.formats import nbytes  # pylint: disable=import-outside-toplevel
+
+  return _sum_by_role(params, nbytes)
 
 
 def expected_distinct_experts(num_experts: int, k: int, tokens: int) -> float:
@@ -170,19 +176,6 @@ def weight_bytes_read(config: ModelConfig, params: Any, tokens: int = 1) -> floa
   return total
 
 
-def _elements_by_role(params: Any) -> dict[str, int]:
-  """Weight elements of a parameter tree per role (quantized weights by their logical shape)."""
-  from jaxspec.quant.formats import QTensor  # pylint: disable=import-outside-toplevel
-  from jaxspec.quant.policy import path_str, role_of  # pylint: disable=import-outside-toplevel
-
-  out: dict[str, int] = {}
-  is_q = lambda x: isinstance(x, QTensor)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]:
-    role = role_of(path_str(path))
-    out[role] = out.get(role, 0) + math.prod(leaf.shape)
-  return out
-
-
 def forward_flops(config: ModelConfig, params: Any, tokens: int = 1, position: int = 0) -> float:
   """FLOPs a forward of `tokens` tokens after `position` cached ones must do (its compute-roofline
   numerator): 2 per weight element per token (the embedding is a lookup, the MTP layers are not
@@ -190,7 +183,7 @@ def forward_flops(config: ModelConfig, params: Any, tokens: int = 1, position: i
   layer over each token's prefix (sliding windows ignored: an upper bound there). Norms,
   activations, routing and the linear-attention recurrences are left out (O(hidden) per
   token, against O(hidden²) for the products)."""
-  by_role = _elements_by_role(params)
+  by_role = _sum_by_role(params, lambda w: math.prod(w.shape))  # quantized: logical shape
   embed = by_role.pop("embed", 0)
   by_role.pop("mtp", None)
   experts = by_role.pop("experts", 0)
@@ -452,9 +445,9 @@ def plot_curves(
       ts, [100 * p.weight_bytes / bandwidth / p.seconds for p in pts], marker="o", label=name
     )[0]
     if flops_per_s:
-      ceiling = [100 * p.weight_bytes / bandwidth / roofline_seconds(p, bandwidth, flops_per_s)
-                 for p in pts]
-      ax2.plot(ts, ceiling, ls="--", color=line.get_color(), lw=0.8)
+      floor = [roofline_seconds(p, bandwidth, flops_per_s) for p in pts]
+      attainable = [100 * p.weight_bytes / bandwidth / f for p, f in zip(pts, floor)]
+      ax2.plot(ts, attainable, ls="--", color=line.get_color(), lw=0.8)
   for ax, title in ((ax1, "forward time t(T) / t(1)"), (ax2, "weight-read roofline %")):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per forward (T)")
