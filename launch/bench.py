@@ -57,7 +57,7 @@ flags.DEFINE_list(
   "methods",
   ["plain", "draft_model", "ngram"],
   "jaxspec methods to run; 'method@N' drafts N tokens per step instead of --gamma (e.g. "
-  "eagle3@15 beside eagle3).",
+  "eagle3@15 beside eagle3); 'dflash:sample' samples DFlash's drafts from q at T > 0.",
 )
 flags.DEFINE_string("dflash", None, "DFlash drafter directory (default: the bundled one).")
 flags.DEFINE_string("eagle3", None, "EAGLE-3 drafter directory (default: the bundled one).")
@@ -668,8 +668,15 @@ def load_prompts(cfg: BenchConfig) -> list[str]:
   return data_prompts(cfg.num_prompts, cfg.seed)
 
 
+SAMPLED = ":sample"  # runner-name suffix: DFlash drafts sampled from its q at T > 0
+
+
 def split_method(name: str) -> tuple[str, Optional[int]]:
-  """'eagle3@15' → ('eagle3', 15): a method with its own draft length; 'eagle3' → (…, None)."""
+  """'eagle3@15' → ('eagle3', 15): a method with its own draft length; 'eagle3' → (…, None).
+
+  A trailing ':sample' ('dflash:sample', 'dflash@7:sample') is dropped here: it asks DFlash to
+  sample its drafts at T > 0 (`drafter_options`) instead of drafting the argmax."""
+  name = name.removesuffix(SAMPLED)
   base, sep, gamma = name.partition("@")
   if not sep:
     return name, None
@@ -678,11 +685,24 @@ def split_method(name: str) -> tuple[str, Optional[int]]:
   return base, int(gamma)
 
 
+def drafter_options(name: str) -> dict[str, Any]:
+  """The drafter keyword arguments a runner name asks for ('dflash:sample': sampled drafts)."""
+  if not name.endswith(SAMPLED):
+    return {}
+  if split_method(name)[0] != "dflash":
+    raise ConfigError(
+      f"method {name!r}: ':sample' applies to DFlash (EAGLE-3, MTP and draft models always "
+      "sample their drafts at T > 0)"
+    )
+  return {"sample_drafts": True}
+
+
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   """Runs the whole benchmark; returns the results dict (also written to cfg.out if set)."""
   for m in cfg.methods:
     if split_method(m)[0] not in registry.METHODS:
       raise ConfigError(f"unknown method {m!r}; choose from {registry.METHODS}")
+    drafter_options(m)  # refuses ':sample' where it means nothing
   bases = [split_method(m)[0] for m in cfg.methods]
   for m in ("draft_model", "dflash", "eagle3"):
     if m in bases + list(cfg.tree_methods if cfg.tree_budgets else ()):
@@ -712,6 +732,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         gamma=gamma or (None if base == "dflash" else cfg.gamma),
         ngram_n=cfg.ngram_n,
         draft_dir=cfg.drafter_dir(base),
+        **drafter_options(m),
       )
   lookahead = max(
     [cfg.gamma] + [d.gamma for d in drafters.values() if d is not None] + list(cfg.tree_budgets)

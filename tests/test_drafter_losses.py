@@ -94,6 +94,17 @@ def dflash_setup():
   return target, drafter, tokens, out.taps, mask, anchors
 
 
+def _supervised_slots(anchors, keep, mask, bs):
+  """(row, block, slot, position) of every supervised slot k ≥ 1 of every kept block."""
+  s = mask.shape[1]
+  for b in range(anchors.shape[0]):
+    for n in range(anchors.shape[1]):
+      for k in range(1, bs):
+        pos = anchors[b, n] + k
+        if keep[b, n] and pos < s and mask[b, pos]:
+          yield b, n, k, pos
+
+
 def _dense_reference(drafter, target, tokens, taps, anchors, keep, mask):
   """Training logits by plain masked attention over [S context; all N·bs block tokens]."""
   bs = drafter.config.block_size
@@ -160,23 +171,97 @@ def test_dflash_loss_weights_slots_and_masks(dflash_setup):
   )
   num = den = 0.0
   a_np, k_np = np.asarray(anchors), np.asarray(keep)
-  for b in range(tokens.shape[0]):
-    for n in range(a_np.shape[1]):
-      for k in range(1, bs):
-        pos = a_np[b, n] + k
-        if not k_np[b, n] or pos >= s or not mask[b, pos]:
-          continue
-        lg = logits[b, n, k]
-        ce = np.log(np.sum(np.exp(lg - lg.max()))) + lg.max() - lg[tokens[b, pos]]
-        w = np.exp(-(k - 1) / 7.0)
-        num, den = num + w * ce, den + w
+  for b, n, k, pos in _supervised_slots(a_np, k_np, mask, bs):
+    lg = logits[b, n, k]
+    ce = np.log(np.sum(np.exp(lg - lg.max()))) + lg.max() - lg[tokens[b, pos]]
+    w = np.exp(-(k - 1) / 7.0)
+    num, den = num + w * ce, den + w
   assert float(loss) == pytest.approx(num / den, rel=1e-5)
   assert 0.0 <= float(metrics["accuracy"]) <= 1.0
+  # Accepted prefix of each kept block (unsupervised slots neither count nor break it), and
+  # target passes per token, its position-weighted inverse.
+  accepted = []
+  for b in range(tokens.shape[0]):
+    for n in range(a_np.shape[1]):
+      if not k_np[b, n]:
+        continue
+      run = 0
+      for k in range(1, bs):
+        pos = a_np[b, n] + k
+        if pos >= s or not mask[b, pos]:
+          continue
+        if np.argmax(logits[b, n, k]) != tokens[b, pos]:
+          break
+        run += 1
+      accepted.append(run)
+  assert float(metrics["accept_len"]) == pytest.approx(np.mean(accepted), rel=1e-6)
+  want = np.mean(1.0 / (np.asarray(accepted) + 1.0))
+  assert float(metrics["passes_per_token"]) == pytest.approx(want, rel=1e-6)
   np.testing.assert_allclose(
     np.asarray(dl.dflash_slot_weights(4)), [0.0, 1.0, np.exp(-1 / 7), np.exp(-2 / 7)], rtol=1e-6
   )
   # Gradients reach the drafter's own weights.
   assert float(jnp.abs(grads["draft"]["fc"]["kernel"]).sum()) > 0
+
+
+def test_dflash_soft_labels_are_the_target_distribution_one_position_back(dflash_setup):
+  target, drafter, tokens, taps, mask, (anchors, keep) = dflash_setup
+  bs = drafter.config.block_size
+  tl = target_lib.forward(target.config, target.params, jnp.asarray(tokens)).logits
+  w_soft = 0.25
+
+  def objective(params):
+    return dl.dflash_loss(
+      drafter,
+      params,
+      jnp.asarray(tokens),
+      taps,
+      jnp.asarray(mask),
+      None,
+      anchors=(anchors, keep),
+      target_logits=tl,
+      soft_weight=w_soft,
+      with_overlap=True,
+    )
+
+  (loss, metrics), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(drafter.params)
+  hidden = drafter.train_hidden(drafter.params, jnp.asarray(tokens), taps, anchors)
+  logits = np.asarray(target_head(drafter.params, hidden, "float32"), np.float64)
+  tl = np.asarray(tl, np.float64)
+
+  def log_softmax(x):
+    x = x - x.max()
+    return x - np.log(np.sum(np.exp(x)))
+
+  num = den = kl = overlap = count = 0.0
+  a_np, k_np = np.asarray(anchors), np.asarray(keep)
+  for b, n, k, pos in _supervised_slots(a_np, k_np, mask, bs):
+    logq, logp = log_softmax(logits[b, n, k]), log_softmax(tl[b, pos - 1])
+    p = np.exp(logp)
+    soft = -np.sum(p * logq)
+    ce = (1 - w_soft) * -logq[tokens[b, pos]] + w_soft * soft
+    w = np.exp(-(k - 1) / 7.0)
+    num, den = num + w * ce, den + w
+    kl += np.sum(p * (logp - logq))
+    overlap += np.sum(np.minimum(p, np.exp(logq)))
+    count += 1
+  assert float(loss) == pytest.approx(num / den, rel=1e-5)
+  assert float(metrics["kl"]) == pytest.approx(kl / count, rel=1e-4)
+  assert float(metrics["overlap"]) == pytest.approx(overlap / count, rel=1e-4)
+  assert float(jnp.abs(grads["draft"]["fc"]["kernel"]).sum()) > 0
+  assert 0.0 < float(metrics["overlap"]) <= 1.0 and float(metrics["kl"]) >= 0.0
+  with pytest.raises(ValueError, match="soft_weight"):
+    dl.dflash_loss(
+      drafter,
+      drafter.params,
+      jnp.asarray(tokens),
+      taps,
+      jnp.asarray(mask),
+      None,
+      anchors=(anchors, keep),
+      target_logits=jnp.asarray(tl),
+      soft_weight=1.5,
+    )
 
 
 # ------------------------------------------------------------------------------------------------

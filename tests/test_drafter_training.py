@@ -16,6 +16,7 @@ import jaxspec
 
 from configs import tiny_code
 from jaxspec.drafters import registry
+from jaxspec.drafters.base import PrefillContext
 from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.train import distill, drafter_trainer
@@ -65,6 +66,39 @@ def test_warm_start_keeps_the_weights_and_takes_the_new_taps(target):
   )
   with pytest.raises(jaxspec.ConfigError, match="cannot warm-start"):
     drafter_trainer.warm_start(fresh, dflash)
+
+
+def test_a_dflash_drafter_grows_deeper_computing_the_same_drafts(target):
+  spec = tiny_code.get_config("test_dflash").drafter
+  init = drafter_trainer.init_drafter("dflash", target, dict(spec, seed=3))
+  fresh = drafter_trainer.init_drafter("dflash", target, dict(spec, num_layers=3))
+  grown = drafter_trainer.warm_start(fresh, init)
+  assert grown.config.num_layers == 3 and len(grown.config.layer_windows) == 3
+  want = {k: v.shape for k, v in drafter_trainer._leaves(fresh.params)}
+  assert {k: v.shape for k, v in drafter_trainer._leaves(grown.params)} == want
+  # Every layer of the initial drafter is kept; the added ones start as the identity.
+  for name, leaf in init.params["draft"].items():
+    for a, b in zip(
+      jax.tree_util.tree_leaves(leaf), jax.tree_util.tree_leaves(grown.params["draft"][name])
+    ):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  added = grown.params["draft"]["layers_2"]
+  assert not np.any(np.asarray(added["self_attn"]["o_proj"]["kernel"]))
+  assert np.any(np.asarray(added["self_attn"]["q_proj"]["kernel"]))
+  # Same block logits as the shallower drafter, from the same context.
+  rng = np.random.default_rng(0)
+  s, h = 12, target.config.hidden_size
+  taps = jax.numpy.asarray(rng.normal(size=(len(init.taps), 1, s, h)), jax.numpy.float32)
+  tokens = jax.numpy.asarray(rng.integers(3, 100, (1, s)), jax.numpy.int32)
+  block = jax.numpy.asarray([[5] + [init.config.mask_token_id] * (init.config.block_size - 1)])
+  ctx = PrefillContext(tokens, jax.numpy.array([s]), taps, taps[0])
+  logits = []
+  for d in (init, grown):
+    st = d.prefill(d.params, d.init_state(d.params, 1, 2 * s), ctx)
+    logits.append(np.asarray(d.block_logits(d.params, st, block, jax.numpy.array([s]))))
+  np.testing.assert_allclose(logits[1], logits[0], atol=1e-6)
+  with pytest.raises(jaxspec.ConfigError, match="warm start: parameter"):
+    drafter_trainer.warm_start(init, fresh)  # shrinking is not growing
 
 
 def test_distillation_rows_are_the_targets_own_continuations(target, datasets):

@@ -225,6 +225,18 @@ def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:
   )
 
 
+def head_rows_expectation(shared: dict, probs: jax.Array) -> jax.Array:
+  """Σ_v probs[..., v]·W[:, v] [..., H]: the head's output rows averaged under `probs`.
+
+  Since `target_head` is linear, h·head_rows_expectation(p) = Σ_v p_v·logits_v(h) (the soft
+  cross-entropy's cross term) at [..., H] cost instead of [..., V].
+  """
+  probs = probs.astype(jnp.float32)
+  if "lm_head" in shared:
+    return jnp.einsum("...v,hv->...h", probs, materialize(shared["lm_head"], jnp.float32))
+  return jnp.einsum("...v,vh->...h", probs, shared["embed"].astype(jnp.float32))
+
+
 def check_target(
   target: TargetModel,
   *,

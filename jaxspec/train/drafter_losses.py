@@ -9,6 +9,8 @@ features at every position (the drafter's `taps` layers, from one frozen target 
   opens a block [x_anchor, MASK × (B−1)] at positions anchor..anchor+B−1 that sees the context
   strictly before its anchor and itself bidirectionally, and nothing of other blocks; slot k
   predicts x[anchor + k] (same position), slots 1..B−1 only, with weights exp(−(k−1)/γ), γ = 7.
+  Optionally mixed with a soft cross-entropy against the target's own distribution at the
+  same position (distillation of the whole distribution, for sampled drafting).
 - EAGLE-3 (training-time test, SafeAILab `traineagle3`): the drafter is unrolled `steps` = 7
   times over every position, feeding back its own hidden states; step j at position i predicts
   t_{i+j+2} and is matched (soft cross-entropy) to the target's distribution at i+j+1,
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.dflash import DFlashDrafter, target_head
+from jaxspec.drafters.dflash import DFlashDrafter, head_rows_expectation, target_head
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.models import target as target_lib
 
@@ -110,12 +112,27 @@ def dflash_loss(
   gamma: float = 7.0,
   block_size: Optional[int] = None,
   anchors: Optional[tuple[jax.Array, jax.Array]] = None,
+  target_logits: Optional[jax.Array] = None,
+  soft_weight: float = 0.0,
+  with_overlap: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """DFlash's block objective on one batch: (weighted mean cross-entropy, metrics).
 
   `anchors` = (anchors, keep) overrides the random draw (for tests and evaluation).
+  `target_logits` [B, S, V] (the frozen target's, position s predicting token s+1) give each
+  slot a soft label too: slot k of anchor a is matched to the target's distribution (T = 1)
+  after the true prefix x[..a+k−1], and the loss per slot is (1 − soft_weight)·CE(label) +
+  soft_weight·CE(target distribution). Hard labels alone teach the argmax; the soft term
+  teaches the whole distribution, which is what sampled drafting (T > 0) and tree building
+  draw from.
   Metrics: "loss", "accuracy" (argmax = label over weighted slots), "accept_len" (mean length
-  of each block's correct greedy prefix, slots 1..bs−1: an estimate of τ − 1).
+  of each block's correct greedy prefix, slots 1..bs−1), "passes_per_token" (mean of
+  1/(prefix + 1): its inverse estimates decoding's pooled τ, which accept_len + 1 overstates
+  because random anchors land in long accepted runs by their length); with
+  target_logits also "kl" (KL(target ‖ drafter) per slot) and, with `with_overlap` (a
+  [B, N, bs, V] pass: evaluation), "overlap" (Σ min(p, q) per slot: the probability that a
+  draft sampled from q survives verification against the target's p at T = 1 after a correct
+  prefix).
   """
   bs = block_size or drafter.config.block_size
   b, s = tokens.shape
@@ -131,13 +148,49 @@ def dflash_loss(
   supervised = jnp.take_along_axis(loss_mask.astype(bool)[:, None, :], idx, axis=2)
   valid = keep[..., None] & in_range & supervised & (jnp.arange(bs) >= 1)
   weights = valid * dflash_slot_weights(bs, gamma)
-  ce = _token_ce(logits, labels)
+  logits = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  ce = lse - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  metrics: dict[str, jax.Array] = {}
+  if target_logits is not None:
+    if not 0.0 <= soft_weight <= 1.0:
+      raise ValueError(f"soft_weight must be in [0, 1], got {soft_weight}")
+    # Slot k predicts x[a+k]: the target's distribution for it is its output at a+k−1.
+    prev = (jnp.arange(b)[:, None, None], jnp.maximum(idx - 1, 0))
+    logp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)  # [B, S, V]
+    p = jnp.exp(logp)
+    # The head is linear (logits = h·W), so Σ_v p_v·logits_v = h·(W p): the soft term needs the
+    # target's expected head row per position [B, S, H], never a [B, N, bs, V] gather.
+    expected_row = head_rows_expectation(params, p)
+    soft_ce = lse - jnp.sum(hidden.astype(jnp.float32) * expected_row[prev], axis=-1)
+    entropy = -jnp.sum(p * logp, axis=-1)  # [B, S]
+    n_valid = jnp.maximum(jnp.sum(valid), 1)
+    metrics["kl"] = jnp.sum((soft_ce - entropy[prev]) * valid) / n_valid
+    if with_overlap:
+      q = jax.nn.softmax(logits, axis=-1)
+      overlap = jnp.sum(jnp.minimum(p[prev], q), axis=-1)
+      metrics["overlap"] = jnp.sum(overlap * valid) / n_valid
+    ce = (1.0 - soft_weight) * ce + soft_weight * soft_ce
+  elif soft_weight:
+    raise ValueError("a soft-label weight needs the target's logits")
   loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
   correct = jnp.argmax(logits, axis=-1) == labels
   accuracy = jnp.sum(correct * valid) / jnp.maximum(jnp.sum(valid), 1)
   prefix = jnp.cumprod(jnp.where(valid[..., 1:], correct[..., 1:], True), axis=-1) * valid[..., 1:]
-  accept_len = jnp.sum(jnp.sum(prefix, -1) * keep) / jnp.maximum(jnp.sum(keep), 1)
-  return loss, {"loss": loss, "accuracy": accuracy, "accept_len": accept_len}
+  accepted = jnp.sum(prefix, -1)  # [B, N]
+  n_blocks = jnp.maximum(jnp.sum(keep), 1)
+  accept_len = jnp.sum(accepted * keep) / n_blocks
+  # Anchors sample positions uniformly, so long accepted runs (loops) weigh in by their length,
+  # while decoding spends one pass on each: target passes per token, 1/(accepted + 1) averaged
+  # over positions, is what decoding's pooled τ inverts (τ ≈ 1 / passes_per_token).
+  passes_per_token = jnp.sum(keep / (accepted + 1.0)) / n_blocks
+  return loss, dict(
+    metrics,
+    loss=loss,
+    accuracy=accuracy,
+    accept_len=accept_len,
+    passes_per_token=passes_per_token,
+  )
 
 
 # --------------------------------------------------------------------------------------------------

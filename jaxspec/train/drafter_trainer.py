@@ -55,6 +55,9 @@ class DrafterTrainConfig:
   # DFlash
   num_anchors: int = 64  # random blocks per sequence (the reference uses up to 512 per 3-4K)
   loss_decay: float = 7.0  # slot k ≥ 1 weighs exp(−(k−1)/loss_decay)
+  # Weight of the soft cross-entropy against the target's distribution (T = 1) in each slot's
+  # loss, the rest on the sampled token: 0 = hard labels only (the published recipe).
+  soft_label_weight: float = 0.0
   # EAGLE-3
   ttt_steps: int = 7
   ttt_decay: float = 0.8
@@ -67,6 +70,10 @@ class DrafterTrainConfig:
   patience: int = 0
   log_every: int = 10
   step_delay_s: float = 0.0
+
+  def __post_init__(self):
+    if not 0.0 <= self.soft_label_weight <= 1.0:
+      raise ConfigError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
 
   @classmethod
   def from_mapping(cls, m: Mapping[str, Any]) -> "DrafterTrainConfig":
@@ -131,10 +138,13 @@ def warm_start(fresh: Drafter, init: Drafter) -> Drafter:
 
   Continues training a drafter, e.g. one whose target features changed meaning; the two must
   have the same architecture (parameter names and shapes), else a ConfigError names the first
-  difference.
+  difference. A DFlash drafter may also grow deeper: `fresh` with more layers than `init`
+  (`grow_dflash`).
   """
   if type(init) is not type(fresh):
     raise ConfigError(f"cannot warm-start a {type(fresh).__name__} from a {type(init).__name__}")
+  if isinstance(fresh, DFlashDrafter) and fresh.config.num_layers > init.config.num_layers:
+    init = grow_dflash(init, fresh)
   want = {jax.tree_util.keystr(k): v.shape for k, v in _leaves(fresh.params)}
   have = {jax.tree_util.keystr(k): v.shape for k, v in _leaves(init.params)}
   for name in sorted(set(want) | set(have)):
@@ -145,6 +155,33 @@ def warm_start(fresh: Drafter, init: Drafter) -> Drafter:
       )
   taps = fresh.config.target_layer_ids
   return dataclasses.replace(init, config=dataclasses.replace(init.config, target_layer_ids=taps))
+
+
+def grow_dflash(init: DFlashDrafter, fresh: DFlashDrafter) -> DFlashDrafter:
+  """`init` deepened to `fresh`'s layer count, computing exactly what `init` computes.
+
+  The layers of `init` keep their weights and order; each added layer (appended before the
+  final norm) takes `fresh`'s random weights except its attention output and MLP down
+  projections, which start at zero, so it adds nothing to the residual stream until training
+  moves them (function-preserving growth). The added layers' context K/V come from the same
+  fused features as the others'.
+  """
+  n_old, n_new = init.config.num_layers, fresh.config.num_layers
+  old_draft, new_draft = init.params["draft"], fresh.params["draft"]
+  draft = dict(old_draft)
+  for i in range(n_old, n_new):
+    layer = jax.tree_util.tree_map(jnp.asarray, new_draft[f"layers_{i}"])
+    attn = dict(layer["self_attn"])
+    attn["o_proj"] = jax.tree_util.tree_map(jnp.zeros_like, attn["o_proj"])
+    mlp = dict(layer["mlp"])
+    mlp["down_proj"] = jax.tree_util.tree_map(jnp.zeros_like, mlp["down_proj"])
+    draft[f"layers_{i}"] = dict(layer, self_attn=attn, mlp=mlp)
+  windows = init.config.layer_windows + fresh.config.layer_windows[n_old:n_new]
+  config = init.config.replace(num_layers=n_new, layer_windows=windows)
+  hf = dict(init.hf_config or {}, max_window_layers=n_new)
+  return dataclasses.replace(
+    init, config=config, params=dict(init.params, draft=draft), hf_config=hf
+  )
 
 
 def _leaves(tree: Any) -> list:
@@ -166,23 +203,40 @@ def target_features(
   return feats, (jax.lax.stop_gradient(out.logits) if logits else None)
 
 
-def make_loss_fn(drafter: Drafter, target: TargetModel, tc: DrafterTrainConfig) -> Callable:
-  """(draft_params, frozen, batch, key) → (loss, metrics); frozen = {"target", "shared"}."""
+def make_loss_fn(
+  drafter: Drafter, target: TargetModel, tc: DrafterTrainConfig, evaluation: bool = False
+) -> Callable:
+  """(draft_params, frozen, batch, key) → (loss, metrics); frozen = {"target", "shared"}.
+
+  `evaluation` adds the metrics too costly for every step (DFlash's draft/target overlap).
+  """
   method = method_of(drafter)
   # On CPU the dense expert oracle is the fastest full-sequence backend (same numbers).
   tconfig = (
     target.config.replace(moe_backend="dense") if target.config.num_experts else target.config
   )
 
+  soft = method == "dflash" and (tc.soft_label_weight > 0 or evaluation)
+
   def loss_fn(draft_params, frozen, batch, key):
     params = dict(frozen["shared"], draft=draft_params)
     tokens, mask = batch["tokens"], batch["loss_mask"]
     taps, logits = target_features(
-      tconfig, frozen["target"], tokens, drafter.taps, logits=method == "eagle3"
+      tconfig, frozen["target"], tokens, drafter.taps, logits=method == "eagle3" or soft
     )
     if method == "dflash":
       return drafter_losses.dflash_loss(
-        drafter, params, tokens, taps, mask, key, num_anchors=tc.num_anchors, gamma=tc.loss_decay
+        drafter,
+        params,
+        tokens,
+        taps,
+        mask,
+        key,
+        num_anchors=tc.num_anchors,
+        gamma=tc.loss_decay,
+        target_logits=logits,
+        soft_weight=tc.soft_label_weight,
+        with_overlap=evaluation,
       )
     return drafter_losses.eagle3_ttt_loss(
       drafter, params, tokens, taps, logits, mask, steps=tc.ttt_steps, decay=tc.ttt_decay
@@ -276,7 +330,8 @@ def train(
   frozen = frozen_inputs(drafter, target)
   step_fn = make_train_step(loss_fn, tc, opt, schedule)
   if val_data is not None:
-    eval_fn = make_eval_fn(loss_fn, frozen, val_data, tc.eval_batches, tc.seed)
+    eval_loss = make_loss_fn(drafter, target, tc, evaluation=True)
+    eval_fn = make_eval_fn(eval_loss, frozen, val_data, tc.eval_batches, tc.seed)
   else:
     eval_fn = lambda params: {"loss": math.nan}  # noqa: E731
   result = trainer.run_loop(
