@@ -57,7 +57,7 @@ flags.DEFINE_list(
   "methods",
   ["plain", "draft_model", "ngram"],
   "jaxspec methods to run; 'method@N' drafts N tokens per step instead of --gamma (e.g. "
-  "eagle3@15 beside eagle3); 'dflash:sample' samples DFlash's drafts from q at T > 0.",
+  "eagle3@15 beside eagle3); 'dflash:argmax' drafts DFlash's argmax at T > 0 too.",
 )
 flags.DEFINE_string("dflash", None, "DFlash drafter directory (default: the bundled one).")
 flags.DEFINE_string("eagle3", None, "EAGLE-3 drafter directory (default: the bundled one).")
@@ -668,15 +668,15 @@ def load_prompts(cfg: BenchConfig) -> list[str]:
   return data_prompts(cfg.num_prompts, cfg.seed)
 
 
-SAMPLED = ":sample"  # runner-name suffix: DFlash drafts sampled from its q at T > 0
+ARGMAX = ":argmax"  # runner-name suffix: DFlash drafts the argmax at every temperature
 
 
 def split_method(name: str) -> tuple[str, Optional[int]]:
   """'eagle3@15' → ('eagle3', 15): a method with its own draft length; 'eagle3' → (…, None).
 
-  A trailing ':sample' ('dflash:sample', 'dflash@7:sample') is dropped here: it asks DFlash to
-  sample its drafts at T > 0 (`drafter_options`) instead of drafting the argmax."""
-  name = name.removesuffix(SAMPLED)
+  A trailing ':argmax' ('dflash:argmax', 'dflash@7:argmax') is dropped here: it asks DFlash to
+  draft the argmax at T > 0 too (`drafter_options`), the reference's rule, instead of sampling."""
+  name = name.removesuffix(ARGMAX)
   base, sep, gamma = name.partition("@")
   if not sep:
     return name, None
@@ -686,15 +686,15 @@ def split_method(name: str) -> tuple[str, Optional[int]]:
 
 
 def drafter_options(name: str) -> dict[str, Any]:
-  """The drafter keyword arguments a runner name asks for ('dflash:sample': sampled drafts)."""
-  if not name.endswith(SAMPLED):
+  """The drafter keyword arguments a runner name asks for ('dflash:argmax': argmax drafts)."""
+  if not name.endswith(ARGMAX):
     return {}
   if split_method(name)[0] != "dflash":
     raise ConfigError(
-      f"method {name!r}: ':sample' applies to DFlash (EAGLE-3, MTP and draft models always "
-      "sample their drafts at T > 0)"
+      f"method {name!r}: ':argmax' applies to DFlash (the other drafters sample their drafts "
+      "at T > 0)"
     )
-  return {"sample_drafts": True}
+  return {"sample_drafts": False}
 
 
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
@@ -702,7 +702,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   for m in cfg.methods:
     if split_method(m)[0] not in registry.METHODS:
       raise ConfigError(f"unknown method {m!r}; choose from {registry.METHODS}")
-    drafter_options(m)  # refuses ':sample' where it means nothing
+    drafter_options(m)  # refuses ':argmax' where it means nothing
   bases = [split_method(m)[0] for m in cfg.methods]
   for m in ("draft_model", "dflash", "eagle3"):
     if m in bases + list(cfg.tree_methods if cfg.tree_budgets else ()):

@@ -118,11 +118,11 @@ def test_bench_jaxspec_only(model_dirs, tmp_path):
   assert bench.split_method("eagle3@15") == ("eagle3", 15)
   with pytest.raises(jaxspec.ConfigError, match="after '@'"):
     bench.split_method("eagle3@x")
-  assert bench.split_method("dflash@7:sample") == ("dflash", 7)
-  assert bench.drafter_options("dflash:sample") == {"sample_drafts": True}
+  assert bench.split_method("dflash@7:argmax") == ("dflash", 7)
+  assert bench.drafter_options("dflash:argmax") == {"sample_drafts": False}
   assert bench.drafter_options("dflash") == {}
   with pytest.raises(jaxspec.ConfigError, match="applies to DFlash"):
-    bench.drafter_options("eagle3:sample")
+    bench.drafter_options("eagle3:argmax")
   assert report["prompts"][0]["text"] == prompt
   assert "profile" not in report
 

@@ -178,7 +178,8 @@ def test_matches_transformers_dflash_model(target, drafter):
   np.testing.assert_allclose(np.asarray(got[0]), want, atol=2e-4, rtol=2e-4)
 
 
-def test_sampled_sequences_follow_the_target_distribution():
+@pytest.mark.parametrize("sample_drafts", [True, False])
+def test_sampled_sequences_follow_the_target_distribution(sample_drafts):
   target = small_target(vocab=6, num_layers=2, seed=3, factor=2.0)
   prompt, length = [1, 4, 2], 3
   outcomes, probs = exact_sequence_probs(target, prompt, length)
@@ -189,7 +190,7 @@ def test_sampled_sequences_follow_the_target_distribution():
     block_size=3,
     target_layer_ids=(0, 1),
     stddev=0.3,
-    sample_drafts=True,
+    sample_drafts=sample_drafts,
   )
   cfg = EngineConfig(max_len=16, batch_size=512, use_eos=False, min_prompt_bucket=4)
   assert (
