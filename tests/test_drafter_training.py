@@ -194,6 +194,17 @@ def test_training_lowers_the_loss_and_resumes_exactly(method, target, datasets, 
   assert [h["step"] for h in result.history] == [6, 12]
   after = result.history[-1]
   assert after["loss"] < before["loss"] - 0.3, (before, after)
+  # Greedy and sampled held-out continuations are also scored apart (equal halves here).
+  parts = val_ds.by_temperature()
+  assert sorted(parts) == [0.0, 1.0]
+  for t, part in parts.items():
+    assert np.all(part.temperature == t) and part.batches_per_epoch == val_ds.batches_per_epoch // 2
+    rows = np.flatnonzero(val_ds.temperature == t)[: tc.batch_size]
+    np.testing.assert_array_equal(part.batch_at(0)["tokens"], val_ds.tokens[rows])
+  for key in ("loss",) + (("accept_len", "overlap") if method == "dflash" else ()):
+    assert after[key] == pytest.approx((after[f"T=0/{key}"] + after[f"T=1/{key}"]) / 2)
+  if method == "dflash":
+    assert after["T=0/tau"] == pytest.approx(1 / after["T=0/passes_per_token"])
   # The shared target tensors are untouched; only the drafter's own weights moved.
   for k in trained.params:
     if k != "draft":

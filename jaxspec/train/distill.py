@@ -230,6 +230,21 @@ class DistillDataset:
   def num_supervised(self) -> int:
     return int(self.loss_mask.sum())
 
+  def by_temperature(self) -> dict[float, "DistillDataset"]:
+    """Unshuffled views of the rows of each sampling temperature that fill a batch."""
+    views = {}
+    for t in np.unique(self.temperature):
+      rows = np.flatnonzero(self.temperature == t)
+      if len(rows) < self.batch_size:
+        continue
+      view = object.__new__(DistillDataset)
+      view.tokens, view.loss_mask = self.tokens[rows], self.loss_mask[rows]
+      view.temperature = self.temperature[rows]
+      view.batch_size, view.seed, view.shuffle = self.batch_size, self.seed, False
+      view.batches_per_epoch = len(rows) // self.batch_size
+      views[float(t)] = view
+    return views
+
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     epoch, i = divmod(step, self.batches_per_epoch)
     order = (

@@ -284,16 +284,48 @@ def make_train_step(
 def make_eval_fn(
   loss_fn: Callable, frozen: Any, dataset: distill.DistillDataset, max_batches: int, seed: int
 ) -> Callable[[Any], dict[str, float]]:
-  """params → mean validation metrics over the dataset (fixed anchors: comparable evals)."""
-  step = jax.jit(lambda p, f, b, k: loss_fn(p, f, b, k)[1])
-  n = dataset.batches_per_epoch if max_batches <= 0 else min(max_batches, dataset.batches_per_epoch)
+  """params → mean validation metrics over the dataset (fixed anchors: comparable evals).
 
-  def metrics_at(params, i):
-    batch = {k: jnp.asarray(v) for k, v in dataset.batch_at(i).items()}
-    return step(params, frozen, batch, jax.random.fold_in(jax.random.PRNGKey(seed + 1), i))
+  A dataset of several sampling temperatures is also scored per temperature ("T=0/accept_len",
+  "T=1/overlap", ...): a drafter's blocks on greedy continuations run long and on sampled ones
+  rarely, which one mean hides. Wherever passes_per_token is measured, "tau" = its inverse,
+  the estimate of decoding's pooled acceptance length.
+  """
+  step = jax.jit(lambda p, f, b, k: loss_fn(p, f, b, k)[1])
+  parts = dataset.by_temperature()
+  if len(parts) < 2:
+    parts = {None: dataset}
+
+  def evaluate_part(params, part, first):
+    n = part.batches_per_epoch
+    n = n if max_batches <= 0 else min(max_batches, n)
+
+    def metrics_at(i):  # anchors keyed by the batch's place in the whole set
+      batch = {k: jnp.asarray(v) for k, v in part.batch_at(i).items()}
+      key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), first + i)
+      return step(params, frozen, batch, key)
+
+    return trainer.mean_metrics(metrics_at, n), n
+
+  def with_tau(m):
+    if m.get("passes_per_token"):
+      m["tau"] = 1.0 / m["passes_per_token"]
+    return m
 
   def evaluate(params):
-    return trainer.mean_metrics(lambda i: metrics_at(params, i), n)
+    results, first = {}, 0
+    for t, part in parts.items():
+      results[t] = evaluate_part(params, part, first)
+      first += part.batches_per_epoch
+    total = sum(n for _, n in results.values())
+    out = {
+      k: sum(m[k] * n for m, n in results.values()) / total for k in next(iter(results.values()))[0]
+    }
+    out = with_tau(out)
+    for t, (m, _) in results.items():
+      if t is not None:
+        out.update({f"T={t:g}/{k}": v for k, v in with_tau(dict(m)).items()})
+    return out
 
   return evaluate
 
