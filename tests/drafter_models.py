@@ -197,3 +197,44 @@ def dflash_reference_logits(drafter, target, taps, block, qpos, visible):
     g = hm @ m["gate_proj"]["kernel"]
     x = x + ((g / (1 + np.exp(-g))) * (hm @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
   return rms(x, p["norm"]["scale"]) @ np.asarray(target.params["lm_head"]["kernel"], np.float64)
+
+
+def transformers_dflash(drafter):
+  """transformers' DFlash-architecture model (MuseGlimmerAssistant) holding `drafter`'s
+  weights in float32, or None when the installed transformers has no such model."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  from jaxspec.drafters.dflash import dflash_tensors  # pylint: disable=import-outside-toplevel
+
+  if not hasattr(transformers, "MuseGlimmerAssistantModel"):
+    return None
+  c = drafter.config
+  hf_cfg = transformers.MuseGlimmerAssistantConfig(
+    hidden_size=c.hidden_size,
+    intermediate_size=c.intermediate_size,
+    num_hidden_layers=c.num_layers,
+    num_attention_heads=c.num_heads,
+    num_key_value_heads=c.num_kv_heads,
+    head_dim=c.head_dim,
+    rms_norm_eps=c.rms_norm_eps,
+    rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+    layer_types=["full_attention"] * c.num_layers,
+    block_size=c.block_size,
+    mask_token_id=c.mask_token_id,
+    target_layer_ids=list(c.target_layer_ids),
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+  )
+  model = transformers.MuseGlimmerAssistantModel(hf_cfg).float().eval()
+  rename = {
+    "fc.weight": "encoder.fc.weight",
+    "hidden_norm.weight": "encoder.output_norm_enc.weight",
+  }
+  state = {
+    rename.get(k, k): torch.from_numpy(np.array(v, np.float32))
+    for k, v in dflash_tensors(drafter).items()
+  }
+  model.load_state_dict(state, strict=True)
+  return model

@@ -154,3 +154,43 @@ def test_bundled_drafters_are_lossless_and_accept(target_name, method, verify):
   near_ties.assert_greedy_match(target, prompts, plain.tokens, spec.tokens)
   # Untrained or mis-wired drafters accept ~1 token per pass.
   assert spec.stats.acceptance_length > MIN_ACCEPTANCE[method], spec.stats.acceptance_length
+
+
+def test_bundled_dflash_drafts_the_same_in_transformers():
+  """The shipped DFlash drafter, fed by transformers' bundled target (`hidden_states[id + 1]`,
+  the features it was trained on) and run by transformers' DFlash-architecture model, gives
+  jaxspec's block logits on real prompts."""
+  from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
+  from jaxspec.drafters.base import PrefillContext  # pylint: disable=import-outside-toplevel
+  from tests.drafter_models import transformers_dflash  # pylint: disable=import-outside-toplevel
+
+  target = jaxspec.load_model(TARGET)
+  drafter = registry.load_drafter(os.path.join(ASSETS, "dflash"), target)
+  model = transformers_dflash(drafter)
+  if model is None:
+    pytest.skip("this transformers has no DFlash-architecture model")
+  hf = _hf(TARGET)
+  embed = np.asarray(target.params["embed"])
+  head = np.asarray(target.params["lm_head"]["kernel"]) if "lm_head" in target.params else embed.T
+  mask = drafter.config.mask_token_id
+  for prompt in _prompt_ids(target.tokenizer, n=2):
+    n = len(prompt) - 1  # the last prompt token is the block's root
+    block = np.array([prompt[n]] + [mask] * drafter.gamma)
+    with torch.no_grad():
+      states = hf(torch.tensor([prompt[:n]]), output_hidden_states=True).hidden_states
+      ctx = torch.cat([states[i + 1] for i in drafter.taps], dim=-1)
+      h = model(
+        noise_embeds=torch.from_numpy(embed[block][None]),
+        context_hidden_states=ctx,
+        position_ids=torch.arange(n + len(block))[None],
+      ).last_hidden_state
+    theirs = h[0].numpy() @ head
+    ids = jnp.asarray([prompt[:n]], jnp.int32)
+    out = target_lib.forward(target.config, target.params, ids, taps=drafter.taps)
+    st = drafter.prefill(
+      drafter.params,
+      drafter.init_state(drafter.params, 1, n + len(block)),
+      PrefillContext(ids, jnp.array([n]), out.taps, out.hidden),
+    )
+    ours = drafter.block_logits(drafter.params, st, jnp.asarray(block[None]), jnp.array([n]))
+    np.testing.assert_allclose(np.asarray(ours[0]), theirs, atol=2e-4, rtol=0)

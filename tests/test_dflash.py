@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import jaxspec
 from jaxspec.drafters.base import PrefillContext
-from jaxspec.drafters.dflash import DFlashDrafter, dflash_tensors
+from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
@@ -27,6 +27,7 @@ from tests.drafter_models import (
   sampled_pvalue,
   small_dflash,
   small_target,
+  transformers_dflash,
 )
 
 MASK = 2
@@ -127,37 +128,10 @@ def test_sliding_windows_and_context_ring(target, drafter, greedy):
 def test_matches_transformers_dflash_model(target, drafter):
   """transformers' DFlash-architecture model (MuseGlimmerAssistant) on the same weights."""
   torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  if not hasattr(transformers, "MuseGlimmerAssistantModel"):
+  pytest.importorskip("transformers")
+  model = transformers_dflash(drafter)
+  if model is None:
     pytest.skip("this transformers has no DFlash-architecture model")
-  c = drafter.config
-  hf_cfg = transformers.MuseGlimmerAssistantConfig(
-    hidden_size=c.hidden_size,
-    intermediate_size=c.intermediate_size,
-    num_hidden_layers=c.num_layers,
-    num_attention_heads=c.num_heads,
-    num_key_value_heads=c.num_kv_heads,
-    head_dim=c.head_dim,
-    rms_norm_eps=c.rms_norm_eps,
-    rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-    layer_types=["full_attention"] * c.num_layers,
-    block_size=c.block_size,
-    mask_token_id=MASK,
-    target_layer_ids=list(c.target_layer_ids),
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-  )
-  model = transformers.MuseGlimmerAssistantModel(hf_cfg).float().eval()
-  rename = {
-    "fc.weight": "encoder.fc.weight",
-    "hidden_norm.weight": "encoder.output_norm_enc.weight",
-  }
-  state = {
-    rename.get(k, k): torch.from_numpy(np.array(v, np.float32))
-    for k, v in dflash_tensors(drafter).items()
-  }
-  model.load_state_dict(state, strict=True)
   toks = np.asarray(prompts(1, 64)[0], np.int32)
   n = len(toks)
   out = target_lib.forward(target.config, target.params, jnp.asarray(toks[None]), taps=drafter.taps)

@@ -846,8 +846,17 @@ class DFlashDrafter(Drafter):
     temp = jnp.where(sampling.is_greedy(ctx.sampling), 1.0, ctx.sampling.temperature)
     logprobs = jax.nn.log_softmax(logits / temp[:, None, None].astype(jnp.float32), axis=-1)
     if self.sample_drafts:
-      q = sampling.warped_probs(logits, ctx.sampling)
-      return Proposal(sampling.sample_from_probs(ctx.key, q), q, logprobs), state
+
+      def sampled():
+        q = sampling.warped_probs(logits, ctx.sampling)
+        return sampling.sample_from_probs(ctx.key, q), q
+
+      def greedy():  # the same drafts and q, without the vocabulary-wide draw
+        ids = sampling.argmax(logits)
+        return ids, jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32)
+
+      drafts, q = jax.lax.cond(jnp.all(sampling.is_greedy(ctx.sampling)), greedy, sampled)
+      return Proposal(drafts, q, logprobs), state
     return Proposal(sampling.argmax(logits), None, logprobs), state
 
   def commit(self, params: Any, state: DFlashState, ctx: CommitContext) -> DFlashState:
