@@ -15,6 +15,7 @@ tokens only: the drafter learns the target's continuations, never the corpus tex
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -237,10 +238,9 @@ class DistillDataset:
       rows = np.flatnonzero(self.temperature == t)
       if len(rows) < self.batch_size:
         continue
-      view = object.__new__(DistillDataset)
+      view = copy.copy(self)
       view.tokens, view.loss_mask = self.tokens[rows], self.loss_mask[rows]
-      view.temperature = self.temperature[rows]
-      view.batch_size, view.seed, view.shuffle = self.batch_size, self.seed, False
+      view.temperature, view.shuffle = self.temperature[rows], False
       view.batches_per_epoch = len(rows) // self.batch_size
       views[float(t)] = view
     return views
