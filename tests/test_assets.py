@@ -162,6 +162,7 @@ def test_bundled_dflash_drafts_the_same_in_transformers():
   jaxspec's block logits on real prompts."""
   from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
   from jaxspec.drafters.base import PrefillContext  # pylint: disable=import-outside-toplevel
+  from jaxspec.drafters.dflash import target_head  # pylint: disable=import-outside-toplevel
   from tests.drafter_models import transformers_dflash  # pylint: disable=import-outside-toplevel
 
   target = jaxspec.load_model(TARGET)
@@ -171,7 +172,6 @@ def test_bundled_dflash_drafts_the_same_in_transformers():
     pytest.skip("this transformers has no DFlash-architecture model")
   hf = _hf(TARGET)
   embed = np.asarray(target.params["embed"])
-  head = np.asarray(target.params["lm_head"]["kernel"]) if "lm_head" in target.params else embed.T
   mask = drafter.config.mask_token_id
   for prompt in _prompt_ids(target.tokenizer, n=2):
     n = len(prompt) - 1  # the last prompt token is the block's root
@@ -184,7 +184,7 @@ def test_bundled_dflash_drafts_the_same_in_transformers():
         context_hidden_states=ctx,
         position_ids=torch.arange(n + len(block))[None],
       ).last_hidden_state
-    theirs = h[0].numpy() @ head
+    theirs = np.asarray(target_head(drafter.params, jnp.asarray(h[0].numpy()), "float32"))
     ids = jnp.asarray([prompt[:n]], jnp.int32)
     out = target_lib.forward(target.config, target.params, ids, taps=drafter.taps)
     st = drafter.prefill(

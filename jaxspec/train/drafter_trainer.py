@@ -167,10 +167,9 @@ def grow_dflash(init: DFlashDrafter, fresh: DFlashDrafter) -> DFlashDrafter:
   fused features as the others'.
   """
   n_old, n_new = init.config.num_layers, fresh.config.num_layers
-  old_draft, new_draft = init.params["draft"], fresh.params["draft"]
-  draft = dict(old_draft)
+  draft = dict(init.params["draft"])
   for i in range(n_old, n_new):
-    layer = jax.tree_util.tree_map(jnp.asarray, new_draft[f"layers_{i}"])
+    layer = fresh.params["draft"][f"layers_{i}"]
     attn = dict(layer["self_attn"])
     attn["o_proj"] = jax.tree_util.tree_map(jnp.zeros_like, attn["o_proj"])
     mlp = dict(layer["mlp"])
