@@ -40,6 +40,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 from jaxspec.errors import ConfigError
+from jaxspec.quant.codecs import (
+  Q4_BLOCK,
+  fp8_bits,
+  fp8_dequantize,
+  fp8_quantize,
+  fp8_values,
+  q4_0_dequantize,
+  q4_0_quantize,
+)
 
 # Logical axes of an attention entry's K/V arrays (and Q4_0 scales, one per block of head_dim),
 # of the FP8 scales, of a ring's slot positions and of per-row vectors (for sharding rules).
@@ -56,8 +65,7 @@ LINEAR_STATE_AXES = {
 POS_AXES = ("layers", "batch", "length")
 ROW_AXES = ("batch",)
 
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite E4M3 value
+
 
 
 def _slots(start: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
@@ -118,36 +126,6 @@ class FloatKV:
 
   def commit_path(self, start: jax.Array, path: jax.Array) -> "FloatKV":
     return FloatKV(_move(self.k, start, path), _move(self.v, start, path))
-
-
-def fp8_quantize(x: jax.Array, axes: tuple[int, ...] = (-1,)) -> tuple[jax.Array, jax.Array]:
-  """x → (E4M3 values like x, float32 scales with `axes` removed): one scale per vector along
-  `axes` (the head dim of a KV vector; a weight's contraction axes, per output channel).
-
-  scale = amax / 448 so the largest element maps to E4M3's largest finite value; an all-zero
-  vector gets scale 1 (its values stay 0).
-  """
-  xf = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
-  scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-  q = jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-  return q, jnp.squeeze(scale, axes)
-
-
-def fp8_dequantize(
-  q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32, axes: tuple[int, ...] = (-1,)
-) -> jax.Array:
-  return (q.astype(jnp.float32) * jnp.expand_dims(scale, axes)).astype(dtype)
-
-
-def fp8_bits(q: jax.Array) -> jax.Array:
-  """E4M3 values → their bytes (uint8), the storage form (see FP8KV)."""
-  return jax.lax.bitcast_convert_type(q, jnp.uint8)
-
-
-def fp8_values(bits: jax.Array) -> jax.Array:
-  """Stored bytes → E4M3 values."""
-  return jax.lax.bitcast_convert_type(bits, FP8_DTYPE)
 
 
 class _QuantizedKV:
@@ -239,41 +217,6 @@ class FP8KV(_QuantizedKV):
     values = lambda: jnp.zeros(shape, jnp.uint8)  # distinct buffers: the state is donated
     scales = lambda: jnp.ones(shape[:-1], jnp.float32)
     return cls(values(), values(), scales(), scales(), config.dtype)
-
-
-Q4_BLOCK = 32  # values per Q4_0 block (llama.cpp's QK4_0)
-
-
-def q4_0_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """x [..., D] (D a multiple of 32) → (packed nibbles uint8 [..., D/2], float16 scales
-  [..., D/32]): llama.cpp's `quantize_row_q4_0_ref`, bit for bit.
-
-  Per block of 32: the element of largest magnitude (the first, on ties) is `max`; d = max / −8;
-  q = min(15, trunc(x / d + 8.5)) (x · (1/d) in float32, as the reference computes it); byte j
-  of a block holds q[j] in its low nibble and q[j + 16] in its high one; d is stored as fp16.
-  """
-  xf = x.astype(jnp.float32)
-  blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // Q4_BLOCK, Q4_BLOCK)
-  first_max = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
-  peak = jnp.take_along_axis(blocks, first_max, axis=-1)  # signed
-  d = peak / -8.0
-  inv = jnp.where(d != 0, 1.0 / jnp.where(d != 0, d, 1.0), 0.0)
-  scaled = jax.lax.optimization_barrier(blocks * inv)  # rounded before the add, as in C
-  q = jnp.minimum(15, jnp.trunc(scaled + 8.5)).astype(jnp.uint8)
-  half = Q4_BLOCK // 2
-  packed = q[..., :half] | (q[..., half:] << 4)
-  return packed.reshape(*xf.shape[:-1], xf.shape[-1] // 2), d[..., 0].astype(jnp.float16)
-
-
-def q4_0_dequantize(packed: jax.Array, d: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-  """Inverse of `q4_0_quantize`: (q − 8) · d per value (llama.cpp's `dequantize_row_q4_0`)."""
-  half = Q4_BLOCK // 2
-  blocks = packed.reshape(*packed.shape[:-1], packed.shape[-1] // half, half)
-  lo = (blocks & 0x0F).astype(jnp.int32) - 8
-  hi = (blocks >> 4).astype(jnp.int32) - 8
-  q = jnp.concatenate([lo, hi], axis=-1).astype(jnp.float32)
-  x = q * d.astype(jnp.float32)[..., None]
-  return x.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(dtype)
 
 
 @flax.struct.dataclass

@@ -1005,7 +1005,7 @@ def run_cost_curves(
   """Cost curves of the COST_MODELS[size] models (both layer layouts for the dense one), the
   reference bandwidth, drafter step costs at each model's scale, and projected speedups
   τ · t(1) / (t_verify + t_draft) with τ measured on the bundled pair. Saves JSON and a PNG."""
-  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
 
   shapes = COST_MODELS[size]
   bandwidth = roofline.reference_bandwidth(roofline.GIB if size == "1gb" else 1 << 24)
@@ -1187,8 +1187,8 @@ def run_quant_costs(
 ) -> dict[str, Any]:
   """Per weight format (float32, bfloat16, quantization policies) of the COST_MODELS[size]
   models: stored weight bytes, bytes a decode step reads, and forward times at `tokens`."""
-  from jaxspec.quant import profile as profile_lib  # pylint: disable=import-outside-toplevel
-  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
+  from jaxspec.quant import policy as policy_lib  # pylint: disable=import-outside-toplevel
 
   rows = []
   for kind, kw in COST_MODELS[size].items():
@@ -1201,7 +1201,7 @@ def run_quant_costs(
         params = jax.tree_util.tree_map(lambda x: x.astype(jax.numpy.bfloat16), params)
       elif name != "float32":
         params = jaxspec.quantize(
-          jaxspec.TargetModel(base, params), profile_lib.load_policy(name)
+          jaxspec.TargetModel(base, params), policy_lib.load_policy(name)
         ).params
       points = roofline.cost_curve(config, params, tokens, max_len)
       stored = roofline.tree_bytes_stored(params)

@@ -54,7 +54,7 @@ def main(argv):
   from jaxspec.config import ModelConfig  # pylint: disable=import-outside-toplevel
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
   from jaxspec.plan.scale import mesh_sizes  # pylint: disable=import-outside-toplevel
-  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
 
   cfg = ModelConfig(
     architecture="Qwen3MoeForCausalLM",

@@ -31,7 +31,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import plan  # pylint: disable=wrong-import-position
-from jaxspec.speculative import roofline  # pylint: disable=wrong-import-position
+from jaxspec.profiling import roofline  # pylint: disable=wrong-import-position
 from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
 from jaxspec.train import data as data_lib  # pylint: disable=wrong-import-position

@@ -59,7 +59,7 @@ import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
 from jaxspec.models import target as target_lib  # pylint: disable=wrong-import-position
-from jaxspec.speculative import roofline  # pylint: disable=wrong-import-position
+from jaxspec.profiling import roofline  # pylint: disable=wrong-import-position
 from jaxspec.state import DecodingState  # pylint: disable=wrong-import-position
 
 SECTIONS = ("environment", "pallas", "lossless", "cost", "speedup")

@@ -27,8 +27,8 @@ import jax  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli, distributed  # pylint: disable=wrong-import-position
-from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
-from jaxspec.quant.profile import load_policy  # pylint: disable=wrong-import-position
+from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
+from jaxspec.quant.policy import load_policy  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 defaults.define_model_flags()

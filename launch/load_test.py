@@ -31,7 +31,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 import openai  # pylint: disable=wrong-import-position
 
 from jaxspec import cli  # pylint: disable=wrong-import-position
-from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
+from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS

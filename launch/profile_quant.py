@@ -5,7 +5,7 @@ layers) is quantized alone in each format that fits it and measured on held-out 
 tokens against the unquantized target: KL(p_full ‖ p_q), top-1 agreement, Δ perplexity and,
 with a drafter, Δ acceptance length. The policy with the fewest bytes whose measured KL stays
 under --kl_budget is then chosen and written as a JSON policy that `jaxspec.quantize` (via
-`jaxspec.quant.profile.load_policy`) and `launch/generate.py --quant_policy` accept.
+`jaxspec.quant.policy.load_policy`) and `launch/generate.py --quant_policy` accept.
 
   python launch/profile_quant.py                          # the bundled target, DFlash Δτ
   python launch/profile_quant.py --kl_budget=0.005 --drafter=none --out=/tmp/q
@@ -29,7 +29,8 @@ import numpy as np  # pylint: disable=wrong-import-position
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.drafters import registry  # pylint: disable=wrong-import-position
-from jaxspec.quant import profile as profile_lib  # pylint: disable=wrong-import-position
+from jaxspec.profiling import sensitivity as profile_lib
+from jaxspec.quant import policy as policy_lib  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
@@ -133,7 +134,7 @@ def main(argv: Sequence[str]) -> None:
       f"{FLAGS.kl_budget:g}), top-1 {m['top1']:.1%}, Δppl {m['ppl_delta']:+.2%}{effect}"
     )
   policy_path = os.path.join(FLAGS.out, "policy.json")
-  profile_lib.save_policy(rules, policy_path, kl_budget=FLAGS.kl_budget, measured=measured)
+  policy_lib.save_policy(rules, policy_path, kl_budget=FLAGS.kl_budget, measured=measured)
   with open(os.path.join(FLAGS.out, "profile.json"), "w") as f:
     json.dump(
       {

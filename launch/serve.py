@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import uvicorn  # pylint: disable=wrong-import-position
 
 from jaxspec import cli, distributed  # pylint: disable=wrong-import-position
-from jaxspec.drafters import defaults  # pylint: disable=wrong-import-position
+from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
 from jaxspec.serve import multihost  # pylint: disable=wrong-import-position

@@ -13,7 +13,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.speculative import sampling, tree_verify, verify
+from jaxspec import sampling
+
+from jaxspec.speculative import tree_verify, verify
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,15 +10,8 @@ import pytest
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import attention as attention_lib
-from jaxspec.state import (
-  FP8_MAX,
-  DecodingState,
-  FloatKV,
-  FP8KV,
-  fp8_dequantize,
-  fp8_quantize,
-  fp8_values,
-)
+from jaxspec.quant.codecs import FP8_MAX, fp8_dequantize, fp8_quantize, fp8_values
+from jaxspec.state import DecodingState, FloatKV, FP8KV
 
 B, H, KV, D, S, L = 4, 4, 2, 8, 24, 2
 CHUNK = 4

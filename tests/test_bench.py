@@ -162,7 +162,7 @@ def test_cost_curve_mode(tmp_path):
 
 
 def test_projection_formula():
-  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
 
   # τ tokens for one verify and one draft step, against τ plain steps.
   assert roofline.project_speedup(4.0, 1.0, 1.5, 0.5) == pytest.approx(2.0)
@@ -188,7 +188,7 @@ def test_weight_bytes_read_counts_only_routed_experts_and_stored_bytes():
 
   from jaxspec import quant  # pylint: disable=import-outside-toplevel
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
-  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
 
   config = roofline.moe_config(
     hidden=512, layers=2, experts=8, experts_per_tok=2, expert_intermediate=64, vocab=512
@@ -212,7 +212,7 @@ def test_forward_flops_counts_every_product_once_per_token(moe):
   """2 FLOPs per weight element per token (a token's own k experts, not all of them; no
   embedding products) plus QKᵀ and PV over each token's prefix, written out from the shapes."""
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
-  from jaxspec.speculative import roofline  # pylint: disable=import-outside-toplevel
+  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
 
   h, n, v, heads, kv, hd, inter, e, k = 256, 2, 512, 4, 2, 64, 384, 8, 2
   kw = dict(hidden=h, layers=n, vocab=v, head_dim=hd, kv_heads=kv)

@@ -142,14 +142,11 @@ def test_generator_sees_new_modules(tmp_path):
   assert _unlisted_modules(_parse_build(stale), str(tmp_path)) == ["jaxspec/newpkg/thing.py"]
 
 
-def test_generator_merges_import_cycles(tmp_path):
+def test_generator_refuses_import_cycles(tmp_path):
   gen = _load_generator()
   for name, body in (("a", "from jaxspec.b import x\n"), ("b", "from jaxspec.a import y\n")):
     d = tmp_path / "jaxspec" / name
     d.mkdir(parents=True)
     (d / "__init__.py").write_text(body)
-  text = gen.render(str(tmp_path))
-  targets = _parse_build(text)
-  assert "jaxspec_b" not in targets
-  assert targets["jaxspec_a"]["srcs"] == ["jaxspec/a/__init__.py", "jaxspec/b/__init__.py"]
-  assert "import cycle" in text
+  with pytest.raises(gen.ImportCycleError, match="jaxspec_a, jaxspec_b"):
+    gen.render(str(tmp_path))

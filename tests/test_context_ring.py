@@ -21,7 +21,7 @@ from jaxspec.drafters.base import PrefillContext, ProposeContext
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.models import attention as attention_lib
 from jaxspec.models import target as target_lib
-from jaxspec.speculative import sampling
+from jaxspec import sampling
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import FloatKV, RingKV
 from tests import near_ties

@@ -18,7 +18,7 @@ from jaxspec.drafters import eagle3 as eagle3_lib
 from jaxspec.drafters.base import PrefillContext, ProposeContext
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.models import target as target_lib
-from jaxspec.speculative import sampling
+from jaxspec import sampling
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import FloatKV
 

@@ -16,6 +16,7 @@ import pytest
 import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.models import gated_deltanet as gdn
+from pallas_kernels.gated_delta import reference
 from jaxspec.models import target as target_lib
 from pallas_kernels.gated_delta import gated_delta_pallas, gated_delta_rule
 
@@ -36,7 +37,7 @@ def _inputs(seed: int, b: int = 2, t: int = 21, h: int = 2, dk: int = 8, dv: int
 # One shape for every kernel test (21 tokens, chunks of 8: two borders and a padded last chunk;
 # the value columns split over two programs), so the kernel and the oracles compile once.
 CHUNK, BLOCK_V = 8, 2
-recurrent_ref = jax.jit(gdn.recurrent_reference)
+recurrent_ref = jax.jit(reference.recurrent_reference)
 chunked_ref = jax.jit(gdn.chunked, static_argnames="chunk_size")
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.models import gated_deltanet as gdn
+from pallas_kernels.gated_delta import reference
 
 
 def _inputs(seed: int, b: int = 2, t: int = 11, h: int = 3, dk: int = 8, dv: int = 4):
@@ -27,7 +28,7 @@ def test_chunked_equals_recurrent_reference(chunk):
   wider than the block, with and without an initial state."""
   q, k, v, g, beta, s0 = _inputs(0)
   for init in (None, s0):
-    ref_out, ref_s = gdn.recurrent_reference(q, k, v, g, beta, init)
+    ref_out, ref_s = reference.recurrent_reference(q, k, v, g, beta, init)
     out, s = jax.jit(gdn.chunked, static_argnames="chunk_size")(
       q, k, v, g, beta, init, chunk_size=chunk
     )
@@ -39,10 +40,10 @@ def test_recurrent_snapshots_are_prefix_states():
   """states[:, j] is the reference's final state after tokens 0..j; outputs agree too."""
   q, k, v, g, beta, s0 = _inputs(1, t=6)
   out, states = jax.jit(gdn.recurrent)(q, k, v, g, beta, s0)
-  ref_out, _ = gdn.recurrent_reference(q, k, v, g, beta, s0)
+  ref_out, _ = reference.recurrent_reference(q, k, v, g, beta, s0)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5)
   for j in range(6):
-    _, ref_s = gdn.recurrent_reference(
+    _, ref_s = reference.recurrent_reference(
       q[:, : j + 1], k[:, : j + 1], v[:, : j + 1], g[:, : j + 1], beta[:, : j + 1], s0
     )
     np.testing.assert_allclose(np.asarray(states[:, j]), np.asarray(ref_s), atol=1e-5)
@@ -70,7 +71,7 @@ def test_chunked_with_strong_decay_stays_finite_and_exact():
   finite and equal to the reference."""
   q, k, v, g, beta, s0 = _inputs(3, t=9)
   g = g * 14.0 - 1.0
-  ref_out, ref_s = gdn.recurrent_reference(q, k, v, g, beta, s0)
+  ref_out, ref_s = reference.recurrent_reference(q, k, v, g, beta, s0)
   out, s = jax.jit(gdn.chunked, static_argnames="chunk_size")(q, k, v, g, beta, s0, chunk_size=8)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5, rtol=1e-5)
@@ -142,7 +143,7 @@ def test_tree_block_equals_each_root_path_run_sequentially(shape):
   pick = lambda y, fill: jnp.where(
     (pads >= 0).reshape(2, t, t, *([1] * (y.ndim - 2))), y[rows, np.maximum(pads, 0)], fill
   ).reshape(2 * t, t, *y.shape[2:])
-  ref_out, ref_s = gdn.recurrent_reference(
+  ref_out, ref_s = reference.recurrent_reference(
     pick(q, 0.0), pick(k, 0.0), pick(v, 0.0), pick(g, 0.0), pick(beta, 0.0), jnp.repeat(s0, t, 0)
   )
   ref_conv, _ = gdn.causal_conv(jnp.asarray(last)[:, None], jnp.asarray(windows), w)
@@ -176,7 +177,7 @@ def test_unit_lower_inverse_equals_numpy_inverse(c):
   rand = np.tril(rng.normal(size=(2, c, c)), -1) * 0.5 + np.eye(c)
   ones = (np.tril(np.ones((c, c)), -1) + np.eye(c))[None]
   for a in (rand, ones):
-    got = np.asarray(gdn.unit_lower_inverse(jnp.asarray(a, jnp.float32)))
+    got = np.asarray(reference.unit_lower_inverse(jnp.asarray(a, jnp.float32)))
     np.testing.assert_allclose(got, np.linalg.inv(a), atol=1e-4, rtol=1e-5)
 
 
@@ -186,7 +187,7 @@ def test_chunked_gradients_equal_the_reference_gradients():
   loss = lambda fn: lambda *xs: jnp.sum(jnp.sin(fn(*xs)[0])) + jnp.sum(fn(*xs)[1] ** 2)
   chunked = lambda *xs: gdn.chunked(*xs, chunk_size=4)
   args = (q, k, v, g, beta, s0)
-  want = jax.grad(loss(gdn.recurrent_reference), argnums=range(6))(*args)
+  want = jax.grad(loss(reference.recurrent_reference), argnums=range(6))(*args)
   got = jax.jit(jax.grad(loss(chunked), argnums=range(6)))(*args)
   for w, x in zip(want, got):
     np.testing.assert_allclose(np.asarray(x), np.asarray(w), atol=1e-4, rtol=1e-4)

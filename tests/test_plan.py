@@ -21,7 +21,7 @@ import jaxspec as js
 from jaxspec import sharding
 from jaxspec.errors import ConfigError
 from jaxspec.plan import arch, scale
-from jaxspec.plan.engine import tree_bytes
+from jaxspec.speculative.memory import tree_bytes
 from jaxspec.quant.formats import QTensor
 from tests import virtual_devices
 

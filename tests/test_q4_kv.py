@@ -16,7 +16,8 @@ from jaxspec import plan
 from jaxspec.config import ModelConfig
 from jaxspec.drafters import registry
 from jaxspec.models import attention as attention_lib
-from jaxspec.state import DecodingState, FloatKV, Q4KV, q4_0_dequantize, q4_0_quantize
+from jaxspec.quant.codecs import q4_0_dequantize, q4_0_quantize
+from jaxspec.state import DecodingState, FloatKV, Q4KV
 
 QK = 32
 

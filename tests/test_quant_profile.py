@@ -18,7 +18,8 @@ import pytest
 import jaxspec
 from jaxspec import quant
 from jaxspec.drafters import registry
-from jaxspec.quant import profile as profile_lib
+from jaxspec.profiling import sensitivity as profile_lib
+from jaxspec.quant import policy as policy_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,11 +82,11 @@ def test_per_layer_rules_touch_their_layer_only(tmp_path):
   with pytest.raises(jaxspec.ConfigError, match="must be a number"):
     quant.check_policy([("experts@x", "fp8")])
   path = str(tmp_path / "policy.json")
-  profile_lib.save_policy((("experts@2", "mxfp4"),), path, kl_budget=0.1)
-  assert profile_lib.load_policy(path) == (("experts@2", "mxfp4"),)
-  assert profile_lib.load_policy("default") == quant.DEFAULT_POLICY
+  policy_lib.save_policy((("experts@2", "mxfp4"),), path, kl_budget=0.1)
+  assert policy_lib.load_policy(path) == (("experts@2", "mxfp4"),)
+  assert policy_lib.load_policy("default") == quant.DEFAULT_POLICY
   with pytest.raises(jaxspec.ConfigError, match="neither"):
-    profile_lib.load_policy(str(tmp_path / "missing.json"))
+    policy_lib.load_policy(str(tmp_path / "missing.json"))
 
 
 @pytest.mark.slow  # a minute of CPU: the library path above is the default suite's check
@@ -107,7 +108,7 @@ def test_launch_script_writes_a_policy_generate_accepts(tmp_path):
     report = json.load(f)
   assert report["chosen"]["kl"] <= 0.001
   assert os.path.exists(os.path.join(out, "sensitivity.png"))
-  rules = profile_lib.load_policy(os.path.join(out, "policy.json"))
+  rules = policy_lib.load_policy(os.path.join(out, "policy.json"))
   assert [list(r) for r in rules] == report["chosen"]["rules"]
   assert {g["format"] for g in report["groups"]} == {"mxfp4", "fp8"}
 

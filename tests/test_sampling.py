@@ -1,4 +1,4 @@
-"""Tests for jaxspec.speculative.sampling: warping masks, greedy rows, sampling frequencies, no recompiles."""
+"""Tests for jaxspec.sampling: warping masks, greedy rows, sampling frequencies, no recompiles."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxspec.speculative import sampling
-from jaxspec.speculative.sampling import make_sampling_params, sample
+from jaxspec import sampling
+from jaxspec.sampling import make_sampling_params, sample
 
 # Jitted once per input shape: eager lax.cond / sort dispatch is slow on CPU.
 warp_logits = jax.jit(sampling.warp_logits)

@@ -24,7 +24,8 @@ import time
 import openai
 import pytest
 
-from jaxspec.drafters import defaults, registry
+from jaxspec.cli import defaults
+from jaxspec.drafters import registry
 from jaxspec.serve import app as app_lib
 from jaxspec.serve import background
 from jaxspec.serve.scheduler import Delta, QueueFull, Scheduler, SchedulerClosed

@@ -14,7 +14,7 @@ import pytest
 
 import jaxspec
 from jaxspec.errors import InputError
-from jaxspec.speculative import sampling
+from jaxspec import sampling
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
 from tests import near_ties

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxspec.speculative import sampling, tree as tree_lib, tree_verify
+from jaxspec import sampling
+
+from jaxspec.speculative import tree as tree_lib, tree_verify
 from jaxspec.speculative.tree import build_tree
 
 from tests import broken_rules, engine_models

@@ -16,7 +16,7 @@ import pytest
 import scipy.stats
 
 from jaxspec.speculative import verify
-from jaxspec.speculative.sampling import SamplingParams, make_sampling_params, warped_probs
+from jaxspec.sampling import SamplingParams, make_sampling_params, warped_probs
 from jaxspec.speculative.verify import verify_chain, verify_chain_greedy
 
 from tests import broken_rules

@@ -8,18 +8,18 @@ Run after adding, removing or re-importing modules:
 
 Targets (all in the one root BUILD, so labels are ``//:name``):
 
-* one ``py_library`` per folder of ``jaxspec/``, ``pallas_kernels/`` and
+* one ``py_library`` per package (folder) of ``jaxspec/``, ``pallas_kernels/`` and
   ``configs/`` that holds ``.py`` files, named after the folder with ``/``
-  replaced by ``_`` (``jaxspec/models`` -> ``jaxspec_models``). The root
-  ``jaxspec/__init__.py`` is the public API facade, which imports every
-  subpackage, while subpackages import root modules such as ``config.py``; so
-  the facade is its own target ``jaxspec`` and the other root modules form
-  ``jaxspec_core``, which keeps the graph acyclic.
+  replaced by ``_`` (``jaxspec/models`` -> ``jaxspec_models``), and one per
+  module at the root of ``jaxspec/`` (``jaxspec/state.py`` -> ``jaxspec_state``).
+  The root ``jaxspec/__init__.py`` is the public API facade, target ``jaxspec``.
 * deps come from each file's imports (absolute and relative, including
   imports inside functions); third-party imports become
   ``requirement("<pip name>")``, standard-library imports are dropped.
-  Should two folders still import each other, their targets are merged
-  (Bazel forbids cycles) and the BUILD says so in a comment.
+  Packages must not import each other in a circle (Bazel forbids cycles, and
+  the layers of DESIGN.md point down only): ``import_cycles`` finds them,
+  ``render`` refuses to write a BUILD while there is one, and
+  tests/test_layers.py fails on one.
 * one ``py_binary`` per ``launch/*.py`` and ``tools/*.py`` script.
 * one ``py_test`` per ``tests/**/test_*.py``; other ``.py`` files under
   ``tests/`` (conftest, helpers) form ``tests_support``, on which every test
@@ -42,7 +42,6 @@ LIBRARY_ROOTS = ("jaxspec", "pallas_kernels", "configs")
 BINARY_ROOTS = ("launch", "tools")
 TESTS = "tests"
 FACADE = "jaxspec"
-CORE = "jaxspec_core"
 SUPPORT = "tests_support"
 ASSETS = "jaxspec/assets"
 
@@ -96,7 +95,8 @@ def library_target(path: str) -> str:
   """Name of the py_library that owns library file ``path``."""
   folder = os.path.dirname(path)
   if folder == "jaxspec":
-    return FACADE if os.path.basename(path) == "__init__.py" else CORE
+    name = os.path.basename(path)
+    return FACADE if name == "__init__.py" else _folder_target(path[: -len(".py")])
   return _folder_target(folder)
 
 
@@ -268,11 +268,12 @@ def _dep_list(local: Iterable[str], pip: Iterable[str]) -> list[str]:
   return [_label(t) for t in sorted(set(local))] + [_requirement(p) for p in sorted(set(pip))]
 
 
-def render(root: str = ROOT) -> str:
-  """The BUILD file text for the tree at ``root``."""
-  tree = _Tree(root)
+class ImportCycleError(SystemExit):
+  """Packages import each other in a circle; the message names them."""
 
-  # Library targets: files per target, then deps per target.
+
+def _library(tree: _Tree) -> tuple[dict[str, list[str]], dict[str, set[str]], dict[str, set[str]]]:
+  """(files, local deps, pip deps) per library target."""
   srcs: dict[str, list[str]] = {}
   for p in tree.library_files:
     srcs.setdefault(library_target(p), []).append(p)
@@ -281,33 +282,31 @@ def render(root: str = ROOT) -> str:
   for target, files in srcs.items():
     local[target], pip[target] = _deps(tree, files, target)
     local[target] &= set(srcs)
+  return srcs, local, pip
 
-  # Merge import cycles into one target (named after the first member).
-  rename: dict[str, str] = {t: t for t in srcs}
-  notes: dict[str, str] = {}
-  for comp in _strongly_connected(local):
-    if len(comp) > 1:
-      keep = FACADE if FACADE in comp else CORE if CORE in comp else comp[0]
-      for t in comp:
-        rename[t] = keep
-      notes[keep] = (
-        f"Merged because of an import cycle between "
-        f"{', '.join(comp)}; split it to restore one target per "
-        f"folder."
-      )
-  merged_srcs: dict[str, list[str]] = {}
-  merged_local: dict[str, set[str]] = {}
-  merged_pip: dict[str, set[str]] = {}
-  for t in srcs:
-    k = rename[t]
-    merged_srcs.setdefault(k, []).extend(srcs[t])
-    merged_local.setdefault(k, set()).update(rename[d] for d in local[t])
-    merged_pip.setdefault(k, set()).update(pip[t])
-  for k in merged_local:
-    merged_local[k].discard(k)
 
-  def mapped(targets: Iterable[str]) -> set[str]:
-    return {rename.get(t, t) for t in targets}
+def package_graph(root: str = ROOT) -> dict[str, set[str]]:
+  """Library target (package, or root module of jaxspec/) -> the targets its files import,
+  every import statement counted (lazy ones inside functions too)."""
+  return _library(_Tree(root))[1]
+
+
+def import_cycles(root: str = ROOT) -> list[list[str]]:
+  """The sets of library targets that import each other in a circle (none when layered)."""
+  return [c for c in _strongly_connected(package_graph(root)) if len(c) > 1]
+
+
+def render(root: str = ROOT) -> str:
+  """The BUILD file text for the tree at ``root``."""
+  tree = _Tree(root)
+  merged_srcs, merged_local, merged_pip = _library(tree)
+  cycles = [c for c in _strongly_connected(merged_local) if len(c) > 1]
+  if cycles:
+    raise ImportCycleError(
+      "update_build: packages import each other in a circle: "
+      + "; ".join(", ".join(c) for c in cycles)
+      + " (imports must point down the layers of DESIGN.md; see tests/test_layers.py)"
+    )
 
   has_assets = os.path.isdir(os.path.join(root, ASSETS))
   blocks = [
@@ -330,9 +329,7 @@ def render(root: str = ROOT) -> str:
 
   for target in sorted(merged_srcs):
     data = [_label("jaxspec_assets")] if has_assets and target == FACADE else []
-    comment = notes.get(target, "")
-    if target == FACADE and not comment:
-      comment = "The public API (jaxspec/__init__.py); depend on this."
+    comment = "The public API (jaxspec/__init__.py); depend on this." if target == FACADE else ""
     blocks.append(
       _rule(
         "py_library",
@@ -360,7 +357,7 @@ def render(root: str = ROOT) -> str:
         [
           ("srcs", _quoted([path])),
           ("main", f'"{path}"'),
-          ("deps", _dep_list(mapped(dl), dp)),
+          ("deps", _dep_list(dl, dp)),
         ],
       )
     )
@@ -374,7 +371,7 @@ def render(root: str = ROOT) -> str:
         [
           ("testonly", "True"),
           ("srcs", _quoted(tree.support_files)),
-          ("deps", _dep_list(mapped(dl), dp)),
+          ("deps", _dep_list(dl, dp)),
         ],
         comment="Helpers shared by the tests (everything under tests/ but test_*.py).",
       )
@@ -398,7 +395,7 @@ def render(root: str = ROOT) -> str:
           ("srcs", _quoted([path])),
           ("main", f'"{path}"'),
           ("data", data),
-          ("deps", _dep_list(mapped(dl), dp | {"pytest"})),
+          ("deps", _dep_list(dl, dp | {"pytest"})),
         ],
       )
     )

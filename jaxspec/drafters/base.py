@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import ConfigError
-from jaxspec.speculative.sampling import SamplingParams
+from jaxspec.sampling import SamplingParams
 
 
 @flax.struct.dataclass

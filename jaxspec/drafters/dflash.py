@@ -68,7 +68,7 @@ from jaxspec.models.layers import (
   unfused_logits,
 )
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.speculative import sampling
+from jaxspec import sampling
 from jaxspec.quant.formats import materialize
 from jaxspec.state import KV_AXES
 

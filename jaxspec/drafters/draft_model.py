@@ -36,8 +36,7 @@ from jaxspec.drafters.base import (
   check_gamma,
 )
 from jaxspec.models import target as target_lib
-from jaxspec.speculative import sampling
-from jaxspec.speculative.verify import leading_true_count
+from jaxspec import sampling
 from jaxspec.state import DecodingState
 
 
@@ -155,7 +154,7 @@ class DraftModelDrafter(Drafter):
     # Chain token i was fed at slot old_seq_len + i (i < γ-1); its KV stays valid while the
     # committed tokens agree with the chain up to it. Keep at least the new root pending.
     slots = jnp.minimum(ctx.old_seq_len[:, None] + jnp.arange(self.gamma)[None, :], max_len - 1)
-    agree = leading_true_count(jnp.take_along_axis(ctx.tokens, slots, axis=1) == state.chain)
+    agree = sampling.leading_true_count(jnp.take_along_axis(ctx.tokens, slots, axis=1) == state.chain)
     fed = jnp.minimum(agree, self.gamma - 1)
     valid = jnp.minimum(ctx.old_seq_len + fed, ctx.seq_len - 1)
     return state.replace(cache=state.cache.with_lengths(valid))

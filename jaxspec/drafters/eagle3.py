@@ -63,7 +63,7 @@ from jaxspec.models.layers import (
   unfused_logits,
 )
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.speculative import sampling
+from jaxspec import sampling
 from jaxspec.state import NO_LIMIT, FloatKV, RingKV
 
 

@@ -34,7 +34,7 @@ from jaxspec.drafters.base import (
   check_gamma,
 )
 from jaxspec.models import target as target_lib
-from jaxspec.speculative import sampling
+from jaxspec import sampling
 from jaxspec.state import DecodingState
 
 

@@ -36,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.config import ConfigError, HFConfigReader
+from jaxspec.io import layouts
 from jaxspec.io.hf import (
   INDEX_FILE,
   SINGLE_FILE,
@@ -56,36 +57,6 @@ EAGLE3_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 #   same: identical; linear: HF [out, in] ↔ [in, out]; in_heads: HF [heads·D, in] ↔ [in, heads, D];
 #   out_heads: HF [H, heads·D] ↔ [heads, D, H]; bias_heads: HF [heads·D] ↔ [heads, D].
 Entry = tuple[str, tuple[str, ...], str]
-
-
-def _to_jax(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
-  if kind == "same":
-    return w
-  if kind == "linear":
-    return w.T
-  if kind in ("in_heads", "out_heads"):
-    return w.T.reshape(shape)
-  if kind == "bias_heads":
-    return w.reshape(shape)
-  raise AssertionError(kind)
-
-
-def _to_hf(w: np.ndarray, kind: str) -> np.ndarray:
-  if kind == "same":
-    return w
-  if kind == "linear":
-    return w.T
-  if kind == "in_heads":
-    return w.reshape(w.shape[0], -1).T
-  if kind == "out_heads":
-    return w.reshape(-1, w.shape[-1]).T
-  if kind == "bias_heads":
-    return w.reshape(-1)
-  raise AssertionError(kind)
-
-
-def _hf_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
-  return tuple(_to_hf(np.empty(shape, np.uint8), kind).shape)
 
 
 def _attn_mlp_entries(bias: bool, qk_norm: bool) -> list[Entry]:
@@ -195,15 +166,15 @@ def read_checkpoint(
     for hf, path, kind in entries:
       want_shape = tuple(_get(shapes, path).shape)
       got = src.shape(prefix + hf)
-      if got != _hf_shape(want_shape, kind):
+      if got != layouts.hf_shape(want_shape, kind):
         raise CheckpointError(
           f"tensor {hf} has shape {list(got)}, but the config implies "
-          f"{list(_hf_shape(want_shape, kind))}"
+          f"{list(layouts.hf_shape(want_shape, kind))}"
         )
       w = src.get(prefix + hf)
       check_finite(prefix + hf, w, src.file_of[prefix + hf])
       dtypes.add(_dtype_name(w.dtype))
-      _set(params, path, np.ascontiguousarray(_to_jax(w, kind, want_shape)))
+      _set(params, path, np.ascontiguousarray(layouts.to_jax_layout(w, kind, want_shape)))
     raw = {n: src.get(prefix + n) for n in extra if prefix + n in present}
   finally:
     src.close()
@@ -218,7 +189,7 @@ def read_checkpoint(
 def export_tensors(entries: Iterator[Entry], params: Any) -> dict[str, np.ndarray]:
   """HF-named numpy tensors of a parameter tree (in the parameters' own dtype)."""
   host = jax.tree_util.tree_map(np.asarray, params)
-  return {hf: np.ascontiguousarray(_to_hf(_get(host, path), kind)) for hf, path, kind in entries}
+  return {hf: np.ascontiguousarray(layouts.to_hf_layout(_get(host, path), kind)) for hf, path, kind in entries}
 
 
 def write_checkpoint(out_dir: str, hf_config: dict, tensors: dict[str, np.ndarray]) -> None:

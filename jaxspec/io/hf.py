@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
+from jaxspec.io import layouts
 from jaxspec.io import quantized as quantized_io
 from jaxspec.models import decoder as decoder_lib
 from jaxspec.models import target as target_lib
@@ -185,42 +186,6 @@ def mtp_prefix(config: ModelConfig, k: int) -> str:
   """Where MTP layer k's tensors live: after the main layers (DeepSeek-V3, GLM) or in the
   `mtp.` module (Qwen3.5 / Qwen3-Next)."""
   return "mtp." if config.is_hybrid else f"model.layers.{config.num_layers + k}."
-
-
-def _to_jax_layout(w: np.ndarray, kind: str, target_shape: tuple[int, ...]) -> np.ndarray:
-  if kind == "same":
-    return w
-  if kind == "linear":
-    return w.T
-  if kind == "in_heads":
-    return w.T.reshape(target_shape)
-  if kind == "out_heads":
-    return w.T.reshape(target_shape)
-  if kind == "bias_heads":
-    return w.reshape(target_shape)
-  if kind == "conv":  # HF depthwise Conv1d [C, 1, K] ↔ jaxspec [K, C]
-    return w[:, 0, :].T
-  raise AssertionError(kind)
-
-
-def _to_hf_layout(w: np.ndarray, kind: str) -> np.ndarray:
-  if kind == "same":
-    return w
-  if kind == "linear":
-    return w.T
-  if kind == "in_heads":  # [H, heads, D] → [heads*D, H]
-    return w.reshape(w.shape[0], -1).T
-  if kind == "out_heads":  # [heads, D, H] → [H, heads*D]
-    return w.reshape(-1, w.shape[-1]).T
-  if kind == "bias_heads":
-    return w.reshape(-1)
-  if kind == "conv":
-    return w.T[:, None, :]
-  raise AssertionError(kind)
-
-
-def _hf_shape(target_shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
-  return tuple(_to_hf_layout(np.empty(target_shape, np.uint8), kind).shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,7 +505,7 @@ def load_params(
           )
           stacks.setdefault(path, {})[layer_idx] = q
         continue
-      want = _hf_shape(per_item, kind)
+      want = layouts.hf_shape(per_item, kind)
       got = src.shape(hf)
       if got != want:
         raise CheckpointError(
@@ -548,7 +513,7 @@ def load_params(
         )
       raw = src.get(hf)
       with np.errstate(over="ignore"):  # an overflow is reported below, naming the tensor
-        w = _to_jax_layout(raw, kind, per_item).astype(dtype)
+        w = layouts.to_jax_layout(raw, kind, per_item).astype(dtype)
       if not np.isfinite(w).all():
         check_finite(hf, raw, src.file_of[hf])
         raise CheckpointError(
@@ -711,7 +676,7 @@ def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
       w = w[layer_idx]
     if expert is not None:
       w = w[expert]
-    out[hf] = np.ascontiguousarray(_to_hf_layout(w, kind))
+    out[hf] = np.ascontiguousarray(layouts.to_hf_layout(w, kind))
   return out
 
 

@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.errors import CheckpointError
+from jaxspec.io import layouts
 from jaxspec.quant.formats import QTensor, check_mxfp4_scales
 from jaxspec.quant.policy import path_str, role_of
 
@@ -213,9 +214,7 @@ def import_fp8_block(
   src: Any, name: str, kind: str, shape: tuple[int, ...], block: tuple[int, int], dtype: str
 ) -> QTensor:
   """Reads one block-scaled FP8 weight `name` (HF [out, in]) as an "fp8_block" QTensor."""
-  from jaxspec.io.hf import _hf_shape  # pylint: disable=import-outside-toplevel
-
-  want = _hf_shape(shape, kind)
+  want = layouts.hf_shape(shape, kind)
   if src.shape(name) != want:
     raise CheckpointError(f"tensor {name} has shape {list(src.shape(name))}, expected {list(want)}")
   values = read_raw(src.file_of[name], name, F8)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxspec.errors import ConfigError
 from jaxspec import sharding, state as state_lib
+from jaxspec.quant import codecs
 
 NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
 
@@ -198,7 +199,7 @@ def attend_pallas(
   k, v, scales = kv.k, kv.v, {}
   if kv.format == "fp8":
     # The stored bytes viewed as E4M3 (a same-width bitcast, no conversion).
-    k, v = state_lib.fp8_values(k), state_lib.fp8_values(v)
+    k, v = codecs.fp8_values(k), codecs.fp8_values(v)
     scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
   elif kv.format != "float":
     raise ConfigError(

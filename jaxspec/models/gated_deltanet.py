@@ -7,7 +7,10 @@ token t (query q_t, key k_t, value v_t, log-decay g_t ≤ 0, write strength β_t
     S ← S + k_t ⊗ β_t (v_t − Sᵀ k_t)        (the delta rule: correct what S predicts for k_t)
     o_t = Sᵀ q_t
 
-Three forms, same numbers (and a fourth for draft trees):
+Three forms, same numbers (and a fourth for draft trees). The two pure oracles,
+`recurrent_reference` and `chunked`, live beside the Pallas kernel in
+pallas_kernels/gated_delta/reference.py (which imports nothing from jaxspec); this module calls
+`chunked` as its XLA path.
 
 * `recurrent_reference`: the recurrence above, one token at a time (`lax.scan`), written as
   literally as possible. The oracle of the tests.
@@ -42,48 +45,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.models.attention import block_visibility
 from jaxspec.models.layers import Dense, dtype_of
-
-HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _zeros_state(q: jax.Array, v: jax.Array) -> jax.Array:
-  b, _, h, dk = q.shape
-  return jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
-
-
-def _f32(*xs: jax.Array) -> list[jax.Array]:
-  return [x.astype(jnp.float32) for x in xs]
-
-
-def recurrent_reference(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  g: jax.Array,
-  beta: jax.Array,
-  state: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """The gated delta rule token by token: (out [B, T, H, Dv] float32, final state)."""
-  q, k, v, g, beta = _f32(q, k, v, g, beta)
-  s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
-
-  def step(s, x):
-    q_t, k_t, v_t, g_t, b_t = x  # [B, H, D], ..., [B, H]
-    s = s * jnp.exp(g_t)[..., None, None]
-    predicted = jnp.sum(s * k_t[..., :, None], axis=-2)  # Sᵀ k  [B, H, Dv]
-    delta = (v_t - predicted) * b_t[..., None]
-    s = s + k_t[..., :, None] * delta[..., None, :]
-    return s, jnp.sum(s * q_t[..., :, None], axis=-2)
-
-  xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
-  s, out = jax.lax.scan(step, s0, xs)
-  return jnp.moveaxis(out, 0, 1), s
+from pallas_kernels.gated_delta.reference import HIGHEST, as_float32, chunked, zeros_state
 
 
 def _delta_step(s, q_t, k_t, v_t, g_t, b_t) -> tuple[jax.Array, jax.Array]:
@@ -105,8 +72,8 @@ def recurrent(
 ) -> tuple[jax.Array, jax.Array]:
   """The recurrent form with per-position snapshots: (out [B, T, H, Dv], states [B, T, H, Dk,
   Dv], the state after each position; states[:, -1] is the final one)."""
-  q, k, v, g, beta = _f32(q, k, v, g, beta)
-  s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
+  q, k, v, g, beta = as_float32(q, k, v, g, beta)
+  s0 = zeros_state(q, v) if state is None else state.astype(jnp.float32)
 
   def step(s, x):
     s, out = _delta_step(s, *x)
@@ -115,106 +82,6 @@ def recurrent(
   xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
   _, (out, states) = jax.lax.scan(step, s0, xs)
   return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
-
-
-def chunked(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  g: jax.Array,
-  beta: jax.Array,
-  state: jax.Array | None = None,
-  chunk_size: int = 64,
-) -> tuple[jax.Array, jax.Array]:
-  """The chunked (UT-transform) form: (out [B, T, H, Dv] float32, final state [B, H, Dk, Dv]).
-
-  T is padded to a multiple of `chunk_size` with tokens of g = 0, β = 0, k = 0 (they leave the
-  state unchanged). Inside chunk c, with Γ_i the cumulative log-decay up to position i and
-  L[i, j] = exp(Γ_i − Γ_j) for j ≤ i: the C delta-rule corrections u satisfy
-  (I + strictly_lower(diag(β) K Kᵀ ⊙ L)) u = β ⊙ (V − exp(Γ) ⊙ K S), one unit-lower-triangular
-  inverse per chunk; then O = (Q ⊙ exp(Γ)) S + (Q Kᵀ ⊙ L) u and
-  S' = exp(Γ_C) S + (K ⊙ exp(Γ_C − Γ))ᵀ u.
-  """
-  q, k, v, g, beta = _f32(q, k, v, g, beta)
-  b, t, h, _ = q.shape
-  dv = v.shape[-1]
-  s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
-  c = max(1, min(chunk_size, t))
-  pad = (-t) % c
-  if pad:
-    padding = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    q, k, v, g, beta = map(padding, (q, k, v, g, beta))
-  n = (t + pad) // c
-  # [B, H, N, C, D] / [B, H, N, C]
-  split = lambda x: jnp.moveaxis(x.reshape(b, n, c, h, *x.shape[3:]), 3, 1)
-  q, k, v, g, beta = map(split, (q, k, v, g, beta))
-  cum = jnp.cumsum(g, axis=-1)  # Γ
-  causal = jnp.tril(jnp.ones((c, c), bool))
-  diff = jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf)
-  decay = jnp.exp(diff)  # L [B, H, N, C, C], 0 above the diagonal
-  k_beta = k * beta[..., None]
-  mm = lambda x, y: jnp.einsum("...ik,...jk->...ij", x, y, precision=HIGHEST)
-  system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), mm(k_beta, k) * decay, 0.0)
-  system = system + jnp.eye(c, dtype=jnp.float32)
-  inverse = unit_lower_inverse(system)  # [B, H, N, C, C]
-  solve = lambda rhs: jnp.einsum("...ij,...jd->...id", inverse, rhs, precision=HIGHEST)
-  new_values = solve(v * beta[..., None])  # [B, H, N, C, Dv]
-  k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])  # [B, H, N, C, Dk]
-  intra = mm(q, k) * decay  # [B, H, N, C, C]
-  q_decayed = q * jnp.exp(cum)[..., None]
-  k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-  chunk_decay = jnp.exp(cum[..., -1])  # [B, H, N]
-
-  def body(s, x):
-    nv, kc, intra_c, qd, kd, cd = x
-    v_new = nv - jnp.einsum("bhck,bhkv->bhcv", kc, s, precision=HIGHEST)
-    out = jnp.einsum("bhck,bhkv->bhcv", qd, s, precision=HIGHEST) + jnp.einsum(
-      "bhij,bhjv->bhiv", intra_c, v_new, precision=HIGHEST
-    )
-    s = s * cd[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, v_new, precision=HIGHEST)
-    return s, out
-
-  xs = [jnp.moveaxis(x, 2, 0) for x in (new_values, k_cumdecay, intra, q_decayed, k_decayed)]
-  xs.append(jnp.moveaxis(chunk_decay, 2, 0))
-  s, out = jax.lax.scan(body, s0, xs)  # out [N, B, H, C, Dv]
-  out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
-  return jnp.moveaxis(out, 1, 2), s
-
-
-def unit_lower_inverse(a: jax.Array) -> jax.Array:
-  """(A)⁻¹ of unit-lower-triangular matrices [..., C, C], by recursive block inversion.
-
-  Bottom-up over block sizes s = 1, 2, 4, …: the inverse of a 2s-block [[A11, 0], [A21, A22]]
-  is [[X1, 0], [−X2 A21 X1, X2]] with X1, X2 the inverses of its diagonal halves, so log2(C)
-  rounds of batched matmuls replace a sequential substitution. Exact algebra (no power series:
-  a Neumann product would cancel catastrophically for correlated keys), and all matmuls, which
-  is what accelerators want. It also replaces `lax.linalg.triangular_solve`, whose CPU
-  custom call intermittently never completed under `jax.grad` in training (jaxlib 0.10.2).
-  C that is not a power of two is padded with identity rows.
-  """
-  c = a.shape[-1]
-  size = 1 << max(0, (c - 1).bit_length())
-  if size != c:
-    pad = [(0, 0)] * (a.ndim - 2) + [(0, size - c), (0, size - c)]
-    a = jnp.pad(a, pad) + jnp.diag((jnp.arange(size) >= c).astype(a.dtype))
-  batch = a.shape[:-2]
-  inv = jnp.ones(batch + (size, 1, 1), a.dtype)  # the inverses of the 1 × 1 diagonal blocks
-  mm = lambda x, y: jnp.matmul(x, y, precision=HIGHEST)
-  s = 1
-  while s < size:
-    m = size // (2 * s)
-    base = (np.arange(m) * 2 * s)[:, None, None]
-    rows = base + s + np.arange(s)[None, :, None]
-    cols = base + np.arange(s)[None, None, :]
-    lower_left = a[..., rows, cols]  # A21 of each 2s block [..., m, s, s]
-    pairs = inv.reshape(batch + (m, 2, s, s))
-    x1, x2 = pairs[..., 0, :, :], pairs[..., 1, :, :]
-    new = -mm(mm(x2, lower_left), x1)
-    top = jnp.concatenate([x1, jnp.zeros_like(x1)], axis=-1)
-    bottom = jnp.concatenate([new, x2], axis=-1)
-    inv = jnp.concatenate([top, bottom], axis=-2)  # [..., m, 2s, 2s]
-    s *= 2
-  return inv.reshape(batch + (size, size))[..., :c, :c]
 
 
 def chunked_impl(
@@ -281,8 +148,8 @@ def tree_recurrent(
   rank-1 terms (T² · Dk · Dv); a level-by-level sweep updates all T nodes at each of the D
   depths (T · D · Dk · Dv). Per node the arithmetic is exactly `recurrent`'s along its root path.
   """
-  q, k, v, g, beta = _f32(q, k, v, g, beta)
-  s0 = _zeros_state(q, v) if state is None else state.astype(jnp.float32)
+  q, k, v, g, beta = as_float32(q, k, v, g, beta)
+  s0 = zeros_state(q, v) if state is None else state.astype(jnp.float32)
   b, t = q.shape[:2]
   rows = jnp.arange(b)
   parents = parents.astype(jnp.int32)

@@ -129,6 +129,10 @@ class TargetModel:
   def vocab_size(self) -> int:
     return self.config.vocab_size
 
+  def logical_axes(self) -> Any:
+    """Logical PartitionSpecs of the float parameters of this model's layout."""
+    return logical_axes(self.config)
+
   def with_config(self, **changes: Any) -> "TargetModel":
     """Same weights under a changed config (e.g. moe_backend='dense', dtype='bfloat16').
 

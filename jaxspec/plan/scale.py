@@ -69,7 +69,7 @@ from jaxspec import sharding
 from jaxspec.errors import ConfigError
 from jaxspec.models import expert_parallel
 from jaxspec.plan.arch import ModelSpec, Tensor, kv_kind_tensors, tensors_of
-from jaxspec.plan.engine import human_bytes
+from jaxspec.speculative.memory import human_bytes
 from jaxspec.quant.formats import quantize_weight, stored_axes
 from jaxspec.quant.policy import DEFAULT_POLICY, check_policy, contraction_axes, format_for
 

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import state as state_lib
 from jaxspec.errors import CheckpointError, ConfigError
+from jaxspec.quant import codecs
 
 MX_BLOCK = 32  # elements per shared scale
 E8M0_BIAS = 127
@@ -86,7 +86,7 @@ class QTensor:
   def dequantize(self, dtype: Any = None) -> jax.Array:
     dtype = dtype or self.dtype
     if self.format == "fp8":
-      return state_lib.fp8_dequantize(self.values, self.scales, dtype, self.axes)
+      return codecs.fp8_dequantize(self.values, self.scales, dtype, self.axes)
     if self.format == "fp8_block":
       return fp8_block_dequantize(self.values, self.scales, self.layout, dtype)
     return mxfp4_dequantize(self.values, self.scales, self.axes[-1], dtype)
@@ -217,7 +217,7 @@ def quantize_weight(w: Any, fmt: str, axes: tuple[int, ...]) -> QTensor:
     raise ConfigError(f"contraction axes must be negative indices, got {axes}")
   w = jnp.asarray(w)
   if fmt == "fp8":
-    values, scales = state_lib.fp8_quantize(w, axes)
+    values, scales = codecs.fp8_quantize(w, axes)
   else:
     values, scales = mxfp4_quantize(w, axes[-1])
   return QTensor(values, scales, fmt, tuple(axes), str(jnp.dtype(w.dtype)))

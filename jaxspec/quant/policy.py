@@ -27,8 +27,9 @@ file.
 from __future__ import annotations
 
 import dataclasses
+import json
 import fnmatch
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -246,9 +247,30 @@ def quantize(target: Any, policy: Optional[Iterable] = None) -> Any:
   The returned model keeps its weights in their formats (no dequantized copy); every forward
   dequantizes what it reads. Its `quant_report` says what was quantized and the bytes saved.
   """
-  from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
-
   policy = DEFAULT_POLICY if policy is None else policy
-  axes = target_lib.logical_axes(target.config)
+  axes = target.logical_axes()
   params, report = quantize_params(target.params, axes, policy, target.config)
   return dataclasses.replace(target, params=params, quant_report=report)
+
+
+def load_policy(spec: str) -> tuple[tuple[str, str], ...]:
+  """A policy by name ("default", "none") or from a JSON file holding {"rules": [...]}."""
+  if spec == "default":
+    return DEFAULT_POLICY
+  if spec == "none":
+    return ()
+  try:
+    with open(spec) as f:
+      data = json.load(f)
+  except FileNotFoundError:
+    raise ConfigError(
+      f"quantization policy {spec!r} is neither 'default', 'none' nor a JSON file"
+    ) from None
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"quantization policy file {spec} is not JSON: {e}") from None
+  return policy_from_config(data)
+
+
+def save_policy(rules: Sequence, path: str, **info: Any) -> None:
+  with open(path, "w") as f:
+    json.dump({"rules": [list(r) for r in check_policy(rules)], **info}, f, indent=1)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import distributed, plan, sharding
+from jaxspec import distributed, sharding
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
@@ -50,7 +50,8 @@ from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.quant.formats import QTensor
 from jaxspec.state import KV_FORMATS, ROW_AXES, DecodingState, logical_axes
-from jaxspec.speculative import decode, metrics, sampling, tree as tree_lib, tree_verify, verify
+from jaxspec import sampling
+from jaxspec.speculative import decode, memory, metrics, tree as tree_lib, tree_verify, verify
 from jaxspec.speculative.request import Request
 
 MAX_STOP_IDS = 8  # EngineConfig.max_stop_ids' default
@@ -681,10 +682,10 @@ class SpecEngine:
         self.target = self.target.with_config(linear_snapshots=width)
         target = self.target
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
-    self.memory = plan.engine_plan(
+    self.memory = memory.engine_plan(
       self.target, drafter, config.batch_size, config.max_len, config.kv_format
     )
-    plan.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
+    memory.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
     cfg, dr = target.config, drafter
     self._abstract: dict[int, SpecState] = {}  # batch → the state's shapes (_abstract_state)
     # On a mesh: the state's logical axes (traced once) lay out every state the jits return.

@@ -32,8 +32,8 @@ from typing import Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxspec.speculative import sampling
-from jaxspec.speculative.sampling import SamplingParams
+from jaxspec import sampling
+from jaxspec.sampling import SamplingParams
 from jaxspec.speculative.tree import Tree
 
 RULES = ("ddtree", "eagle2")

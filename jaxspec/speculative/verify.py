@@ -18,14 +18,8 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec.speculative import sampling
-from jaxspec.speculative.sampling import SamplingParams
-
-
-def leading_true_count(mask: jax.Array) -> jax.Array:
-  """[B] int32: length of the all-True prefix of each row of a [B, γ] bool mask."""
-  padded = jnp.concatenate([mask.astype(bool), jnp.zeros(mask.shape[:1] + (1,), bool)], axis=1)
-  return jnp.argmin(padded, axis=1).astype(jnp.int32)  # index of the first False
+from jaxspec import sampling
+from jaxspec.sampling import SamplingParams, leading_true_count
 
 
 def verify_chain_greedy(

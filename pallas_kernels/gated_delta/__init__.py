@@ -6,9 +6,9 @@
 q, k [B, T, H, Dk] (L2-normalised, scaled and repeated to the value heads), v [B, T, H, Dv],
 log-decays g ≤ 0 and write strengths β [B, T, H], an initial state [B, H, Dk, Dv] (None:
 zeros); returns (out [B, T, H, Dv] float32, final state [B, H, Dk, Dv] float32), as
-`jaxspec.models.gated_deltanet.chunked` does.
+`reference.chunked` (the model's XLA path) does.
 
-impl="xla" is reference.py (`gated_deltanet.chunked`, a `lax.scan` over chunks); impl="pallas"
+impl="xla" is reference.py (`chunked`, a `lax.scan` over chunks); impl="pallas"
 runs kernel_gpu.py (one program per (sequence, value head, value block), the chunks walked in
 order inside the kernel with the state carried in float32), in interpret mode when
 `interpret=True`. "auto" picks "xla": the kernel has been checked in interpret mode and by

@@ -18,7 +18,6 @@ additive) and drops groups until the measured KL fits. The result is a per-layer
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -28,12 +27,9 @@ import numpy as np
 from jaxspec.errors import ConfigError
 from jaxspec.quant.formats import FORMATS
 from jaxspec.quant.policy import (
-  DEFAULT_POLICY,
   NEVER,
-  check_policy,
   layer_of,
   path_str,
-  policy_from_config,
   quantize,
   role_of,
 )
@@ -251,26 +247,3 @@ def policy_effect(
     base = acceptance_length(target, drafter_fn(target), prompts, max_new)
     out["tau_delta"] = acceptance_length(model, drafter_fn(model), prompts, max_new) / base - 1
   return out
-
-
-def load_policy(spec: str) -> tuple[tuple[str, str], ...]:
-  """A policy by name ("default", "none") or from a JSON file holding {"rules": [...]}."""
-  if spec == "default":
-    return DEFAULT_POLICY
-  if spec == "none":
-    return ()
-  try:
-    with open(spec) as f:
-      data = json.load(f)
-  except FileNotFoundError:
-    raise ConfigError(
-      f"quantization policy {spec!r} is neither 'default', 'none' nor a JSON file"
-    ) from None
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"quantization policy file {spec} is not JSON: {e}") from None
-  return policy_from_config(data)
-
-
-def save_policy(rules: Sequence, path: str, **info: Any) -> None:
-  with open(path, "w") as f:
-    json.dump({"rules": [list(r) for r in check_policy(rules)], **info}, f, indent=1)

@@ -260,3 +260,9 @@ def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
   last_positive = probs.shape[-1] - 1 - argmax((probs > 0)[..., ::-1])
   found = jnp.any(cdf > u[..., None], axis=-1)
   return jnp.where(found, idx, last_positive).astype(jnp.int32)
+
+
+def leading_true_count(mask: jax.Array) -> jax.Array:
+  """[B] int32: length of the all-True prefix of each row of a [B, γ] bool mask."""
+  padded = jnp.concatenate([mask.astype(bool), jnp.zeros(mask.shape[:1] + (1,), bool)], axis=1)
+  return jnp.argmin(padded, axis=1).astype(jnp.int32)  # index of the first False

@@ -361,7 +361,7 @@ def drafter_step_seconds(
 ) -> float:
   """Median time of one drafter step (propose, then commit of a fully accepted block)."""
   from jaxspec.drafters.base import CommitContext, ProposeContext  # pylint: disable=import-outside-toplevel
-  from jaxspec.speculative import sampling  # pylint: disable=import-outside-toplevel
+  from jaxspec import sampling  # pylint: disable=import-outside-toplevel
 
   params = drafter.params
   g = drafter.gamma
