@@ -40,7 +40,7 @@ SUBCOMMANDS = {
       "generate",
       "generate",
       "methods × temperatures on real prompts, against transformers (tokens/s, τ, speedups)",
-      "launch/bench.py (--mode=generate, the default)",
+      "launch/bench.py --mode=generate, its default mode",
     ),
     Subcommand(
       "cost-curve",
