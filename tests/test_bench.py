@@ -130,11 +130,9 @@ def test_old_entry_points_warn_and_forward():
 
 
 def test_legacy_mode_mapping():
-  assert bench._legacy_mode([]) == ("generate", [])  # pylint: disable=protected-access
-  assert bench._legacy_mode(["--mode", "quant_cost", "--cost_size=tiny"]) == (  # pylint: disable=protected-access
-    "quant",
-    ["--cost_size=tiny"],
-  )
+  legacy = bench._legacy_mode  # pylint: disable=protected-access
+  assert legacy([]) == ("generate", [])
+  assert legacy(["--mode", "quant_cost", "--cost_size=tiny"]) == ("quant", ["--cost_size=tiny"])
   assert bench.command("long", "--job=x")[1:] == [bench.entry_point(), "long", "--job=x"]
   assert os.path.samefile(bench.entry_point(), os.path.join(REPO, "launch", "bench.py"))
 
@@ -275,7 +273,9 @@ def test_cost_curve_mode(tmp_path):
   """`bench.py cost-curve` on tiny random models: curves for both layer layouts, drafter step
   costs, a JSON report and a plot (τ measurement skipped: no prompts)."""
   out = str(tmp_path / "cost.json")
-  report = cost_curve.run_cost_curves(size="tiny", tokens=(1, 2, 4), max_len=64, num_prompts=0, out=out)
+  report = cost_curve.run_cost_curves(
+    size="tiny", tokens=(1, 2, 4), max_len=64, num_prompts=0, out=out
+  )
   names = set(report["curves"])
   assert names == {"dense (unrolled layers)", "dense (scanned layers)", "moe (unrolled layers)"}
   for pts in report["curves"].values():

@@ -127,7 +127,9 @@ def assert_logits_match(
   keep = stable_positions(model, ids)[:, columns]
   excluded = 1.0 - keep.mean()
   if excluded > max_excluded:
-    raise AssertionError(f"{excluded:.0%} of positions follow a routing near-tie; draw other inputs")
+    raise AssertionError(
+      f"{excluded:.0%} of positions follow a routing near-tie; draw other inputs"
+    )
   np.testing.assert_allclose(np.asarray(ours)[keep], np.asarray(reference)[keep], atol=atol, rtol=0)
 
 

@@ -184,7 +184,9 @@ def run_cost_curves(
     "drafter_step_s": drafts,
     "acceptance_length": taus,
     "projected_speedup": projections,
-    "machine": runners.machine_facts(None, list(os.getloadavg()) if hasattr(os, "getloadavg") else None),
+    "machine": runners.machine_facts(
+      None, list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    ),
     "table": "\n".join(lines),
     "out": out,
   }

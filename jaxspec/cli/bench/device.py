@@ -86,7 +86,9 @@ def define_flags() -> None:
     "/tmp/jaxspec_device_check_cache",
     "JAX persistent compilation cache shared by the sections ('' = off).",
   )
-  flags.DEFINE_enum("section", None, checks.SECTIONS, "Internal: run this one section in this process.")
+  flags.DEFINE_enum(
+    "section", None, checks.SECTIONS, "Internal: run this one section in this process."
+  )
   flags.DEFINE_string("rows_file", None, "Internal: where --section appends its rows (JSON lines).")
 
 
@@ -224,7 +226,9 @@ def _parse_limits(cpu: bool) -> dict[str, float]:
   for item in FLAGS.limits:
     name, eq, value = item.partition("=")
     if not eq or name not in limits:
-      raise jaxspec.ConfigError(f"--limits={item!r}: expected section=seconds, of {checks.SECTIONS}")
+      raise jaxspec.ConfigError(
+        f"--limits={item!r}: expected section=seconds, of {checks.SECTIONS}"
+      )
     try:
       limits[name] = float(value)
     except ValueError:
@@ -270,7 +274,9 @@ def main(argv: Sequence[str]) -> None:
   names = [s for s in checks.SECTIONS if s in FLAGS.sections]
   unknown = sorted(set(FLAGS.sections) - set(checks.SECTIONS))
   if unknown:
-    raise jaxspec.ConfigError(f"--sections: unknown {unknown}; choose from {', '.join(checks.SECTIONS)}")
+    raise jaxspec.ConfigError(
+      f"--sections: unknown {unknown}; choose from {', '.join(checks.SECTIONS)}"
+    )
   limits = _parse_limits(cpu)
   budget = FLAGS.budget_s or (CPU_BUDGET_S if cpu else DEVICE_BUDGET_S)
   budget = min(budget, sum(limits[n] for n in names))

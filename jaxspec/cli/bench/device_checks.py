@@ -749,7 +749,7 @@ def section_pallas(rec: Recorder, sizes: Sizes, cpu: bool) -> None:
         name,
         lambda name=name: (
           "fail",
-          {"error": f"no check for pallas_kernels/{name}: add one to jaxspec/cli/bench/device_checks.py"},
+          {"error": f"no check for pallas_kernels/{name}: add one to {__name__}"},
         ),
       )
   for lowering in sizes.lowerings:

@@ -58,7 +58,9 @@ def _lossless(rec: checks.Recorder, sizes: checks.Sizes, dtype: str, labels: Seq
   def generate(label):
     with prec():
       engine = (
-        jaxspec.SpecEngine(target, None, cfg) if label == "plain" else checks.make_engine(label, target, cfg)
+        jaxspec.SpecEngine(target, None, cfg)
+        if label == "plain"
+        else checks.make_engine(label, target, cfg)
       )
       return engine.generate(prompts, max_new_tokens=sizes.new_tokens)
 
@@ -216,7 +218,8 @@ def section_cost(rec: checks.Recorder, sizes: checks.Sizes, cpu: bool) -> None:
     )
 
   rec.run("reference_bandwidth", bandwidth)
-  if not rec.run("random 8B-shaped params" if sizes is checks.DEVICE else "random tiny params", draw):
+  name = "random 8B-shaped params" if sizes is checks.DEVICE else "random tiny params"
+  if not rec.run(name, draw):
     return
   rec.run("T=1 scan_layers=True", scanned_t1)
   if not rec.run("T=1 scan_layers=False", unrolled_t1):

@@ -221,18 +221,24 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   # Runners, in the order they run on each prompt.
   runners: list[Any] = []
   for m in methods:
-    runners.append(runners_lib.JaxspecRunner(m, target, drafters[m], max_len, kv_format=cfg.kv_format))
+    runners.append(
+      runners_lib.JaxspecRunner(m, target, drafters[m], max_len, kv_format=cfg.kv_format)
+    )
   for m in cfg.tree_methods if cfg.tree_budgets else ():
     for n in cfg.tree_budgets:
       runners.append(
-        runners_lib.JaxspecRunner(m, target, drafters[m], max_len, tree_budget=int(n), kv_format=cfg.kv_format)
+        runners_lib.JaxspecRunner(
+          m, target, drafters[m], max_len, tree_budget=int(n), kv_format=cfg.kv_format
+        )
       )
   if hf_models is not None:
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     for m in methods:
       if m in runners_lib.HF_PEERS:
         runners.append(
-          runners_lib.HFRunner(runners_lib.HF_PEERS[m], hf_models[0], hf_models[1], cfg.gamma, cfg.ngram_n, pad)
+          runners_lib.HFRunner(
+            runners_lib.HF_PEERS[m], hf_models[0], hf_models[1], cfg.gamma, cfg.ngram_n, pad
+          )
         )
 
   _log(
@@ -244,7 +250,9 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   for r in runners:
     r.warmup(prompts)
   _log(cfg, f"warm-up (compilation) took {time.perf_counter() - t0:.1f}s")
-  counts_before = {r.name: r.compile_counts() for r in runners if isinstance(r, runners_lib.JaxspecRunner)}
+  counts_before = {
+    r.name: r.compile_counts() for r in runners if isinstance(r, runners_lib.JaxspecRunner)
+  }
 
   results: dict[str, Any] = {}
   for temp in cfg.temperatures:
@@ -431,7 +439,8 @@ def format_table(report: dict[str, Any]) -> str:
       side, method = name.split("/")
       ratio = ""
       if side == "jaxspec" and f"{method}/{runners_lib.HF_PEERS.get(method)}" in ratios:
-        ratio = f"{ratios[f'{method}/{runners_lib.HF_PEERS[method]}']:.2f}× vs {runners_lib.HF_PEERS[method]}"
+        peer = runners_lib.HF_PEERS[method]
+        ratio = f"{ratios[f'{method}/{peer}']:.2f}× vs {peer}"
       rates = s.get("acceptance_rate_per_position")
       rate_s = " ".join(_f(r, ".2f") for r in rates) if rates and len(rates) else ""
       ms = s.get("seconds_per_target_pass")

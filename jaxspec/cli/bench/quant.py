@@ -29,11 +29,13 @@ def define_flags() -> None:
   )
   common_flags.define_out(None, "results JSON (default: ./quant_cost.json)")
 
+
 def run_quant_costs(
   size: str, tokens: Sequence[int], max_len: int, policies: Sequence[str], out: str
 ) -> dict[str, Any]:
-  """Per weight format (float32, bfloat16, quantization policies) of the cost_curve.COST_MODELS[size]
-  models: stored weight bytes, bytes a decode step reads, and forward times at `tokens`."""
+  """Per weight format (float32, bfloat16, quantization policies) of the
+  cost_curve.COST_MODELS[size] models: stored weight bytes, bytes a decode step reads, and
+  forward times at `tokens`."""
   from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
   from jaxspec.quant import policy as policy_lib  # pylint: disable=import-outside-toplevel
 
