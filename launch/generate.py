@@ -27,6 +27,7 @@ import jax  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
 from jaxspec import cli, distributed  # pylint: disable=wrong-import-position
+from jaxspec.cli import common_flags  # pylint: disable=wrong-import-position
 from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
 from jaxspec.quant.policy import load_policy  # pylint: disable=wrong-import-position
 
@@ -50,15 +51,13 @@ flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "0 = off.")
 flags.DEFINE_float("top_p", 1.0, "1 = off.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_integer("max_len", 1024, "Cache length (prompt + generated + draft slack).")
-flags.DEFINE_enum(
-  "kv_format", "float", ("float", "fp8", "q4_0"), "How the target's KV cache is stored."
-)
+common_flags.define_max_len(1024)
+common_flags.define_kv_format()
 flags.DEFINE_string(
   "quant_policy",
   "none",
   "Quantize the target's weights: 'none', 'default' (experts MXFP4, attention and router FP8) "
-  "or a policy JSON file (launch/profile_quant.py writes one).",
+  "or a policy JSON file (`launch/bench.py quant-profile` writes one).",
 )
 flags.DEFINE_bool("compare_plain", True, "Also run plain decoding and print the speedup.")
 

@@ -31,6 +31,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 import openai  # pylint: disable=wrong-import-position
 
 from jaxspec import cli  # pylint: disable=wrong-import-position
+from jaxspec.cli import common_flags  # pylint: disable=wrong-import-position
 from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 
@@ -49,7 +50,7 @@ flags.DEFINE_integer("seed", 0, "Shuffles the request order.")
 # Only when starting its own server:
 defaults.define_model_flags()
 flags.DEFINE_integer("batch_size", 8, "Slots (own server).", lower_bound=1)
-flags.DEFINE_integer("max_len", 256, "Tokens per slot (own server).")
+common_flags.define_max_len(256, "Per slot (own server).")
 flags.DEFINE_integer("steps_per_tick", None, "Steps between admissions (own server).")
 
 # Source-code openings (the bundled model was trained on Python's standard library), of

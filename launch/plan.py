@@ -18,6 +18,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
+from jaxspec.cli import common_flags  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.plan import arch, scale  # pylint: disable=wrong-import-position
 
@@ -34,8 +35,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "A HF config.json (or a directory holding one).")
 flags.DEFINE_string("mesh", "expert=8", "Mesh sizes, e.g. expert=8 or data=2,tensor=4.")
 flags.DEFINE_string("policy", "bf16", f"Weight policy: {', '.join(scale.POLICIES)}.")
-flags.DEFINE_string("kv_format", "float", "KV cache format: float, fp8 or q4_0.")
-flags.DEFINE_integer("max_len", 32768, "Context length the state is sized for.")
+common_flags.define_kv_format()
+common_flags.define_max_len(32768, "The planner sizes the decoding state for it.")
 flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
 flags.DEFINE_integer("block", 16, "Tokens per sequence in one verify block.")
 flags.DEFINE_string("drafter", "none", "none, mtp, dflash or eagle3.")

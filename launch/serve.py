@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import uvicorn  # pylint: disable=wrong-import-position
 
 from jaxspec import cli, distributed  # pylint: disable=wrong-import-position
+from jaxspec.cli import common_flags  # pylint: disable=wrong-import-position
 from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
@@ -38,8 +39,8 @@ FLAGS = flags.FLAGS
 defaults.define_model_flags()
 distributed.define_flags()
 flags.DEFINE_integer("batch_size", 4, "Slots: requests decoded together.", lower_bound=1)
-flags.DEFINE_integer("max_len", 2048, "Tokens per slot (prompt + generated + draft slack).")
-flags.DEFINE_enum("kv_format", "float", ("float", "fp8", "q4_0"), "The target's KV cache format.")
+common_flags.define_max_len(2048, "Per slot.")
+common_flags.define_kv_format()
 flags.DEFINE_integer(
   "steps_per_tick",
   None,

@@ -1,177 +1,19 @@
-"""Comparisons that are exact except at genuine near-ties.
+"""The tests' comparisons that are exact except at genuine near-ties.
 
-Two correct implementations of the same model (jaxspec vs transformers, a verify block vs
-one-token decoding, sharded vs one device, AVX-512 vs AVX2 kernels) agree to float rounding,
-about 1e-6. That is enough for every continuous quantity, but not for a discrete choice made
-on nearly equal values:
-
-* MoE routing: two routing groups or two experts whose scores differ by 1e-7 can be chosen
-  differently; the token's output then differs by O(1), and so does every later token of its
-  sequence (they attend to it).
-* Greedy decoding: when the two best logits differ by less than the rounding, either token is
-  a correct argmax, and the continuations differ from there on.
-
-This module finds those places on the jaxspec side (router logits are sown by the MoE layer as
-`intermediates/router_logits`; routing margins are recomputed here in float64, independently
-of `moe.route`) and compares everything before them exactly as before. Nothing is loosened:
-a position that is not at or after a near-tie must match to the test's usual tolerance.
+They live in the library, jaxspec/profiling/near_ties.py (the device check, `bench.py device`,
+uses them too); this module keeps the tests' `from tests import near_ties`.
 """
 
-from __future__ import annotations
-
-import functools
-from collections.abc import Sequence
-from typing import Any
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jaxspec.models import target as target_lib
-from jaxspec.models.decoder import Decoder
-
-# Score gap (sigmoid scores or softmax probabilities, ~[0, 1]) below which a routing choice is
-# a near-tie. Correct implementations differ by ~1e-7..1e-6 in these scores (logits by ~1e-6);
-# the failure that motivated this module had a gap of 1.4e-7.
-ROUTING_MARGIN = 1e-5
-# Top-2 logit gap below which a greedy choice is a near-tie (parity tolerances are 1e-4).
-LOGIT_GAP = 1e-3
-
-
-def _routing_margins_one(config, logits: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-  """Smallest score gap at any discrete routing choice: logits [N, E] → margins [N]."""
-  k = config.num_experts_per_tok
-  logits = logits.astype(np.float64)
-  n, e = logits.shape
-  margins = np.full((n,), np.inf)
-  if config.router == "softmax":
-    z = np.exp(logits - logits.max(-1, keepdims=True))
-    choice = z / z.sum(-1, keepdims=True)
-  elif config.router == "topk_softmax":  # gpt-oss: top-k of the (biased, as sown) logits
-    choice = logits
-  else:
-    choice = 1.0 / (1.0 + np.exp(-logits)) + bias[None, :].astype(np.float64)
-    if config.n_group > 1:
-      grouped = np.sort(choice.reshape(n, config.n_group, e // config.n_group), axis=-1)
-      group_scores = np.sort(grouped[..., -2:].sum(-1), axis=-1)[:, ::-1]  # [N, G] descending
-      if config.topk_group < config.n_group:
-        gap = group_scores[:, config.topk_group - 1] - group_scores[:, config.topk_group]
-        margins = np.minimum(margins, gap)
-      threshold = group_scores[:, config.topk_group - 1]
-      per_group = grouped[..., -2:].sum(-1)  # [N, G] in group order
-      keep = np.repeat(per_group >= threshold[:, None], e // config.n_group, axis=1)
-      choice = np.where(keep, choice, -np.inf)
-  ordered = np.sort(choice, axis=-1)[:, ::-1]
-  if k < e:  # a kept expert against the best one left out (-inf outside the kept groups)
-    margins = np.minimum(margins, ordered[:, k - 1] - ordered[:, k])
-  return margins
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _intermediates(config, params: Any, tokens: jax.Array) -> Any:
-  """The values sown by a full causal forward (router logits per MoE layer)."""
-  _, state = Decoder(config).apply({"params": params}, tokens, mutable=["intermediates"])
-  return state["intermediates"]
-
-
-def routing_margins(model: target_lib.TargetModel, ids: Any) -> np.ndarray:
-  """[B, T] smallest routing margin of each token over every MoE layer (inf for dense models)."""
-  tokens = jnp.asarray(model.check_tokens(ids))
-  b, t = tokens.shape
-  config = model.config
-  if not config.num_experts:
-    return np.full((b, t), np.inf)
-  margins = np.full((b, t), np.inf)
-  # The scanned layout (model.config.scan_layers) stacks the per-layer values; make it so.
-  params = model.with_scan_layers(True).params
-  scanned = config.replace(scan_layers=True)
-  for stack, sown in _intermediates(scanned, params, tokens).items():
-    if "mlp" not in sown or "router_logits" not in sown["mlp"]:
-      continue
-    per_layer = np.asarray(sown["mlp"]["router_logits"][0])  # [L_stack, B*T, E]
-    biases = params[stack]["mlp"].get("e_score_correction_bias")
-    for layer, logits in enumerate(per_layer):
-      bias = None if biases is None else np.asarray(biases[layer])
-      margins = np.minimum(margins, _routing_margins_one(config, logits, bias).reshape(b, t))
-  return margins
-
-
-def stable_positions(model: target_lib.TargetModel, ids: Any) -> np.ndarray:
-  """bool [B, T]: positions whose logits every correct implementation reproduces.
-
-  A position is unstable from the first routing near-tie of its sequence onwards.
-  """
-  tie = routing_margins(model, ids) < ROUTING_MARGIN
-  return ~np.logical_or.accumulate(tie, axis=1)
-
-
-def assert_logits_match(
-  model: target_lib.TargetModel,
-  ids: Any,
-  ours: Any,
-  reference: Any,
-  atol: float,
-  columns: slice = slice(None),
-  max_excluded: float = 0.25,
-) -> None:
-  """assert_allclose of [B, T, ...] arrays (logits, hidden states) on the stable positions.
-
-  `ids` [B, S] is the whole sequence the arrays were computed for; `columns` selects the T
-  positions they cover (e.g. a verify block). At most `max_excluded` of those may be left out.
-  """
-  keep = stable_positions(model, ids)[:, columns]
-  excluded = 1.0 - keep.mean()
-  assert excluded <= max_excluded, (
-    f"{excluded:.0%} of positions follow a routing near-tie; draw other inputs"
-  )
-  np.testing.assert_allclose(np.asarray(ours)[keep], np.asarray(reference)[keep], atol=atol, rtol=0)
-
-
-def comparable_length(
-  model: target_lib.TargetModel, prompt: Sequence[int], generated: Sequence[int]
-) -> int:
-  """How many leading tokens of a greedy continuation every correct implementation reproduces.
-
-  `generated` is a reference greedy continuation of `prompt`. Token j is fixed if no routing
-  near-tie occurs at or before the position that predicts it, and no logit near-tie (top-2
-  gap < LOGIT_GAP) occurs at the positions that predict tokens 0..j.
-  """
-  prompt, generated = list(prompt), list(generated)
-  if not generated:
-    return 0
-  seq = np.asarray([prompt + generated[:-1]], np.int32)
-  logits = np.asarray(model.logits(seq))[0, len(prompt) - 1 :]  # predicts generated[j] at row j
-  top2 = np.sort(logits, axis=-1)[:, -2:]
-  logit_tie = (top2[:, 1] - top2[:, 0]) < LOGIT_GAP
-  routing_tie = ~stable_positions(model, seq)[0, len(prompt) - 1 :]
-  fragile = np.flatnonzero(logit_tie | routing_tie)
-  return int(fragile[0]) if fragile.size else len(generated)
-
-
-def assert_greedy_match(
-  model: target_lib.TargetModel,
-  prompts: Sequence[Sequence[int]],
-  reference: Sequence[Sequence[int]],
-  got: Sequence[Sequence[int]],
-  min_fraction: float = 0.5,
-) -> None:
-  """Greedy outputs equal the reference up to each sequence's first near-tie.
-
-  Asserts that the compared tokens are at least `min_fraction` of the reference tokens, so a
-  test does not pass by comparing nothing.
-  """
-  assert len(got) == len(reference), (len(got), len(reference))
-  compared = total = 0
-  for i, (p, ref, out) in enumerate(zip(prompts, reference, got)):
-    n = comparable_length(model, [int(x) for x in np.asarray(p).reshape(-1)], list(ref))
-    assert list(out)[:n] == list(ref)[:n], (
-      f"sequence {i}: outputs differ before the first near-tie (token {n}):\n"
-      f"  reference {list(ref)[:n]}\n  got       {list(out)[:n]}"
-    )
-    if n == len(ref):
-      assert len(out) == len(ref), f"sequence {i}: length {len(out)} != {len(ref)}"
-    compared += n
-    total += len(ref)
-  assert total == 0 or compared >= min_fraction * total, (
-    f"only {compared} of {total} tokens precede a near-tie; draw other inputs"
-  )
+from jaxspec.profiling.near_ties import (  # noqa: F401  (re-exported)
+  LOGIT_GAP,
+  ROUTING_MARGIN,
+  GreedyAgreement,
+  assert_greedy_match,
+  assert_logits_match,
+  comparable_length,
+  first_near_tie,
+  greedy_agreement,
+  routing_margins,
+  stable_positions,
+  top2_gaps,
+)

@@ -1,26 +1,154 @@
-"""Smoke test of launch/bench.py on tiny random models (structure only, no timing assertions)."""
+"""`python launch/bench.py`: the subcommand dispatcher, and the generate, cost-curve and quant
+benchmarks on tiny random models (structure only, no timing assertions)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 import jaxspec
+from jaxspec.cli import bench
+from jaxspec.cli.bench import cost_curve
+from jaxspec.cli.bench import generate
+from jaxspec.cli.bench import quant
+from jaxspec.cli.bench import runners
 
-from launch import bench
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What each subcommand's --help must list: a flag of its own.
+OWN_FLAG = {
+  "generate": "--methods",
+  "cost-curve": "--cost_tokens",
+  "quant": "--quant_policies",
+  "quant-profile": "--kl_budget",
+  "kv": "--max_lens",
+  "long": "--contexts",
+  "serve": "--concurrency",
+  "ep": "--experts",
+  "compile": "--layers",
+  "device": "--sections",
+  "hybrid-context": "--contexts",
+  "gdn": "--traceback",
+  "hybrid-tree": "--traceback",
+}
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+
+def _bench(*args: str, script: str = "launch/bench.py") -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, os.path.join(REPO, script), *args]
+  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_every_subcommand_is_registered_and_importable():
+  assert set(bench.SUBCOMMANDS) == set(OWN_FLAG)
+  for sub in bench.SUBCOMMANDS.values():
+    module = __import__(f"jaxspec.cli.bench.{sub.module}", fromlist=["main"])
+    assert callable(module.main) and callable(module.define_flags), sub.name
+    assert module.__doc__, sub.name
+
+
+def test_top_level_help_lists_the_subcommands():
+  proc = _bench("--help")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name, sub in bench.SUBCOMMANDS.items():
+    assert f"  {name} " in proc.stdout and sub.replaces in proc.stdout, name
+
+
+# Runs `bench.py <name> --help` for every subcommand in one interpreter (jax imported once): a
+# forked child per subcommand, as each defines its own flags. Prints "<name> <exit status>" after
+# each help text.
+HELP_ALL = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from jaxspec.cli import bench
+for name in bench.SUBCOMMANDS:
+  sys.stdout.flush()
+  pid = os.fork()
+  if pid == 0:
+    code = 3
+    try:
+      bench.main([os.path.join(sys.argv[1], "launch", "bench.py"), name, "--help"])
+    except SystemExit as e:
+      code = e.code
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code or 0)
+  _, status = os.waitpid(pid, 0)
+  print(f"\n@@@ {name} {os.waitstatus_to_exitcode(status)}", flush=True)
+"""
+
+
+def test_every_subcommand_help_lists_its_flags():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, "-c", HELP_ALL, REPO], cwd=REPO, env=env, capture_output=True, text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  chunks = proc.stdout.split("\n@@@ ")
+  helps = {}
+  for chunk, trailer in zip(chunks[:-1], chunks[1:]):
+    name, status = trailer.split("\n", 1)[0].split()
+    helps[name] = (int(status), chunk)
+  assert set(helps) == set(OWN_FLAG), proc.stderr[-3000:]
+  for name, (status, text) in helps.items():
+    assert status == 0, (name, proc.stderr[-3000:])
+    assert f"usage: python launch/bench.py {name}" in text, (name, text[:500])
+    assert OWN_FLAG[name] in text and "--traceback" in text, (name, text)
+
+
+def test_unknown_subcommand_is_a_one_line_error():
+  proc = _bench("nonsense", "--x=1")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = proc.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("jaxspec: error: unknown subcommand"), lines
+  assert "cost-curve" in lines[0] and proc.stdout == ""
+
+
+def test_bad_flag_of_a_subcommand_is_a_one_line_error():
+  proc = _bench("kv", "--kv_formats=float,fp16")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = proc.stderr.splitlines()
+  assert len(lines) == 1 and "--kv_formats" in lines[0], lines
+
+
+def test_old_entry_points_warn_and_forward():
+  """A replaced script (and `bench.py --mode=...`) names its subcommand, then runs it."""
+  proc = _bench("--help", script="launch/bench_kv.py")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "DeprecationWarning" in proc.stderr and "launch/bench.py kv" in proc.stderr
+  assert "--max_lens" in proc.stdout
+  proc = _bench("--mode=cost_curve", "--help")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "launch/bench.py cost-curve" in proc.stderr and "--cost_tokens" in proc.stdout
+  proc = _bench("--mode=bogus")
+  assert proc.returncode == 2 and "--mode=bogus" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_legacy_mode_mapping():
+  legacy = bench._legacy_mode  # pylint: disable=protected-access
+  assert legacy([]) == ("generate", [])
+  assert legacy(["--mode", "quant_cost", "--cost_size=tiny"]) == ("quant", ["--cost_size=tiny"])
+  assert bench.command("long", "--job=x")[1:] == [bench.entry_point(), "long", "--job=x"]
+  assert os.path.samefile(bench.entry_point(), os.path.join(REPO, "launch", "bench.py"))
+
+
+# ---- generate, cost-curve, quant -----------------------------------------------------------------
+
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-  return bench.write_random_models(str(tmp_path_factory.mktemp("bench_models")), "tiny", seed=0)
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  return runners.write_random_models(str(tmp_path_factory.mktemp("bench_models")), "tiny", seed=0)
 
 
-def _config(model_dirs, out, **kw) -> bench.BenchConfig:
+def _config(model_dirs, out, **kw) -> generate.BenchConfig:
   target, draft = model_dirs
   args = dict(
     model=target,
@@ -33,7 +161,7 @@ def _config(model_dirs, out, **kw) -> bench.BenchConfig:
     verbose=False,
   )
   args.update(kw)
-  return bench.BenchConfig(**args)
+  return generate.BenchConfig(**args)
 
 
 def _check_runner(s: dict, speculative: bool) -> None:
@@ -56,7 +184,7 @@ def _check_runner(s: dict, speculative: bool) -> None:
 
 def test_bench_with_transformers_peers(model_dirs, tmp_path):
   out = str(tmp_path / "bench.json")
-  report = bench.run_benchmark(_config(model_dirs, out, hf=True, torch_threads=1))
+  report = generate.run_benchmark(_config(model_dirs, out, hf=True, torch_threads=1))
   with open(out, encoding="utf-8") as f:
     saved = json.load(f)
   assert saved["table"] == report["table"]
@@ -105,7 +233,7 @@ def test_bench_with_transformers_peers(model_dirs, tmp_path):
 
 def test_bench_jaxspec_only(model_dirs, tmp_path):
   prompt = "def add(a, b):\n    return a + b\n"
-  report = bench.run_benchmark(
+  report = generate.run_benchmark(
     _config(model_dirs, None, hf=False, methods=("plain", "ngram", "ngram@2"), prompts=[prompt])
   )
   assert "torch" not in report["machine"]
@@ -115,22 +243,22 @@ def test_bench_jaxspec_only(model_dirs, tmp_path):
   assert entry["tokens"]["jaxspec/ngram"] == entry["tokens"]["jaxspec/plain"]
   assert entry["tokens"]["jaxspec/ngram@2"] == entry["tokens"]["jaxspec/plain"]
   assert len(entry["runners"]["jaxspec/ngram@2"]["acceptance_rate_per_position"]) == 2
-  assert bench.split_method("eagle3@15") == ("eagle3", 15)
+  assert runners.split_method("eagle3@15") == ("eagle3", 15)
   with pytest.raises(jaxspec.ConfigError, match="after '@'"):
-    bench.split_method("eagle3@x")
-  assert bench.split_method("dflash@7:argmax") == ("dflash", 7)
-  assert bench.drafter_options("dflash:argmax") == {"sample_drafts": False}
-  assert bench.drafter_options("dflash") == {}
+    runners.split_method("eagle3@x")
+  assert runners.split_method("dflash@7:argmax") == ("dflash", 7)
+  assert runners.drafter_options("dflash:argmax") == {"sample_drafts": False}
+  assert runners.drafter_options("dflash") == {}
   with pytest.raises(jaxspec.ConfigError, match="applies to DFlash"):
-    bench.drafter_options("eagle3:argmax")
+    runners.drafter_options("eagle3:argmax")
   assert report["prompts"][0]["text"] == prompt
   assert "profile" not in report
 
 
 def test_profile_forwards(model_dirs):
-  target = bench.jaxspec.load_model(model_dirs[0])
-  draft = bench.jaxspec.load_model(model_dirs[1])
-  prof = bench.profile_forwards(target, draft, gamma=2, max_len=32, repeats=1)
+  target = jaxspec.load_model(model_dirs[0])
+  draft = jaxspec.load_model(model_dirs[1])
+  prof = runners.profile_forwards(target, draft, gamma=2, max_len=32, repeats=1)
   assert set(prof) == {
     "target_1_token_s",
     "target_3_tokens_s",
@@ -142,10 +270,12 @@ def test_profile_forwards(model_dirs):
 
 
 def test_cost_curve_mode(tmp_path):
-  """--mode=cost_curve on tiny random models: curves for both layer layouts, drafter step
+  """`bench.py cost-curve` on tiny random models: curves for both layer layouts, drafter step
   costs, a JSON report and a plot (τ measurement skipped: no prompts)."""
   out = str(tmp_path / "cost.json")
-  report = bench.run_cost_curves(size="tiny", tokens=(1, 2, 4), max_len=64, num_prompts=0, out=out)
+  report = cost_curve.run_cost_curves(
+    size="tiny", tokens=(1, 2, 4), max_len=64, num_prompts=0, out=out
+  )
   names = set(report["curves"])
   assert names == {"dense (unrolled layers)", "dense (scanned layers)", "moe (unrolled layers)"}
   for pts in report["curves"].values():
@@ -234,10 +364,10 @@ def test_forward_flops_counts_every_product_once_per_token(moe):
 
 @pytest.mark.slow  # ~45 s of compiles; weight_bytes_read and quantize are tested on their own
 def test_quant_cost_mode(tmp_path):
-  """--mode=quant_cost on tiny random models: per weight format, the bytes a decode step
+  """`bench.py quant` on tiny random models: per weight format, the bytes a decode step
   reads (bf16 exactly half of float32; the default policy less than float32) and times."""
   out = str(tmp_path / "quant.json")
-  report = bench.run_quant_costs(
+  report = quant.run_quant_costs(
     size="tiny", tokens=(1, 4), max_len=64, policies=("float32", "bfloat16", "default"), out=out
   )
   rows = {(r["model"], r["weights"]): r for r in report["rows"]}

@@ -1,4 +1,4 @@
-"""launch/device_check.py --cpu: the accelerator check script starts and every section reports.
+"""`launch/bench.py device --cpu`: the accelerator check starts and every section reports.
 
 The script itself runs on a lent GPU (docs/benchmarks.md, "On a lent accelerator"); CI has
 none, so this runs its CPU smoke mode (tiny shapes, Pallas in interpret mode) in a subprocess,
@@ -12,6 +12,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
+from jaxspec.profiling import near_ties
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("environment", "pallas", "lossless", "cost", "speedup")
 RESULTS = ("pass", "fail", "timeout", "skip")
@@ -21,7 +25,8 @@ def test_cpu_smoke_run_reports_every_section(tmp_path):
   out = tmp_path / "out"
   cmd = [
     sys.executable,
-    os.path.join(REPO, "launch", "device_check.py"),
+    os.path.join(REPO, "launch", "bench.py"),
+    "device",
     "--cpu",
     f"--out={out}",
     f"--compile_cache={tmp_path / 'cache'}",
@@ -54,3 +59,17 @@ def test_cpu_smoke_run_reports_every_section(tmp_path):
   assert all(r["numbers"]["compared"] > 0 for r in compared)
   assert "lossless" in proc.stdout and "float32/dflash-ddtree22" in proc.stdout
   assert (out / "device_check.md").read_text().count("\n| ") == len(rows) + 1
+
+
+def test_greedy_agreement_compares_up_to_the_first_near_tie():
+  """The comparison the lossless section shares with the tests (jaxspec/profiling/near_ties.py):
+  a difference at or after a sequence's first near-tie passes, one before it fails."""
+  gaps = np.array([0.5, 0.2, 1e-4, 0.3])
+  assert near_ties.first_near_tie(gaps) == 2  # below LOGIT_GAP (1e-3)
+  assert near_ties.first_near_tie(gaps, threshold=1e-5) == 4
+  reference = [[1, 2, 3, 4], [5, 6, 7, 8]]
+  after_tie = near_ties.greedy_agreement(reference, [[1, 2, 9, 9], [5, 6, 7, 8]], [2, 4])
+  assert after_tie.ok and after_tie.exact == 1 and after_tie.first_diff == (2, -1)
+  assert (after_tie.compared, after_tie.tokens, after_tie.sequences) == (6, 8, 2)
+  before_tie = near_ties.greedy_agreement(reference, [[1, 9, 3, 4], [5, 6, 7]], [2, 4])
+  assert not before_tie.ok and before_tie.first_diff == (1, 3)

@@ -13,7 +13,8 @@
 It lives in the package, not in launch/, because the BUILD manifest (tools/update_build.py)
 makes every launch/*.py a standalone `py_binary`: a helper there would become a binary of its
 own that the scripts cannot depend on, while a jaxspec/ module is a library every binary (and a
-user's own script) can use.
+user's own script) can use. For the same reason the benchmarks behind `launch/bench.py` live in
+jaxspec/cli/bench/ and the flags several scripts share in jaxspec/cli/common_flags.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
 from jaxspec.speculative import engine as engine_lib
 
-# The fastest method measured on the bundled target (launch/bench.py, docs/benchmarks.md):
+# The fastest method measured on the bundled target (`launch/bench.py generate`, docs/benchmarks.md):
 # (method, verify, tree budget).
 # EAGLE-3 (γ = 4, chain) was the fastest at temperature 0 (1.14× plain decoding) and the fastest
 # speculative method at temperature 1; budget 8 the fastest DDTree budget.

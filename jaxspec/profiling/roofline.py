@@ -22,8 +22,8 @@ both halves on the machine at hand:
 
 Weights' values do not change a forward's cost, so the models are random (`random_params`
 draws them on the device, leaf by leaf, without a host copy); their shapes are the published
-proportions (`dense_config`, `moe_config`). `launch/bench.py --mode=cost_curve` prints and plots
-these numbers, and `launch/device_check.py` runs them on an accelerator.
+proportions (`dense_config`, `moe_config`). `launch/bench.py cost-curve` prints and plots
+these numbers, and `launch/bench.py device` runs them on an accelerator.
 """
 
 from __future__ import annotations
