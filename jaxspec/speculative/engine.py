@@ -47,7 +47,7 @@ from jaxspec.errors import ConfigError
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.speculative import memory, metrics, placement, tree_verify, verifiers
 from jaxspec.speculative import step as step_lib
-from jaxspec.speculative.request import Request
+from jaxspec.speculative.request import Request, SamplingArgs, takes_sampling_args
 from jaxspec.speculative.step import SpecState
 from jaxspec.speculative.verifiers import TreeOptions
 from jaxspec.state import KV_FORMATS, logical_axes
@@ -281,9 +281,11 @@ class SpecEngine:
 
   # -- input handling --------------------------------------------------------------------------
 
-  def _request(self, prompts: Any, max_prompts: Optional[int] = None, **kwargs: Any) -> Request:
+  def _request(
+    self, prompts: Any, args: SamplingArgs, max_prompts: Optional[int] = None
+  ) -> Request:
     """Validates a call's arguments once (jaxspec/speculative/request.py)."""
-    return Request.build(prompts, max_prompts=max_prompts or self.config.batch_size, **kwargs)
+    return Request.build(prompts, args, max_prompts=max_prompts or self.config.batch_size)
 
   def _row_stop_ids(self, request: Request, batch: int) -> np.ndarray:
     """int32 [batch, max_stop_ids]: the engine's stop ids plus each prompt's own, -1 padded."""
@@ -321,33 +323,13 @@ class SpecEngine:
       out.append(ids)
     return out
 
-  def init_state(
-    self,
-    prompts: Any,
-    max_new_tokens: Any = 128,
-    temperature: Any = 0.0,
-    top_k: Any = 0,
-    top_p: Any = 1.0,
-    seed: Any = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> SpecState:
+  @takes_sampling_args
+  def init_state(self, prompts: Any, *args: Any, **kwargs: Any) -> SpecState:
     """Validates and pads the inputs and runs the prefill (jitted once per prompt bucket).
 
     Arguments as for `generate`.
     """
-    request = self._request(
-      prompts,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      seed=seed,
-      parse_special=parse_special,
-      stop_token_ids=stop_token_ids,
-    )
-    return self._start(request)
+    return self._start(self._request(prompts, SamplingArgs.of(args, kwargs, "init_state")))
 
   def _checked(self, request: Request, batch: int) -> tuple[list[list[int]], np.ndarray]:
     """The request's token ids and [batch, max_stop_ids] stop ids, or the InputError that
@@ -428,46 +410,28 @@ class SpecEngine:
 
   # -- generation --------------------------------------------------------------------------------
 
-  def generate(
-    self,
-    prompts: Any,
-    max_new_tokens: Any = 128,
-    temperature: Any = 0.0,
-    top_k: Any = 0,
-    top_p: Any = 1.0,
-    seed: Any = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> GenerateOutput:
+  @takes_sampling_args
+  def generate(self, prompts: Any, *args: Any, **kwargs: Any) -> GenerateOutput:
     """Generates for up to batch_size prompts; returns texts, tokens and stats.
 
     Args:
       prompts: one str, or a sequence of prompts, each a str or a 1-D sequence of token ids.
-      max_new_tokens: an integer ≥ 1, or one per prompt.
-      temperature: ≥ 0 (0 = greedy), or one per prompt.
-      top_k: ≥ 0 (0 = off), or one per prompt.
-      top_p: in (0, 1] (1 = off), or one per prompt.
-      seed: the sampling seed, or one per prompt (see jaxspec/speculative/request.py: a
-        request's random stream depends on its seed only, not on its batch row).
-      parse_special: parse special-token strings typed in text prompts (say "<|endoftext|>")
-        as the control tokens; by default text is plain text.
-      stop_token_ids: extra stop tokens, for every prompt or one list per prompt.
+      *args, **kwargs: the sampling arguments (`SamplingArgs`: one, or its fields):
+        max_new_tokens: an integer ≥ 1, or one per prompt.
+        temperature: ≥ 0 (0 = greedy), or one per prompt.
+        top_k: ≥ 0 (0 = off), or one per prompt.
+        top_p: in (0, 1] (1 = off), or one per prompt.
+        seed: the sampling seed, or one per prompt (see jaxspec/speculative/request.py: a
+          request's random stream depends on its seed only, not on its batch row).
+        parse_special (keyword): parse special-token strings typed in text prompts (say
+          "<|endoftext|>") as the control tokens; by default text is plain text.
+        stop_token_ids (keyword): extra stop tokens, for every prompt or one list per prompt.
 
     Raises:
       InputError: for anything else (jaxspec/speculative/request.py lists the accepted forms).
     """
     t0 = time.perf_counter()
-    request = self._request(
-      prompts,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      seed=seed,
-      parse_special=parse_special,
-      stop_token_ids=stop_token_ids,
-    )
+    request = self._request(prompts, SamplingArgs.of(args, kwargs, "generate"))
     state = self._start(request)
     jax.block_until_ready(state.tokens)
     t1 = time.perf_counter()
@@ -479,32 +443,13 @@ class SpecEngine:
     stats = self._stats(state, t1 - t0, t2 - t1, n)
     return GenerateOutput(self._texts(tokens), tokens, stats, self._outputs(state, n, "logprobs"))
 
-  def stream(
-    self,
-    prompts: Any,
-    max_new_tokens: Any = 128,
-    temperature: Any = 0.0,
-    top_k: Any = 0,
-    top_p: Any = 1.0,
-    seed: Any = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> Iterator[list[list[int]]]:
+  @takes_sampling_args
+  def stream(self, prompts: Any, *args: Any, **kwargs: Any) -> Iterator[list[list[int]]]:
     """Yields each sequence's newly committed tokens every `stream_every` steps.
 
     Arguments as for `generate`; they are checked when this is called, not when iterated.
     """
-    request = self._request(
-      prompts,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      seed=seed,
-      parse_special=parse_special,
-      stop_token_ids=stop_token_ids,
-    )
+    request = self._request(prompts, SamplingArgs.of(args, kwargs, "stream"))
     return self._stream(self._start(request), len(request))
 
   def _stream(self, state: SpecState, n: int) -> Iterator[list[list[int]]]:
@@ -519,6 +464,17 @@ class SpecEngine:
 
   # -- slots: rows that come and go (continuous batching) ----------------------------------------
 
+  def window(self, steps: int) -> int:
+    """The most tokens a row can have that `recent` has not shown after a chunk of `steps`
+    steps: its first token (sampled at prefill) and up to `max_commit` tokens a step."""
+    return 1 + steps * self.verifier.max_commit
+
+  def recent(self, state: SpecState, window: int) -> dict[str, jax.Array]:
+    """Each row's last `window` tokens and log-probs, lengths, done and stop flags and
+    counters (`step.recent`): what a server reads back after a loop chunk, O(B·window), not
+    the O(B·max_len) buffers. One compilation per window."""
+    return self._recent(state, window)
+
   def run(self, state: SpecState, max_steps: Optional[int] = None) -> SpecState:
     """Advances every live row by up to `max_steps` steps (None: until every row is done) in
     one compiled on-device loop, the same program for every `max_steps`. Donates `state`."""
@@ -527,49 +483,26 @@ class SpecEngine:
 
   def empty_state(self) -> SpecState:
     """A batch_size-row state with every row free (done): the start of a slot-served engine."""
-    request = self._request([[0]] * self.config.batch_size, max_new_tokens=1)
+    request = self._request([[0]] * self.config.batch_size, SamplingArgs(max_new_tokens=1))
     state = self._start(request)
     return self.evict(state, jnp.arange(self.config.batch_size))
 
-  def prefill_row(
-    self,
-    prompt: Any,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> SpecState:
+  @takes_sampling_args
+  def prefill_row(self, prompt: Any, *args: Any, **kwargs: Any) -> SpecState:
     """One request (a str or 1-D token ids) prefilled as a one-row state, for `insert`.
 
-    Validated as `generate` validates; its key is fold_in(PRNGKey(seed), 0), as for a
-    single-prompt `generate`, so the request samples what it samples alone.
+    Sampling arguments as for `generate` (one value each). Validated as `generate` validates;
+    its key is fold_in(PRNGKey(seed), 0), as for a single-prompt `generate`, so the request
+    samples what it samples alone.
     """
-    return self._start(self._row_request(prompt, locals()), batch=1)
+    request = self._request([prompt], SamplingArgs.of(args, kwargs, "prefill_row"), 1)
+    return self._start(request, batch=1)
 
-  def check_row(
-    self,
-    prompt: Any,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> None:
+  @takes_sampling_args
+  def check_row(self, prompt: Any, *args: Any, **kwargs: Any) -> None:
     """Raises the InputError that `prefill_row` would raise for these arguments, on the host
     only (no device work): what a server checks before it queues a request."""
-    self._checked(self._row_request(prompt, locals()), 1)
-
-  def _row_request(self, prompt: Any, arguments: dict) -> Request:
-    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
-    names += ("parse_special", "stop_token_ids")
-    return self._request([prompt], max_prompts=1, **{k: arguments[k] for k in names})
+    self._checked(self._request([prompt], SamplingArgs.of(args, kwargs, "check_row"), 1), 1)
 
   def insert(self, state: SpecState, slot: Any, row: SpecState) -> SpecState:
     """`state` with batch row `slot` replaced by the one-row state `row` (from `prefill_row`):
