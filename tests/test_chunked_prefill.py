@@ -16,7 +16,7 @@ import pytest
 
 import jaxspec
 from jaxspec.drafters import registry
-from jaxspec.speculative import decode
+from jaxspec.speculative import step as step_lib
 from tests import near_ties
 
 DRAFT_DIRS = {"dflash": "dflash", "eagle3": "eagle3", "draft_model": "draft", "mtp": None}
@@ -71,14 +71,14 @@ def test_target_chunks_equal_one_shot_prefill():
   tokens = np.zeros((3, 64), np.int32)
   for i, p in enumerate(ids):
     tokens[i, : len(p)] = p
-  one_logits, one_state, _, _ = decode.prefill(
+  one_logits, one_state, _, _ = step_lib.prefill_prompts(
     target.config,
     target.params,
     jnp.asarray(tokens[:, :45]),
     jnp.asarray(lens),
     target.init_state(3, 64),
   )
-  run = jax.jit(decode.prefill_chunk, static_argnums=(0, 4))
+  run = jax.jit(step_lib.prefill_chunk, static_argnums=(0, 4))
   state = target.init_state(3, 64)
   logits = np.zeros(one_logits.shape, np.float32)
   seen = np.zeros(3, bool)

@@ -14,7 +14,7 @@ import jaxspec
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.models import target as target_lib
-from jaxspec.speculative import decode
+from jaxspec.speculative import step as step_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
 from tests import engine_models, near_ties
@@ -75,7 +75,7 @@ def test_plain_engine_matches_reference_decode_loop(models):
   )
   # The reference: prefill, then one greedy token per target forward, committed one by one.
   p = np.asarray(prompts[0], np.int32)[None]
-  logits, state, _, _ = jax.jit(decode.prefill, static_argnums=0)(
+  logits, state, _, _ = jax.jit(step_lib.prefill_prompts, static_argnums=0)(
     target.config,
     target.params,
     jnp.asarray(p),

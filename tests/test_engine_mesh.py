@@ -40,7 +40,8 @@ SCRIPT = textwrap.dedent(r"""
     from jaxspec.drafters.mtp import MTPDrafter
     from jaxspec.models import target as target_lib
     from jaxspec.models.target import TargetModel
-    from jaxspec.speculative.engine import EngineConfig, SpecEngine, place_on_mesh
+    from jaxspec.speculative.engine import EngineConfig, SpecEngine
+    from jaxspec.speculative.placement import place_on_mesh
     from tests import near_ties
     from tests.drafter_models import prompts, random_params, small_dflash
 

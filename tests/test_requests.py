@@ -7,7 +7,9 @@ drafters take exactly the γ they are given; a cache that cannot fit is refused 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 
 import hypothesis
 import hypothesis.strategies as st
@@ -18,6 +20,7 @@ import pytest
 import jaxspec
 from jaxspec import plan
 from jaxspec.drafters import registry
+from jaxspec.speculative.request import Request, SamplingArgs
 from jaxspec.state import DecodingState
 from tests import drafter_models
 
@@ -298,6 +301,30 @@ def test_the_property_fails_for_a_coercing_boundary(monkeypatch):
   monkeypatch.setattr(request, "_is_int", lambda x: isinstance(x, float) or exact(x))
   with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):  # hypothesis' example
     test_anything_else_raises_jaxspec_error_and_nothing_else()
+
+
+def test_one_sampling_args_type_is_the_keyword_arguments():
+  """`SamplingArgs` is what generate, stream, prefill_row and Request take: given whole, by
+  keyword (the public signature) or positionally, the same request."""
+  args = SamplingArgs(3, 0.5, top_k=7, seed=11, stop_token_ids=[1])
+  by_keyword = engine().generate(
+    [[5, 6, 7]], max_new_tokens=3, temperature=0.5, top_k=7, seed=11, stop_token_ids=[1]
+  )
+  assert engine().generate([[5, 6, 7]], args).tokens == by_keyword.tokens
+  assert engine().generate([[5, 6, 7]], 3, 0.5, 7, 1.0, 11, stop_token_ids=[1]).tokens == (
+    by_keyword.tokens
+  )
+  replaced = engine().generate(
+    [[5, 6, 7]], SamplingArgs(9, 0.5, top_k=7), seed=11, max_new_tokens=3, stop_token_ids=[1]
+  )
+  assert replaced.tokens == by_keyword.tokens
+  assert Request.build([[5, 6, 7]], args) == Request.build(
+    [[5, 6, 7]], max_new_tokens=3, temperature=0.5, top_k=7, seed=11, stop_token_ids=[1]
+  )
+  names = list(inspect.signature(jaxspec.SpecEngine.generate).parameters)
+  assert names == ["self", "prompts", *(f.name for f in dataclasses.fields(SamplingArgs))]
+  with pytest.raises(TypeError, match="generate"):
+    engine().generate([[5, 6, 7]], max_new_token=3)
 
 
 # -- special tokens are plain text by default --------------------------------------------------------

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import types
 
 import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec import distributed
 from jaxspec.errors import InputError
 from jaxspec.serve import QueueFull, SamplingOptions, Scheduler, SchedulerClosed
+from jaxspec.serve import scheduler as scheduler_lib
 from jaxspec.serve.scheduler import Tick, apply_tick
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.request import SamplingArgs
 
-from tests import near_ties
+from tests import engine_models, near_ties
 
 PROMPTS = [
   "def fib(n):\n",
@@ -227,3 +231,33 @@ def test_published_ticks_replay_the_leaders_engine_calls(engine, target):
     assert want.keys() == got.keys()
     for k in want:
       np.testing.assert_array_equal(want[k], got[k], err_msg=k)
+
+
+def test_a_tick_reads_back_only_what_it_produced(monkeypatch):
+  """The read-back of a tick is a window of the rows' last tokens, O(B·window): the same bytes
+  for max_len 64 and 512, no array as long as the buffers, and the window ends at seq_len."""
+  gathered = []
+
+  def spy(tree):
+    host = distributed.gather(tree)
+    gathered.append(host)
+    return host
+
+  monkeypatch.setattr(scheduler_lib, "distributed", types.SimpleNamespace(gather=spy))
+  target = engine_models.random_target()
+  sizes = {}
+  for max_len in (64, 512):
+    engine = SpecEngine(target, None, EngineConfig(max_len=max_len, batch_size=2, use_eos=False))
+    args = SamplingArgs(max_new_tokens=20, temperature=0.0).to_json()
+    tick = Tick([[1, [5, 6, 7], args]], [], 3)
+    state, host = apply_tick(engine, engine.empty_state(), tick)
+    assert gathered[-1] is host
+    for name, value in host.items():
+      assert max_len not in np.shape(value), (name, np.shape(value))
+    window = engine.window(tick.steps)
+    assert host["tokens"].shape == (2, window) == (2, 4)
+    seq = int(host["seq_len"][1])
+    last = np.asarray(state.tokens)[1, seq - window : seq]
+    np.testing.assert_array_equal(host["tokens"][1], last)
+    sizes[max_len] = sum(np.asarray(v).nbytes for v in host.values())
+  assert sizes[64] == sizes[512], sizes

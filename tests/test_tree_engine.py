@@ -29,7 +29,7 @@ from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.speculative import engine as engine_lib
+from jaxspec.speculative import step as step_lib, verifiers
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import DecodingState
 
@@ -216,8 +216,9 @@ def test_step_by_step_cache_features_and_chain_comparison(models):
     cfg,
   )
   drafter, tcfg = eng.drafter, target.config
-  tree_step = jax.jit(functools.partial(engine_lib.step, tcfg, drafter, eng.tree))
-  chain_step = jax.jit(functools.partial(engine_lib.step, tcfg, drafter, None))
+  tree_step = jax.jit(functools.partial(step_lib.step, tcfg, drafter, eng.verifier))
+  chain = verifiers.ChainVerifier(drafter.gamma)
+  chain_step = jax.jit(functools.partial(step_lib.step, tcfg, drafter, chain))
 
   @jax.jit
   def fresh(tokens):

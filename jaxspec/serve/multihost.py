@@ -6,8 +6,9 @@ collectives inside them never meet. So process 0, the leader, serves HTTP and ow
 `Scheduler`; before each tick runs, the scheduler publishes it (`scheduler.Tick`: the admitted
 requests' slots, token ids and sampling arguments, the evicted slots, the steps to run) on a
 `TickChannel`, and every follower `follow`s: it reads the ticks in order and replays them with
-the same `scheduler.apply_tick`. A stop tick, published when the scheduler thread ends, lets
-the followers return.
+the same `scheduler.apply_tick` (the first, published by `Scheduler.start`, admits nothing and
+compiles the read-back). A stop tick, published when the scheduler thread ends, lets the
+followers return.
 
 The channel is the coordinator's key-value store (`distributed.kv_client`), not a broadcast:
 a tick is a short JSON string under key `<prefix>/<n>`, so its size varies freely (no padded

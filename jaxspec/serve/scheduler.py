@@ -6,12 +6,15 @@ scheduler thread
 1. admits waiting requests into free slots (`SpecEngine.prefill_row` + `insert`),
 2. frees the slots of cancelled requests (`evict`),
 3. runs the compiled loop for `steps_per_tick` steps over every slot at once (`run`),
-4. hands each live request the tokens its row committed (a `Delta`), and frees the slots of the
+4. reads back only what the tick produced (`read_back`: each row's last 1 + k·(γ+1) tokens and
+   log-probs, its length and its done and stop flags, decided on device; not the whole
+   buffers), hands each live request its new tokens (a `Delta`), and frees the slots of the
    requests that finished (a stop token, or max_tokens).
 
-Everything runs in programs compiled by `warm_up_slots` at `start`, so nothing compiles while
-serving. A request's output does not depend on its slot or its neighbours: its row has its own
-PRNG key (from its seed), stop ids and sampling parameters (jaxspec/speculative/engine.py).
+Everything runs in programs compiled at `start` (`warm_up_slots`, then one tick of no request
+for the read-back), so nothing compiles while serving. A request's output does not depend on
+its slot or its neighbours: its row has its own PRNG key (from its seed), stop ids and
+sampling parameters (jaxspec/speculative/engine.py).
 
 Results reach callers through a `RequestHandle`: iterate it (`async for` on the event loop that
 submitted it, or plain `for` from a thread without one) to get Deltas until one carries a
@@ -35,7 +38,9 @@ import numpy as np
 
 from jaxspec import distributed
 from jaxspec.errors import InputError, JaxspecError
-from jaxspec.speculative.engine import SpecEngine, SpecState
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.request import SamplingArgs
+from jaxspec.speculative.step import SpecState
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -59,6 +64,18 @@ class SamplingOptions:
   seed: Optional[int] = None  # None: a fresh random seed
   stop_token_ids: tuple[int, ...] = ()  # beside the engine's (eos) stop ids
   logprobs: bool = False  # attach the target's log-prob (raw distribution) of each token
+
+  def sampling_args(self, seed: int) -> SamplingArgs:
+    """The engine's sampling arguments for this request, with `seed` (the handle's: drawn at
+    random when `self.seed` is None)."""
+    return SamplingArgs(
+      max_new_tokens=self.max_tokens,
+      temperature=self.temperature,
+      top_k=self.top_k,
+      top_p=self.top_p,
+      seed=seed,
+      stop_token_ids=list(self.stop_token_ids),
+    )
 
 
 @dataclasses.dataclass
@@ -155,7 +172,7 @@ class Tick:
   """One scheduler round's engine calls, all a follower process needs to replay it: prefill
   and insert each admitted request, evict slots, run `steps` steps (0: none) and read back."""
 
-  admit: list  # [slot, prompt token ids, prefill_row keyword arguments] per admitted request
+  admit: list  # [slot, prompt token ids, SamplingArgs.to_json()] per admitted request
   evict: list[int]  # slots to free
   steps: int
   stop: bool = False  # the leader's last tick: followers return
@@ -166,9 +183,6 @@ class Tick:
   @classmethod
   def from_json(cls, text: str) -> "Tick":
     return cls(**json.loads(text))
-
-
-READ_BACK = ("seq_len", "prompt_len", "done", "tokens", "logprobs")
 
 
 def apply_tick(
@@ -183,7 +197,7 @@ def apply_tick(
 def admit_tick(engine: SpecEngine, state: SpecState, tick: Tick) -> SpecState:
   """`apply_tick`'s first half: prefill + insert each admitted request, evict slots."""
   for slot, ids, arguments in tick.admit:
-    state = engine.insert(state, slot, engine.prefill_row(ids, **arguments))
+    state = engine.insert(state, slot, engine.prefill_row(ids, SamplingArgs(**arguments)))
   if tick.evict:
     state = engine.evict(state, tick.evict)
   return state
@@ -196,19 +210,23 @@ def run_tick(
   if not steps:
     return state, None
   state = engine.run(state, steps)
-  values = {k: getattr(state, k) for k in READ_BACK}
-  values["target_passes"] = state.stats.target_passes
-  values["tokens_committed"] = state.stats.tokens_committed
-  return state, distributed.gather(values)
+  return state, read_back(engine, state, engine.window(steps))
+
+
+def read_back(engine: SpecEngine, state: SpecState, window: int) -> dict[str, np.ndarray]:
+  """What a tick produced, on the host: per row the last `window` tokens and log-probs (a
+  tick of k steps commits at most window = 1 + k·(γ+1) of them, the first counting the token
+  sampled at prefill), the lengths, done and stop flags and counters (`SpecEngine.recent`).
+  Its size does not grow with max_len."""
+  return distributed.gather(engine.recent(state, window))
 
 
 @dataclasses.dataclass
 class _Slot:
-  """A request in a row: how many of its tokens were delivered, its stop set."""
+  """A request in a row: how many of its tokens were delivered, its counters."""
 
   handle: RequestHandle
   sent: int
-  stops: frozenset
   passes: int = 0
   committed: int = 0
 
@@ -263,6 +281,12 @@ class Scheduler:
     if self._thread is not None:
       raise SchedulerClosed("the scheduler was started already")
     self._state = self.engine.warm_up_slots()
+    # One tick of no request compiles the read-back of this tick size (followers replay it).
+    warm = Tick([], [], self.steps_per_tick)
+    if self._channel is not None:
+      self._channel.publish(warm)
+    self._state, host = apply_tick(self.engine, self._state, warm)
+    self._deliver_tokens(host)
     self._thread = threading.Thread(target=self._run, name="jaxspec-scheduler", daemon=True)
     self._thread.start()
 
@@ -288,7 +312,7 @@ class Scheduler:
     if not isinstance(options, SamplingOptions):
       raise InputError(f"options must be SamplingOptions, got {type(options).__name__}")
     seed = options.seed if options.seed is not None else 0
-    self.engine.check_row(list(prompt_ids), **self._row_arguments(options, seed))
+    self.engine.check_row(list(prompt_ids), options.sampling_args(seed))
 
   def submit(self, prompt_ids: Any, options: SamplingOptions) -> RequestHandle:
     """Queues a request (FIFO) after `check`; returns its handle at once. Call it from the
@@ -332,17 +356,6 @@ class Scheduler:
   def _wake_up(self) -> None:
     with self._lock:
       self._wake.notify_all()
-
-  @staticmethod
-  def _row_arguments(options: SamplingOptions, seed: int) -> dict[str, Any]:
-    return dict(
-      max_new_tokens=options.max_tokens,
-      temperature=options.temperature,
-      top_k=options.top_k,
-      top_p=options.top_p,
-      seed=seed,
-      stop_token_ids=list(options.stop_token_ids),
-    )
 
   def _run(self) -> None:
     try:
@@ -392,10 +405,9 @@ class Scheduler:
       if handle.cancelled:
         self._finish_waiting(handle)
         continue
-      rows.append([slot, handle.prompt_ids, self._row_arguments(handle.options, handle.seed)])
-      stops = frozenset(self.engine.stop_ids) | frozenset(handle.options.stop_token_ids)
+      rows.append([slot, handle.prompt_ids, handle.options.sampling_args(handle.seed).to_json()])
       with self._lock:
-        self._active[slot] = _Slot(handle, 0, stops)
+        self._active[slot] = _Slot(handle, 0)
     cancelled = [i for i, s in enumerate(self._active) if s is not None and s.handle.cancelled]
     live = any(s is not None and i not in cancelled for i, s in enumerate(self._active))
     tick = Tick(rows, cancelled, self.steps_per_tick if live else 0)
@@ -412,6 +424,7 @@ class Scheduler:
       self._deliver_tokens(host)
       self._step_seconds += time.perf_counter() - t0
       self._counters["ticks_total"] += 1
+      self._counters["steps_total"] += tick.steps
     return True
 
   def _finish_waiting(self, handle: RequestHandle) -> None:
@@ -428,17 +441,21 @@ class Scheduler:
       self._counters["requests_cancelled_total" if cancelled else "requests_finished_total"] += 1
 
   def _deliver_tokens(self, host: dict[str, np.ndarray]) -> None:
-    """Hands each live request the new tokens of its row in `host` (`apply_tick`'s read-back)."""
-    seq_len, prompt_len, done = host["seq_len"], host["prompt_len"], host["done"]
+    """Hands each live request the new tokens of its row in `host` (`read_back`: the last
+    `window` slots of every row, which hold every token not delivered yet)."""
+    seq_len, done, stopped = host["seq_len"], host["done"], host["stopped"]
     tokens, logprobs = host["tokens"], host["logprobs"]
     passes, committed = host["target_passes"], host["tokens_committed"]
-    self._counters["steps_total"] += self.steps_per_tick
+    window = tokens.shape[1]
     for i, s in enumerate(self._active):
       if s is None:
         continue
-      start, end = prompt_len[i] + s.sent, seq_len[i]
-      new = tokens[i, start:end].tolist()
-      lps = logprobs[i, start:end].tolist() if s.handle.options.logprobs else None
+      first = int(seq_len[i]) - window  # the slot the window starts at
+      start = s.handle.prompt_tokens + s.sent - first
+      if start < 0:
+        raise RuntimeError(f"row {i} committed more than the read-back window ({window})")
+      new = tokens[i, start:].tolist()
+      lps = logprobs[i, start:].tolist() if s.handle.options.logprobs else None
       s.sent += len(new)
       with self._lock:
         self._counters["target_passes_total"] += int(passes[i]) - s.passes
@@ -446,12 +463,10 @@ class Scheduler:
       s.passes, s.committed = int(passes[i]), int(committed[i])
       reason = None
       if done[i]:
-        reason = "length"
-        generated = tokens[i, prompt_len[i] : end]
-        if len(generated) and int(generated[-1]) in s.stops:
-          reason = "stop"
-          if new and new[-1] == int(generated[-1]):
-            new, lps = new[:-1], (lps[:-1] if lps is not None else None)
+        # Done on a stop token (the last one committed; it is not handed out) or its budget.
+        reason = "stop" if stopped[i] else "length"
+        if stopped[i] and new:
+          new, lps = new[:-1], (lps[:-1] if lps is not None else None)
       with self._lock:
         self._counters["tokens_generated_total"] += len(new)
       if reason is not None:

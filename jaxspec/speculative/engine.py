@@ -1,19 +1,18 @@
-"""The speculative engine: one compiled draft → verify → accept → commit step, looped on device.
+"""The speculative engine's host side: `EngineConfig` and the `SpecEngine` API.
 
-`SpecState` holds everything a generation needs (token buffer, lengths, the target's decoding
-state (jaxspec/state.py), the drafter's state, rng key, stop flags, statistics) as one pytree. `step` is a pure function of
-it; `generate` runs `prefill` then a `lax.while_loop` of `step` until every sequence has hit its
-`max_new_tokens` or a stop token, with no host round trip. Shapes are static per engine (batch
-and max_len are fixed at construction, prompts are padded to power-of-two buckets), sampling
-parameters and budgets are arrays: twenty calls with different prompts, lengths and
+`SpecEngine` validates requests (jaxspec/speculative/request.py), pads them to static shapes
+and runs the compiled program of jaxspec/speculative/step.py: `prefill`, then a
+`lax.while_loop` of the draft → verify → accept → commit `step` until every sequence has hit
+its `max_new_tokens` or a stop token, with no host round trip. Shapes are static per engine
+(batch and max_len are fixed at construction, prompts are padded to power-of-two buckets),
+sampling parameters and budgets are arrays: twenty calls with different prompts, lengths and
 temperatures compile each function once.
 
-With `EngineConfig(verify="tree")` the same step verifies a DDTree (a best-first draft tree from
-the drafter's per-position distributions, verified in one target pass under an ancestor mask,
-the accepted path committed into place in the decoding state; see docs/tree.md).
-
-With `drafter=None` the same engine is plain decoding (one token per target pass): the baseline
-every speedup is measured against.
+How a step verifies is one verifier object (jaxspec/speculative/verifiers.py), chosen here from
+the config: plain decoding with `drafter=None` (the baseline every speedup is measured
+against), a chain of γ drafts, or with `EngineConfig(verify="tree")` a DDTree (a best-first
+draft tree from the drafter's per-position distributions, verified in one target pass under an
+ancestor mask; see docs/tree.md).
 
 Slots: every batch row is an independent sequence with its own PRNG key, stop ids and sampling
 parameters, so rows can come and go between calls of the loop (continuous batching,
@@ -23,11 +22,12 @@ k steps. None of them recompiles after warm-up (`warm_up_slots`); a request's ou
 depend on the row it runs in or on its neighbours (up to float rounding of batched kernels).
 
 On a device mesh (`SpecEngine(..., mesh=sharding.make_mesh(...), rules=...)`) the target's and
-the drafter's parameters are placed by their logical axes, every SpecState leaf has logical axes
-(`SpecEngine.state_axes`: the `AXES` tables of the state structs, jaxspec/state.py) by which it
-is created and kept (batch on `data`, KV heads on `tensor` under the default rules), and the
-jitted functions are traced inside `sharding.use_mesh`, so the model code's activation
-constraints apply too. Same program, same compilations, one layout across the loop.
+the drafter's parameters are placed by their logical axes (jaxspec/speculative/placement.py),
+every SpecState leaf has logical axes (`SpecEngine.state_axes`: the `AXES` tables of the state
+structs, jaxspec/state.py) by which it is created and kept (batch on `data`, KV heads on
+`tensor` under the default rules), and the jitted functions are traced inside
+`sharding.use_mesh`, so the model code's activation constraints apply too. Same program, same
+compilations, one layout across the loop.
 """
 
 from __future__ import annotations
@@ -35,24 +35,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, ClassVar, Iterator, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import distributed, sharding
-from jaxspec.config import ModelConfig
+from jaxspec import distributed, sampling, sharding
+from jaxspec.drafters.base import Drafter
 from jaxspec.errors import ConfigError
-from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
-from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.quant.formats import QTensor
-from jaxspec.state import KV_FORMATS, ROW_AXES, DecodingState, logical_axes
-from jaxspec import sampling
-from jaxspec.speculative import decode, memory, metrics, tree as tree_lib, tree_verify, verify
-from jaxspec.speculative.request import Request
+from jaxspec.speculative import memory, metrics, placement, tree_verify, verifiers
+from jaxspec.speculative import step as step_lib
+from jaxspec.speculative.request import Request, SamplingArgs, takes_sampling_args
+from jaxspec.speculative.step import SpecState
+from jaxspec.speculative.verifiers import TreeOptions
+from jaxspec.state import KV_FORMATS, logical_axes
 
 MAX_STOP_IDS = 8  # EngineConfig.max_stop_ids' default
 _NO_STEP_LIMIT = 2**31 - 1
@@ -151,53 +149,6 @@ class EngineConfig:
     return TreeOptions(self.tree_budget, self.tree_topk, self.tree_chain_seed, self.tree_rule)
 
 
-@dataclasses.dataclass(frozen=True)
-class TreeOptions:
-  """The static tree-verification choices `tree_step` is compiled for."""
-
-  budget: int = 8
-  topk: int = 0
-  chain_seed: bool = False
-  rule: str = "ddtree"
-
-
-@flax.struct.dataclass
-class SpecState:
-  """The whole generation state (a pytree; donated to the jitted step)."""
-
-  tokens: jax.Array  # [B, L] committed tokens; tokens[b, seq_len[b]-1] is the root
-  seq_len: jax.Array  # [B]
-  prompt_len: jax.Array  # [B]
-  max_new: jax.Array  # [B] generation budget per sequence
-  target_state: DecodingState  # the target's decoding state for tokens[:, :seq_len-1]
-  drafter_state: Any
-  keys: jax.Array  # [B, 2] uint32 row keys (sampling.row_keys): row b draws from its own
-  done: jax.Array  # [B] bool
-  sampling: sampling.SamplingParams
-  stop_ids: jax.Array  # [B, max_stop_ids] int32 per row, -1 padded
-  stats: metrics.SpecStats
-  # [B, L] float32: the target's log-probability (raw distribution: temperature 1, no top-k/p)
-  # of each generated token at its slot; 0 at prompt slots.
-  logprobs: jax.Array
-
-  # Logical axes (jaxspec.state.logical_axes); the target's and drafter's states name their own,
-  # sampling parameters and statistics are split by rows.
-  AXES: ClassVar[dict] = {
-    "tokens": ("batch", "length"),
-    "seq_len": ROW_AXES,
-    "prompt_len": ROW_AXES,
-    "max_new": ROW_AXES,
-    "keys": ("batch", None),
-    "done": ROW_AXES,
-    "stop_ids": ("batch", None),
-    "logprobs": ("batch", "length"),
-  }
-
-  @property
-  def num_generated(self) -> jax.Array:
-    return self.seq_len - self.prompt_len
-
-
 class GenerateOutput(NamedTuple):
   texts: Optional[list[str]]
   tokens: list[list[int]]
@@ -218,397 +169,6 @@ class GenerationStats:
   time_to_first_token_s: float
   decode_time_s: float
   summary: dict
-
-
-# --------------------------------------------------------------------------------------------------
-# Pure functions (jitted below)
-# --------------------------------------------------------------------------------------------------
-
-
-def _is_stop(tok: jax.Array, stop_ids: jax.Array) -> jax.Array:
-  """tok [B, ...] against each row's stop ids [B, S] → bool [B, ...]."""
-  per_row = stop_ids.reshape(stop_ids.shape[0], *([1] * (tok.ndim - 1)), stop_ids.shape[-1])
-  return jnp.any(tok[..., None] == per_row, axis=-1)
-
-
-def _token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """log softmax(logits)[token]: logits [B, ..., V], tokens [B, ...] → float32 [B, ...]."""
-  logits = logits.astype(jnp.float32)
-  picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return picked - jax.nn.logsumexp(logits, axis=-1)
-
-
-def prefill(
-  config: ModelConfig,
-  drafter: Optional[Drafter],
-  target_params: Any,
-  drafter_params: Any,
-  tokens: jax.Array,
-  prompt_len: jax.Array,
-  max_new: jax.Array,
-  active: jax.Array,
-  params: sampling.SamplingParams,
-  keys: jax.Array,
-  stop_ids: jax.Array,
-  num_chunks: jax.Array,
-  chunk: int,
-  kv_format: str = "float",
-  state_axes: Optional[SpecState] = None,
-) -> SpecState:
-  """Target prefill, first token, drafter prefill: the state before the first step.
-
-  tokens [B, max_len] holds the prompts. They run through the target `num_chunks` chunks of
-  `chunk` positions at a time in a loop on device (one compilation per chunk size); each
-  chunk's target features go to the drafter before the next chunk runs, and a prompt's first
-  token is sampled in the chunk that holds its last position. `state_axes` (the state's logical
-  axes, `SpecEngine.state_axes`) lays the state out on the active mesh from its creation on.
-  """
-  lay = functools.partial(_laid_out, state_axes)
-  batch, max_len = tokens.shape
-  taps = drafter.taps if drafter is not None else ()
-  rows = jnp.arange(batch)
-  keys, sub = sampling.split_key(keys)
-  drafter_state = ()
-  if drafter is not None:
-    drafter_state = drafter.init_state(drafter_params, batch, max_len)
-
-  def body(c, carry):
-    target_state, drafter_state, tokens, logprobs = carry
-    start = c * chunk
-    logits, in_chunk, target_state, chunk_taps, hidden = decode.prefill_chunk(
-      config, target_params, tokens, start, chunk, prompt_len, target_state, taps
-    )
-    # Same key for every chunk: a row's first token is what one-shot prefill would sample.
-    first = jnp.where(in_chunk, sampling.sample(sub, logits, params), tokens[rows, prompt_len])
-    tokens = tokens.at[rows, prompt_len].set(first)
-    lp = jnp.where(in_chunk, _token_logprobs(logits, first), logprobs[rows, prompt_len])
-    logprobs = logprobs.at[rows, prompt_len].set(lp)
-    if drafter is not None:
-      ctx = PrefillContext(tokens, prompt_len, chunk_taps, hidden, start)
-      drafter_state = drafter.prefill(drafter_params, drafter_state, ctx)
-    return laid_out(target_state, drafter_state, tokens, logprobs)
-
-  def laid_out(target_state, drafter_state, tokens, logprobs):
-    return (
-      lay("target_state", target_state),
-      lay("drafter_state", drafter_state),
-      lay("tokens", tokens),
-      lay("logprobs", logprobs),
-    )
-
-  init = laid_out(
-    DecodingState.create(config, batch, max_len, kv_format),
-    drafter_state,
-    tokens,
-    jnp.zeros((batch, max_len), jnp.float32),
-  )
-  target_state, drafter_state, tokens, logprobs = jax.lax.fori_loop(0, num_chunks, body, init)
-  first = tokens[rows, prompt_len]
-  gamma = drafter.gamma if drafter is not None else 0
-  done = ~active | _is_stop(first, stop_ids) | (max_new <= 1)
-  state = SpecState(
-    tokens=tokens,
-    seq_len=prompt_len + 1,
-    prompt_len=prompt_len,
-    max_new=max_new,
-    target_state=target_state.with_lengths(prompt_len),
-    drafter_state=drafter_state,
-    keys=keys,
-    done=done,
-    sampling=params,
-    stop_ids=stop_ids,
-    stats=metrics.init_stats(batch, gamma),
-    logprobs=logprobs,
-  )
-  return lay(None, state)
-
-
-def _laid_out(axes: Optional[SpecState], field: Optional[str], tree: Any) -> Any:
-  """`tree`, the SpecState field `field` (None: the whole state), constrained to its logical
-  axes in `axes` on the active mesh (jaxspec/sharding.py); as it is when `axes` is None."""
-  if axes is None:
-    return tree
-  return sharding.with_logical_constraints(tree, axes if field is None else getattr(axes, field))
-
-
-def _commit_tokens(
-  state: SpecState,
-  drafts: jax.Array,
-  num_accepted: jax.Array,
-  next_token: jax.Array,
-  logits: jax.Array,
-  source: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-  """Writes accepted drafts [B, D] (first num_accepted) then next_token into the buffer, with
-  their log-probs: new token j was drawn from the verify block's logits [B, T, V] at index
-  source[b, j] ([B, D+1]: j for a chain, the accepted path's node for a tree).
-
-  The new tokens are cut at each sequence's budget and after its first stop token; finished
-  sequences commit nothing. Returns (tokens, logprobs, seq_len, done, count committed).
-  """
-  batch, max_len = state.tokens.shape
-  rows = jnp.arange(batch)
-  depth = drafts.shape[1]
-  new = jnp.concatenate([drafts.astype(jnp.int32), jnp.zeros((batch, 1), jnp.int32)], axis=1)
-  new = new.at[rows, num_accepted].set(next_token)  # [B, D+1]
-  j = jnp.arange(depth + 1)[None, :]
-  budget = state.max_new - (state.seq_len - state.prompt_len)
-  keep = (j <= num_accepted[:, None]) & (j < budget[:, None])
-  stop_here = _is_stop(new, state.stop_ids) & keep
-  first_stop = jnp.argmax(stop_here, axis=1)
-  keep = keep & (~jnp.any(stop_here, axis=1)[:, None] | (j <= first_stop[:, None]))
-  keep = keep & ~state.done[:, None]
-  count = jnp.sum(keep, axis=1).astype(jnp.int32)
-
-  slots = jnp.where(keep, state.seq_len[:, None] + j, max_len)
-  tokens = state.tokens.at[rows[:, None], slots].set(new, mode="drop")
-  new_logprobs = _token_logprobs(logits[rows[:, None], source], new)
-  logprobs = state.logprobs.at[rows[:, None], slots].set(new_logprobs, mode="drop")
-  seq_len = state.seq_len + count
-  done = state.done | jnp.any(stop_here, axis=1) | (seq_len - state.prompt_len >= state.max_new)
-  return tokens, logprobs, seq_len, done, count
-
-
-def _verify_block(
-  root: jax.Array, proposal: Optional[Proposal], tree: Optional[TreeOptions], drafter: Drafter
-) -> tuple[jax.Array, Optional[tree_lib.Tree]]:
-  """The tokens the target verifies: [root, chain] (or [root] alone without a drafter), or the
-  flattened DDTree [root, nodes] built from the proposal's per-position log-probs."""
-  if proposal is None:
-    return root[:, None], None
-  if tree is None:
-    return jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1), None
-  if proposal.logprobs is None:
-    raise ConfigError(
-      f"{drafter.name} gives no per-position distributions (Proposal.logprobs); "
-      "tree verification needs them — use verify='chain' with this drafter"
-    )
-  if proposal.logprobs.shape[1] != drafter.gamma:
-    raise ConfigError(
-      f"{drafter.name}: logprobs cover {proposal.logprobs.shape[1]} positions, "
-      f"expected γ={drafter.gamma}"
-    )
-  built = tree_lib.build_tree(root, proposal.logprobs, tree.budget, tree.topk, tree.chain_seed)
-  return built.tokens, built
-
-
-def step(
-  config: ModelConfig,
-  drafter: Optional[Drafter],
-  tree: Optional[TreeOptions],
-  target_params: Any,
-  drafter_params: Any,
-  state: SpecState,
-) -> SpecState:
-  """One draft → verify → accept → commit step for every sequence that is not done.
-
-  Chain verification (`tree=None`): the target runs once over [root, γ drafts] under the causal
-  mask; `verify_chain` accepts a prefix. Without a drafter this is plain decoding.
-  Tree verification (DDTree, `tree=TreeOptions(...)`): the drafter's per-position log-probs give
-  a best-first tree of `tree.budget` nodes; the target runs once over [root, nodes] at
-  positions start + depth under the ancestor mask; the walk picks the accepted path, which the
-  decoding state commits into contiguous slots (the rest of the tree is scratch past the new
-  length, so tree nodes never leak into later steps), and the drafter receives the path's
-  features in committed order.
-  """
-  batch = state.tokens.shape[0]
-  rows = jnp.arange(batch)
-  keys, k_draft, k_verify = sampling.split_key(state.keys, 3)
-  root = state.tokens[rows, state.seq_len - 1]
-  start = state.seq_len - 1  # the root's slot: the state holds everything before it
-
-  proposal, drafter_state = None, state.drafter_state
-  if drafter is not None:
-    proposal, drafter_state = drafter.propose(
-      drafter_params,
-      state.drafter_state,
-      ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft),
-    )
-  block, built = _verify_block(root, proposal, tree, drafter)
-  out = target_lib.apply_decoder(
-    config,
-    target_params,
-    block,
-    start,
-    state.target_state,
-    positions=None if built is None else built.positions(start),
-    block_mask=None if built is None else built.mask,
-    taps=drafter.taps if drafter is not None else (),
-  )
-
-  path = None
-  if proposal is None:
-    num_accepted = jnp.zeros((batch,), jnp.int32)
-    next_token = sampling.sample(k_verify, out.logits[:, 0], state.sampling)
-    drafts = block[:, 1:]
-  elif built is None:
-    num_accepted, next_token = verify.verify_chain(
-      k_verify, proposal.tokens, proposal.probs, out.logits, state.sampling
-    )
-    drafts = block[:, 1:]
-  else:
-    path, num_accepted, next_token = tree_verify.verify_tree(
-      k_verify, built, out.logits, state.sampling, drafter.gamma, tree.rule
-    )
-    drafts = tree_verify.path_tokens(built, path)
-  # Where each new token's distribution sits in the block: position j, or the path's node j.
-  source = jnp.broadcast_to(jnp.arange(drafts.shape[1] + 1), (batch, drafts.shape[1] + 1))
-  if path is not None:
-    source = path
-
-  tokens, logprobs, seq_len, done, count = _commit_tokens(
-    state, drafts, num_accepted, next_token, out.logits, source
-  )
-  target_state = out.state if path is None else out.state.commit_path(path)
-  target_state = target_state.with_lengths(seq_len - 1)
-  stats = metrics.update_stats(state.stats, num_accepted, ~state.done, count)
-
-  if drafter is not None:
-    taps, hidden = out.taps, out.hidden
-    if path is not None:  # features of the accepted path, in committed order
-      taps = None if taps is None else taps[:, rows[:, None], path]
-      hidden = hidden[rows[:, None], path]
-    drafter_state = drafter.commit(
-      drafter_params,
-      drafter_state,
-      CommitContext(tokens, state.seq_len, jnp.minimum(num_accepted, count), seq_len, taps, hidden),
-    )
-  return state.replace(
-    tokens=tokens,
-    seq_len=seq_len,
-    target_state=target_state,
-    drafter_state=drafter_state,
-    keys=keys,
-    done=done,
-    stats=stats,
-    logprobs=logprobs,
-  )
-
-
-def run_loop(
-  config: ModelConfig,
-  drafter: Optional[Drafter],
-  target_params: Any,
-  drafter_params: Any,
-  state: SpecState,
-  max_steps: Optional[jax.Array] = None,
-  tree: Optional[TreeOptions] = None,
-  state_axes: Optional[SpecState] = None,
-) -> SpecState:
-  """`step` in a while_loop until every sequence is done or after `max_steps` steps (a traced
-  int32, so streaming and slot serving at any chunk size share one program; None: no limit).
-  With `state_axes` every step's state keeps the layout they give it on the active mesh."""
-  lay = functools.partial(_laid_out, state_axes, None)
-
-  def cond(carry):
-    s, i = carry
-    go = ~jnp.all(s.done)
-    return go if max_steps is None else go & (i < max_steps)
-
-  def body(carry):
-    s, i = carry
-    return lay(step(config, drafter, tree, target_params, drafter_params, s)), i + 1
-
-  state, _ = jax.lax.while_loop(cond, body, (lay(state), jnp.int32(0)))
-  return lay(state)  # the loop's result too: XLA may pick another layout for a while's output
-
-
-def insert_row(
-  axes: Any,
-  state: SpecState,
-  slot: jax.Array,
-  row: SpecState,
-  state_axes: Optional[SpecState] = None,
-) -> SpecState:
-  """Row `slot` of every batched leaf of `state` ← the one-row state `row` (`axes`: each leaf's
-  batch axis, None for shared leaves, which keep `state`'s); laid out by `state_axes`."""
-
-  def put(ax, x, r):
-    if ax is None:
-      return x
-    return jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=ax)
-
-  return _laid_out(state_axes, None, jax.tree_util.tree_map(put, axes, state, row))
-
-
-def evict_rows(
-  state: SpecState, rows: jax.Array, state_axes: Optional[SpecState] = None
-) -> SpecState:
-  """The rows where `rows` [B] bool is set marked done: they commit nothing more."""
-  return _laid_out(state_axes, None, state.replace(done=state.done | rows))
-
-
-def _refuse_quantized(params: Any, what: str) -> None:
-  is_q = lambda x: isinstance(x, QTensor)
-  if any(is_q(x) for x in jax.tree_util.tree_leaves(params, is_leaf=is_q)):
-    raise ConfigError(
-      f"{what} has quantized (QTensor) weights of its own: placing a quantized drafter on a "
-      "device mesh is not supported; quantize the target only, or run without a mesh"
-    )
-
-
-def place_on_mesh(
-  target: TargetModel,
-  drafter: Optional[Drafter],
-  mesh: jax.sharding.Mesh,
-  rules: Any = None,
-) -> tuple[TargetModel, Optional[Drafter]]:
-  """The target and the drafter with their parameters on `mesh`, by their logical axes
-  (`target_lib.params_logical_axes`: a quantized weight's values and scales are named after the
-  weight; `Drafter.param_axes`) and `rules` (jaxspec/sharding.py).
-
-  An array already placed so is kept (pass a target restored onto the mesh and nothing moves);
-  an array the drafter shares with the target (embedding, LM head, MTP layer) takes the target's
-  placement, so it is held once. A drafter's own quantized weights are refused (ConfigError).
-  """
-  t_axes = target_lib.params_logical_axes(target.config, target.params)
-  params = sharding.shard_tree(target.params, t_axes, mesh, rules)
-  placed_target = dataclasses.replace(target, params=params)
-  if drafter is None or drafter.params is None:
-    return placed_target, drafter
-  _refuse_quantized(drafter.params, f"the drafter ({drafter.name})")
-  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
-  shared = {
-    id(old): (new, spec)
-    for old, new, spec in zip(
-      jax.tree_util.tree_leaves(target.params),
-      jax.tree_util.tree_leaves(params),
-      jax.tree_util.tree_leaves(t_axes, is_leaf=is_spec),
-    )
-  }
-  axes = drafter.param_axes()
-  if axes is None:  # replicated
-    axes = jax.tree_util.tree_map(lambda _: jax.sharding.PartitionSpec(), drafter.params)
-  own = jax.tree_util.tree_map(
-    lambda x, spec: shared[id(x)][1] if id(x) in shared else spec,
-    drafter.params,
-    axes,
-  )
-  values = jax.tree_util.tree_map(
-    lambda x: shared[id(x)][0] if id(x) in shared else x, drafter.params
-  )
-  placed = sharding.shard_tree(values, own, mesh, rules)
-  return placed_target, dataclasses.replace(drafter, params=placed)
-
-
-class _OnMesh:
-  """A jitted function called inside `sharding.use_mesh(mesh, rules)`: the logical constraints
-  of the model code and of the state apply when it is traced."""
-
-  def __init__(self, mesh: jax.sharding.Mesh, rules: Any, fn: Any):
-    self.mesh, self.rules, self.fn = mesh, rules, fn
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    with sharding.use_mesh(self.mesh, self.rules):
-      return self.fn(*args, **kwargs)
-
-  def _cache_size(self) -> int:
-    return self.fn._cache_size()  # pylint: disable=protected-access
-
-
-# --------------------------------------------------------------------------------------------------
-# Host API
-# --------------------------------------------------------------------------------------------------
 
 
 def _bucket(n: int, minimum: int, cap: int) -> int:
@@ -639,10 +199,10 @@ class SpecEngine:
     self.target = target
     self.config = config
     self.tree = config.tree_options
-    if self.tree is not None:
-      if drafter is None:
-        raise ConfigError("verify='tree' needs a drafter that gives per-position distributions")
+    if self.tree is not None and drafter is not None:
       drafter = drafter.for_tree()
+    # How a step verifies (plain, chain or tree): chosen once, compiled into the step.
+    self.verifier = verifiers.make(drafter, self.tree)
     if drafter is not None and drafter.vocab_size not in (None, target.config.vocab_size):
       raise InputError(
         f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
@@ -653,33 +213,19 @@ class SpecEngine:
     self.mesh = mesh
     self.rules = None if mesh is None else sharding.rules_from(rules)
     if mesh is not None:
-      self.target, drafter = place_on_mesh(target, drafter, mesh, self.rules)
+      self.target, drafter = placement.place_on_mesh(target, drafter, mesh, self.rules)
     self.drafter = drafter
-    stops = list(config.stop_ids)
-    if config.use_eos:
-      stops += list(target.config.eos_token_ids)
-    stops = list(dict.fromkeys(int(t) for t in stops))
-    outside = [t for t in stops if t >= target.config.vocab_size]
-    if outside:
-      raise ConfigError(
-        f"stop ids {outside} are outside the vocabulary (size {target.config.vocab_size})"
-      )
-    if len(stops) > config.max_stop_ids:
-      raise ConfigError(
-        f"at most {config.max_stop_ids} stop ids, got {stops} (raise EngineConfig.max_stop_ids)"
-      )
-    self.stop_ids = tuple(stops)  # every row's; a request may add its own
+    self.stop_ids = self._engine_stop_ids()  # every row's; a request may add its own
     self.gamma = drafter.gamma if drafter is not None else 0
     # Slots a step may write past the root: γ drafts, or the tree's budget nodes.
-    self.lookahead = self.gamma if self.tree is None else max(self.gamma, self.tree.budget)
+    self.lookahead = self.verifier.lookahead
     if any(target.config.is_linear(i) for i in range(target.config.num_layers)):
       # A verify block keeps per-position (chain) or per-node (tree) linear-attention states
       # when it is at most `linear_snapshots` tokens wide: widen the threshold to this
       # engine's block (γ + 1, or the tree's budget + 1). The snapshots are sized by the block
       # itself, so only the threshold changes.
-      width = self.gamma + 1 if self.tree is None else self.tree.budget + 1
-      if width > target.config.linear_snapshots:
-        self.target = self.target.with_config(linear_snapshots=width)
+      if self.verifier.width > target.config.linear_snapshots:
+        self.target = self.target.with_config(linear_snapshots=self.verifier.width)
         target = self.target
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = memory.engine_plan(
@@ -692,24 +238,42 @@ class SpecEngine:
     axes = self._state_axes = None if mesh is None else self.state_axes()
     self._prefill = self._on_mesh(
       jax.jit(
-        functools.partial(prefill, cfg, dr, state_axes=axes),
+        functools.partial(step_lib.prefill, cfg, dr, state_axes=axes),
         static_argnames=("chunk", "kv_format"),
         donate_argnames=("tokens",),
       )
     )
     self._loop = self._on_mesh(
       jax.jit(
-        functools.partial(run_loop, cfg, dr, tree=self.tree, state_axes=axes), donate_argnums=(2,)
+        functools.partial(step_lib.run_loop, cfg, dr, verifier=self.verifier, state_axes=axes),
+        donate_argnums=(2,),
       )
     )
     self._insert = None  # built on first use: finding the batch axes traces a prefill
     self._evict = self._on_mesh(
-      jax.jit(functools.partial(evict_rows, state_axes=axes), donate_argnums=(0,))
+      jax.jit(functools.partial(step_lib.evict_rows, state_axes=axes), donate_argnums=(0,))
     )
+    self._recent = self._on_mesh(jax.jit(step_lib.recent, static_argnums=(1,)))
+
+  def _engine_stop_ids(self) -> tuple[int, ...]:
+    """The config's stop ids and (use_eos) the target's eos ids, checked."""
+    config, vocab = self.config, self.target.config.vocab_size
+    stops = list(config.stop_ids)
+    if config.use_eos:
+      stops += list(self.target.config.eos_token_ids)
+    stops = list(dict.fromkeys(int(t) for t in stops))
+    outside = [t for t in stops if t >= vocab]
+    if outside:
+      raise ConfigError(f"stop ids {outside} are outside the vocabulary (size {vocab})")
+    if len(stops) > config.max_stop_ids:
+      raise ConfigError(
+        f"at most {config.max_stop_ids} stop ids, got {stops} (raise EngineConfig.max_stop_ids)"
+      )
+    return tuple(stops)
 
   def _on_mesh(self, fn: Any) -> Any:
     """`fn`, called inside the engine's mesh and rules when it has a mesh."""
-    return fn if self.mesh is None else _OnMesh(self.mesh, self.rules, fn)
+    return placement.on_mesh(self.mesh, self.rules, fn)
 
   @property
   def drafter_params(self) -> Any:
@@ -717,9 +281,11 @@ class SpecEngine:
 
   # -- input handling --------------------------------------------------------------------------
 
-  def _request(self, prompts: Any, max_prompts: Optional[int] = None, **kwargs: Any) -> Request:
+  def _request(
+    self, prompts: Any, args: SamplingArgs, max_prompts: Optional[int] = None
+  ) -> Request:
     """Validates a call's arguments once (jaxspec/speculative/request.py)."""
-    return Request.build(prompts, max_prompts=max_prompts or self.config.batch_size, **kwargs)
+    return Request.build(prompts, args, max_prompts=max_prompts or self.config.batch_size)
 
   def _row_stop_ids(self, request: Request, batch: int) -> np.ndarray:
     """int32 [batch, max_stop_ids]: the engine's stop ids plus each prompt's own, -1 padded."""
@@ -757,33 +323,13 @@ class SpecEngine:
       out.append(ids)
     return out
 
-  def init_state(
-    self,
-    prompts: Any,
-    max_new_tokens: Any = 128,
-    temperature: Any = 0.0,
-    top_k: Any = 0,
-    top_p: Any = 1.0,
-    seed: Any = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> SpecState:
+  @takes_sampling_args
+  def init_state(self, prompts: Any, *args: Any, **kwargs: Any) -> SpecState:
     """Validates and pads the inputs and runs the prefill (jitted once per prompt bucket).
 
     Arguments as for `generate`.
     """
-    request = self._request(
-      prompts,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      seed=seed,
-      parse_special=parse_special,
-      stop_token_ids=stop_token_ids,
-    )
-    return self._start(request)
+    return self._start(self._request(prompts, SamplingArgs.of(args, kwargs, "init_state")))
 
   def _checked(self, request: Request, batch: int) -> tuple[list[list[int]], np.ndarray]:
     """The request's token ids and [batch, max_stop_ids] stop ids, or the InputError that
@@ -794,13 +340,9 @@ class SpecEngine:
     for i, (p, m) in enumerate(zip(ids, request.max_new_tokens)):
       need = len(p) + m + self.lookahead + 1
       if m > self.max_new_tokens_for(len(p)):
-        what = (
-          f"{self.gamma} draft tokens"
-          if self.tree is None
-          else f"a tree of {self.tree.budget} draft nodes (depth ≤ {self.gamma})"
-        )
         raise InputError(
-          f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} and {what} per step "
+          f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} and "
+          f"{self.verifier.describe()} per step "
           f"it needs {need} slots, more than max_len={cfg.max_len}"
         )
     return ids, stop_ids
@@ -868,46 +410,28 @@ class SpecEngine:
 
   # -- generation --------------------------------------------------------------------------------
 
-  def generate(
-    self,
-    prompts: Any,
-    max_new_tokens: Any = 128,
-    temperature: Any = 0.0,
-    top_k: Any = 0,
-    top_p: Any = 1.0,
-    seed: Any = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> GenerateOutput:
+  @takes_sampling_args
+  def generate(self, prompts: Any, *args: Any, **kwargs: Any) -> GenerateOutput:
     """Generates for up to batch_size prompts; returns texts, tokens and stats.
 
     Args:
       prompts: one str, or a sequence of prompts, each a str or a 1-D sequence of token ids.
-      max_new_tokens: an integer ≥ 1, or one per prompt.
-      temperature: ≥ 0 (0 = greedy), or one per prompt.
-      top_k: ≥ 0 (0 = off), or one per prompt.
-      top_p: in (0, 1] (1 = off), or one per prompt.
-      seed: the sampling seed, or one per prompt (see jaxspec/speculative/request.py: a
-        request's random stream depends on its seed only, not on its batch row).
-      parse_special: parse special-token strings typed in text prompts (say "<|endoftext|>")
-        as the control tokens; by default text is plain text.
-      stop_token_ids: extra stop tokens, for every prompt or one list per prompt.
+      *args, **kwargs: the sampling arguments (`SamplingArgs`: one, or its fields):
+        max_new_tokens: an integer ≥ 1, or one per prompt.
+        temperature: ≥ 0 (0 = greedy), or one per prompt.
+        top_k: ≥ 0 (0 = off), or one per prompt.
+        top_p: in (0, 1] (1 = off), or one per prompt.
+        seed: the sampling seed, or one per prompt (see jaxspec/speculative/request.py: a
+          request's random stream depends on its seed only, not on its batch row).
+        parse_special (keyword): parse special-token strings typed in text prompts (say
+          "<|endoftext|>") as the control tokens; by default text is plain text.
+        stop_token_ids (keyword): extra stop tokens, for every prompt or one list per prompt.
 
     Raises:
       InputError: for anything else (jaxspec/speculative/request.py lists the accepted forms).
     """
     t0 = time.perf_counter()
-    request = self._request(
-      prompts,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      seed=seed,
-      parse_special=parse_special,
-      stop_token_ids=stop_token_ids,
-    )
+    request = self._request(prompts, SamplingArgs.of(args, kwargs, "generate"))
     state = self._start(request)
     jax.block_until_ready(state.tokens)
     t1 = time.perf_counter()
@@ -919,32 +443,13 @@ class SpecEngine:
     stats = self._stats(state, t1 - t0, t2 - t1, n)
     return GenerateOutput(self._texts(tokens), tokens, stats, self._outputs(state, n, "logprobs"))
 
-  def stream(
-    self,
-    prompts: Any,
-    max_new_tokens: Any = 128,
-    temperature: Any = 0.0,
-    top_k: Any = 0,
-    top_p: Any = 1.0,
-    seed: Any = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> Iterator[list[list[int]]]:
+  @takes_sampling_args
+  def stream(self, prompts: Any, *args: Any, **kwargs: Any) -> Iterator[list[list[int]]]:
     """Yields each sequence's newly committed tokens every `stream_every` steps.
 
     Arguments as for `generate`; they are checked when this is called, not when iterated.
     """
-    request = self._request(
-      prompts,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      seed=seed,
-      parse_special=parse_special,
-      stop_token_ids=stop_token_ids,
-    )
+    request = self._request(prompts, SamplingArgs.of(args, kwargs, "stream"))
     return self._stream(self._start(request), len(request))
 
   def _stream(self, state: SpecState, n: int) -> Iterator[list[list[int]]]:
@@ -959,6 +464,17 @@ class SpecEngine:
 
   # -- slots: rows that come and go (continuous batching) ----------------------------------------
 
+  def window(self, steps: int) -> int:
+    """The most tokens a row can have that `recent` has not shown after a chunk of `steps`
+    steps: its first token (sampled at prefill) and up to `max_commit` tokens a step."""
+    return 1 + steps * self.verifier.max_commit
+
+  def recent(self, state: SpecState, window: int) -> dict[str, jax.Array]:
+    """Each row's last `window` tokens and log-probs, lengths, done and stop flags and
+    counters (`step.recent`): what a server reads back after a loop chunk, O(B·window), not
+    the O(B·max_len) buffers. One compilation per window."""
+    return self._recent(state, window)
+
   def run(self, state: SpecState, max_steps: Optional[int] = None) -> SpecState:
     """Advances every live row by up to `max_steps` steps (None: until every row is done) in
     one compiled on-device loop, the same program for every `max_steps`. Donates `state`."""
@@ -967,49 +483,26 @@ class SpecEngine:
 
   def empty_state(self) -> SpecState:
     """A batch_size-row state with every row free (done): the start of a slot-served engine."""
-    request = self._request([[0]] * self.config.batch_size, max_new_tokens=1)
+    request = self._request([[0]] * self.config.batch_size, SamplingArgs(max_new_tokens=1))
     state = self._start(request)
     return self.evict(state, jnp.arange(self.config.batch_size))
 
-  def prefill_row(
-    self,
-    prompt: Any,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> SpecState:
+  @takes_sampling_args
+  def prefill_row(self, prompt: Any, *args: Any, **kwargs: Any) -> SpecState:
     """One request (a str or 1-D token ids) prefilled as a one-row state, for `insert`.
 
-    Validated as `generate` validates; its key is fold_in(PRNGKey(seed), 0), as for a
-    single-prompt `generate`, so the request samples what it samples alone.
+    Sampling arguments as for `generate` (one value each). Validated as `generate` validates;
+    its key is fold_in(PRNGKey(seed), 0), as for a single-prompt `generate`, so the request
+    samples what it samples alone.
     """
-    return self._start(self._row_request(prompt, locals()), batch=1)
+    request = self._request([prompt], SamplingArgs.of(args, kwargs, "prefill_row"), 1)
+    return self._start(request, batch=1)
 
-  def check_row(
-    self,
-    prompt: Any,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    *,
-    parse_special: bool = False,
-    stop_token_ids: Any = None,
-  ) -> None:
+  @takes_sampling_args
+  def check_row(self, prompt: Any, *args: Any, **kwargs: Any) -> None:
     """Raises the InputError that `prefill_row` would raise for these arguments, on the host
     only (no device work): what a server checks before it queues a request."""
-    self._checked(self._row_request(prompt, locals()), 1)
-
-  def _row_request(self, prompt: Any, arguments: dict) -> Request:
-    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
-    names += ("parse_special", "stop_token_ids")
-    return self._request([prompt], max_prompts=1, **{k: arguments[k] for k in names})
+    self._checked(self._request([prompt], SamplingArgs.of(args, kwargs, "check_row"), 1), 1)
 
   def insert(self, state: SpecState, slot: Any, row: SpecState) -> SpecState:
     """`state` with batch row `slot` replaced by the one-row state `row` (from `prefill_row`):
@@ -1020,7 +513,9 @@ class SpecEngine:
     if self._insert is None:
       self._insert = self._on_mesh(
         jax.jit(
-          functools.partial(insert_row, self._batch_axes(), state_axes=self._state_axes),
+          functools.partial(
+            step_lib.insert_row, self._batch_axes(), state_axes=self._state_axes
+          ),
           donate_argnums=(0,),
         )
       )
@@ -1090,7 +585,7 @@ class SpecEngine:
     keys = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
     chunk = min(cfg.min_prompt_bucket, cfg.max_len)
     run = functools.partial(
-      prefill, self.target.config, self.drafter, chunk=chunk, kv_format=cfg.kv_format
+      step_lib.prefill, self.target.config, self.drafter, chunk=chunk, kv_format=cfg.kv_format
     )
     return jax.eval_shape(
       run,
@@ -1125,12 +620,4 @@ class SpecEngine:
   def _batch_axes(self) -> Any:
     """Per SpecState leaf, its batch axis (the one whose size follows the batch), or None for
     a leaf shared by every row: found by comparing the shapes of 1- and 2-row states."""
-    one, two = self._abstract_state(1), self._abstract_state(2)
-
-    def axis(a, b):
-      moved = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-      if len(moved) > 1 or (moved and (a.shape[moved[0]], b.shape[moved[0]]) != (1, 2)):
-        raise ConfigError(f"a state leaf of shape {a.shape} has no single batch axis")
-      return moved[0] if moved else None
-
-    return jax.tree_util.tree_map(axis, one, two)
+    return placement.batch_axes(self._abstract_state(1), self._abstract_state(2))

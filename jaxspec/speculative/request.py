@@ -1,7 +1,10 @@
 """One generation request, checked once at the boundary.
 
-`SpecEngine.generate`, `stream` and `init_state` take keyword arguments (the public contract)
-and build a `Request` from them. Everything a caller can get wrong is refused here, with an
+`SamplingArgs` is a call's sampling arguments as given (max_new_tokens, temperature, top_k,
+top_p, seed, stop_token_ids, parse_special): the one type that `SpecEngine.generate`, `stream`,
+`init_state`, `prefill_row` and `check_row` take (as keyword arguments, the public contract, or
+as one `SamplingArgs`), that the server's scheduler sends in its ticks, and that
+`Request.build` checks into a `Request`. Everything a caller can get wrong is refused here, with an
 `InputError` naming the argument, before any compilation or device work: no silent coercion
 (a float id is not truncated, "ab" is not two prompts, 1.5 new tokens is not 1, a list of three
 temperatures for one prompt is not cut to one).
@@ -23,9 +26,11 @@ one-element sequence for one prompt is the same as its scalar.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -133,6 +138,77 @@ def _stop_token_ids(value: Any, n: int) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(int(t) for t in ids) for ids in lists)
 
 
+# Per sampling argument: the check each per-prompt value passes, and what it must be.
+_PER_PROMPT_CHECKS = {
+  "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= _INT32_MAX, "an integer ≥ 1"),
+  "temperature": (
+    lambda v: _is_real(v) and math.isfinite(v) and v >= 0,
+    "a finite number ≥ 0 (0 = greedy)",
+  ),
+  "top_k": (lambda v: _is_int(v) and 0 <= v <= _INT32_MAX, "an integer ≥ 0 (0 = off)"),
+  "top_p": (
+    lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 1,
+    "a number in (0, 1] (1 = off)",
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingArgs:
+  """A call's sampling arguments, as given: each a scalar or one value per prompt (checked by
+  `Request.build`, see the module docstring); the defaults are `generate`'s."""
+
+  max_new_tokens: Any = 128
+  temperature: Any = 0.0
+  top_k: Any = 0
+  top_p: Any = 1.0
+  seed: Any = 0
+  _: dataclasses.KW_ONLY
+  parse_special: Any = False
+  stop_token_ids: Any = None
+
+  @classmethod
+  def of(cls, args: tuple, kwargs: dict, where: str = "SamplingArgs") -> "SamplingArgs":
+    """From a call's arguments after the prompt(s): one SamplingArgs (keyword arguments
+    replace its fields), or the fields themselves, positional or by keyword."""
+    try:
+      if args and isinstance(args[0], SamplingArgs):
+        if len(args) > 1:
+          raise TypeError("takes one SamplingArgs or its fields, not both positionally")
+        return dataclasses.replace(args[0], **kwargs)
+      return cls(*args, **kwargs)
+    except TypeError as e:
+      raise TypeError(f"{where}(): {e}") from None
+
+  def to_json(self) -> dict[str, Any]:
+    """Plain JSON values (a server's tick); `SamplingArgs(**d)` rebuilds it."""
+    plain = lambda v: np.asarray(v).tolist() if isinstance(v, (np.ndarray, np.generic)) else v
+    return {k: plain(v) for k, v in dataclasses.asdict(self).items()}
+
+
+def takes_sampling_args(method: Callable) -> Callable:
+  """Gives `method(self, prompt, *args, **kwargs)` the signature `(self, prompt, max_new_tokens=
+  128, ..., *, parse_special=False, stop_token_ids=None)` for help() and editors; the method
+  builds its `SamplingArgs` with `SamplingArgs.of(args, kwargs)`."""
+  own = list(inspect.signature(method).parameters.values())[:2]
+  fields = [
+    inspect.Parameter(
+      f.name,
+      inspect.Parameter.KEYWORD_ONLY if f.kw_only else inspect.Parameter.POSITIONAL_OR_KEYWORD,
+      default=f.default,
+    )
+    for f in dataclasses.fields(SamplingArgs)
+  ]
+  sig = inspect.signature(method).replace(parameters=own + fields)
+
+  @functools.wraps(method)
+  def wrapper(*args: Any, **kwargs: Any) -> Any:
+    return method(*args, **kwargs)
+
+  wrapper.__signature__ = sig
+  return wrapper
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
   """Validated inputs of one generate / stream call (per-prompt tuples of equal length)."""
@@ -148,18 +224,11 @@ class Request:
 
   @classmethod
   def build(
-    cls,
-    prompts: Any,
-    max_new_tokens: Any = 128,
-    temperature: Any = 0.0,
-    top_k: Any = 0,
-    top_p: Any = 1.0,
-    seed: Any = 0,
-    parse_special: Any = False,
-    max_prompts: Optional[int] = None,
-    stop_token_ids: Any = None,
+    cls, prompts: Any, *args: Any, max_prompts: Optional[int] = None, **kwargs: Any
   ) -> "Request":
-    """Checks every argument (see the module docstring); raises InputError on the first bad one."""
+    """Checks the prompts and the sampling arguments (one `SamplingArgs`, or its fields; see
+    the module docstring); raises InputError on the first bad one."""
+    a = SamplingArgs.of(args, kwargs, "Request.build")
     if isinstance(prompts, str):
       prompts = [prompts]
     elif isinstance(prompts, np.ndarray) and prompts.ndim != 1:
@@ -192,31 +261,12 @@ class Request:
     for i, p in enumerate(checked):
       if isinstance(p, str) and not p:
         raise InputError(f"prompt {i} is empty: a prompt needs at least one token")
-    new = _per_prompt(
-      "max_new_tokens",
-      max_new_tokens,
-      n,
-      lambda v: _is_int(v) and 1 <= v <= _INT32_MAX,
-      "an integer ≥ 1",
-    )
-    temp = _per_prompt(
-      "temperature",
-      temperature,
-      n,
-      lambda v: _is_real(v) and math.isfinite(v) and v >= 0,
-      "a finite number ≥ 0 (0 = greedy)",
-    )
-    k = _per_prompt(
-      "top_k", top_k, n, lambda v: _is_int(v) and 0 <= v <= _INT32_MAX, "an integer ≥ 0 (0 = off)"
-    )
-    p = _per_prompt(
-      "top_p",
-      top_p,
-      n,
-      lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 1,
-      "a number in (0, 1] (1 = off)",
+    new, temp, k, p = (
+      _per_prompt(name, getattr(a, name), n, *_PER_PROMPT_CHECKS[name])
+      for name in ("max_new_tokens", "temperature", "top_k", "top_p")
     )
     seed_ok = lambda v: _is_int(v) and -(2**63) <= v < 2**63
+    seed = a.seed
     if isinstance(seed, (list, tuple, np.ndarray)):
       seeds = _per_prompt("seed", seed, n, seed_ok, "an integer in [-2**63, 2**63)")
       seed = tuple(int(v) for v in seeds)
@@ -224,9 +274,9 @@ class Request:
       raise InputError(f"seed must be an integer in [-2**63, 2**63), got {_describe(seed)}")
     else:
       seed = int(seed)
-    stops = _stop_token_ids(stop_token_ids, n)
-    if not isinstance(parse_special, (bool, np.bool_)):
-      raise InputError(f"parse_special must be a bool, got {_describe(parse_special)}")
+    stops = _stop_token_ids(a.stop_token_ids, n)
+    if not isinstance(a.parse_special, (bool, np.bool_)):
+      raise InputError(f"parse_special must be a bool, got {_describe(a.parse_special)}")
     return cls(
       prompts=checked,
       max_new_tokens=tuple(int(v) for v in new),
@@ -234,7 +284,7 @@ class Request:
       top_k=tuple(int(v) for v in k),
       top_p=tuple(float(v) for v in p),
       seed=seed,
-      parse_special=bool(parse_special),
+      parse_special=bool(a.parse_special),
       stop_token_ids=stops,
     )
 

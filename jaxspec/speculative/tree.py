@@ -33,7 +33,7 @@ contains the chain, so (greedy) it never accepts fewer tokens than chain verific
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import flax.struct
 import jax
@@ -70,6 +70,34 @@ def default_topk(budget: int, vocab: int, topk: int = 0) -> int:
   return max(1, min(k, budget, vocab))
 
 
+class _Frontier(NamedTuple):
+  """The best-first frontier: 2·budget+1 fixed slots (each pop appends two at known slots)."""
+
+  pos: jax.Array  # [F] int32 draft position d (the entry's depth is d + 1)
+  rank: jax.Array  # [F] int32 rank r among position d's top-K tokens
+  parent: jax.Array  # [F] int32 the parent's slot in the tree
+  score: jax.Array  # [F] float32 the path's summed log-probs
+  live: jax.Array  # [F] bool not popped yet, and a real token
+
+  def push(self, slot: int, pos, rank, parent, score, live) -> "_Frontier":
+    return _Frontier(
+      self.pos.at[slot].set(pos),
+      self.rank.at[slot].set(rank),
+      self.parent.at[slot].set(parent),
+      self.score.at[slot].set(score),
+      self.live.at[slot].set(live),
+    )
+
+
+class _Build(NamedTuple):
+  """The fori_loop carry of `_build_one`: the frontier, the tree so far, whether the top-1
+  chain is still being seeded."""
+
+  frontier: _Frontier
+  tree: Tree
+  seeding: jax.Array
+
+
 def _build_one(
   root: jax.Array, top_lp: jax.Array, top_ids: jax.Array, budget: int, chain_seed: bool
 ) -> Tree:
@@ -77,96 +105,54 @@ def _build_one(
   depth_max, k = top_lp.shape
   n = budget + 1
   f = 2 * budget + 1
-  # Frontier entries: position d (0-based, depth d+1), rank r, parent slot, score, live flag.
-  f_pos = jnp.zeros((f,), jnp.int32)
-  f_rank = jnp.zeros((f,), jnp.int32)
-  f_parent = jnp.zeros((f,), jnp.int32)
-  f_score = jnp.full((f,), NEG_INF, jnp.float32).at[0].set(top_lp[0, 0])
-  f_live = jnp.zeros((f,), bool).at[0].set(top_lp[0, 0] > NEG_INF)
+  frontier = _Frontier(
+    pos=jnp.zeros((f,), jnp.int32),
+    rank=jnp.zeros((f,), jnp.int32),
+    parent=jnp.zeros((f,), jnp.int32),
+    score=jnp.full((f,), NEG_INF, jnp.float32).at[0].set(top_lp[0, 0]),
+    live=jnp.zeros((f,), bool).at[0].set(top_lp[0, 0] > NEG_INF),
+  )
+  tree = Tree(
+    tokens=jnp.zeros((n,), jnp.int32).at[0].set(root.astype(jnp.int32)),
+    parents=jnp.full((n,), -1, jnp.int32),
+    depths=jnp.zeros((n,), jnp.int32),
+    valid=jnp.zeros((n,), bool).at[0].set(True),
+    mask=jnp.eye(n, dtype=bool),
+    scores=jnp.full((n,), NEG_INF, jnp.float32).at[0].set(0.0),
+  )
 
-  tokens = jnp.zeros((n,), jnp.int32).at[0].set(root.astype(jnp.int32))
-  parents = jnp.full((n,), -1, jnp.int32)
-  depths = jnp.zeros((n,), jnp.int32)
-  valid = jnp.zeros((n,), bool).at[0].set(True)
-  scores = jnp.full((n,), NEG_INF, jnp.float32).at[0].set(0.0)
-  mask = jnp.eye(n, dtype=bool)
-
-  def body(i, carry):
-    (
-      f_pos,
-      f_rank,
-      f_parent,
-      f_score,
-      f_live,
-      tokens,
-      parents,
-      depths,
-      valid,
-      scores,
-      mask,
-      seeding,
-    ) = carry
-    best = jnp.argmax(jnp.where(f_live, f_score, NEG_INF)).astype(jnp.int32)
+  def body(i, carry: _Build) -> _Build:
+    fr, t, seeding = carry
+    best = jnp.argmax(jnp.where(fr.live, fr.score, NEG_INF)).astype(jnp.int32)
     if chain_seed:
       # While seeding, pop i is the chain's next node: the first child pushed by pop i-1, which
       # sits at slot 2i (slot 0 for i = 0). Seeding ends at depth D or if the chain runs dry.
-      seeding = seeding & (i < depth_max) & f_live[2 * i]
+      seeding = seeding & (i < depth_max) & fr.live[2 * i]
       best = jnp.where(seeding, 2 * i, best)
-    ok = f_live[best]
-    d, r, par, sc = f_pos[best], f_rank[best], f_parent[best], f_score[best]
+    ok = fr.live[best]
+    d, r, par, sc = fr.pos[best], fr.rank[best], fr.parent[best], fr.score[best]
     node = i + 1
-    tokens = tokens.at[node].set(jnp.where(ok, top_ids[d, r], 0))
-    parents = parents.at[node].set(jnp.where(ok, par, -1))
-    depths = depths.at[node].set(jnp.where(ok, d + 1, 0))
-    valid = valid.at[node].set(ok)
-    scores = scores.at[node].set(jnp.where(ok, sc, NEG_INF))
-    mask = mask.at[node].set(jnp.where(ok, mask[par], False).at[node].set(True))
-    f_live = f_live.at[best].set(False)
+    t = t.replace(
+      tokens=t.tokens.at[node].set(jnp.where(ok, top_ids[d, r], 0)),
+      parents=t.parents.at[node].set(jnp.where(ok, par, -1)),
+      depths=t.depths.at[node].set(jnp.where(ok, d + 1, 0)),
+      valid=t.valid.at[node].set(ok),
+      scores=t.scores.at[node].set(jnp.where(ok, sc, NEG_INF)),
+      mask=t.mask.at[node].set(jnp.where(ok, t.mask[par], False).at[node].set(True)),
+    )
+    fr = fr._replace(live=fr.live.at[best].set(False))
     # Next sibling (slot 2i+1) and first child (slot 2i+2).
     r1 = jnp.minimum(r + 1, k - 1)
-    sib_score = scores[jnp.maximum(par, 0)] + top_lp[d, r1]
+    sib_score = t.scores[jnp.maximum(par, 0)] + top_lp[d, r1]
     sib_ok = ok & (r + 1 < k) & (top_lp[d, r1] > NEG_INF)
     d1 = jnp.minimum(d + 1, depth_max - 1)
     child_score = sc + top_lp[d1, 0]
     child_ok = ok & (d + 1 < depth_max) & (top_lp[d1, 0] > NEG_INF)
-    s, c = 2 * i + 1, 2 * i + 2
-    f_pos = f_pos.at[s].set(d).at[c].set(d1)
-    f_rank = f_rank.at[s].set(r1).at[c].set(0)
-    f_parent = f_parent.at[s].set(par).at[c].set(node)
-    f_score = f_score.at[s].set(sib_score).at[c].set(child_score)
-    f_live = f_live.at[s].set(sib_ok).at[c].set(child_ok)
-    return (
-      f_pos,
-      f_rank,
-      f_parent,
-      f_score,
-      f_live,
-      tokens,
-      parents,
-      depths,
-      valid,
-      scores,
-      mask,
-      seeding,
-    )
+    fr = fr.push(2 * i + 1, d, r1, par, sib_score, sib_ok)
+    fr = fr.push(2 * i + 2, d1, 0, node, child_score, child_ok)
+    return _Build(fr, t, seeding)
 
-  carry = (
-    f_pos,
-    f_rank,
-    f_parent,
-    f_score,
-    f_live,
-    tokens,
-    parents,
-    depths,
-    valid,
-    scores,
-    mask,
-    jnp.bool_(chain_seed),
-  )
-  carry = jax.lax.fori_loop(0, budget, body, carry)
-  tokens, parents, depths, valid, scores, mask = carry[5:11]
-  return Tree(tokens, parents, depths, valid, mask, scores)
+  return jax.lax.fori_loop(0, budget, body, _Build(frontier, tree, jnp.bool_(chain_seed))).tree
 
 
 def build_tree(

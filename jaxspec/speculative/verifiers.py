@@ -1,0 +1,238 @@
+"""How a step verifies a proposal: plain, chain or tree, one small object each.
+
+The step (jaxspec/speculative/step.py) asks every verifier the same questions, so it has no
+branch on the method:
+
+  width, max_commit, lookahead: static sizes (tokens the target runs per step, the most tokens
+    a step commits, the slots past the root a step may write);
+  block(root, proposal): the tokens the target verifies, with their positions and mask;
+  accept(key, block, logits, proposal, params): what the target accepts (`Accepted`);
+  commit(target_state, accepted): the target's decoding state holding only committed tokens;
+  features(taps, hidden, accepted): the target's features of the committed tokens, in order,
+    for the drafter.
+
+`PlainVerifier` is plain decoding (no drafter: the root alone, one token per pass);
+`ChainVerifier` checks γ drafts in order under the causal mask (jaxspec/speculative/verify.py);
+`TreeVerifier` builds a DDTree from the drafter's per-position distributions and verifies it
+under the ancestor mask (tree.py, tree_verify.py). `make` picks one from the engine's options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import sampling
+from jaxspec.drafters.base import Drafter, Proposal
+from jaxspec.errors import ConfigError
+from jaxspec.speculative import tree as tree_lib, tree_verify, verify
+from jaxspec.state import DecodingState
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeOptions:
+  """The static tree-verification choices a `TreeVerifier` is compiled for."""
+
+  budget: int = 8
+  topk: int = 0
+  chain_seed: bool = False
+  rule: str = "ddtree"
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """The tokens [B, T] the target verifies in one pass, and their tree (None: a chain, at
+  consecutive positions under the causal mask)."""
+
+  tokens: jax.Array
+  tree: Optional[tree_lib.Tree] = None
+
+  def positions(self, start: jax.Array) -> Optional[jax.Array]:
+    """[B, T] RoPE positions (None: start, start + 1, ...)."""
+    return None if self.tree is None else self.tree.positions(start)
+
+  @property
+  def mask(self) -> Optional[jax.Array]:
+    """[B, T, T] the ancestor mask (None: causal)."""
+    return None if self.tree is None else self.tree.mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Accepted:
+  """What one pass accepts, per row.
+
+  drafts: [B, D] the accepted drafts first (entries past num_accepted are scratch).
+  num_accepted: [B] int32 drafts accepted, 0..D.
+  next_token: [B] int32 the target's token after them (correction or bonus).
+  source: [B, D+1] where in the verify block new token j's distribution sits: j for a chain,
+    the accepted path's node j for a tree (root first).
+  """
+
+  drafts: jax.Array
+  num_accepted: jax.Array
+  next_token: jax.Array
+  source: jax.Array
+
+
+class Verifier:
+  """The interface (see the module docstring); a chain's defaults for commit and features."""
+
+  width: int  # tokens the target verifies per pass
+  max_commit: int  # the most tokens one pass commits per row
+  lookahead: int  # slots past the root a pass may write
+
+  def describe(self) -> str:
+    """What a step drafts, for error messages."""
+    raise NotImplementedError
+
+  def block(self, root: jax.Array, proposal: Optional[Proposal]) -> Block:
+    """The verify block for each row's root [B] and the drafter's proposal."""
+    raise NotImplementedError
+
+  def accept(
+    self,
+    key: jax.Array,
+    block: Block,
+    logits: jax.Array,
+    proposal: Optional[Proposal],
+    params: sampling.SamplingParams,
+  ) -> Accepted:
+    """What the target's logits [B, T, V] over `block` accept (lossless at any temperature)."""
+    raise NotImplementedError
+
+  def commit(self, target_state: DecodingState, accepted: Accepted) -> DecodingState:
+    """The state after the pass with the accepted tokens in place (a chain's prefix already
+    is: the lengths cut the rest)."""
+    del accepted
+    return target_state
+
+  def features(self, taps: Any, hidden: jax.Array, accepted: Accepted) -> tuple[Any, jax.Array]:
+    """The block's taps [n, B, T, H] and hidden [B, T, H] at the committed tokens, in order
+    (a chain's already are)."""
+    del accepted
+    return taps, hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainVerifier(Verifier):
+  """Plain decoding: the target runs the root alone and samples the next token."""
+
+  width = 1
+  max_commit = 1
+  lookahead = 0
+
+  def describe(self) -> str:
+    return "no draft tokens"
+
+  def block(self, root, proposal) -> Block:
+    del proposal
+    return Block(root[:, None])
+
+  def accept(self, key, block, logits, proposal, params) -> Accepted:
+    del proposal
+    zeros = jnp.zeros((block.tokens.shape[0],), jnp.int32)
+    next_token = sampling.sample(key, logits[:, 0], params)
+    return Accepted(block.tokens[:, 1:], zeros, next_token, zeros[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainVerifier(Verifier):
+  """γ drafts checked in order after the root (lossless; jaxspec/speculative/verify.py)."""
+
+  gamma: int
+
+  @property
+  def width(self) -> int:
+    return self.gamma + 1
+
+  @property
+  def max_commit(self) -> int:
+    return self.gamma + 1
+
+  @property
+  def lookahead(self) -> int:
+    return self.gamma
+
+  def describe(self) -> str:
+    return f"{self.gamma} draft tokens"
+
+  def block(self, root: jax.Array, proposal: Proposal) -> Block:
+    return Block(jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1))
+
+  def accept(self, key, block, logits, proposal, params) -> Accepted:
+    num_accepted, next_token = verify.verify_chain(
+      key, proposal.tokens, proposal.probs, logits, params
+    )
+    batch = block.tokens.shape[0]
+    source = jnp.broadcast_to(jnp.arange(self.gamma + 1), (batch, self.gamma + 1))
+    return Accepted(block.tokens[:, 1:], num_accepted, next_token, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeVerifier(Verifier):
+  """A DDTree of `options.budget` nodes from the drafter's per-position log-probs, verified
+  under the ancestor mask; the accepted path is committed into contiguous slots (the rest of
+  the tree is scratch past the new length) and its features go to the drafter in order."""
+
+  gamma: int
+  options: TreeOptions
+  drafter_name: str = "the drafter"
+
+  @property
+  def width(self) -> int:
+    return self.options.budget + 1
+
+  @property
+  def max_commit(self) -> int:
+    return self.gamma + 1  # a path is at most γ deep, then the next token
+
+  @property
+  def lookahead(self) -> int:
+    return max(self.gamma, self.options.budget)
+
+  def describe(self) -> str:
+    return f"a tree of {self.options.budget} draft nodes (depth ≤ {self.gamma})"
+
+  def block(self, root: jax.Array, proposal: Proposal) -> Block:
+    if proposal.logprobs is None:
+      raise ConfigError(
+        f"{self.drafter_name} gives no per-position distributions (Proposal.logprobs); "
+        "tree verification needs them — use verify='chain' with this drafter"
+      )
+    if proposal.logprobs.shape[1] != self.gamma:
+      raise ConfigError(
+        f"{self.drafter_name}: logprobs cover {proposal.logprobs.shape[1]} positions, "
+        f"expected γ={self.gamma}"
+      )
+    o = self.options
+    built = tree_lib.build_tree(root, proposal.logprobs, o.budget, o.topk, o.chain_seed)
+    return Block(built.tokens, built)
+
+  def accept(self, key, block, logits, proposal, params) -> Accepted:
+    del proposal
+    path, num_accepted, next_token = tree_verify.verify_tree(
+      key, block.tree, logits, params, self.gamma, self.options.rule
+    )
+    return Accepted(tree_verify.path_tokens(block.tree, path), num_accepted, next_token, path)
+
+  def commit(self, target_state: DecodingState, accepted: Accepted) -> DecodingState:
+    return target_state.commit_path(accepted.source)
+
+  def features(self, taps: Any, hidden: jax.Array, accepted: Accepted) -> tuple[Any, jax.Array]:
+    path = accepted.source
+    rows = jnp.arange(path.shape[0])[:, None]
+    return (None if taps is None else taps[:, rows, path]), hidden[rows, path]
+
+
+def make(drafter: Optional[Drafter], tree: Optional[TreeOptions] = None) -> Verifier:
+  """The verifier for a drafter (None: plain decoding) and tree options (None: a chain)."""
+  if drafter is None:
+    if tree is not None:
+      raise ConfigError("verify='tree' needs a drafter that gives per-position distributions")
+    return PlainVerifier()
+  if tree is None:
+    return ChainVerifier(drafter.gamma)
+  return TreeVerifier(drafter.gamma, tree, drafter.name)
