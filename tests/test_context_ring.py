@@ -158,6 +158,44 @@ def test_attention_over_a_wrapped_ring_equals_attention_over_its_last_positions(
   np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+  "cap,start,path",
+  [
+    (8, 3, [[0, 2, 4], [0, 1, 3]]),  # inside the ring
+    (8, 6, [[0, 2, 4], [0, 1, 2]]),  # the block (positions 6..10) wraps around slot 0
+    (4, 2, [[0, 3, 5], [0, 1, 4]]),  # a 6-wide block in 4 slots: node 0 was displaced
+  ],
+)
+def test_ring_commit_path_moves_the_path_as_a_full_cache_does(cap, start, path):
+  """After a block at `start` and commit_path, positions start..start+n−1 hold the path's
+  nodes exactly as a full-length cache's slots do; a node the ring no longer held leaves its
+  position empty, and the positions past the path keep what the block wrote there."""
+  cfg = _ring_config()
+  rng = np.random.default_rng(2)
+  b, t = 2, 6 if cap == 4 else 5
+  k = rng.normal(size=(b, t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
+  v = rng.normal(size=k.shape).astype(np.float32)
+  starts, path = jnp.full((b,), start, jnp.int32), jnp.asarray(path, jnp.int32)
+  ring, _, _ = RingKV.create(cfg, 1, b, cap).write(jnp.int32(0), starts, k, v)
+  before = np.asarray(ring.pos[0])
+  ring = jax.jit(RingKV.commit_path)(ring, starts, path)
+  full, _, _ = FloatKV.create(cfg, 1, b, 16).write(jnp.int32(0), starts, k, v)
+  full = full.commit_path(starts, path)
+  pos = np.asarray(ring.pos[0])
+  for r in range(b):
+    for j, node in enumerate(np.asarray(path[r])):
+      p, slot = start + j, (start + j) % cap
+      if start + node < start + t - cap:  # displaced by the block's own later positions
+        assert pos[r, slot] == -1
+        continue
+      assert pos[r, slot] == p
+      np.testing.assert_array_equal(ring.k[0, r, slot], full.k[0, r, p])
+      np.testing.assert_array_equal(ring.v[0, r, slot], full.v[0, r, p])
+    targets = {(start + j) % cap for j in range(path.shape[1])}
+    for slot in set(range(cap)) - targets:
+      assert pos[r, slot] == before[r, slot]
+
+
 def test_pallas_attention_refuses_a_ring():
   from jaxspec.errors import ConfigError  # pylint: disable=import-outside-toplevel
 
