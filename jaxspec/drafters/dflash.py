@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import flax.struct

@@ -17,9 +17,9 @@ The protocol (`Kind` gives the defaults; `start` [B] is a block's first position
                                         attention kinds write scratch slots: themselves
   `write(layer, start, k, v)`           a block's K/V → (entry, k, v as stored): the block reads
                                         its own K/V exactly as later queries will
-  `read_range(start, lowest)`           (lo, hi) slots a block may need: hi past the last live
-                                        one, lo before the first a sliding window (whose lowest
-                                        visible position is `lowest`, or None) can reach
+  `read_range(start, lowest)`           (lo, hi): the slots a block may need, from the first a
+                                        sliding window reaches (`lowest`: the lowest position a
+                                        query's window sees, or None) to past the last live one
   `read_chunk(layer, off, size, start)` `KVChunk`: float K/V of slots off..off+size−1, the
                                         position each slot holds and which ones a block at
                                         `start` may see (empty, floored, later slots: not)
@@ -32,7 +32,14 @@ The protocol (`Kind` gives the defaults; `start` [B] is a block's first position
   `with_bounds(floor, limit)`           a ring's read floor / write limit; kinds that hold every
                                         position have none and return themselves
   `AXES`                                the logical axis of every dimension of every array field
+  `format`, `kv_format`                 its name (messages); the `EngineConfig.kv_format` it
+                                        stores (full-length KV kinds) or None
   ====================================  =========================================================
+
+`write`, `read_range`, `read_chunk` and `kernel_operands` are what attention asks (the K/V
+kinds answer them); the recurrent kind is read and written by its own mixer instead
+(models/gated_deltanet.py: `initial`, `write_snapshots`, `write_final`), as a new mixer's kind
+would be. Everything else every kind answers, so the decoder and the engine treat entries alike.
 
 Attention kinds keep the rule "slots at or past `lengths` are scratch": a block writes past the
 committed length, and only the accepted prefix becomes part of the text when `lengths`
@@ -156,7 +163,7 @@ class DecodingState:
 
   @property
   def kv_format(self) -> str:
-    formats = [s.format for s in self.segments if s.format in KV_FORMATS]
+    formats = [s.kv_format for s in self.segments if s.kv_format]
     return formats[0] if formats else "float"
 
   def with_lengths(self, lengths: jax.Array) -> "DecodingState":

@@ -3,7 +3,7 @@ slot arithmetic of stacked [L, B, S, ...] entries (see jaxspec/state/__init__.py
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,8 @@ class KVChunk(NamedTuple):
 class Kind:
   """The protocol's defaults (see the module docstring): what a kind that has nothing to do
   for a question answers."""
+
+  kv_format: ClassVar[Optional[str]] = None  # the `EngineConfig.kv_format` it stores, if any
 
   def begin_block(self, start: jax.Array, t: int, keep: bool):
     """The entry ready for a block of t tokens at `start` (attention kinds: scratch slots)."""

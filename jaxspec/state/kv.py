@@ -37,6 +37,10 @@ def _positions(offset: jax.Array, size: int, batch: int) -> jax.Array:
 class _FullKV(Kind):
   """A full-length cache: slot s holds position s, every position up to max_len."""
 
+  @property
+  def kv_format(self) -> str:
+    return self.format
+
   def read_range(self, start: jax.Array, lowest: jax.Array | None = None):
     """(lo, hi): slots from the lowest a window reaches up to the longest live prefix."""
     lo = 0 if lowest is None else jnp.clip(lowest, 0, None)
