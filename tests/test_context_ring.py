@@ -23,7 +23,7 @@ from jaxspec.models import attention as attention_lib
 from jaxspec.models import target as target_lib
 from jaxspec import sampling
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
-from jaxspec.state import FloatKV, RingKV
+from jaxspec.state import NO_LIMIT, ContextRing, FloatKV, RingKV
 from tests import near_ties
 from tests.drafter_models import small_dflash, small_target
 
@@ -194,6 +194,36 @@ def test_ring_commit_path_moves_the_path_as_a_full_cache_does(cap, start, path):
     targets = {(start + j) % cap for j in range(path.shape[1])}
     for slot in set(range(cap)) - targets:
       assert pos[r, slot] == before[r, slot]
+
+
+def test_context_ring_writes_reads_and_commits_as_a_ring_does():
+  """DFlash's store kind (positions shared by its layers) against RingKV on one layer: the
+  same slots after a wrapping block (written per layer or appended for all layers at once),
+  the same chunks read, the same tree-path commit."""
+  cfg = _ring_config()
+  rng = np.random.default_rng(3)
+  b, t, cap = 2, 5, 8
+  k = rng.normal(size=(b, t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
+  v = rng.normal(size=k.shape).astype(np.float32)
+  starts, layer = jnp.full((b,), 6, jnp.int32), jnp.int32(0)
+  ring, _, _ = RingKV.create(cfg, 1, b, cap).write(layer, starts, k, v)
+  ctx, _, _ = ContextRing.create(cfg, 1, b, cap).write(layer, starts, k, v)
+  appended = ContextRing.create(cfg, 1, b, cap).append(
+    starts, k[None], v[None], jnp.full((b,), NO_LIMIT, jnp.int32)
+  )
+  for got in (ctx, appended):
+    np.testing.assert_array_equal(got.ctx_k, ring.k)
+    np.testing.assert_array_equal(got.ctx_pos, ring.pos[0])
+  for offset in (0, 4):
+    want = ring.read_chunk(layer, jnp.int32(offset), 4, starts + 3)
+    got = ctx.read_chunk(layer, jnp.int32(offset), 4, starts + 3)
+    for a, w in zip(got, want):
+      np.testing.assert_array_equal(a, w)
+  path = jnp.asarray([[0, 2, 4], [0, 1, 2]], jnp.int32)
+  ring, ctx = ring.commit_path(starts, path), ctx.commit_path(starts, path)
+  np.testing.assert_array_equal(ctx.ctx_k, ring.k)
+  np.testing.assert_array_equal(ctx.ctx_v, ring.v)
+  np.testing.assert_array_equal(ctx.ctx_pos, ring.pos[0])
 
 
 def test_pallas_attention_refuses_a_ring():
