@@ -38,8 +38,9 @@ class LinearState(Kind):
   `commit_path` reorders them along the accepted path so that they read as a chain.
   `DecodingState.with_lengths` (and `commit`) then keeps the snapshot of the committed prefix,
   a = lengths − pending_start, and drops the pending fields (`committed`): only the committed
-  state is carried between steps. Any other block (prefill with `valid` lengths, or a longer block, taken as committed whole) writes the
-  state after its valid tokens directly. A block at position 0 starts from zeros.
+  state is carried between steps. Any other block (prefill with `valid` lengths, or a longer
+  block, taken as committed whole) writes the state after its valid tokens directly. A block at
+  position 0 starts from zeros.
   """
 
   conv: jax.Array
