@@ -1,7 +1,7 @@
 """GQA attention of a block of new tokens over the decoding state (cost ∝ the live sequence).
 
 A block of T tokens per sequence sits at slots start[b]..start[b]+T-1 of a layer-state entry
-(jaxspec/state.py). Query t sees every committed slot before start[b] and, inside the block,
+(jaxspec/state/). Query t sees every committed slot before start[b] and, inside the block,
 slot start[b]+u iff block_mask[t, u] (causal when None; an ancestor mask for trees).
 
 Two implementations, chosen by `ModelConfig.attention_impl`:

@@ -1,7 +1,7 @@
 """The decoder: embed → scanned layer stacks → final norm → LM head; plus MTP layers.
 
 One forward serves prefill, decode and verification: a block of T new tokens per sequence is
-written into the decoding state (jaxspec/state.py) at per-sequence slots `start[b]`, each token
+written into the decoding state (jaxspec/state/) at per-sequence slots `start[b]`, each token
 attends to the committed prefix (slots < start) and, inside the block, to what `block_mask`
 allows (causal by default; an ancestor mask for tree verification). RoPE positions default to
 start + t but can be given explicitly (tree nodes sit at start + depth). Without a state
