@@ -23,7 +23,7 @@ from jaxspec.models import attention as attention_lib
 from jaxspec.models import target as target_lib
 from jaxspec import sampling
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
-from jaxspec.state import FloatKV, RingKV
+from jaxspec.state import NO_LIMIT, ContextRing, FloatKV, RingKV
 from tests import near_ties
 from tests.drafter_models import small_dflash, small_target
 
@@ -156,6 +156,74 @@ def test_attention_over_a_wrapped_ring_equals_attention_over_its_last_positions(
   p /= p.sum(-1, keepdims=True)
   want = np.einsum("bhts,bshd->bthd", p, np.repeat(vals, g, axis=2))
   np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "cap,start,path",
+  [
+    (8, 3, [[0, 2, 4], [0, 1, 3]]),  # inside the ring
+    (8, 6, [[0, 2, 4], [0, 1, 2]]),  # the block (positions 6..10) wraps around slot 0
+    (4, 2, [[0, 3, 5], [0, 1, 4]]),  # a 6-wide block in 4 slots: node 0 was displaced
+  ],
+)
+def test_ring_commit_path_moves_the_path_as_a_full_cache_does(cap, start, path):
+  """After a block at `start` and commit_path, positions start..start+n−1 hold the path's
+  nodes exactly as a full-length cache's slots do; a node the ring no longer held leaves its
+  position empty, and the positions past the path keep what the block wrote there."""
+  cfg = _ring_config()
+  rng = np.random.default_rng(2)
+  b, t = 2, 6 if cap == 4 else 5
+  k = rng.normal(size=(b, t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
+  v = rng.normal(size=k.shape).astype(np.float32)
+  starts, path = jnp.full((b,), start, jnp.int32), jnp.asarray(path, jnp.int32)
+  ring, _, _ = RingKV.create(cfg, 1, b, cap).write(jnp.int32(0), starts, k, v)
+  before = np.asarray(ring.pos[0])
+  ring = jax.jit(RingKV.commit_path)(ring, starts, path)
+  full, _, _ = FloatKV.create(cfg, 1, b, 16).write(jnp.int32(0), starts, k, v)
+  full = full.commit_path(starts, path)
+  pos = np.asarray(ring.pos[0])
+  for r in range(b):
+    for j, node in enumerate(np.asarray(path[r])):
+      p, slot = start + j, (start + j) % cap
+      if start + node < start + t - cap:  # displaced by the block's own later positions
+        assert pos[r, slot] == -1
+        continue
+      assert pos[r, slot] == p
+      np.testing.assert_array_equal(ring.k[0, r, slot], full.k[0, r, p])
+      np.testing.assert_array_equal(ring.v[0, r, slot], full.v[0, r, p])
+    targets = {(start + j) % cap for j in range(path.shape[1])}
+    for slot in set(range(cap)) - targets:
+      assert pos[r, slot] == before[r, slot]
+
+
+def test_context_ring_writes_reads_and_commits_as_a_ring_does():
+  """DFlash's store kind (positions shared by its layers) against RingKV on one layer: the
+  same slots after a wrapping block (written per layer or appended for all layers at once),
+  the same chunks read, the same tree-path commit."""
+  cfg = _ring_config()
+  rng = np.random.default_rng(3)
+  b, t, cap = 2, 5, 8
+  k = rng.normal(size=(b, t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
+  v = rng.normal(size=k.shape).astype(np.float32)
+  starts, layer = jnp.full((b,), 6, jnp.int32), jnp.int32(0)
+  ring, _, _ = RingKV.create(cfg, 1, b, cap).write(layer, starts, k, v)
+  ctx, _, _ = ContextRing.create(cfg, 1, b, cap).write(layer, starts, k, v)
+  appended = ContextRing.create(cfg, 1, b, cap).append(
+    starts, k[None], v[None], jnp.full((b,), NO_LIMIT, jnp.int32)
+  )
+  for got in (ctx, appended):
+    np.testing.assert_array_equal(got.ctx_k, ring.k)
+    np.testing.assert_array_equal(got.ctx_pos, ring.pos[0])
+  for offset in (0, 4):
+    want = ring.read_chunk(layer, jnp.int32(offset), 4, starts + 3)
+    got = ctx.read_chunk(layer, jnp.int32(offset), 4, starts + 3)
+    for a, w in zip(got, want):
+      np.testing.assert_array_equal(a, w)
+  path = jnp.asarray([[0, 2, 4], [0, 1, 2]], jnp.int32)
+  ring, ctx = ring.commit_path(starts, path), ctx.commit_path(starts, path)
+  np.testing.assert_array_equal(ctx.ctx_k, ring.k)
+  np.testing.assert_array_equal(ctx.ctx_v, ring.v)
+  np.testing.assert_array_equal(ctx.ctx_pos, ring.pos[0])
 
 
 def test_pallas_attention_refuses_a_ring():

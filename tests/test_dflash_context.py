@@ -1,6 +1,7 @@
 """DFlash's chunked context attention: the inference path reads only the live context slots.
 
-`chunked_block_attention` (propose / block_logits) must equal the dense `block_attention` over
+The chunked reader (propose / block_logits: the store read as a `ContextRing` by the shared
+`attention.attend_xla`) must equal the dense `block_attention` over
 the whole store (training) for every visibility rule (per-row lengths, sliding windows, the
 context ring), never read slots past the live ones, and keep greedy speculation lossless.
 """
@@ -18,7 +19,7 @@ from jaxspec.drafters.base import PrefillContext
 from jaxspec.drafters.dflash import (
   ContextView,
   block_attention,
-  chunked_block_attention,
+  context_attention,
   context_visibility,
   target_head,
 )
@@ -72,8 +73,8 @@ def _both(lens, cap, window, ring, chunk, seed=0, t=4, h=4, k=2, d=8):
   dense = block_attention(
     q, ctx_k, ctx_v, context_visibility(q_pos, ctx_pos, limit, window), blk_k, blk_v, scale
   )
-  view = ContextView(q_pos, ctx_pos, limit, window, chunk, ring)
-  chunked = jax.jit(lambda *a: chunked_block_attention(*a, scale, view))(
+  view = ContextView(q_pos, ctx_pos, limit, window, chunk)
+  chunked = jax.jit(lambda *a: context_attention(*a, scale, view))(
     q, ctx_k, ctx_v, blk_k, blk_v
   )
   return np.asarray(chunked), np.asarray(dense)

@@ -54,7 +54,7 @@ def test_one_import_closing_a_cycle_fails(tmp_path):
   gen = _generator()
   _copy_sources(tmp_path)
   assert not gen.import_cycles(str(tmp_path))
-  state = tmp_path / "jaxspec" / "state.py"
+  state = tmp_path / "jaxspec" / "state" / "__init__.py"
   state.write_text(
     state.read_text() + "\n\ndef _late():\n  from jaxspec.speculative import engine  # noqa\n"
   )

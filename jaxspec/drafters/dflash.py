@@ -22,11 +22,13 @@ and with `context_window` = N (default 4096): every block sees only the N most r
 features, and the store is a ring of N slots with the position each came from (memory O(N)
 for long contexts, as Lucebox's long-context DFlash keeps its last 4096 target features).
 
-At inference (`block_logits` / `propose`) the block reads the context store in chunks of
-`DFlashDrafter.context_chunk` slots with an online softmax, only up to the live slots (the longest
-context in the batch, capped at the store's size), so a propose costs what the sequence costs,
-not what `max_len` costs (`chunked_block_attention`). Training keeps the dense, differentiable
-`block_attention` over the whole sequence context.
+The store is a decoding-state kind, `jaxspec.state.ContextRing` (K/V per drafter layer, the
+position of each slot recorded). At inference (`block_logits` / `propose`) the block reads it
+with the target's own chunked online-softmax reader (`models.attention.attend_xla`, chunks of
+`DFlashDrafter.context_chunk` slots), only up to the live slots (the longest context in the
+batch, capped at the store's size), so a propose costs what the sequence costs, not what
+`max_len` costs. Training keeps the dense, differentiable `block_attention` over the whole
+sequence context.
 
 `train_hidden` runs the same layers in training form: many blocks at random anchors in one
 pass, each seeing the context strictly before its anchor and itself bidirectionally
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import flax.struct
@@ -57,7 +59,8 @@ from jaxspec.drafters.base import (
 )
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.hf import read_config
-from jaxspec.models.attention import NEG_INF, OnlineSoftmax
+from jaxspec.models import attention as attention_lib
+from jaxspec.models.attention import NEG_INF
 from jaxspec.models.layers import (
   MLP,
   Dense,
@@ -70,7 +73,7 @@ from jaxspec.models.layers import (
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec import sampling
 from jaxspec.quant.formats import materialize
-from jaxspec.state import KV_AXES
+from jaxspec.state import ContextRing
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -416,12 +419,12 @@ class ContextView:
   q_pos [B, N, T] block positions; ctx_pos [B, C] the position held by each store slot (−1 =
   empty); limit [B, N] block n sees positions < limit[:, n]; window (static, 0 = none) the
   layer's effective sliding window. chunk (static): 0 = dense `block_attention` over all C
-  slots (differentiable; training); > 0 = `chunked_block_attention` in chunks of that many
-  slots up to the live ones (inference). ring (static): the store is a ring (slot = position mod
-  C, `context_window`) rather than slot = position; keep (static, 0 = all): a block sees only
-  the `keep` most recent context positions before its limit. layer (static): with a stacked store
-  [L, B, C, K, D], the layer to read (chunks are sliced straight out of the stack: slicing the
-  layer first would copy all C slots); None for a single layer's store [B, C, K, D].
+  slots (differentiable; training); > 0 = the shared chunked reader (attention.attend_xla over
+  the store as a `ContextRing`) in chunks of that many slots up to the live ones (inference,
+  one block per row). keep (static, 0 = all): a block sees only the `keep` most recent context
+  positions before its limit. layer (static): with a stacked store [L, B, C, K, D], the layer
+  to read (chunks are sliced straight out of the stack: slicing the layer first would copy all
+  C slots); None for a single layer's store [B, C, K, D].
   """
 
   q_pos: jax.Array
@@ -429,73 +432,8 @@ class ContextView:
   limit: jax.Array
   window: int = flax.struct.field(pytree_node=False, default=0)
   chunk: int = flax.struct.field(pytree_node=False, default=0)
-  ring: bool = flax.struct.field(pytree_node=False, default=False)
   layer: Optional[int] = flax.struct.field(pytree_node=False, default=None)
   keep: int = flax.struct.field(pytree_node=False, default=0)
-
-
-def chunked_block_attention(
-  q: jax.Array,
-  ctx_k: jax.Array,
-  ctx_v: jax.Array,
-  blk_k: jax.Array,
-  blk_v: jax.Array,
-  scale: float,
-  view: ContextView,
-) -> jax.Array:
-  """`block_attention` with `context_visibility(view...)`, reading only the live store slots.
-
-  q [B, N, T, H, D]; ctx_k/ctx_v [B, C, K, D] (or [L, B, C, K, D] with view.layer);
-  blk_k/blk_v [B, N, T, K, D] → [B, N, T, H, D].
-  The block's own (non-causal) part seeds an online softmax (attention.OnlineSoftmax); then a
-  lax.fori_loop reads the store in chunks of `view.chunk` slots up to min(max(limit), C): with
-  slot = position mod C every visible position (< limit) lives below that slot. Without a ring
-  (slot = position) and with a sliding window W, chunks wholly before min(q_pos) − W + 1 are
-  skipped too. The last chunk is clamped to end at C; slots it re-reads are masked, as in
-  attention.attend_xla. Nothing past the live slots is read, so the cost follows the sequence,
-  not C. Not reverse-differentiable (dynamic trip count); training uses block_attention.
-  """
-  b, n, t, h, d = q.shape
-  cap, kv = ctx_k.shape[-3], ctx_k.shape[-2]
-  qg = q.reshape(b, n, t, kv, h // kv, d)
-  carry = OnlineSoftmax.init((b, n, kv, h // kv, t), d)
-
-  s_blk = jnp.einsum("bntkgd,bnukd->bnkgtu", qg, blk_k, preferred_element_type=jnp.float32) * scale
-  m_new, alpha, p = OnlineSoftmax.weights(carry, s_blk, jnp.ones((), bool))
-  pv = jnp.einsum(
-    "bnkgtu,bnukd->bnkgtd", p.astype(q.dtype), blk_v, preferred_element_type=jnp.float32
-  )
-  carry = OnlineSoftmax.add(carry, m_new, alpha, p, pv)
-
-  size = min(view.chunk, cap)
-  live = jnp.minimum(jnp.max(view.limit), cap)
-  hi = (live + size - 1) // size
-  lo = 0
-  if view.window and not view.ring:
-    lo = jnp.clip(jnp.min(view.q_pos) - view.window + 1, 0, cap) // size
-    lo = jnp.minimum(lo, hi)
-
-  def read(store: jax.Array, offset: jax.Array) -> jax.Array:  # → [B, S, K, D]
-    if view.layer is None:
-      return jax.lax.dynamic_slice_in_dim(store, offset, size, axis=1)
-    start = (view.layer, 0, offset, 0, 0)
-    return jax.lax.dynamic_slice(store, start, (1, b, size, kv, d))[0]
-
-  def body(i, carry):
-    first = i * size
-    offset = jnp.minimum(first, cap - size)  # the last chunk ends at C; re-read slots are masked
-    k, v = (read(a, offset).astype(q.dtype) for a in (ctx_k, ctx_v))
-    pos = jax.lax.dynamic_slice_in_dim(view.ctx_pos, offset, size, axis=1)
-    fresh = offset + jnp.arange(size) >= first
-    vis = context_visibility(view.q_pos, pos, view.limit, view.window, view.keep) & fresh
-    scores = jnp.einsum("bntkgd,bskd->bnkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    m_new, alpha, p = OnlineSoftmax.weights(carry, scores, vis[:, :, None, None])
-    pv = jnp.einsum("bnkgts,bskd->bnkgtd", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
-    return OnlineSoftmax.add(carry, m_new, alpha, p, pv)
-
-  carry = jax.lax.fori_loop(lo, hi, body, carry)
-  out = OnlineSoftmax.finish(carry)  # [B, N, K, G, T, D]
-  return jnp.moveaxis(out, 4, 2).reshape(b, n, t, h, d).astype(q.dtype)
 
 
 def context_attention(
@@ -507,14 +445,42 @@ def context_attention(
   scale: float,
   view: ContextView,
 ) -> jax.Array:
-  """Block attention over [context store; own block]: chunked when view.chunk > 0 (inference),
-  dense over every slot otherwise (training, differentiable). Same visibility either way."""
-  if view.chunk:
-    return chunked_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, scale, view)
-  if view.layer is not None:
-    ctx_k, ctx_v = ctx_k[view.layer], ctx_v[view.layer]
-  vis = context_visibility(view.q_pos, view.ctx_pos, view.limit, view.window, view.keep)
-  return block_attention(q, ctx_k, ctx_v, vis, blk_k, blk_v, scale)
+  """Block attention over [context store; own block]: chunked when view.chunk > 0 (inference:
+  the store read as a `ContextRing` by the shared reader), dense over every slot otherwise
+  (training, differentiable). Same visibility either way.
+
+  q [B, N, T, H, D]; ctx_k/ctx_v [L, B, C, K, D] with view.layer (or [B, C, K, D]);
+  blk_k/blk_v [B, N, T, K, D] → [B, N, T, H, D].
+  """
+  layer = view.layer
+  if layer is None:
+    ctx_k, ctx_v, layer = ctx_k[None], ctx_v[None], 0
+  if not view.chunk:
+    vis = context_visibility(view.q_pos, view.ctx_pos, view.limit, view.window, view.keep)
+    return block_attention(q, ctx_k[layer], ctx_v[layer], vis, blk_k, blk_v, scale)
+  b, n, t = q.shape[:3]
+  if n != 1:
+    raise ConfigError(
+      f"the chunked context reader reads one block per row, got {n}; read N blocks densely "
+      "(context_chunk=0, as training does)"
+    )
+  store = ContextRing(ctx_k, ctx_v, view.ctx_pos, view.keep)
+  window = None  # the layer's window bounds the context only: a block sees all of itself
+  if view.window:
+    window = attention_lib.Window(view.window, view.q_pos[:, 0], in_block=False)
+  out = attention_lib.attend_xla(
+    q[:, 0],
+    blk_k[:, 0],
+    blk_v[:, 0],
+    store,
+    layer,
+    view.limit[:, 0],
+    jnp.ones((t, t), bool),  # non-causal inside the block
+    scale,
+    view.chunk,
+    window,
+  )
+  return out.reshape(b, 1, *out.shape[1:])
 
 
 class DFlashModel(nn.Module):
@@ -555,8 +521,7 @@ class DFlashModel(nn.Module):
 
     ctx_k/ctx_v [L, B, C, K, D] hold context K/V at positions ctx_pos [B, C] (−1 = empty);
     block n sees context positions < limit[:, n] (within each layer's window). window_cap > 0
-    keeps only the window_cap most recent of them for every block and means the store is a ring
-    (slot = position mod C).
+    keeps only the window_cap most recent of them for every block.
 
     context_chunk (static): 0 reads all C slots densely (training: differentiable);
     > 0 reads the store in chunks of that many slots up to the live ones (inference: needs
@@ -566,8 +531,7 @@ class DFlashModel(nn.Module):
     cos, sin = self._rope(q_pos.reshape(b, n * t))
     for i, layer in enumerate(self.layers):
       window = self.config.layer_windows[i]
-      ring = bool(window_cap)
-      view = ContextView(q_pos, ctx_pos, limit, window, context_chunk, ring, i, window_cap)
+      view = ContextView(q_pos, ctx_pos, limit, window, context_chunk, i, window_cap)
       x = layer(x, cos, sin, ctx_k, ctx_v, view)
     return self.norm(x)
 
@@ -617,13 +581,9 @@ def init_params(config: DFlashConfig, seed: int = 0, stddev: float = 0.02) -> An
 # --------------------------------------------------------------------------------------------------
 
 
-@flax.struct.dataclass
-class DFlashState:
-  ctx_k: jax.Array  # [L, B, C, K, D] context keys (post k_norm and RoPE), per drafter layer
-  ctx_v: jax.Array  # [L, B, C, K, D]
-  ctx_pos: jax.Array  # [B, C] int32: position held by each slot, −1 = empty
-
-  AXES: ClassVar[dict] = {"ctx_k": KV_AXES, "ctx_v": KV_AXES, "ctx_pos": ("batch", "length")}
+# The context store: K/V of the fused target features per drafter layer, in a ring of
+# min(context_window, max_len) slots with the position of each (a decoding-state kind).
+DFlashState = ContextRing
 
 
 def _concat_taps(taps: jax.Array) -> jax.Array:
@@ -782,33 +742,22 @@ class DFlashDrafter(Drafter):
   def init_state(self, params: Any, batch: int, max_len: int) -> DFlashState:
     del params
     c = self.config
-    cap = self.capacity(max_len)
-    shape = (c.num_layers, batch, cap, c.num_kv_heads, c.head_dim)
-    dt = dtype_of(c.dtype)
-    return DFlashState(
-      jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.full((batch, cap), -1, jnp.int32)
-    )
+    return ContextRing.create(c, c.num_layers, batch, self.capacity(max_len), self.context_window)
 
   def _write_context(
-    self, params: Any, state: DFlashState, taps: jax.Array, positions: jax.Array, valid: jax.Array
+    self, params: Any, state: DFlashState, taps: jax.Array, start: jax.Array, limit: jax.Array
   ) -> DFlashState:
-    """Appends the K/V of target features taps [n_taps, B, T, H] at positions [B, T]."""
+    """Appends the K/V of target features taps [n_taps, B, T, H] at positions start[b]..,
+    those < limit [B] (the ring keeps the last C of them)."""
+    positions = start[:, None] + jnp.arange(taps.shape[2], dtype=jnp.int32)[None]
     k, v = DFlashModel(self.config).apply(
       {"params": params["draft"]}, _concat_taps(taps), positions, method=DFlashModel.context_kv
     )
-    cap = state.ctx_pos.shape[1]
-    rows = jnp.arange(positions.shape[0])[:, None]
-    slots = jnp.where(valid, positions % cap, cap)
-    ctx_k = state.ctx_k.at[:, rows, slots].set(k.astype(state.ctx_k.dtype), mode="drop")
-    ctx_v = state.ctx_v.at[:, rows, slots].set(v.astype(state.ctx_v.dtype), mode="drop")
-    ctx_pos = state.ctx_pos.at[rows, slots].set(positions, mode="drop")
-    return DFlashState(ctx_k, ctx_v, ctx_pos)
+    return state.append(start, k, v, limit)
 
   def prefill(self, params: Any, state: DFlashState, ctx: PrefillContext) -> DFlashState:
-    pos = ctx.positions()
-    lens = ctx.prompt_lens[:, None]
-    valid = (pos < lens) & (pos >= lens - state.ctx_pos.shape[1])
-    return self._write_context(params, state, ctx.taps, pos, valid)
+    start = jnp.broadcast_to(ctx.first, ctx.prompt_lens.shape)
+    return self._write_context(params, state, ctx.taps, start, ctx.prompt_lens)
 
   def block_logits(
     self, params: Any, state: DFlashState, block: jax.Array, start: jax.Array
@@ -860,12 +809,8 @@ class DFlashDrafter(Drafter):
     return Proposal(sampling.argmax(logits), None, logprobs), state
 
   def commit(self, params: Any, state: DFlashState, ctx: CommitContext) -> DFlashState:
-    start = ctx.old_seq_len - 1
-    j = jnp.arange(ctx.hidden.shape[1], dtype=jnp.int32)[None]
-    positions = start[:, None] + j
     # Features exist for every committed position before the new bonus token.
-    valid = j < (ctx.seq_len - ctx.old_seq_len)[:, None]
-    return self._write_context(params, state, ctx.taps, positions, valid)
+    return self._write_context(params, state, ctx.taps, ctx.old_seq_len - 1, ctx.seq_len - 1)
 
   # -- training form -------------------------------------------------------------------------------
 

@@ -595,7 +595,7 @@ class Eagle3Drafter(Drafter):
     return cap if self.context_window and cap < max_len else 0
 
   def _bounded(self, kv: Any, floor: Any = None, limit: Any = NO_LIMIT) -> Any:
-    return kv.with_bounds(floor, limit) if isinstance(kv, RingKV) else kv
+    return kv.with_bounds(floor, limit)  # a full-length cache has no bounds: itself
 
   def prefill(self, params: Any, state: Eagle3State, ctx: PrefillContext) -> Eagle3State:
     feats = self.fuse(params, ctx.taps)

@@ -1,7 +1,7 @@
 """GQA attention of a block of new tokens over the decoding state (cost ∝ the live sequence).
 
 A block of T tokens per sequence sits at slots start[b]..start[b]+T-1 of a layer-state entry
-(jaxspec/state.py). Query t sees every committed slot before start[b] and, inside the block,
+(jaxspec/state/). Query t sees every committed slot before start[b] and, inside the block,
 slot start[b]+u iff block_mask[t, u] (causal when None; an ancestor mask for trees).
 
 Two implementations, chosen by `ModelConfig.attention_impl`:
@@ -16,8 +16,11 @@ Two implementations, chosen by `ModelConfig.attention_impl`:
   in interpret mode on CPU. "auto" picks "xla" everywhere until the kernel has been compiled
   and checked on a GPU/TPU.
 
-Over a `RingKV` entry (a drafter's ring of recent positions) the XLA path reads the whole ring
-and sees the slots whose stored position p satisfies floor ≤ p < start.
+The XLA path reads any state kind through the protocol of jaxspec/state (`read_range` for the
+slots to visit, `read_chunk` for float K/V, the position each slot holds and which ones the
+block may see), so a full cache, a ring of recent positions (read by stored position) or a
+drafter's context store are read by the same loop; the Pallas path asks the kind for the
+arrays the kernel reads (`kernel_operands`). Nothing here knows the kinds.
 
 Without a state (training, `TargetModel.logits`) the block attends to itself only.
 """
@@ -30,8 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import ConfigError
-from jaxspec import sharding, state as state_lib
-from jaxspec.quant import codecs
+from jaxspec import sharding
 
 NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
 
@@ -101,10 +103,12 @@ def _scores(qg: jax.Array, k: jax.Array, scale: float) -> jax.Array:
 class Window(NamedTuple):
   """A sliding window (gpt-oss): a key at position p is seen by a query at position q iff
   p > q − size. `size` may be traced (it differs between the layers of one scan); positions
-  [B, T] are the block's RoPE positions (tree nodes sit at start + depth)."""
+  [B, T] are the block's RoPE positions (tree nodes sit at start + depth). `in_block` False
+  applies it to the state's keys only (DFlash: a block sees all of itself)."""
 
   size: jax.Array
   positions: jax.Array
+  in_block: bool = True
 
 
 def attend_xla(
@@ -120,25 +124,27 @@ def attend_xla(
   window: Window | None = None,
   sinks: jax.Array | None = None,
 ) -> jax.Array:
-  """q [B,T,H,D]; k/v_block [B,T,K,D] as stored; kv a state entry (or None) → [B,T,H,D].
+  """q [B,T,H,D]; k/v_block [B,T,K,D] as stored; kv a state entry (or None) → [B,T,H,Dv].
 
-  `window` restricts every query to the keys of its sliding window (the committed prefix is
-  then read from the first chunk a window reaches, so a sliding layer's cost is bounded by its
-  window, not the context); `sinks` [H] are per-head logits that join each softmax's
-  denominator and carry no value (gpt-oss): the running max and normaliser start from them.
+  The block attends to itself as `block_mask` says, then to the entry's slots that
+  `kv.read_chunk` marks visible, chunk by chunk over `kv.read_range`. `window` restricts every
+  query to the keys of its sliding window (the entry is then read from the first chunk a window
+  reaches, so a sliding layer's cost is bounded by its window, not the context); `sinks` [H] are
+  per-head logits that join each softmax's denominator and carry no value (gpt-oss): the
+  running max and normaliser start from them. The output's head dim is V's (Dv).
   """
   b, t, h, d = q.shape
-  kv_heads = k_block.shape[2]
+  kv_heads, dv = k_block.shape[2], v_block.shape[-1]
   groups = h // kv_heads
   qg = q.reshape(b, t, kv_heads, groups, d)
-  carry = OnlineSoftmax.init((b, kv_heads, groups, t), d)
+  carry = OnlineSoftmax.init((b, kv_heads, groups, t), dv)
   if sinks is not None:
     m0 = jnp.broadcast_to(
       sinks.astype(jnp.float32).reshape(kv_heads, groups)[None, :, :, None], carry[0].shape
     )
     carry = (m0, jnp.ones_like(m0), carry[2])
   inside = block_visibility(block_mask, b, t)  # [B, T, T]
-  if window is not None:
+  if window is not None and window.in_block:
     pos = window.positions
     inside = inside & (pos[:, None, :] > pos[:, :, None] - window.size)
   carry = _update(
@@ -147,40 +153,31 @@ def attend_xla(
 
   if kv is not None:
     size = min(chunk, kv.max_len)
-    ring = isinstance(kv, state_lib.RingKV)  # its slots hold the positions it records
-    live = kv.live_slots(start) if ring else jnp.max(start)
-    num_chunks = (live + size - 1) // size
-    first_chunk = 0
-    if window is not None and not ring:  # no query sees a slot ≤ (its position − window)
+    lowest = None  # no query sees a position ≤ (its own − window)
+    if window is not None:
       lowest = jnp.min(window.positions) - window.size + 1
-      first_chunk = jnp.clip(lowest, 0, None) // size
+    lo, hi = kv.read_range(start, lowest)
+    first_chunk, num_chunks = lo // size, (hi + size - 1) // size
 
     def body(c, carry):
       # The last chunk may be clamped to end at max_len; `first` drops slots read before.
       first = c * size
       offset = jnp.minimum(first, kv.max_len - size)
-      k, v = kv.read(layer, offset, size)  # [B, S, K, D], split as the cache is
-      k = sharding.constrain_activation(k, "kv_heads", "head_dim")
-      v = sharding.constrain_activation(v, "kv_heads", "head_dim")
-      slots = offset + jnp.arange(size)
-      fresh = slots[None, :] >= first
-      if ring:
-        key_pos = kv.slot_positions(layer, offset, size)  # [B, S]
-        floor = jnp.maximum(kv.floor, 0)[:, None]  # empty slots hold −1
-        visible = (key_pos >= floor) & (key_pos < start[:, None]) & fresh
-      else:
-        key_pos = jnp.broadcast_to(slots[None, :], (b, size))  # a slot holds its position
-        visible = (slots[None, :] < start[:, None]) & fresh  # [B, S]
-      visible = visible[:, None, :]  # [B, 1, S]: the same for every query of the block
+      read = kv.read_chunk(layer, offset, size, start)  # [B, S, K, D], split as the entry is
+      k = sharding.constrain_activation(read.k, "kv_heads", "head_dim")
+      v = sharding.constrain_activation(read.v, "kv_heads", "head_dim")
+      fresh = offset + jnp.arange(size) >= first
+      visible = (read.visible & fresh[None, :])[:, None, :]  # [B, 1, S]: for every query
       if window is not None:
-        visible = visible & (key_pos[:, None, :] > window.positions[:, :, None] - window.size)
+        key_pos = read.positions[:, None, :]
+        visible = visible & (key_pos > window.positions[:, :, None] - window.size)
       scores = _scores(qg, k.astype(q.dtype), scale)
       return _update(carry, scores, visible[:, None, None], v.astype(q.dtype))
 
     carry = jax.lax.fori_loop(first_chunk, num_chunks, body, carry)
 
   out = OnlineSoftmax.finish(carry)  # [B, K, G, T, D]
-  out = jnp.moveaxis(out, 3, 1).reshape(b, t, h, d).astype(q.dtype)
+  out = jnp.moveaxis(out, 3, 1).reshape(b, t, h, dv).astype(q.dtype)
   return sharding.constrain_activation(out, "heads", "head_dim")
 
 
@@ -196,26 +193,20 @@ def attend_pallas(
   # pylint: disable=import-outside-toplevel
   from pallas_kernels.tree_attention import tree_attention
 
-  k, v, scales = kv.k, kv.v, {}
-  if kv.format == "fp8":
-    # The stored bytes viewed as E4M3 (a same-width bitcast, no conversion).
-    k, v = codecs.fp8_values(k), codecs.fp8_values(v)
-    scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
-  elif kv.format != "float":
+  operands = kv.kernel_operands()  # k, v (and FP8 scales) as the kernel reads them
+  if operands is None:
     raise ConfigError(
       f"the Pallas attention kernel does not read {kv.format} caches; use attention_impl='xla'"
     )
   out = tree_attention(
     q,
-    k,
-    v,
-    start,
-    block_mask,
-    scale,
+    start=start,
+    block_mask=block_mask,
+    scale=scale,
     impl="pallas",
     interpret=jax.default_backend() == "cpu",
     layer=layer,
-    **scales,
+    **operands,
   )
   return out.astype(q.dtype)
 

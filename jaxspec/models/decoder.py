@@ -1,7 +1,7 @@
 """The decoder: embed → scanned layer stacks → final norm → LM head; plus MTP layers.
 
 One forward serves prefill, decode and verification: a block of T new tokens per sequence is
-written into the decoding state (jaxspec/state.py) at per-sequence slots `start[b]`, each token
+written into the decoding state (jaxspec/state/) at per-sequence slots `start[b]`, each token
 attends to the committed prefix (slots < start) and, inside the block, to what `block_mask`
 allows (causal by default; an ancestor mask for tree verification). RoPE positions default to
 start + t but can be given explicitly (tree nodes sit at start + depth). Without a state
@@ -304,9 +304,8 @@ class Decoder(nn.Module):
     per_layer, entries = [], []
     for i, (stack, (first, n, _)) in enumerate(zip(self.stacks, self.config.segments())):
       kv = None if state is None else state.segments[i]
-      if kv is not None and self.config.is_linear(first) and valid is None:
-        if t <= self.config.linear_snapshots:  # keep every position's state until commit
-          kv = kv.with_pending(start, t)
+      if kv is not None:  # a short unpadded block may be accepted in part: keep every prefix
+        kv = kv.begin_block(start, t, valid is None and t <= self.config.linear_snapshots)
       (h, kv, _), hs = stack(
         (h, kv, jnp.int32(0)),
         cos,

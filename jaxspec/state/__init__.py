@@ -1,0 +1,254 @@
+"""The decoding state a forward reads and writes: one entry per layer segment.
+
+The decoder scans each maximal run of same-kind layers (`ModelConfig.segments()`); each run owns
+one entry of `DecodingState.segments`, stacked over its layers (leading axis `layers`). An entry
+is a *layer-state kind*: a pytree class that answers the questions below itself, so attention,
+the decoder, the engine and the drafters use an entry without asking which kind it is (no
+`isinstance` on kinds, no branching on `format` outside the kinds).
+
+The protocol (`Kind` gives the defaults; `start` [B] is a block's first position):
+
+  ====================================  =========================================================
+  `Kind.create(config, L, B, max_len)`  a zero entry for L layers and B rows
+  `max_len`                             slots per row (the read extent of one layer)
+  `begin_block(start, t, keep)`         before a forward writes a block of t tokens: with `keep`
+                                        the block may be accepted only in part, so a kind that
+                                        cannot rewind (recurrent) keeps every prefix's state;
+                                        attention kinds write scratch slots: themselves
+  `write(layer, start, k, v)`           a block's K/V → (entry, k, v as stored): the block reads
+                                        its own K/V exactly as later queries will
+  `read_range(start, lowest)`           (lo, hi): the slots a block may need, from the first a
+                                        sliding window reaches (`lowest`: the lowest position a
+                                        query's window sees, or None) to past the last live one
+  `read_chunk(layer, off, size, start)` `KVChunk`: float K/V of slots off..off+size−1, the
+                                        position each slot holds and which ones a block at
+                                        `start` may see (empty, floored, later slots: not)
+  `kernel_operands()`                   the stored arrays the Pallas tree-attention kernel reads
+                                        (k, v and FP8 scales), or None where it cannot
+  `commit_path(start, path)`            the accepted chain prefix or tree path (node indices
+                                        [B, n], root first) moved to positions start..start+n−1
+  `committed(lengths)`                  what advancing to `lengths` committed tokens means for
+                                        the kind (recurrent: keep that prefix's snapshot)
+  `with_bounds(floor, limit)`           a ring's read floor / write limit; kinds that hold every
+                                        position have none and return themselves
+  `AXES`                                the logical axis of every dimension of every array field
+  `format`, `kv_format`                 its name (messages); the `EngineConfig.kv_format` it
+                                        stores (full-length KV kinds) or None
+  ====================================  =========================================================
+
+`write`, `read_range`, `read_chunk` and `kernel_operands` are what attention asks (the K/V
+kinds answer them); the recurrent kind is read and written by its own mixer instead
+(models/gated_deltanet.py: `initial`, `write_snapshots`, `write_final`), as a new mixer's kind
+would be. Everything else every kind answers, so the decoder and the engine treat entries alike.
+
+Attention kinds keep the rule "slots at or past `lengths` are scratch": a block writes past the
+committed length, and only the accepted prefix becomes part of the text when `lengths`
+advances. Attention reads an entry chunk by chunk through `read_range` / `read_chunk` only (the
+shared online-softmax reader, models/attention.py), so a kind is free in how it stores: a full
+cache maps slot = position, a ring records the position of each slot.
+
+Kinds here:
+
+  FloatKV, FP8KV, Q4KV   full-length K/V in float, E4M3 (+ a scale per token and head) or
+                         llama.cpp's Q4_0; `KV_FORMATS` maps `EngineConfig.kv_format` to them
+  RingKV                 float K/V of the most recent positions in a ring, a position per slot
+                         and layer (EAGLE-3's draft layer over long contexts)
+  ContextRing            float K/V per layer of context positions, one position per slot
+                         shared by the layers, written by its owner for all layers at once
+                         (DFlash's target-feature store, injected into every drafter layer)
+  LinearState            the fixed-size recurrent state of Gated DeltaNet layers, read by its
+                         mixer (`initial`), with per-prefix snapshots while a block is pending
+
+Kinds the next issues add fit as new classes, attention and engine unchanged: an MLA latent cache
+(`read_chunk` gives the latent (+ RoPE key) as K and the latent as V, one KV head, for
+absorbed-form queries; the output head dim follows V), a DSA indexer key cache (read by the
+indexer through the same chunk calls, V absent), a sliding-window ring (a `RingKV`-like ring of
+window + verify-slack slots whose `read_chunk` floors positions at start − window) and paged
+storage (`read_chunk` / `write` map slots through a page table; positions stay identity).
+
+Logical axes: each kind's `AXES` table names the logical axis of every dimension of its arrays
+(`layers`, `batch`, `length`, `kv_heads`, `head_dim`); `logical_axes` reads those tables for a
+whole state pytree (the engine's, the drafters' states), so the state can be placed and kept on a
+device mesh by the rules of jaxspec/sharding.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxspec.errors import ConfigError
+from jaxspec.state.base import (
+  KV_AXES,
+  NO_LIMIT,
+  POS_AXES,
+  RING_EMPTY,
+  ROW_AXES,
+  SCALE_AXES,
+  KVChunk,
+)
+from jaxspec.state.kv import FP8KV, KV_FORMATS, FloatKV, Q4KV
+from jaxspec.state.linear import LINEAR_STATE_AXES, LinearState
+from jaxspec.state.ring import ContextRing, RingKV
+
+__all__ = [
+  "KV_AXES",
+  "KV_FORMATS",
+  "LINEAR_STATE_AXES",
+  "NO_LIMIT",
+  "POS_AXES",
+  "RING_EMPTY",
+  "ROW_AXES",
+  "SCALE_AXES",
+  "ContextRing",
+  "DecodingState",
+  "FP8KV",
+  "FloatKV",
+  "KVChunk",
+  "LinearState",
+  "Q4KV",
+  "RingKV",
+  "logical_axes",
+]
+
+
+@flax.struct.dataclass
+class DecodingState:
+  """The model's decoding state: one entry per layer segment plus committed lengths [B].
+
+  A forward takes it, writes its block into every entry and returns it with `lengths`
+  unchanged; the caller then commits what was accepted (`commit` for a chain prefix,
+  `commit_path` first for a tree path).
+  """
+
+  segments: tuple
+  lengths: jax.Array  # [B] int32: committed tokens per sequence
+
+  AXES: ClassVar[dict] = {"lengths": ROW_AXES}  # the segments name their own
+
+  @classmethod
+  def create(
+    cls,
+    config,
+    batch: int,
+    max_len: int,
+    kv_format: str = "float",
+    segment_layers: tuple[int, ...] | None = None,
+  ) -> "DecodingState":
+    """A zero state for `config`'s main stack (or for runs of `segment_layers` layers, e.g.
+    (1,) for one MTP or drafter layer)."""
+    if kv_format not in KV_FORMATS:
+      raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
+    kind = KV_FORMATS[kv_format]
+    if segment_layers is None:  # the main stack: linear-attention runs get a LinearState
+      kinds = [
+        LinearState if config.is_linear(first) else kind for first, _, _ in config.segments()
+      ]
+      segment_layers = tuple(n for _, n, _ in config.segments())
+    else:
+      kinds = [kind] * len(segment_layers)
+    return cls(
+      tuple(k.create(config, n, batch, max_len) for k, n in zip(kinds, segment_layers)),
+      jnp.zeros((batch,), jnp.int32),
+    )
+
+  @property
+  def max_len(self) -> int:
+    return min(s.max_len for s in self.segments)
+
+  @property
+  def kv_format(self) -> str:
+    formats = [s.kv_format for s in self.segments if s.kv_format]
+    return formats[0] if formats else "float"
+
+  def with_lengths(self, lengths: jax.Array) -> "DecodingState":
+    """The state with `lengths` committed tokens per sequence: each entry decides what that
+    means for it (`committed`; a recurrent entry keeps that prefix's snapshot)."""
+    lengths = lengths.astype(jnp.int32)
+    segments = tuple(s.committed(lengths) for s in self.segments)
+    return self.replace(segments=segments, lengths=lengths)
+
+  def commit(self, num_new: jax.Array) -> "DecodingState":
+    """Advances each sequence's committed length by num_new [B]."""
+    return self.with_lengths(self.lengths + num_new)
+
+  def commit_path(self, path: jax.Array) -> "DecodingState":
+    """Moves an accepted tree path (node indices [B, n], root first) of the block written at
+    slots lengths.. to slots lengths..lengths+n-1 in every segment; lengths are unchanged."""
+    return self.replace(segments=tuple(s.commit_path(self.lengths, path) for s in self.segments))
+
+
+# --------------------------------------------------------------------------------------------------
+# Logical axes of a whole state pytree
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+
+
+def _batch_axis(where: str, one: tuple, two: tuple) -> Optional[int]:
+  """The axis whose size goes 1 → 2 from the 1-row to the 2-row state (None: shared by rows)."""
+  moved = [i for i, (a, b) in enumerate(zip(one, two)) if a != b]
+  if len(moved) > 1 or (moved and (one[moved[0]], two[moved[0]]) != (1, 2)):
+    raise ConfigError(f"state leaf {where} of shape {one} has no single batch axis")
+  return moved[0] if moved else None
+
+
+def logical_axes(tree: Any, two_rows: Any = None) -> Any:
+  """The logical axes of a state pytree: one `PartitionSpec` of logical names per array leaf,
+  in `tree`'s structure (for `jaxspec.sharding.shardings_for` / `with_logical_constraints`).
+
+  A struct whose class has an `AXES` table (field name → a logical name or None per dimension,
+  as the kinds above) names those fields; its other fields and plain containers are walked. With
+  `two_rows`, the same state for 2 rows while `tree` has 1 (arrays or `jax.eval_shape` shapes),
+  every leaf's batch axis is found by comparing the two: a leaf nothing names gets `batch` there
+  and no name elsewhere (a drafter state field without a table is still split by rows), and a
+  named leaf whose `batch` is elsewhere is a ConfigError, so a wrong table cannot go unnoticed.
+  Without `two_rows` an unnamed leaf is a ConfigError.
+  """
+
+  def leaf(path, x, y, names):
+    where, shape = jax.tree_util.keystr(path) or "<root>", tuple(np.shape(x))
+    batch = None if y is None else _batch_axis(where, shape, tuple(np.shape(y)))
+    if names is None:
+      if y is None:
+        raise ConfigError(
+          f"state leaf {where} (shape {shape}) has no logical axes: name them in the AXES "
+          "table of the struct that holds it"
+        )
+      names = tuple("batch" if i == batch else None for i in range(len(shape)))
+    names = tuple(names)
+    if len(names) != len(shape):
+      raise ConfigError(f"state leaf {where} of shape {shape} is named {names}: one name per axis")
+    named_batch = names.index("batch") if "batch" in names else None
+    if y is not None and named_batch != batch:
+      raise ConfigError(
+        f"state leaf {where} of shape {shape} is named {names}, but its batch axis is {batch}"
+      )
+    return PartitionSpec(*names)
+
+  def walk(path, x, y, names=None):
+    if x is None:
+      return None
+    if _is_array(x):
+      return leaf(path, x, y, names)
+    if names is not None:
+      raise ConfigError(f"{jax.tree_util.keystr(path)}: an AXES table names a non-array field")
+    kids, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda n: n is not x)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # not a container, not an array
+      raise ConfigError(f"state leaf {jax.tree_util.keystr(path)} is not an array: {type(x)}")
+    others = [None] * len(kids) if y is None else treedef.flatten_up_to(y)
+    table = getattr(type(x), "AXES", {})
+    out = [
+      walk(path + key, kid, other, table.get(getattr(key[0], "name", None)))
+      for (key, kid), other in zip(kids, others)
+    ]
+    return treedef.unflatten(out)
+
+  return walk((), tree, two_rows)

@@ -1,0 +1,86 @@
+"""The protocol's shared pieces: logical axis names, `KVChunk`, the defaults of `Kind` and the
+slot arithmetic of stacked [L, B, S, ...] entries (see jaxspec/state/__init__.py)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+# Logical axes of an attention entry's K/V arrays (and Q4_0 scales, one per block of head_dim),
+# of the FP8 scales, of a ring's slot positions and of per-row vectors (for sharding rules).
+KV_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+SCALE_AXES = ("layers", "batch", "length", "kv_heads")
+POS_AXES = ("layers", "batch", "length")
+ROW_AXES = ("batch",)
+
+RING_EMPTY = -1  # the position of a ring slot nothing has been written to
+NO_LIMIT = 2**31 - 1
+
+
+class KVChunk(NamedTuple):
+  """What attention reads of `size` slots of one layer (`read_chunk`).
+
+  k [B, S, K, D] and v [B, S, K, Dv] as float values (dequantized), positions [B, S] int32 the
+  position each slot holds, visible [B, S] bool whether a block at the reader's `start` may
+  see the slot (it holds a position before the block, at or above the kind's floor).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  positions: jax.Array
+  visible: jax.Array
+
+
+class Kind:
+  """The protocol's defaults (see the module docstring): what a kind that has nothing to do
+  for a question answers."""
+
+  kv_format: ClassVar[Optional[str]] = None  # the `EngineConfig.kv_format` it stores, if any
+
+  def begin_block(self, start: jax.Array, t: int, keep: bool):
+    """The entry ready for a block of t tokens at `start` (attention kinds: scratch slots)."""
+    del start, t, keep
+    return self
+
+  def committed(self, lengths: jax.Array):
+    """The entry once `lengths` tokens are committed (attention kinds: slots < lengths)."""
+    del lengths
+    return self
+
+  def with_bounds(self, floor: jax.Array | None = None, limit: jax.Array | None = None):
+    """A ring's read floor / write limit; a kind holding every position has none."""
+    del floor, limit
+    return self
+
+  def kernel_operands(self) -> dict | None:
+    """The stored arrays the Pallas tree-attention kernel reads, or None (it cannot)."""
+    return None
+
+
+def block_slots(start: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  rows = jnp.arange(start.shape[0])[:, None]
+  return rows, start[:, None] + jnp.arange(width)[None, :]
+
+
+def write_block(x: jax.Array, layer: jax.Array, start: jax.Array, block: jax.Array) -> jax.Array:
+  """x [L, B, S, ...] ← block [B, T, ...] at layer `layer`, slots start[b]..; past S dropped."""
+  rows, slots = block_slots(start, block.shape[1])
+  return x.at[layer, rows, slots].set(block.astype(x.dtype), mode="drop")
+
+
+def read_slots(x: jax.Array, layer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
+  """x[layer, :, offset:offset+size] (offset is clamped by dynamic_slice to fit)."""
+  zeros = (0,) * (x.ndim - 3)
+  return jax.lax.dynamic_slice(x, (layer, 0, offset, *zeros), (1, x.shape[1], size, *x.shape[3:]))[
+    0
+  ]
+
+
+def move_path(x: jax.Array, start: jax.Array, path: jax.Array) -> jax.Array:
+  """Slot start+j ← slot start+path[b, j] in every layer (x [L, B, S, ...])."""
+  rows = jnp.arange(path.shape[0])[:, None]
+  picked = x[:, rows, start[:, None] + path]
+  _, to_slots = block_slots(start, path.shape[1])
+  return x.at[:, rows, to_slots].set(picked, mode="drop")
