@@ -28,6 +28,9 @@ context in the batch, capped at the store's size), so a propose costs what the s
 not what `max_len` costs (`chunked_block_attention`). Training keeps the dense, differentiable
 `block_attention` over the whole sequence context.
 
+The target's embedding, LM head and tap concatenation are `jaxspec.drafters.features` (shared
+with EAGLE-3); checkpoints are read and written by `jaxspec.io.drafter_ckpt`.
+
 `train_hidden` runs the same layers in training form: many blocks at random anchors in one
 pass, each seeing the context strictly before its anchor and itself bidirectionally
 (jaxspec.train.drafter_losses builds the loss on it).
@@ -128,22 +131,13 @@ class DFlashConfig:
 
   def body(self) -> ModelConfig:
     """The Qwen3-shaped config the drafter layers are built from (for shared modules)."""
-    return ModelConfig(
-      architecture="Qwen3ForCausalLM",
+    return features.layer_config(
+      self,
       vocab_size=max(self.vocab_size, 1),
-      hidden_size=self.hidden_size,
       num_layers=self.num_layers,
-      num_heads=self.num_heads,
-      num_kv_heads=self.num_kv_heads,
-      head_dim=self.head_dim,
-      intermediate_size=self.intermediate_size,
-      rms_norm_eps=self.rms_norm_eps,
-      rope_theta=self.rope_theta,
       attention_bias=self.attention_bias,
       attention_out_bias=self.attention_bias,
       qk_norm=True,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
     )
 
   def replace(self, **changes: Any) -> "DFlashConfig":
@@ -462,9 +456,7 @@ def _abstract(config: DFlashConfig) -> Any:
   """The boxed parameter tree of `config`, evaluated for shapes only (nothing runs)."""
   feats = jnp.zeros((1, 1, config.num_taps * config.target_hidden_size), jnp.float32)
   x = jnp.zeros((1, 1, 1, config.hidden_size), jnp.float32)
-  return jax.eval_shape(
-    lambda: DFlashModel(config).init(jax.random.PRNGKey(0), feats, x, method=DFlashModel.init_all)
-  )
+  return features.abstract_params(DFlashModel(config), DFlashModel.init_all, feats, x)
 
 
 def param_shapes(config: DFlashConfig) -> Any:
@@ -591,31 +583,27 @@ class DFlashDrafter(Drafter):
   ) -> "DFlashDrafter":
     """A freshly initialised drafter for `target` (sizes default to the target's; the mask id to
     the target tokenizer's mask token)."""
-    tc = target.config
     if mask_token_id is None:
       mask_token_id = getattr(target.tokenizer, "mask_id", None)
       if mask_token_id is None:
         raise ConfigError(
           "DFlash needs a mask token: pass mask_token_id (the target has no tokenizer with one)"
         )
-    ids = target_layer_ids or build_target_layer_ids(tc.num_layers, num_layers)
+    n = target.config.num_layers
     config = DFlashConfig(
-      hidden_size=tc.hidden_size,
+      **features.sized_like(
+        target,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+      ),
       num_layers=num_layers,
-      num_heads=num_heads or tc.num_heads,
-      num_kv_heads=num_kv_heads or tc.num_kv_heads,
-      head_dim=head_dim or tc.head_dim,
-      intermediate_size=intermediate_size or tc.intermediate_size,
-      target_layer_ids=ids,
+      target_layer_ids=target_layer_ids or build_target_layer_ids(n, num_layers),
       mask_token_id=mask_token_id,
       block_size=block_size,
-      vocab_size=tc.vocab_size,
-      target_hidden_size=tc.hidden_size,
-      num_target_layers=tc.num_layers,
-      rms_norm_eps=tc.rms_norm_eps,
-      rope_theta=tc.rope_theta,
+      num_target_layers=n,
       layer_windows=layer_windows,
-      dtype=tc.dtype,
     )
     return cls.for_target(target, config, init_params(config, seed, stddev), **kwargs)
 

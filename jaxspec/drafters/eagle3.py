@@ -15,7 +15,9 @@ docs/drafters.md):
 Position i of the drafter reads (f_i, t_{i+1}) at RoPE position i and predicts t_{i+2}. To draft
 γ tokens from the root at slot n: step 0 reads (f_{n−1}, root) at position n−1; step j reads its
 own previous output hidden (before `norm`) beside draft j at position n−1+j (training-time
-test, `jaxspec.train.drafter_losses.eagle3_ttt_loss`, trains exactly this).
+test, `jaxspec.train.drafter_losses.eagle3_ttt_loss`, trains exactly this). The chain's loop is
+`jaxspec.drafters.feature_chain`, shared with MTP; checkpoints are read and written by
+`jaxspec.io.drafter_ckpt`.
 
 State: the layer's KV cache and the fused feature of the slot before the root. Cache
 invariant (as for MTP): entries below n−1 hold (target feature, true token); propose writes n−1
@@ -103,21 +105,8 @@ class Eagle3Config:
     return self.draft_vocab_size != self.vocab_size
 
   def body(self) -> ModelConfig:
-    return ModelConfig(
-      architecture="Qwen3ForCausalLM",
-      vocab_size=self.vocab_size,
-      hidden_size=self.hidden_size,
-      num_layers=1,
-      num_heads=self.num_heads,
-      num_kv_heads=self.num_kv_heads,
-      head_dim=self.head_dim,
-      intermediate_size=self.intermediate_size,
-      rms_norm_eps=self.rms_norm_eps,
-      rope_theta=self.rope_theta,
-      qk_norm=False,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
-    )
+    """The Qwen3-shaped config of the one layer (no q/k norms)."""
+    return features.layer_config(self, vocab_size=self.vocab_size, num_layers=1, qk_norm=False)
 
   def replace(self, **changes: Any) -> "Eagle3Config":
     return dataclasses.replace(self, **changes)
@@ -236,13 +225,7 @@ class Eagle3Model(nn.Module):
   def _rope(self, positions: jax.Array):
     return rope_tables(positions, self.config.head_dim, self.config.rope_theta)
 
-  def __call__(
-    self,
-    emb: jax.Array,
-    hidden: jax.Array,
-    kv: Any,
-    start: jax.Array,
-  ):
+  def __call__(self, emb: jax.Array, hidden: jax.Array, kv: Any, start: jax.Array):
     """A causal block of (emb, hidden) pairs at positions start.. → (h, logits, kv)."""
     t = emb.shape[1]
     cos, sin = self._rope(start[:, None] + jnp.arange(t, dtype=jnp.int32)[None])
@@ -305,12 +288,10 @@ class Eagle3Model(nn.Module):
     return logits
 
 
-def _abstract(config: Eagle3Config):
+def _abstract(config: Eagle3Config) -> Any:
   feats = jnp.zeros((1, 1, 3 * config.target_hidden_size), jnp.float32)
   emb = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
-  return jax.eval_shape(
-    lambda: Eagle3Model(config).init(jax.random.PRNGKey(0), feats, emb, method=Eagle3Model.init_all)
-  )
+  return features.abstract_params(Eagle3Model(config), Eagle3Model.init_all, feats, emb)
 
 
 def param_shapes(config: Eagle3Config) -> Any:
@@ -422,18 +403,15 @@ class Eagle3Drafter(Drafter):
       d2t, _ = make_vocab_maps(draft_vocab, tc.vocab_size)
       draft_vocab_size = d2t.shape[0]
     config = Eagle3Config(
-      hidden_size=tc.hidden_size,
-      num_heads=num_heads or tc.num_heads,
-      num_kv_heads=num_kv_heads or tc.num_kv_heads,
-      head_dim=head_dim or tc.head_dim,
-      intermediate_size=intermediate_size or tc.intermediate_size,
+      **features.sized_like(
+        target,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+      ),
       target_layer_ids=target_layer_ids or default_layer_ids(tc.num_layers),
-      vocab_size=tc.vocab_size,
       draft_vocab_size=draft_vocab_size,
-      target_hidden_size=tc.hidden_size,
-      rms_norm_eps=tc.rms_norm_eps,
-      rope_theta=tc.rope_theta,
-      dtype=tc.dtype,
     )
     return cls.for_target(target, config, init_params(config, seed, stddev), d2t=d2t, **kwargs)
 

@@ -8,12 +8,14 @@ place those pieces are gathered, so DFlash, EAGLE-3 and their training losses re
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.models.layers import dtype_of, unfused_logits
 from jaxspec.models.target import InputError, TargetModel
@@ -104,7 +106,9 @@ def check_target(
 # --------------------------------------------------------------------------------------------------
 
 
-def check_layer_sizes(config: Any, what: str, sizes: tuple[str, ...]) -> Callable[[bool, str], None]:
+def check_layer_sizes(
+  config: Any, what: str, sizes: tuple[str, ...]
+) -> Callable[[bool, str], None]:
   """Checks a drafter config's attention sizes: every field in `sizes` positive, query heads a
   multiple of the key/value heads, head_dim even (RoPE). Returns `need(cond, msg)`, which
   raises ConfigError("<what> drafter: msg") unless cond, for the config's own checks."""
@@ -122,6 +126,50 @@ def check_layer_sizes(config: Any, what: str, sizes: tuple[str, ...]) -> Callabl
   )
   need(config.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {config.head_dim}")
   return need
+
+
+def layer_config(config: Any, **fields: Any) -> ModelConfig:
+  """The Qwen3-shaped ModelConfig a drafter's layers are built from (the shared modules read
+  one): the attention/MLP sizes, norm, RoPE and dtypes of `config`, plus `fields`."""
+  return ModelConfig(
+    architecture="Qwen3ForCausalLM",
+    hidden_size=config.hidden_size,
+    num_heads=config.num_heads,
+    num_kv_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    intermediate_size=config.intermediate_size,
+    rms_norm_eps=config.rms_norm_eps,
+    rope_theta=config.rope_theta,
+    dtype=config.dtype,
+    param_dtype=config.param_dtype,
+    **fields,
+  )
+
+
+def sized_like(target: TargetModel, **sizes: Optional[int]) -> dict[str, Any]:
+  """Config fields of a drafter as wide as `target`, with its vocabulary, norm epsilon, RoPE base
+  and dtype; each of `sizes` (num_heads, head_dim, ...) replaces the target's unless None/0."""
+  tc = target.config
+  fields = dict(
+    hidden_size=tc.hidden_size,
+    num_heads=tc.num_heads,
+    num_kv_heads=tc.num_kv_heads,
+    head_dim=tc.head_dim,
+    intermediate_size=tc.intermediate_size,
+    vocab_size=tc.vocab_size,
+    target_hidden_size=tc.hidden_size,
+    rms_norm_eps=tc.rms_norm_eps,
+    rope_theta=tc.rope_theta,
+    dtype=tc.dtype,
+  )
+  fields.update({k: v for k, v in sizes.items() if v})
+  return fields
+
+
+def abstract_params(module: nn.Module, method: Callable, *inputs: jax.Array) -> Any:
+  """`module`'s boxed variables as `module.init(..., method=method)` on `inputs` makes them,
+  evaluated for shapes only (nothing runs): unbox for shapes, `nn.get_partition_spec` for axes."""
+  return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *inputs, method=method))
 
 
 def random_params(shapes: Any, seed: int = 0, stddev: float = 0.02) -> Any:

@@ -7,7 +7,9 @@ at RoPE position i (the convention of `jaxspec.train.losses`, which trained it).
 
 Drafting γ tokens chains the layer (DeepSeek-V3 / vLLM reuse of the single released MTP layer):
 step 0 reads (h_{n-1}, root) at position n-1, where n = seq_len - 1 is the root's slot; step j
-reads the layer's own previous output hidden beside draft j at position n-1+j.
+reads the layer's own previous output hidden beside draft j at position n-1+j. The loop (prefill,
+propose, commit) is `jaxspec.drafters.feature_chain`, shared with EAGLE-3; this module supplies
+the MTP layer as its block.
 
 State: the layer's decoding state (one segment of one layer; `lengths` = seq_len - 2, the exact
 entries) and the target hidden of the slot just before the root. Cache invariant between steps: entries at positions < n-1 hold (target hidden h_i, true
@@ -47,9 +49,9 @@ class MTPDrafter(Drafter):
   config: the target's ModelConfig (the MTP block has the target's architecture).
   sample_drafts: at T > 0 draw each draft from the warped MTP distribution q (returned for
     lossless verification); False drafts the argmax (q one-hot), as greedy drafters do.
-  Every proposal carries per-position `logprobs` (see `tree_logprobs`); for tree verification
-  (`for_tree`) the chain follows the argmax, so depth i's distribution is conditioned on the
-  tree's top-1 branch.
+  Every proposal carries per-position `logprobs` (`feature_chain.tree_logprobs`); for tree
+  verification (`for_tree`) the chain follows the argmax, so depth i's distribution is
+  conditioned on the tree's top-1 branch.
   """
 
   config: ModelConfig = None  # type: ignore[assignment]
