@@ -30,6 +30,9 @@ batch, capped at the store's size), so a propose costs what the sequence costs, 
 `max_len` costs. Training keeps the dense, differentiable `block_attention` over the whole
 sequence context.
 
+The target's embedding, LM head and tap concatenation are `jaxspec.drafters.features` (shared
+with EAGLE-3); checkpoints are read and written by `jaxspec.io.drafter_ckpt`.
+
 `train_hidden` runs the same layers in training form: many blocks at random anchors in one
 pass, each seeing the context strictly before its anchor and itself bidirectionally
 (jaxspec.train.drafter_losses builds the loss on it).
@@ -38,7 +41,6 @@ pass, each seeing the context strictly before its anchor and itself bidirectiona
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -49,16 +51,15 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import (
-  CommitContext,
-  Drafter,
-  PrefillContext,
-  Proposal,
-  ProposeContext,
-  check_gamma,
-)
+from jaxspec.drafters import features
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import check_gamma
+from jaxspec.drafters.feature_chain import tree_logprobs
+from jaxspec.drafters.features import check_target, embed_tokens, shared_target_params
+from jaxspec.drafters.features import concat_taps as _concat_taps
+from jaxspec.drafters.features import target_head
 from jaxspec.io import drafter_ckpt
-from jaxspec.io.hf import read_config
+from jaxspec.io.drafter_ckpt import build_target_layer_ids  # noqa: F401 (DFlash's default taps)
 from jaxspec.models import attention as attention_lib
 from jaxspec.models.attention import NEG_INF
 from jaxspec.models.layers import (
@@ -68,22 +69,10 @@ from jaxspec.models.layers import (
   apply_rope,
   dtype_of,
   rope_tables,
-  unfused_logits,
 )
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec import sampling
-from jaxspec.quant.formats import materialize
 from jaxspec.state import ContextRing
-
-
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-  """DFlash's default taps: `num_draft_layers` ids spread evenly over [1, L−3]."""
-  if num_draft_layers == 1:
-    return (num_target_layers // 2,)
-  lo, hi = 1, num_target_layers - 3
-  return tuple(
-    int(round(lo + i * (hi - lo) / (num_draft_layers - 1))) for i in range(num_draft_layers)
-  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,26 +109,8 @@ class DFlashConfig:
     object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
     if not self.target_hidden_size:
       object.__setattr__(self, "target_hidden_size", self.hidden_size)
-
-    def need(cond: bool, msg: str) -> None:
-      if not cond:
-        raise ConfigError(f"DFlash drafter: {msg}")
-
-    for name in (
-      "hidden_size",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "intermediate_size",
-    ):
-      need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
-    need(
-      self.num_heads % self.num_kv_heads == 0,
-      f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-      f"({self.num_kv_heads})",
-    )
-    need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+    sizes = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    need = features.check_layer_sizes(self, "DFlash", sizes + ("intermediate_size",))
     need(len(self.target_layer_ids) >= 1, "target_layer_ids must name at least one layer")
     need(
       all(i >= 0 for i in self.target_layer_ids),
@@ -170,107 +141,17 @@ class DFlashConfig:
 
   def body(self) -> ModelConfig:
     """The Qwen3-shaped config the drafter layers are built from (for shared modules)."""
-    return ModelConfig(
-      architecture="Qwen3ForCausalLM",
+    return features.layer_config(
+      self,
       vocab_size=max(self.vocab_size, 1),
-      hidden_size=self.hidden_size,
       num_layers=self.num_layers,
-      num_heads=self.num_heads,
-      num_kv_heads=self.num_kv_heads,
-      head_dim=self.head_dim,
-      intermediate_size=self.intermediate_size,
-      rms_norm_eps=self.rms_norm_eps,
-      rope_theta=self.rope_theta,
       attention_bias=self.attention_bias,
       attention_out_bias=self.attention_bias,
       qk_norm=True,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
     )
 
   def replace(self, **changes: Any) -> "DFlashConfig":
     return dataclasses.replace(self, **changes)
-
-
-# --------------------------------------------------------------------------------------------------
-# Shared target pieces (embedding and LM head)
-# --------------------------------------------------------------------------------------------------
-
-
-def shared_target_params(target: TargetModel) -> dict:
-  """The target's embedding (and untied LM head) as drafter parameters; nothing is copied."""
-  out = {"embed": target.params["embed"]}
-  if not target.config.tie_word_embeddings:
-    out["lm_head"] = target.params["lm_head"]["kernel"]
-  return out
-
-
-def embed_tokens(shared: dict, tokens: jax.Array, dtype: str) -> jax.Array:
-  return jnp.take(shared["embed"], tokens, axis=0).astype(dtype_of(dtype))
-
-
-def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:
-  """The target's LM head on drafter hidden states: float32 logits [..., V]."""
-  dt = dtype_of(dtype)
-  if "lm_head" in shared:
-    return unfused_logits(
-      jnp.einsum(
-        "...h,hv->...v",
-        h.astype(dt),
-        materialize(shared["lm_head"], dt),
-        preferred_element_type=jnp.float32,
-      )
-    )
-  return unfused_logits(
-    jnp.einsum(
-      "...h,vh->...v", h.astype(dt), shared["embed"].astype(dt), preferred_element_type=jnp.float32
-    )
-  )
-
-
-def head_rows_expectation(shared: dict, probs: jax.Array) -> jax.Array:
-  """Σ_v probs[..., v]·W[:, v] [..., H]: the head's output rows averaged under `probs`.
-
-  Since `target_head` is linear, h·head_rows_expectation(p) = Σ_v p_v·logits_v(h) (the soft
-  cross-entropy's cross term) at [..., H] cost instead of [..., V].
-  """
-  probs = probs.astype(jnp.float32)
-  if "lm_head" in shared:
-    return jnp.einsum("...v,hv->...h", probs, materialize(shared["lm_head"], jnp.float32))
-  return jnp.einsum("...v,vh->...h", probs, shared["embed"].astype(jnp.float32))
-
-
-def check_target(
-  target: TargetModel,
-  *,
-  hidden_size: int,
-  target_hidden_size: int,
-  vocab_size: int,
-  tap_ids: tuple[int, ...],
-  what: str,
-) -> None:
-  """Clear errors for a drafter built for a different target."""
-  tc = target.config
-  if vocab_size and vocab_size != tc.vocab_size:
-    raise InputError(
-      f"{what} drafter vocabulary ({vocab_size}) differs from the target's ({tc.vocab_size})"
-    )
-  if target_hidden_size and target_hidden_size != tc.hidden_size:
-    raise InputError(
-      f"{what} drafter expects target features of size {target_hidden_size}, but "
-      f"the target's hidden size is {tc.hidden_size}"
-    )
-  if hidden_size != tc.hidden_size:
-    raise InputError(
-      f"{what} drafter hidden size ({hidden_size}) differs from the target's "
-      f"({tc.hidden_size}); it shares the target's embedding and LM head"
-    )
-  bad = [i for i in tap_ids if not 0 <= i < tc.num_layers]
-  if bad:
-    raise InputError(
-      f"{what} drafter taps target layers {list(tap_ids)}, but the target has "
-      f"{tc.num_layers} layers"
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -542,38 +423,25 @@ class DFlashModel(nn.Module):
     return self(x, pos[:, None], k, v, pos, jnp.ones((b, 1), jnp.int32))
 
 
-def param_shapes(config: DFlashConfig) -> Any:
-  """The parameter tree's shapes (jax.ShapeDtypeStruct), without running anything."""
+def _abstract(config: DFlashConfig) -> Any:
+  """The boxed parameter tree of `config`, evaluated for shapes only (nothing runs)."""
   feats = jnp.zeros((1, 1, config.num_taps * config.target_hidden_size), jnp.float32)
   x = jnp.zeros((1, 1, 1, config.hidden_size), jnp.float32)
-  abstract = jax.eval_shape(
-    lambda: DFlashModel(config).init(jax.random.PRNGKey(0), feats, x, method=DFlashModel.init_all)
-  )
-  return nn.meta.unbox(abstract["params"])
+  return features.abstract_params(DFlashModel(config), DFlashModel.init_all, feats, x)
+
+
+def param_shapes(config: DFlashConfig) -> Any:
+  """The parameter tree's shapes (jax.ShapeDtypeStruct), without running anything."""
+  return nn.meta.unbox(_abstract(config)["params"])
 
 
 def logical_axes(config: DFlashConfig) -> Any:
-  feats = jnp.zeros((1, 1, config.num_taps * config.target_hidden_size), jnp.float32)
-  x = jnp.zeros((1, 1, 1, config.hidden_size), jnp.float32)
-  abstract = jax.eval_shape(
-    lambda: DFlashModel(config).init(jax.random.PRNGKey(0), feats, x, method=DFlashModel.init_all)
-  )
-  return nn.get_partition_spec(abstract)["params"]
+  return nn.get_partition_spec(_abstract(config))["params"]
 
 
 def init_params(config: DFlashConfig, seed: int = 0, stddev: float = 0.02) -> Any:
   """Random parameters: normal(stddev) matrices, zero biases, unit norm scales."""
-  rng = np.random.default_rng(seed)
-
-  def make(path, leaf):
-    name = jax.tree_util.keystr(path)
-    if "scale" in name:
-      return jnp.ones(leaf.shape, leaf.dtype)
-    if "bias" in name:
-      return jnp.zeros(leaf.shape, leaf.dtype)
-    return jnp.asarray(rng.normal(0.0, stddev, leaf.shape), leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(make, param_shapes(config))
+  return features.random_params(param_shapes(config), seed, stddev)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -584,12 +452,6 @@ def init_params(config: DFlashConfig, seed: int = 0, stddev: float = 0.02) -> An
 # The context store: K/V of the fused target features per drafter layer, in a ring of
 # min(context_window, max_len) slots with the position of each (a decoding-state kind).
 DFlashState = ContextRing
-
-
-def _concat_taps(taps: jax.Array) -> jax.Array:
-  """[n_taps, B, T, H] → [B, T, n_taps·H] (tap 0's features first, as torch.cat(dim=-1))."""
-  n, b, t, h = taps.shape
-  return jnp.moveaxis(taps, 0, 2).reshape(b, t, n * h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -688,31 +550,27 @@ class DFlashDrafter(Drafter):
   ) -> "DFlashDrafter":
     """A freshly initialised drafter for `target` (sizes default to the target's; the mask id to
     the target tokenizer's mask token)."""
-    tc = target.config
     if mask_token_id is None:
       mask_token_id = getattr(target.tokenizer, "mask_id", None)
       if mask_token_id is None:
         raise ConfigError(
           "DFlash needs a mask token: pass mask_token_id (the target has no tokenizer with one)"
         )
-    ids = target_layer_ids or build_target_layer_ids(tc.num_layers, num_layers)
+    n = target.config.num_layers
     config = DFlashConfig(
-      hidden_size=tc.hidden_size,
+      **features.sized_like(
+        target,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+      ),
       num_layers=num_layers,
-      num_heads=num_heads or tc.num_heads,
-      num_kv_heads=num_kv_heads or tc.num_kv_heads,
-      head_dim=head_dim or tc.head_dim,
-      intermediate_size=intermediate_size or tc.intermediate_size,
-      target_layer_ids=ids,
+      target_layer_ids=target_layer_ids or build_target_layer_ids(n, num_layers),
       mask_token_id=mask_token_id,
       block_size=block_size,
-      vocab_size=tc.vocab_size,
-      target_hidden_size=tc.hidden_size,
-      num_target_layers=tc.num_layers,
-      rms_norm_eps=tc.rms_norm_eps,
-      rope_theta=tc.rope_theta,
+      num_target_layers=n,
       layer_windows=layer_windows,
-      dtype=tc.dtype,
     )
     return cls.for_target(target, config, init_params(config, seed, stddev), **kwargs)
 
@@ -792,8 +650,7 @@ class DFlashDrafter(Drafter):
       [root[:, None], jnp.full((b, self.gamma), self.config.mask_token_id, jnp.int32)], axis=1
     )
     logits = self.block_logits(params, state, block, start)[:, 1:]  # [B, γ, V]
-    temp = jnp.where(sampling.is_greedy(ctx.sampling), 1.0, ctx.sampling.temperature)
-    logprobs = jax.nn.log_softmax(logits / temp[:, None, None].astype(jnp.float32), axis=-1)
+    logprobs = tree_logprobs(logits, ctx.sampling)
     if self.sample_drafts:
 
       def sampled():
@@ -849,44 +706,23 @@ class DFlashDrafter(Drafter):
 
 
 # --------------------------------------------------------------------------------------------------
-# Published checkpoints (layout in jaxspec.io.drafter_ckpt)
+# Published checkpoints (read and written by jaxspec.io.drafter_ckpt)
 # --------------------------------------------------------------------------------------------------
-
-
-def config_from_hf(hf: dict, source: str = "config.json") -> DFlashConfig:
-  """DFlashConfig of a DFlash `config.json` dict (`source` names it in errors)."""
-  fields = drafter_ckpt.dflash_config_from_hf(hf, source=source)
-  if fields["target_layer_ids"] is None:
-    fields["target_layer_ids"] = build_target_layer_ids(
-      fields["num_target_layers"], fields["num_layers"]
-    )
-  return DFlashConfig(**fields)
 
 
 def load_dflash(model_dir: str, target: TargetModel, **kwargs: Any) -> DFlashDrafter:
   """A published DFlash checkpoint (z-lab layout) bound to `target`; sizes, vocabulary and
   tapped layers are checked. `kwargs` go to DFlashDrafter (gamma, sample_drafts, ...)."""
-  hf = read_config(model_dir)
-  config = config_from_hf(hf, source=os.path.join(model_dir, "config.json"))
-  params, _, dtype = drafter_ckpt.read_checkpoint(
-    model_dir, list(drafter_ckpt.dflash_tensor_map(config)), param_shapes(config)
-  )
-  config = config.replace(param_dtype=dtype)
-  params = jax.tree_util.tree_map(jnp.asarray, params)
-  return DFlashDrafter.for_target(target, config, params, hf_config=hf, **kwargs)
+  ckpt = drafter_ckpt.load_dflash(model_dir, DFlashConfig, param_shapes)
+  params = jax.tree_util.tree_map(jnp.asarray, ckpt.params)
+  return DFlashDrafter.for_target(target, ckpt.config, params, hf_config=ckpt.hf_config, **kwargs)
 
 
 def dflash_tensors(drafter: DFlashDrafter) -> dict[str, np.ndarray]:
   """The drafter's weights under their published names."""
-  return drafter_ckpt.export_tensors(
-    drafter_ckpt.dflash_tensor_map(drafter.config), drafter.params["draft"]
-  )
+  return drafter_ckpt.dflash_tensors(drafter.config, drafter.params["draft"])
 
 
 def save_dflash(drafter: DFlashDrafter, out_dir: str) -> None:
   """Writes config.json and model.safetensors in the published DFlash layout."""
-  drafter_ckpt.write_checkpoint(
-    out_dir,
-    drafter_ckpt.dflash_config_to_hf(drafter.config, drafter.hf_config),
-    dflash_tensors(drafter),
-  )
+  drafter_ckpt.save_dflash(out_dir, drafter.config, drafter.params["draft"], drafter.hf_config)

@@ -27,14 +27,9 @@ import jax.numpy as jnp
 
 from jaxspec.errors import ConfigError
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.base import (
-  CommitContext,
-  Drafter,
-  PrefillContext,
-  Proposal,
-  ProposeContext,
-  check_gamma,
-)
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import check_gamma
+from jaxspec.drafters.feature_chain import tree_logprobs
 from jaxspec.models import target as target_lib
 from jaxspec import sampling
 from jaxspec.state import DecodingState
@@ -124,12 +119,10 @@ class DraftModelDrafter(Drafter):
     )
     first_logits = out.logits[:, 0]  # at the root
     keys = sampling.split_key(ctx.key, self.gamma)
-    temp = jnp.where(sampling.is_greedy(ctx.sampling), 1.0, ctx.sampling.temperature)
 
     def draw(logits, key):
       if self.tree:  # argmax chain; per-step log-probs for the tree builder
-        lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp[:, None], axis=-1)
-        return sampling.argmax(logits), lp
+        return sampling.argmax(logits), tree_logprobs(logits, ctx.sampling)
       q = sampling.warped_probs(logits, ctx.sampling)
       return sampling.sample_from_probs(key, q), q
 

@@ -15,7 +15,9 @@ docs/drafters.md):
 Position i of the drafter reads (f_i, t_{i+1}) at RoPE position i and predicts t_{i+2}. To draft
 γ tokens from the root at slot n: step 0 reads (f_{n−1}, root) at position n−1; step j reads its
 own previous output hidden (before `norm`) beside draft j at position n−1+j (training-time
-test, `jaxspec.train.drafter_losses.eagle3_ttt_loss`, trains exactly this).
+test, `jaxspec.train.drafter_losses.eagle3_ttt_loss`, trains exactly this). The chain's loop is
+`jaxspec.drafters.feature_chain`, shared with MTP; checkpoints are read and written by
+`jaxspec.io.drafter_ckpt`.
 
 State: the layer's KV cache and the fused feature of the slot before the root. Cache
 invariant (as for MTP): entries below n−1 hold (target feature, true token); propose writes n−1
@@ -28,7 +30,6 @@ however long the text; 0 keeps a full-length cache.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
@@ -39,37 +40,22 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import (
-  CommitContext,
-  Drafter,
-  PrefillContext,
-  Proposal,
-  ProposeContext,
-  check_gamma,
-)
-from jaxspec.drafters.dflash import DEFAULT_CONTEXT_WINDOW, check_target, shared_target_params
-from jaxspec.drafters.mtp import tree_logprobs
+from jaxspec.drafters import feature_chain, features
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import check_gamma
+from jaxspec.drafters.dflash import DEFAULT_CONTEXT_WINDOW
 from jaxspec.io import drafter_ckpt
-from jaxspec.io.hf import CheckpointError, read_config
+from jaxspec.io.drafter_ckpt import check_vocab_maps, make_vocab_maps  # noqa: F401 (re-exported)
 from jaxspec.models import attention as attention_lib
 from jaxspec.models.attention import NEG_INF
-from jaxspec.models.layers import (
-  MLP,
-  Dense,
-  RMSNorm,
-  apply_rope,
-  dtype_of,
-  rope_tables,
-  unfused_logits,
-)
+from jaxspec.models.layers import MLP, Dense, RMSNorm, apply_rope, dtype_of, rope_tables
+from jaxspec.models.layers import unfused_logits
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec import sampling
 from jaxspec.state import NO_LIMIT, FloatKV, RingKV
 
-
-def default_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
-  """EAGLE-3's taps (as layer outputs): the inputs of layers 2, L//2 and L−3."""
-  return (1, num_target_layers // 2 - 1, num_target_layers - 4)
+# EAGLE-3's taps (as layer outputs) when a checkpoint names none: the inputs of layers 2, L//2
+# and L−3.
+default_layer_ids = drafter_ckpt.eagle3_default_layer_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,26 +89,8 @@ class Eagle3Config:
       object.__setattr__(self, "draft_vocab_size", self.vocab_size)
     if not self.target_hidden_size:
       object.__setattr__(self, "target_hidden_size", self.hidden_size)
-
-    def need(cond: bool, msg: str) -> None:
-      if not cond:
-        raise ConfigError(f"EAGLE-3 drafter: {msg}")
-
-    for name in (
-      "hidden_size",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "intermediate_size",
-      "vocab_size",
-    ):
-      need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
-    need(
-      self.num_heads % self.num_kv_heads == 0,
-      f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-      f"({self.num_kv_heads})",
-    )
-    need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+    sizes = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+    need = features.check_layer_sizes(self, "EAGLE-3", sizes + ("vocab_size",))
     need(
       len(self.target_layer_ids) == 3 and all(i >= 0 for i in self.target_layer_ids),
       f"needs exactly three non-negative target layer ids, got {list(self.target_layer_ids)}",
@@ -137,21 +105,8 @@ class Eagle3Config:
     return self.draft_vocab_size != self.vocab_size
 
   def body(self) -> ModelConfig:
-    return ModelConfig(
-      architecture="Qwen3ForCausalLM",
-      vocab_size=self.vocab_size,
-      hidden_size=self.hidden_size,
-      num_layers=1,
-      num_heads=self.num_heads,
-      num_kv_heads=self.num_kv_heads,
-      head_dim=self.head_dim,
-      intermediate_size=self.intermediate_size,
-      rms_norm_eps=self.rms_norm_eps,
-      rope_theta=self.rope_theta,
-      qk_norm=False,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
-    )
+    """The Qwen3-shaped config of the one layer (no q/k norms)."""
+    return features.layer_config(self, vocab_size=self.vocab_size, num_layers=1, qk_norm=False)
 
   def replace(self, **changes: Any) -> "Eagle3Config":
     return dataclasses.replace(self, **changes)
@@ -270,13 +225,7 @@ class Eagle3Model(nn.Module):
   def _rope(self, positions: jax.Array):
     return rope_tables(positions, self.config.head_dim, self.config.rope_theta)
 
-  def __call__(
-    self,
-    emb: jax.Array,
-    hidden: jax.Array,
-    kv: Any,
-    start: jax.Array,
-  ):
+  def __call__(self, emb: jax.Array, hidden: jax.Array, kv: Any, start: jax.Array):
     """A causal block of (emb, hidden) pairs at positions start.. → (h, logits, kv)."""
     t = emb.shape[1]
     cos, sin = self._rope(start[:, None] + jnp.arange(t, dtype=jnp.int32)[None])
@@ -339,12 +288,10 @@ class Eagle3Model(nn.Module):
     return logits
 
 
-def _abstract(config: Eagle3Config):
+def _abstract(config: Eagle3Config) -> Any:
   feats = jnp.zeros((1, 1, 3 * config.target_hidden_size), jnp.float32)
   emb = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
-  return jax.eval_shape(
-    lambda: Eagle3Model(config).init(jax.random.PRNGKey(0), feats, emb, method=Eagle3Model.init_all)
-  )
+  return features.abstract_params(Eagle3Model(config), Eagle3Model.init_all, feats, emb)
 
 
 def param_shapes(config: Eagle3Config) -> Any:
@@ -356,48 +303,8 @@ def logical_axes(config: Eagle3Config) -> Any:
 
 
 def init_params(config: Eagle3Config, seed: int = 0, stddev: float = 0.02) -> Any:
-  rng = np.random.default_rng(seed)
-
-  def make(path, leaf):
-    if "scale" in jax.tree_util.keystr(path):
-      return jnp.ones(leaf.shape, leaf.dtype)
-    return jnp.asarray(rng.normal(0.0, stddev, leaf.shape), leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(make, param_shapes(config))
-
-
-# --------------------------------------------------------------------------------------------------
-# Vocabulary maps
-# --------------------------------------------------------------------------------------------------
-
-
-def make_vocab_maps(used_target_ids: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-  """(d2t [V_d] int64 offsets, t2d [V] bool) for a draft vocabulary of the given target ids."""
-  ids = np.sort(np.unique(np.asarray(used_target_ids, np.int64)))
-  if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
-    raise ConfigError(f"draft vocabulary ids must lie in [0, {vocab_size})")
-  t2d = np.zeros((vocab_size,), bool)
-  t2d[ids] = True
-  return ids - np.arange(ids.size, dtype=np.int64), t2d
-
-
-def check_vocab_maps(
-  d2t: np.ndarray, t2d: np.ndarray, vocab_size: int, draft_vocab_size: int
-) -> None:
-  """Raises CheckpointError unless d2t/t2d describe the same injective draft → target map."""
-  d2t, t2d = np.asarray(d2t), np.asarray(t2d)
-  if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
-    raise CheckpointError(
-      f"d2t must be [{draft_vocab_size}] and t2d [{vocab_size}], got "
-      f"{list(d2t.shape)} and {list(t2d.shape)}"
-    )
-  target_ids = np.arange(draft_vocab_size) + d2t.astype(np.int64)
-  if target_ids.min() < 0 or target_ids.max() >= vocab_size:
-    raise CheckpointError(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
-  if len(np.unique(target_ids)) != draft_vocab_size:
-    raise CheckpointError("d2t maps two draft ids to the same target id")
-  if not np.array_equal(np.flatnonzero(t2d.astype(bool)), np.sort(target_ids)):
-    raise CheckpointError("t2d does not mark exactly the target ids that d2t maps to")
+  """Random parameters (`features.random_params`)."""
+  return features.random_params(param_shapes(config), seed, stddev)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,11 +318,6 @@ class Eagle3State:
   last_feature: jax.Array  # [B, H] fused target feature at slot seq_len − 2
 
   AXES: ClassVar[dict] = {"last_feature": ("batch", "embed")}  # kv names its own
-
-
-def _concat_taps(taps: jax.Array) -> jax.Array:
-  n, b, t, h = taps.shape
-  return jnp.moveaxis(taps, 0, 2).reshape(b, t, n * h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,7 +362,7 @@ class Eagle3Drafter(Drafter):
     **kwargs: Any,
   ) -> "Eagle3Drafter":
     """Binds weights to a target (shared embedding unless the drafter has its own)."""
-    check_target(
+    features.check_target(
       target,
       hidden_size=(target.config.hidden_size if config.has_embedding else config.hidden_size),
       target_hidden_size=config.target_hidden_size,
@@ -471,7 +373,7 @@ class Eagle3Drafter(Drafter):
     config = config.replace(dtype=target.config.dtype)
     params: dict = {"draft": draft_params}
     if not config.has_embedding:
-      params["embed"] = shared_target_params(target)["embed"]
+      params["embed"] = features.shared_target_params(target)["embed"]
     if config.reduced_vocab:
       if d2t is None:
         raise InputError("an EAGLE-3 drafter with a reduced vocabulary needs its d2t map")
@@ -501,18 +403,15 @@ class Eagle3Drafter(Drafter):
       d2t, _ = make_vocab_maps(draft_vocab, tc.vocab_size)
       draft_vocab_size = d2t.shape[0]
     config = Eagle3Config(
-      hidden_size=tc.hidden_size,
-      num_heads=num_heads or tc.num_heads,
-      num_kv_heads=num_kv_heads or tc.num_kv_heads,
-      head_dim=head_dim or tc.head_dim,
-      intermediate_size=intermediate_size or tc.intermediate_size,
+      **features.sized_like(
+        target,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+      ),
       target_layer_ids=target_layer_ids or default_layer_ids(tc.num_layers),
-      vocab_size=tc.vocab_size,
       draft_vocab_size=draft_vocab_size,
-      target_hidden_size=tc.hidden_size,
-      rms_norm_eps=tc.rms_norm_eps,
-      rope_theta=tc.rope_theta,
-      dtype=tc.dtype,
     )
     return cls.for_target(target, config, init_params(config, seed, stddev), d2t=d2t, **kwargs)
 
@@ -561,7 +460,7 @@ class Eagle3Drafter(Drafter):
 
   def fuse(self, params: Any, taps: jax.Array) -> jax.Array:
     return self._model().apply(
-      {"params": params["draft"]}, _concat_taps(taps), method=Eagle3Model.fuse
+      {"params": params["draft"]}, features.concat_taps(taps), method=Eagle3Model.fuse
     )
 
   def forward(
@@ -597,57 +496,47 @@ class Eagle3Drafter(Drafter):
   def _bounded(self, kv: Any, floor: Any = None, limit: Any = NO_LIMIT) -> Any:
     return kv.with_bounds(floor, limit)  # a full-length cache has no bounds: itself
 
+  def _block(self, params: Any) -> feature_chain.Block:
+    """The drafter as the chain's block: (kv, tokens, features, start) → (h, logits, kv)."""
+    return lambda kv, tokens, feats, start: self.forward(params, tokens, feats, start, kv)
+
+  def _vocab(self, params: Any) -> Optional[feature_chain.DraftVocab]:
+    if not self.config.reduced_vocab:
+      return None
+    return feature_chain.DraftVocab(
+      lambda ids: self.to_target_ids(params, ids),
+      lambda x, fill: self.to_target_vocab(params, x, fill),
+    )
+
   def prefill(self, params: Any, state: Eagle3State, ctx: PrefillContext) -> Eagle3State:
     feats = self.fuse(params, ctx.taps)
-    start = jnp.full(ctx.prompt_lens.shape, ctx.first)
     kv = self._bounded(state.kv, limit=ctx.prompt_lens)  # padding must not displace entries
-    _, _, kv = self.forward(params, ctx.shifted_tokens(1), feats, start, kv)
-    return Eagle3State(kv, ctx.at_last(feats, state.last_feature))
+    kv, last = feature_chain.prefill(self._block(params), kv, state.last_feature, feats, ctx)
+    return Eagle3State(kv, last)
 
   def propose(
     self, params: Any, state: Eagle3State, ctx: ProposeContext
   ) -> tuple[Proposal, Eagle3State]:
-    rows = jnp.arange(ctx.tokens.shape[0])
-    root = ctx.tokens[rows, ctx.seq_len - 1]
-    keys = sampling.split_key(ctx.key, self.gamma)
-
-    def step(carry, key):
-      kv, tok, hidden, pos = carry
-      h, logits, kv = self.forward(params, tok[:, None], hidden[:, None], pos, kv)
-      logits = logits[:, 0]
-      if self.sample_drafts:
-        q = sampling.warped_probs(logits, ctx.sampling)
-        draft_id = sampling.sample_from_probs(key, q)
-        q = self.to_target_vocab(params, q, 0.0)
-      else:
-        draft_id, q = sampling.argmax(logits), None
-      lp = self.to_target_vocab(params, tree_logprobs(logits, ctx.sampling), -jnp.inf)
-      nxt = self.to_target_ids(params, draft_id).astype(jnp.int32)
-      out = (nxt, lp) + ((q,) if q is not None else ())
-      return (kv, nxt, h[:, 0].astype(hidden.dtype), pos + 1), out
-
     # The chain starts at position n − 1 (n = seq_len − 1, the root's slot) and sees the
     # context_window committed entries before it.
     kv = self._bounded(state.kv, floor=ctx.seq_len - 2 - self.context_window)
-    init = (kv, root, state.last_feature, ctx.seq_len - 2)
-    (kv, _, _, _), outs = jax.lax.scan(step, init, keys)
-    tokens = jnp.moveaxis(outs[0], 0, 1)
-    logprobs = jnp.moveaxis(outs[1], 0, 1)
-    probs = jnp.moveaxis(outs[2], 0, 1) if self.sample_drafts else None
-    return Proposal(tokens, probs, logprobs), state.replace(kv=kv)
+    proposal, kv = feature_chain.propose(
+      self._block(params),
+      kv,
+      state.last_feature,
+      ctx,
+      self.gamma,
+      self.sample_drafts,
+      self._vocab(params),
+    )
+    return proposal, state.replace(kv=kv)
 
   def commit(self, params: Any, state: Eagle3State, ctx: CommitContext) -> Eagle3State:
-    b, max_len = ctx.tokens.shape
-    rows = jnp.arange(b)
-    start = ctx.old_seq_len - 1
     feats = self.fuse(params, ctx.taps)  # [B, γ+1, H]
-    idx = jnp.minimum(start[:, None] + 1 + jnp.arange(self.gamma)[None, :], max_len - 1)
-    tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)
     kv = self._bounded(state.kv)
-    _, _, kv = self.forward(params, tokens, feats[:, : self.gamma], start, kv)
-    count = ctx.seq_len - ctx.old_seq_len
-    last = feats[rows, jnp.maximum(count - 1, 0)].astype(state.last_feature.dtype)
-    last = jnp.where((count > 0)[:, None], last, state.last_feature)
+    kv, last = feature_chain.commit(
+      self._block(params), kv, state.last_feature, feats, ctx, self.gamma
+    )
     return Eagle3State(kv, last)
 
   # -- training form -------------------------------------------------------------------------------
@@ -661,12 +550,12 @@ class Eagle3Drafter(Drafter):
     padded = jnp.pad(tokens, ((0, 0), (0, steps + 1)))
     emb = jnp.stack([self._embed(params, padded[:, j + 1 : j + 1 + s]) for j in range(steps)])
     return self._model().apply(
-      {"params": params["draft"]}, emb, _concat_taps(taps), method=Eagle3Model.ttt
+      {"params": params["draft"]}, emb, features.concat_taps(taps), method=Eagle3Model.ttt
     )
 
 
 # --------------------------------------------------------------------------------------------------
-# Published checkpoints (layout in jaxspec.io.drafter_ckpt)
+# Published checkpoints (read and written by jaxspec.io.drafter_ckpt)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -676,63 +565,28 @@ def load_eagle3(model_dir: str, target: TargetModel, **kwargs: Any) -> Eagle3Dra
   The taps default to the inputs of target layers 2, L//2 and L−3 unless config.json names
   them (`eagle_config.eagle_aux_hidden_state_layer_ids`). `kwargs` go to Eagle3Drafter.
   """
-  hf = read_config(model_dir)
-  names = drafter_ckpt.tensor_names(model_dir)
-  fields = drafter_ckpt.eagle3_config_from_hf(
-    hf,
-    has_embedding="embed_tokens.weight" in names,
-    source=os.path.join(model_dir, "config.json"),
-  )
-  if fields["target_layer_ids"] is None:
-    fields["target_layer_ids"] = default_layer_ids(target.config.num_layers)
-  config = Eagle3Config(**fields)
-  params, raw, dtype = drafter_ckpt.read_checkpoint(
-    model_dir,
-    list(drafter_ckpt.eagle3_tensor_map(config)),
-    param_shapes(config),
-    extra=("d2t", "t2d"),
-  )
-  config = config.replace(param_dtype=dtype)
-  d2t, t2d = raw.get("d2t"), raw.get("t2d")
-  if config.reduced_vocab and (d2t is None or t2d is None):
-    raise CheckpointError(
-      f"checkpoint in {model_dir} has a reduced draft vocabulary "
-      f"({config.draft_vocab_size} < {config.vocab_size}) but lacks d2t/t2d"
-    )
-  maps = None
-  if d2t is not None or t2d is not None:
-    if d2t is None or t2d is None:
-      raise CheckpointError(f"checkpoint in {model_dir} has only one of d2t and t2d")
-    try:
-      check_vocab_maps(d2t, t2d, config.vocab_size, config.draft_vocab_size)
-    except ValueError as e:
-      raise CheckpointError(f"checkpoint in {model_dir}: {e}") from None
-    maps = {"d2t": np.asarray(d2t), "t2d": np.asarray(t2d)}
-  params = jax.tree_util.tree_map(jnp.asarray, params)
+  ckpt = drafter_ckpt.load_eagle3(model_dir, Eagle3Config, param_shapes, target.config.num_layers)
+  maps = ckpt.vocab_maps
   return Eagle3Drafter.for_target(
-    target, config, params, d2t=d2t, hf_config=hf, vocab_maps=maps, **kwargs
+    target,
+    ckpt.config,
+    jax.tree_util.tree_map(jnp.asarray, ckpt.params),
+    d2t=None if maps is None else maps["d2t"],
+    hf_config=ckpt.hf_config,
+    vocab_maps=maps,
+    **kwargs,
   )
 
 
 def eagle3_tensors(drafter: Eagle3Drafter) -> dict[str, np.ndarray]:
   """The drafter's weights (and d2t/t2d) under their published names."""
-  out = drafter_ckpt.export_tensors(
-    drafter_ckpt.eagle3_tensor_map(drafter.config), drafter.params["draft"]
-  )
-  if drafter.vocab_maps:
-    out.update(drafter.vocab_maps)
-  elif drafter.config.reduced_vocab:
-    d2t = np.asarray(drafter.params["d2t"]).astype(np.int64)
-    out["d2t"] = d2t
-    out["t2d"] = np.zeros((drafter.config.vocab_size,), bool)
-    out["t2d"][np.arange(d2t.shape[0]) + d2t] = True
-  return out
+  p = drafter.params
+  return drafter_ckpt.eagle3_tensors(drafter.config, p["draft"], p.get("d2t"), drafter.vocab_maps)
 
 
 def save_eagle3(drafter: Eagle3Drafter, out_dir: str) -> None:
   """Writes config.json and model.safetensors in the EAGLE-3 (SpecForge) layout."""
-  drafter_ckpt.write_checkpoint(
-    out_dir,
-    drafter_ckpt.eagle3_config_to_hf(drafter.config, drafter.hf_config),
-    eagle3_tensors(drafter),
+  p = drafter.params
+  drafter_ckpt.save_eagle3(
+    out_dir, drafter.config, p["draft"], p.get("d2t"), drafter.vocab_maps, drafter.hf_config
   )

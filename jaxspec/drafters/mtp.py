@@ -7,7 +7,9 @@ at RoPE position i (the convention of `jaxspec.train.losses`, which trained it).
 
 Drafting γ tokens chains the layer (DeepSeek-V3 / vLLM reuse of the single released MTP layer):
 step 0 reads (h_{n-1}, root) at position n-1, where n = seq_len - 1 is the root's slot; step j
-reads the layer's own previous output hidden beside draft j at position n-1+j.
+reads the layer's own previous output hidden beside draft j at position n-1+j. The loop (prefill,
+propose, commit) is `jaxspec.drafters.feature_chain`, shared with EAGLE-3; this module supplies
+the MTP layer as its block.
 
 State: the layer's decoding state (one segment of one layer; `lengths` = seq_len - 2, the exact
 entries) and the target hidden of the slot just before the root. Cache invariant between steps: entries at positions < n-1 hold (target hidden h_i, true
@@ -25,16 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.drafters.base import (
-  CommitContext,
-  Drafter,
-  PrefillContext,
-  Proposal,
-  ProposeContext,
-  check_gamma,
-)
+from jaxspec.drafters import feature_chain
+from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
+from jaxspec.drafters.base import check_gamma
 from jaxspec.models import target as target_lib
-from jaxspec import sampling
 from jaxspec.state import DecodingState
 
 
@@ -46,24 +42,6 @@ class MTPState:
   AXES: ClassVar[dict] = {"last_hidden": ("batch", "embed")}  # the cache names its own
 
 
-def tree_logprobs(logits: jax.Array, params: sampling.SamplingParams) -> jax.Array:
-  """Per-position draft log-probabilities for the tree builder: log_softmax(logits / T), with
-  T = 1 for greedy rows and no top-k / top-p (the draft model's convention)."""
-  temp = jnp.where(sampling.is_greedy(params), 1.0, params.temperature).astype(jnp.float32)
-  temp = temp.reshape(temp.shape + (1,) * (logits.ndim - 1))
-  return jax.nn.log_softmax(logits.astype(jnp.float32) / temp, axis=-1)
-
-
-def draw(
-  key: jax.Array, logits: jax.Array, params: sampling.SamplingParams, sample: bool
-) -> tuple[jax.Array, jax.Array | None]:
-  """One draft token per row from logits [B, V]: (token, warped q) or (argmax, None)."""
-  if not sample:
-    return sampling.argmax(logits), None
-  q = sampling.warped_probs(logits, params)
-  return sampling.sample_from_probs(key, q), q
-
-
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter(Drafter):
   """Chains the target's MTP layer `layer` for γ steps.
@@ -71,9 +49,9 @@ class MTPDrafter(Drafter):
   config: the target's ModelConfig (the MTP block has the target's architecture).
   sample_drafts: at T > 0 draw each draft from the warped MTP distribution q (returned for
     lossless verification); False drafts the argmax (q one-hot), as greedy drafters do.
-  Every proposal carries per-position `logprobs` (see `tree_logprobs`); for tree verification
-  (`for_tree`) the chain follows the argmax, so depth i's distribution is conditioned on the
-  tree's top-1 branch.
+  Every proposal carries per-position `logprobs` (`feature_chain.tree_logprobs`); for tree
+  verification (`for_tree`) the chain follows the argmax, so depth i's distribution is
+  conditioned on the tree's top-1 branch.
   """
 
   config: ModelConfig = None  # type: ignore[assignment]
@@ -125,8 +103,16 @@ class MTPDrafter(Drafter):
   def for_tree(self) -> "MTPDrafter":
     return dataclasses.replace(self, sample_drafts=False)
 
-  def _mtp(self, params, tokens, hidden, start, cache):
-    return target_lib.apply_mtp(self.config, params, self.layer, tokens, hidden, start, cache)
+  def _block(self, params: Any) -> feature_chain.Block:
+    """The MTP layer as the chain's block: (cache, tokens, hidden, start) → (h, logits, cache)."""
+
+    def block(cache, tokens, hidden, start):
+      logits, h, cache = target_lib.apply_mtp(
+        self.config, params, self.layer, tokens, hidden, start, cache
+      )
+      return h, logits, cache
+
+    return block
 
   def init_state(self, params: Any, batch: int, max_len: int) -> MTPState:
     del params
@@ -136,44 +122,19 @@ class MTPDrafter(Drafter):
 
   def prefill(self, params: Any, state: MTPState, ctx: PrefillContext) -> MTPState:
     # Entry i reads (h_i, t_{i+1}); t_P is the first sampled token (already in the buffer).
-    start = jnp.full(ctx.prompt_lens.shape, ctx.first)
-    _, _, cache = self._mtp(params, ctx.shifted_tokens(1), ctx.hidden, start, state.cache)
-    last = ctx.at_last(ctx.hidden, state.last_hidden)
+    cache, last = feature_chain.prefill(
+      self._block(params), state.cache, state.last_hidden, ctx.hidden, ctx
+    )
     return MTPState(cache.with_lengths(ctx.prompt_lens - 1), last)
 
   def propose(self, params: Any, state: MTPState, ctx: ProposeContext) -> tuple[Proposal, MTPState]:
-    rows = jnp.arange(ctx.tokens.shape[0])
-    root = ctx.tokens[rows, ctx.seq_len - 1]
-    keys = sampling.split_key(ctx.key, self.gamma)
-
-    def step(carry, key):
-      cache, tok, hidden, pos = carry
-      logits, h_out, cache = self._mtp(params, tok[:, None], hidden[:, None], pos, cache)
-      logits = logits[:, 0].astype(jnp.float32)
-      nxt, q = draw(key, logits, ctx.sampling, self.sample_drafts)
-      out = (nxt, tree_logprobs(logits, ctx.sampling)) + ((q,) if q is not None else ())
-      return (cache, nxt, h_out[:, 0].astype(hidden.dtype), pos + 1), out
-
-    init = (state.cache, root, state.last_hidden, ctx.seq_len - 2)
-    (cache, _, _, _), outs = jax.lax.scan(step, init, keys)
-    tokens = jnp.moveaxis(outs[0], 0, 1)
-    logprobs = jnp.moveaxis(outs[1], 0, 1)
-    probs = jnp.moveaxis(outs[2], 0, 1) if self.sample_drafts else None
-    return Proposal(tokens, probs, logprobs), state.replace(cache=cache)
+    proposal, cache = feature_chain.propose(
+      self._block(params), state.cache, state.last_hidden, ctx, self.gamma, self.sample_drafts
+    )
+    return proposal, state.replace(cache=cache)
 
   def commit(self, params: Any, state: MTPState, ctx: CommitContext) -> MTPState:
-    b, max_len = ctx.tokens.shape
-    rows = jnp.arange(b)
-    start = ctx.old_seq_len - 1  # the verified block's root slot
-    # Entries start..start+γ-1 read (h of block slot j, committed token at start+j+1); only the
-    # first num_accepted are exact, the rest lie past the committed prefix and are rewritten.
-    idx = jnp.minimum(start[:, None] + 1 + jnp.arange(self.gamma)[None, :], max_len - 1)
-    tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)
-    _, _, cache = self._mtp(params, tokens, ctx.hidden[:, : self.gamma], start, state.cache)
-    # The hidden just before the new root: block slot (new seq_len - old seq_len - 1), which is
-    # num_accepted unless the budget or a stop cut the block; rows that committed nothing (done)
-    # keep theirs.
-    count = ctx.seq_len - ctx.old_seq_len
-    last = ctx.hidden[rows, jnp.maximum(count - 1, 0)].astype(state.last_hidden.dtype)
-    last = jnp.where((count > 0)[:, None], last, state.last_hidden)
+    cache, last = feature_chain.commit(
+      self._block(params), state.cache, state.last_hidden, ctx.hidden, ctx, self.gamma
+    )
     return MTPState(cache.with_lengths(ctx.seq_len - 2), last)

@@ -20,16 +20,20 @@ tensor's presence, shape and finiteness, and rejects unknown tensors (`jaxspec.i
 check_unexpected`; a sharded index is confined to the checkpoint directory as for targets); export
 writes the same layout back, in the dtype the weights were loaded in, so import → export is exact.
 
-This module maps layouts only (config dicts ↔ config fields, HF tensors ↔ parameter trees); it
-imports no drafter. `jaxspec.drafters.dflash.load_dflash` / `save_dflash` and their EAGLE-3
-counterparts bind the results to drafters, and `jaxspec.load_drafter` / `save_drafter` dispatch.
+This module reads and writes the checkpoints whole (`load_dflash` / `save_dflash`, `load_eagle3` /
+`save_eagle3`: config.json ↔ drafter config, safetensors ↔ parameter trees, EAGLE-3's vocabulary
+maps) but imports no drafter (io sits below drafters): a loader is handed the drafter's config
+class and its parameter shapes, and returns a `DrafterCheckpoint` that the drafter binds to a
+target (`jaxspec.drafters.dflash.load_dflash`, `jaxspec.drafters.eagle3.load_eagle3`);
+`jaxspec.load_drafter` / `save_drafter` dispatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import ml_dtypes
@@ -45,6 +49,7 @@ from jaxspec.io.hf import (
   _TensorSource,
   check_finite,
   check_unexpected,
+  read_config,
 )
 
 DFLASH_ARCH = "DFlashDraftModel"
@@ -218,6 +223,17 @@ def detect_kind(hf: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+  """DFlash's default taps: `num_draft_layers` ids spread evenly over [1, L−3]."""
+  if num_draft_layers == 1:
+    return (num_target_layers // 2,)
+  lo, hi = 1, num_target_layers - 3
+  return tuple(
+    int(round(lo + i * (hi - lo) / (num_draft_layers - 1))) for i in range(num_draft_layers)
+  )
+
+
+
 def dflash_config_from_hf(hf: dict, source: str = "config.json") -> dict[str, Any]:
   """DFlashConfig fields from a DFlash config.json (target_layer_ids None: the default).
 
@@ -229,10 +245,7 @@ def dflash_config_from_hf(hf: dict, source: str = "config.json") -> dict[str, An
   dcfg = HFConfigReader(r.mapping("dflash_config"), f"{r.what}: dflash_config")
   if not dcfg.has("mask_token_id"):
     raise r.error("dflash_config.mask_token_id is missing")
-  if r.string("hidden_act", "silu") != "silu":
-    raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-  hidden = r.integer("hidden_size")
-  heads = r.integer("num_attention_heads")
+  fields = _layer_from_hf(r)
   layers = r.integer("num_hidden_layers")
   num_target = r.integer("num_target_layers", 0)
   ids = dcfg.integers("target_layer_ids", None)
@@ -253,21 +266,46 @@ def dflash_config_from_hf(hf: dict, source: str = "config.json") -> dict[str, An
     else:
       raise r.error(f"unsupported layer type {t!r}")
   return dict(
-    hidden_size=hidden,
+    fields,
     num_layers=layers,
-    num_heads=heads,
-    num_kv_heads=r.integer("num_key_value_heads", heads),
-    head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
-    intermediate_size=r.integer("intermediate_size"),
     target_layer_ids=ids,
     mask_token_id=dcfg.integer("mask_token_id"),
     block_size=r.integer("block_size", 16),
     vocab_size=r.integer("vocab_size", 0),
     num_target_layers=num_target,
-    rms_norm_eps=_positive(r, "rms_norm_eps", 1e-6),
-    rope_theta=r.rope(10000.0)[0],
     attention_bias=r.flag("attention_bias", False),
     layer_windows=tuple(windows),
+  )
+
+
+def _layer_from_hf(r: HFConfigReader) -> dict[str, Any]:
+  """The decoder-layer fields every drafter config has (SwiGLU with SiLU, default RoPE)."""
+  if r.string("hidden_act", "silu") != "silu":
+    raise r.error(f"hidden_act {r.hf['hidden_act']!r} is not supported (only 'silu')")
+  hidden = r.integer("hidden_size")
+  heads = r.integer("num_attention_heads")
+  return dict(
+    hidden_size=hidden,
+    num_heads=heads,
+    num_kv_heads=r.integer("num_key_value_heads", heads),
+    head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
+    intermediate_size=r.integer("intermediate_size"),
+    rms_norm_eps=_positive(r, "rms_norm_eps", 1e-6),
+    rope_theta=r.rope(10000.0)[0],
+  )
+
+
+def _layer_to_hf(config: Any) -> dict[str, Any]:
+  """The config.json keys of `_layer_from_hf`'s fields."""
+  return dict(
+    hidden_size=config.hidden_size,
+    num_attention_heads=config.num_heads,
+    num_key_value_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    intermediate_size=config.intermediate_size,
+    hidden_act="silu",
+    rms_norm_eps=config.rms_norm_eps,
+    rope_theta=config.rope_theta,
   )
 
 
@@ -295,16 +333,9 @@ def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
       "mask_token_id": config.mask_token_id,
       "target_layer_ids": list(config.target_layer_ids),
     },
-    hidden_size=config.hidden_size,
+    **_layer_to_hf(config),
     num_hidden_layers=config.num_layers,
-    num_attention_heads=config.num_heads,
-    num_key_value_heads=config.num_kv_heads,
-    head_dim=config.head_dim,
-    intermediate_size=config.intermediate_size,
-    hidden_act="silu",
     attention_bias=config.attention_bias,
-    rms_norm_eps=config.rms_norm_eps,
-    rope_theta=config.rope_theta,
     layer_types=["sliding_attention" if w else "full_attention" for w in config.layer_windows],
     sliding_window=windows[0] if windows else None,
     use_sliding_window=bool(windows),
@@ -327,6 +358,12 @@ def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
+def eagle3_default_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+  """EAGLE-3's taps (as layer outputs): the inputs of layers 2, L//2 and L−3."""
+  return (1, num_target_layers // 2 - 1, num_target_layers - 4)
+
+
+
 def eagle3_config_from_hf(
   hf: dict, has_embedding: bool = False, source: str = "config.json"
 ) -> dict[str, Any]:
@@ -339,25 +376,16 @@ def eagle3_config_from_hf(
   r.require("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
   if r.integer("num_hidden_layers", 1) != 1:
     raise r.error(f"EAGLE-3 has one decoder layer, config says {hf['num_hidden_layers']}")
-  if r.string("hidden_act", "silu") != "silu":
-    raise r.error(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
   if r.flag("attention_bias", False):
     raise r.error("attention biases are not part of the EAGLE-3 layout")
-  hidden = r.integer("hidden_size")
-  heads = r.integer("num_attention_heads")
+  fields = _layer_from_hf(r)
   vocab = r.integer("vocab_size")
   return dict(
-    hidden_size=hidden,
-    num_heads=heads,
-    num_kv_heads=r.integer("num_key_value_heads", heads),
-    head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
-    intermediate_size=r.integer("intermediate_size"),
+    fields,
     target_layer_ids=_eagle3_layer_ids(r),
     vocab_size=vocab,
     draft_vocab_size=r.integer("draft_vocab_size", vocab),
-    target_hidden_size=r.integer("target_hidden_size", hidden),
-    rms_norm_eps=_positive(r, "rms_norm_eps", 1e-6),
-    rope_theta=r.rope(10000.0)[0],
+    target_hidden_size=r.integer("target_hidden_size", fields["hidden_size"]),
     fc_norm=r.flag("fc_norm", False),
     norm_output=r.flag("norm_output", True),
     has_embedding=has_embedding,
@@ -395,15 +423,8 @@ def eagle3_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
   hf.update(
     architectures=hf.get("architectures") or [EAGLE3_ARCH],
     model_type=hf.get("model_type", "llama"),
-    hidden_size=config.hidden_size,
+    **_layer_to_hf(config),
     num_hidden_layers=1,
-    num_attention_heads=config.num_heads,
-    num_key_value_heads=config.num_kv_heads,
-    head_dim=config.head_dim,
-    intermediate_size=config.intermediate_size,
-    hidden_act="silu",
-    rms_norm_eps=config.rms_norm_eps,
-    rope_theta=config.rope_theta,
     vocab_size=config.vocab_size,
     draft_vocab_size=config.draft_vocab_size,
     eagle_config={
@@ -424,3 +445,144 @@ def eagle3_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
   hf.setdefault("tie_word_embeddings", False)
   hf.setdefault("torch_dtype", config.param_dtype)
   return hf
+
+
+def make_vocab_maps(used_target_ids: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """(d2t [V_d] int64 offsets, t2d [V] bool) for a draft vocabulary of the given target ids."""
+  ids = np.sort(np.unique(np.asarray(used_target_ids, np.int64)))
+  if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
+    raise ConfigError(f"draft vocabulary ids must lie in [0, {vocab_size})")
+  t2d = np.zeros((vocab_size,), bool)
+  t2d[ids] = True
+  return ids - np.arange(ids.size, dtype=np.int64), t2d
+
+
+def check_vocab_maps(
+  d2t: np.ndarray, t2d: np.ndarray, vocab_size: int, draft_vocab_size: int
+) -> None:
+  """Raises CheckpointError unless d2t/t2d describe the same injective draft → target map."""
+  d2t, t2d = np.asarray(d2t), np.asarray(t2d)
+  if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
+    raise CheckpointError(
+      f"d2t must be [{draft_vocab_size}] and t2d [{vocab_size}], got "
+      f"{list(d2t.shape)} and {list(t2d.shape)}"
+    )
+  target_ids = np.arange(draft_vocab_size) + d2t.astype(np.int64)
+  if target_ids.min() < 0 or target_ids.max() >= vocab_size:
+    raise CheckpointError(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
+  if len(np.unique(target_ids)) != draft_vocab_size:
+    raise CheckpointError("d2t maps two draft ids to the same target id")
+  if not np.array_equal(np.flatnonzero(t2d.astype(bool)), np.sort(target_ids)):
+    raise CheckpointError("t2d does not mark exactly the target ids that d2t maps to")
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole checkpoints
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterCheckpoint:
+  """A drafter checkpoint as read: its config (param_dtype: the weights' dtype), numpy parameter
+  tree (jaxspec layout), config.json dict, and EAGLE-3's own d2t (int64) / t2d (bool) arrays
+  (None without them), kept for an exact export."""
+
+  config: Any
+  params: dict
+  hf_config: dict
+  vocab_maps: Optional[dict] = None
+
+
+# config class (built from config fields) → its parameter shapes (jax.ShapeDtypeStruct tree)
+ParamShapes = Callable[[Any], Any]
+
+
+def load_dflash(model_dir: str, config_cls: type, param_shapes: ParamShapes) -> DrafterCheckpoint:
+  """A DFlash checkpoint (z-lab layout): config_cls(**fields) with the default taps where
+  config.json names none, and the tensors checked against param_shapes(config)."""
+  hf = read_config(model_dir)
+  fields = dflash_config_from_hf(hf, source=os.path.join(model_dir, "config.json"))
+  if fields["target_layer_ids"] is None:
+    fields["target_layer_ids"] = build_target_layer_ids(
+      fields["num_target_layers"], fields["num_layers"]
+    )
+  config = config_cls(**fields)
+  params, _, dtype = read_checkpoint(
+    model_dir, list(dflash_tensor_map(config)), param_shapes(config)
+  )
+  return DrafterCheckpoint(config.replace(param_dtype=dtype), params, hf)
+
+
+def dflash_tensors(config: Any, params: Any) -> dict[str, np.ndarray]:
+  """A DFlash drafter's weights (its "draft" parameters) under their published names."""
+  return export_tensors(dflash_tensor_map(config), params)
+
+
+def save_dflash(out_dir: str, config: Any, params: Any, hf_config: Optional[dict] = None) -> None:
+  """Writes config.json (on top of `hf_config`, the loaded one) and model.safetensors."""
+  write_checkpoint(out_dir, dflash_config_to_hf(config, hf_config), dflash_tensors(config, params))
+
+
+def load_eagle3(
+  model_dir: str, config_cls: type, param_shapes: ParamShapes, num_target_layers: int
+) -> DrafterCheckpoint:
+  """An EAGLE-3 checkpoint (SafeAILab / SpecForge layout): config_cls(**fields), the taps
+  defaulting to the inputs of layers 2, L//2 and L−3 of a target of `num_target_layers`
+  unless config.json names them; the tensors checked against param_shapes(config), and the
+  d2t/t2d maps checked (required with a reduced draft vocabulary)."""
+  hf = read_config(model_dir)
+  fields = eagle3_config_from_hf(
+    hf,
+    has_embedding="embed_tokens.weight" in tensor_names(model_dir),
+    source=os.path.join(model_dir, "config.json"),
+  )
+  if fields["target_layer_ids"] is None:
+    fields["target_layer_ids"] = eagle3_default_layer_ids(num_target_layers)
+  config = config_cls(**fields)
+  params, raw, dtype = read_checkpoint(
+    model_dir, list(eagle3_tensor_map(config)), param_shapes(config), extra=("d2t", "t2d")
+  )
+  d2t, t2d = raw.get("d2t"), raw.get("t2d")
+  if config.draft_vocab_size != config.vocab_size and (d2t is None or t2d is None):
+    raise CheckpointError(
+      f"checkpoint in {model_dir} has a reduced draft vocabulary "
+      f"({config.draft_vocab_size} < {config.vocab_size}) but lacks d2t/t2d"
+    )
+  maps = None
+  if d2t is not None or t2d is not None:
+    if d2t is None or t2d is None:
+      raise CheckpointError(f"checkpoint in {model_dir} has only one of d2t and t2d")
+    try:
+      check_vocab_maps(d2t, t2d, config.vocab_size, config.draft_vocab_size)
+    except ValueError as e:
+      raise CheckpointError(f"checkpoint in {model_dir}: {e}") from None
+    maps = {"d2t": np.asarray(d2t), "t2d": np.asarray(t2d)}
+  return DrafterCheckpoint(config.replace(param_dtype=dtype), params, hf, maps)
+
+
+def eagle3_tensors(
+  config: Any, params: Any, d2t: Any = None, vocab_maps: Optional[dict] = None
+) -> dict[str, np.ndarray]:
+  """An EAGLE-3 drafter's weights (its "draft" parameters) and d2t/t2d under their published
+  names: the checkpoint's own maps when given, else built from the d2t offsets."""
+  out = export_tensors(eagle3_tensor_map(config), params)
+  if vocab_maps:
+    out.update(vocab_maps)
+  elif config.draft_vocab_size != config.vocab_size:
+    out["d2t"] = np.asarray(d2t).astype(np.int64)
+    out["t2d"] = np.zeros((config.vocab_size,), bool)
+    out["t2d"][np.arange(out["d2t"].shape[0]) + out["d2t"]] = True
+  return out
+
+
+def save_eagle3(
+  out_dir: str,
+  config: Any,
+  params: Any,
+  d2t: Any = None,
+  vocab_maps: Optional[dict] = None,
+  hf_config: Optional[dict] = None,
+) -> None:
+  """Writes config.json (on top of `hf_config`) and model.safetensors in the SpecForge layout."""
+  tensors = eagle3_tensors(config, params, d2t, vocab_maps)
+  write_checkpoint(out_dir, eagle3_config_to_hf(config, hf_config), tensors)

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.dflash import DFlashDrafter, head_rows_expectation, target_head
+from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.eagle3 import Eagle3Drafter
+from jaxspec.drafters.features import head_rows_expectation, target_head
 from jaxspec.models import target as target_lib
 
 

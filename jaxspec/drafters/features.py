@@ -1,0 +1,188 @@
+"""What the feature drafters (DFlash, EAGLE-3) share: the target's tapped features, its
+embedding and LM head, the checks that a drafter fits its target, and random weights.
+
+A feature drafter reads the outputs of some target layers (its `taps`, HF hidden_states[id + 1])
+and, unless it carries its own, the target's embedding and LM head. These helpers are the one
+place those pieces are gathered, so DFlash, EAGLE-3 and their training losses read them alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import ConfigError
+from jaxspec.models.layers import dtype_of, unfused_logits
+from jaxspec.models.target import InputError, TargetModel
+from jaxspec.quant.formats import materialize
+
+
+def concat_taps(taps: jax.Array) -> jax.Array:
+  """[n_taps, B, T, H] → [B, T, n_taps·H] (tap 0's features first, as torch.cat(dim=-1))."""
+  n, b, t, h = taps.shape
+  return jnp.moveaxis(taps, 0, 2).reshape(b, t, n * h)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared target pieces (embedding and LM head)
+# --------------------------------------------------------------------------------------------------
+
+
+def shared_target_params(target: TargetModel) -> dict:
+  """The target's embedding (and untied LM head) as drafter parameters; nothing is copied."""
+  out = {"embed": target.params["embed"]}
+  if not target.config.tie_word_embeddings:
+    out["lm_head"] = target.params["lm_head"]["kernel"]
+  return out
+
+
+def embed_tokens(shared: dict, tokens: jax.Array, dtype: str) -> jax.Array:
+  """Rows of the shared embedding `shared["embed"]` for `tokens`, in `dtype`."""
+  return jnp.take(shared["embed"], tokens, axis=0).astype(dtype_of(dtype))
+
+
+def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:
+  """The target's LM head on drafter hidden states: float32 logits [..., V]."""
+  dt = dtype_of(dtype)
+  if "lm_head" in shared:
+    head, spec = materialize(shared["lm_head"], dt), "...h,hv->...v"
+  else:
+    head, spec = shared["embed"].astype(dt), "...h,vh->...v"
+  return unfused_logits(jnp.einsum(spec, h.astype(dt), head, preferred_element_type=jnp.float32))
+
+
+def head_rows_expectation(shared: dict, probs: jax.Array) -> jax.Array:
+  """Σ_v probs[..., v]·W[:, v] [..., H]: the head's output rows averaged under `probs`.
+
+  Since `target_head` is linear, h·head_rows_expectation(p) = Σ_v p_v·logits_v(h) (the soft
+  cross-entropy's cross term) at [..., H] cost instead of [..., V].
+  """
+  probs = probs.astype(jnp.float32)
+  if "lm_head" in shared:
+    return jnp.einsum("...v,hv->...h", probs, materialize(shared["lm_head"], jnp.float32))
+  return jnp.einsum("...v,vh->...h", probs, shared["embed"].astype(jnp.float32))
+
+
+def check_target(
+  target: TargetModel,
+  *,
+  hidden_size: int,
+  target_hidden_size: int,
+  vocab_size: int,
+  tap_ids: tuple[int, ...],
+  what: str,
+) -> None:
+  """Clear errors for a drafter built for a different target."""
+  tc = target.config
+  if vocab_size and vocab_size != tc.vocab_size:
+    raise InputError(
+      f"{what} drafter vocabulary ({vocab_size}) differs from the target's ({tc.vocab_size})"
+    )
+  if target_hidden_size and target_hidden_size != tc.hidden_size:
+    raise InputError(
+      f"{what} drafter expects target features of size {target_hidden_size}, but "
+      f"the target's hidden size is {tc.hidden_size}"
+    )
+  if hidden_size != tc.hidden_size:
+    raise InputError(
+      f"{what} drafter hidden size ({hidden_size}) differs from the target's "
+      f"({tc.hidden_size}); it shares the target's embedding and LM head"
+    )
+  bad = [i for i in tap_ids if not 0 <= i < tc.num_layers]
+  if bad:
+    raise InputError(
+      f"{what} drafter taps target layers {list(tap_ids)}, but the target has "
+      f"{tc.num_layers} layers"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs and weights
+# --------------------------------------------------------------------------------------------------
+
+
+def check_layer_sizes(
+  config: Any, what: str, sizes: tuple[str, ...]
+) -> Callable[[bool, str], None]:
+  """Checks a drafter config's attention sizes: every field in `sizes` positive, query heads a
+  multiple of the key/value heads, head_dim even (RoPE). Returns `need(cond, msg)`, which
+  raises ConfigError("<what> drafter: msg") unless cond, for the config's own checks."""
+
+  def need(cond: bool, msg: str) -> None:
+    if not cond:
+      raise ConfigError(f"{what} drafter: {msg}")
+
+  for name in sizes:
+    need(getattr(config, name) > 0, f"{name} must be positive, got {getattr(config, name)}")
+  need(
+    config.num_heads % config.num_kv_heads == 0,
+    f"num_attention_heads ({config.num_heads}) must be a multiple of num_key_value_heads "
+    f"({config.num_kv_heads})",
+  )
+  need(config.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {config.head_dim}")
+  return need
+
+
+def layer_config(config: Any, **fields: Any) -> ModelConfig:
+  """The Qwen3-shaped ModelConfig a drafter's layers are built from (the shared modules read
+  one): the attention/MLP sizes, norm, RoPE and dtypes of `config`, plus `fields`."""
+  return ModelConfig(
+    architecture="Qwen3ForCausalLM",
+    hidden_size=config.hidden_size,
+    num_heads=config.num_heads,
+    num_kv_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    intermediate_size=config.intermediate_size,
+    rms_norm_eps=config.rms_norm_eps,
+    rope_theta=config.rope_theta,
+    dtype=config.dtype,
+    param_dtype=config.param_dtype,
+    **fields,
+  )
+
+
+def sized_like(target: TargetModel, **sizes: Optional[int]) -> dict[str, Any]:
+  """Config fields of a drafter as wide as `target`, with its vocabulary, norm epsilon, RoPE base
+  and dtype; each of `sizes` (num_heads, head_dim, ...) replaces the target's unless None/0."""
+  tc = target.config
+  fields = dict(
+    hidden_size=tc.hidden_size,
+    num_heads=tc.num_heads,
+    num_kv_heads=tc.num_kv_heads,
+    head_dim=tc.head_dim,
+    intermediate_size=tc.intermediate_size,
+    vocab_size=tc.vocab_size,
+    target_hidden_size=tc.hidden_size,
+    rms_norm_eps=tc.rms_norm_eps,
+    rope_theta=tc.rope_theta,
+    dtype=tc.dtype,
+  )
+  fields.update({k: v for k, v in sizes.items() if v})
+  return fields
+
+
+def abstract_params(module: nn.Module, method: Callable, *inputs: jax.Array) -> Any:
+  """`module`'s boxed variables as `module.init(..., method=method)` on `inputs` makes them,
+  evaluated for shapes only (nothing runs): unbox for shapes, `nn.get_partition_spec` for axes."""
+  return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *inputs, method=method))
+
+
+def random_params(shapes: Any, seed: int = 0, stddev: float = 0.02) -> Any:
+  """Random weights for a tree of parameter shapes: normal(stddev) matrices, zero biases, unit
+  norm scales (numpy's generator, so a seed gives the same weights on every backend)."""
+  rng = np.random.default_rng(seed)
+
+  def make(path, leaf):
+    name = jax.tree_util.keystr(path)
+    if "scale" in name:
+      return jnp.ones(leaf.shape, leaf.dtype)
+    if "bias" in name:
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    return jnp.asarray(rng.normal(0.0, stddev, leaf.shape), leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(make, shapes)
