@@ -55,9 +55,14 @@ from jaxspec.drafters import features
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.drafters.base import check_gamma
 from jaxspec.drafters.feature_chain import tree_logprobs
-from jaxspec.drafters.features import check_target, embed_tokens, shared_target_params
-from jaxspec.drafters.features import concat_taps as _concat_taps
-from jaxspec.drafters.features import target_head
+from jaxspec.drafters.features import (
+  DEFAULT_CONTEXT_WINDOW,
+  check_target,
+  concat_taps,
+  embed_tokens,
+  shared_target_params,
+  target_head,
+)
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.drafter_ckpt import build_target_layer_ids  # noqa: F401 (DFlash's default taps)
 from jaxspec.models import attention as attention_lib
@@ -289,8 +294,6 @@ def context_visibility(
 
 # Context slots read per step of the chunked (inference) context attention.
 DEFAULT_CONTEXT_CHUNK = 256
-# Target features a drafter keeps for long contexts (the ring's size; 0 = all).
-DEFAULT_CONTEXT_WINDOW = 4096
 
 
 @flax.struct.dataclass
@@ -609,7 +612,7 @@ class DFlashDrafter(Drafter):
     those < limit [B] (the ring keeps the last C of them)."""
     positions = start[:, None] + jnp.arange(taps.shape[2], dtype=jnp.int32)[None]
     k, v = DFlashModel(self.config).apply(
-      {"params": params["draft"]}, _concat_taps(taps), positions, method=DFlashModel.context_kv
+      {"params": params["draft"]}, concat_taps(taps), positions, method=DFlashModel.context_kv
     )
     return state.append(start, k, v, limit)
 
@@ -691,7 +694,7 @@ class DFlashDrafter(Drafter):
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
     model = DFlashModel(c)
     k, v = model.apply(
-      {"params": params["draft"]}, _concat_taps(taps), pos, method=DFlashModel.context_kv
+      {"params": params["draft"]}, concat_taps(taps), pos, method=DFlashModel.context_kv
     )
     first = jnp.take_along_axis(tokens, jnp.clip(anchors, 0, s - 1), axis=1)
     n = anchors.shape[1]

@@ -43,7 +43,7 @@ from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.drafters import feature_chain, features
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Proposal, ProposeContext
 from jaxspec.drafters.base import check_gamma
-from jaxspec.drafters.dflash import DEFAULT_CONTEXT_WINDOW
+from jaxspec.drafters.features import DEFAULT_CONTEXT_WINDOW
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.drafter_ckpt import check_vocab_maps, make_vocab_maps  # noqa: F401 (re-exported)
 from jaxspec.models import attention as attention_lib

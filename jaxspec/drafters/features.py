@@ -21,6 +21,9 @@ from jaxspec.models.layers import dtype_of, unfused_logits
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.quant.formats import materialize
 
+# Target features a feature drafter keeps for long contexts (its ring's size; 0 = all).
+DEFAULT_CONTEXT_WINDOW = 4096
+
 
 def concat_taps(taps: jax.Array) -> jax.Array:
   """[n_taps, B, T, H] → [B, T, n_taps·H] (tap 0's features first, as torch.cat(dim=-1))."""
