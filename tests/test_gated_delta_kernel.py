@@ -18,6 +18,7 @@ from jaxspec.errors import ConfigError
 from jaxspec.models import gated_deltanet as gdn
 from pallas_kernels.gated_delta import reference
 from jaxspec.models import target as target_lib
+from jaxspec.io.architectures import config_from_hf
 from pallas_kernels.gated_delta import gated_delta_pallas, gated_delta_rule
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -99,7 +100,7 @@ def test_dispatcher_and_errors():
   with pytest.raises(ValueError, match="block_v"):
     gated_delta_pallas(q, k, v, g, beta, s0, block_v=3, interpret=True)
   with pytest.raises(ConfigError, match="linear_attention_impl"):
-    jaxspec.ModelConfig.from_hf(HYBRID, linear_attention_impl="cuda")
+    config_from_hf(HYBRID, linear_attention_impl="cuda")
 
 
 def test_kernel_lowers_to_triton():
@@ -136,7 +137,7 @@ HYBRID = {
 
 @pytest.fixture(scope="module")
 def hybrid_models():
-  config = jaxspec.ModelConfig.from_hf(HYBRID, linear_chunk=4)
+  config = config_from_hf(HYBRID, linear_chunk=4)
   xla = target_lib.TargetModel.random(config.replace(linear_attention_impl="xla"), seed=0)
   return xla, xla.with_config(linear_attention_impl="pallas")
 
@@ -172,7 +173,7 @@ def test_layer_pallas_equals_xla():
   7 valid tokens long) under both impls: the same output, and "pallas" really runs the kernel.
   A_log is lowered from its init range (decays of e^-1..e^-20 per token, under which the
   in-chunk solve barely matters) to e^-0.05..e^-0.3, so a wrong solve shows."""
-  config = jaxspec.ModelConfig.from_hf(HYBRID, linear_chunk=4)
+  config = config_from_hf(HYBRID, linear_chunk=4)
   x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 11, config.hidden_size)), jnp.float32)
   args = (x, None, jnp.int32(0), jnp.zeros(2, jnp.int32), jnp.array([11, 7]))
   layer = lambda impl: gdn.GatedDeltaNet(config.replace(linear_attention_impl=impl))

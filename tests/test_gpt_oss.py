@@ -30,6 +30,7 @@ from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.quant.formats import QTensor
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.io.architectures import config_from_hf, config_to_hf
 
 from tests import drafter_models, engine_models, hf_models, near_ties
 
@@ -65,7 +66,7 @@ def test_config_reads_the_layer_pattern_and_round_trips(saved):
   assert c.layer_windows == (4, 0, 4)
   assert c.attention_sinks and c.expert_bias and c.fused_gate_up and c.router == "topk_softmax"
   assert dict(c.rope_scaling)["rope_type"] == "yarn"
-  assert ModelConfig.from_hf(c.to_hf()) == c
+  assert config_from_hf(config_to_hf(c)) == c
   # Growing the model keeps gpt-oss's alternation.
   assert c.replace(num_layers=6).layer_windows == (4, 0, 4, 0, 4, 0)
 
@@ -183,21 +184,21 @@ def test_bad_gpt_oss_configs_are_refused(saved):
   with open(os.path.join(float_dir, "config.json")) as f:
     hf = json.load(f)
   with pytest.raises(ConfigError, match="layer_types"):
-    ModelConfig.from_hf({**hf, "layer_types": ["sliding_attention", "chunked", "full_attention"]})
+    config_from_hf({**hf, "layer_types": ["sliding_attention", "chunked", "full_attention"]})
   with pytest.raises(ConfigError, match="layer_types"):
-    ModelConfig.from_hf({**hf, "layer_types": ["full_attention"]})
+    config_from_hf({**hf, "layer_types": ["full_attention"]})
   with pytest.raises(ConfigError, match="sliding_window"):
-    ModelConfig.from_hf({**hf, "sliding_window": 0})
+    config_from_hf({**hf, "sliding_window": 0})
   # A null window means no window at all (transformers' reading).
-  assert ModelConfig.from_hf({**hf, "sliding_window": None}).layer_windows == (0, 0, 0)
+  assert config_from_hf({**hf, "sliding_window": None}).layer_windows == (0, 0, 0)
   with pytest.raises(ConfigError, match="Pallas"):
-    ModelConfig.from_hf(hf, attention_impl="pallas")
+    config_from_hf(hf, attention_impl="pallas")
   qwen = hf_models.CONFIGS["qwen3_gqa_bias_headdim"][2]
   qwen_hf = {**qwen, "architectures": ["Qwen3ForCausalLM"]}
   with pytest.raises(ConfigError, match="gpt-oss"):
-    ModelConfig.from_hf(qwen_hf, attention_sinks=True)
+    config_from_hf(qwen_hf, attention_sinks=True)
   with pytest.raises(ConfigError, match="gpt-oss"):
-    ModelConfig.from_hf(qwen_hf, swiglu_limit=7.0)
+    config_from_hf(qwen_hf, swiglu_limit=7.0)
 
 
 def test_mxfp4_experts_through_the_pallas_grouped_matmul(saved):

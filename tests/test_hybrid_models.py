@@ -27,6 +27,7 @@ from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import DecodingState, LinearState
+from jaxspec.io.architectures import config_from_hf
 from tests import engine_models, hf_models, near_ties
 
 NAMES = sorted(hf_models.HYBRID_CONFIGS)
@@ -112,7 +113,7 @@ def test_blocks_and_partial_commits_equal_full_forward(saved):
 
 
 def test_linear_state_bytes_do_not_grow_with_context():
-  config = jaxspec.ModelConfig.from_hf(
+  config = config_from_hf(
     {
       "architectures": ["Qwen3_5ForCausalLM"],
       **hf_models.HYBRID_CONFIGS["qwen3_5_dense_3to1_tied"][2],

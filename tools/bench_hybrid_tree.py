@@ -21,6 +21,7 @@ import jaxspec
 from jaxspec.models import gated_deltanet as gdn
 from jaxspec.models import target as target_lib
 from jaxspec.state import DecodingState
+from jaxspec.io.architectures import config_from_hf
 from tests.drafter_models import random_params
 from tests.test_hybrid_tree import HYBRID
 
@@ -36,7 +37,7 @@ def _random_mask(rng, t: int) -> np.ndarray:
 
 
 def main() -> None:
-  config = jaxspec.ModelConfig.from_hf({**HYBRID, "vocab_size": 64}).replace(linear_snapshots=32)
+  config = config_from_hf({**HYBRID, "vocab_size": 64}).replace(linear_snapshots=32)
   params = random_params(target_lib.param_shapes(config), 0, 4.0)
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(0, 64, (1, 12)), jnp.int32)

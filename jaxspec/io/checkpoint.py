@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from jaxspec import sharding as sharding_lib
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
+from jaxspec.io import architectures
 from jaxspec.io.hf import load_config, load_model, save_hf
 from jaxspec.models import target as target_lib
 
@@ -42,7 +43,7 @@ def save(model: target_lib.TargetModel, out_dir: str) -> None:
   os.makedirs(out_dir, exist_ok=True)
   if jax.process_index() == 0:
     hf_config = dict(model.hf_config or {})
-    hf_config.update(model.config.to_hf())
+    hf_config.update(architectures.config_to_hf(model.config))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
     if model.tokenizer is not None:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
-from jaxspec.io import layouts
+from jaxspec.io import architectures, layouts
 from jaxspec.io import quantized as quantized_io
 from jaxspec.models import decoder as decoder_lib
 from jaxspec.models import target as target_lib
@@ -419,7 +419,7 @@ def load_config(model_dir: str, **overrides: Any) -> tuple[ModelConfig, dict]:
   """(ModelConfig, config.json dict) of a checkpoint directory; a ConfigError names the file."""
   hf_config = read_config(model_dir)
   try:
-    return ModelConfig.from_hf(hf_config, **overrides), hf_config
+    return architectures.config_from_hf(hf_config, **overrides), hf_config
   except ConfigError as e:
     path = os.path.join(model_dir, "config.json")
     given = f" (with overrides {', '.join(sorted(overrides))})" if overrides else ""
@@ -697,7 +697,7 @@ def save_hf(
   """Writes config.json, model.safetensors (sharded with an index when large) and tokenizer."""
   os.makedirs(out_dir, exist_ok=True)
   hf_config = dict(model.hf_config or {})
-  hf_config.update(model.config.to_hf())
+  hf_config.update(architectures.config_to_hf(model.config))
   is_q = lambda x: isinstance(x, QTensor)
   leaves = jax.tree_util.tree_leaves(model.params, is_leaf=is_q)
   used = sorted({x.format for x in leaves if is_q(x)})
