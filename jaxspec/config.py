@@ -9,11 +9,13 @@ what a valid architecture is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Any, Callable, Mapping
 
 from jaxspec.errors import ConfigError, is_int, is_real, show
+from jaxspec.options import RunOptions, option_names
 
 SUPPORTED_ARCHITECTURES = (
   "Qwen3ForCausalLM",
@@ -55,6 +57,20 @@ def _deprecated(old: str, new: str) -> None:
     raise ConfigError(f"{old} is deprecated and its mapping is not loaded: use {new}")
 
 
+def _options_with(options: RunOptions, moved: dict[str, Any], where: str) -> RunOptions:
+  """`options` with the run-option fields `moved` (passed the old way, as ModelConfig fields)
+  applied, after a DeprecationWarning that names the new way."""
+  names = ", ".join(f"{k}=..." for k in moved)
+  warnings.warn(
+    f"{where}({names}) is deprecated: run options live in ModelConfig.options; pass "
+    f"options=jaxspec.RunOptions({names}), or use config.with_options({names}) or "
+    f"TargetModel.with_options({names})",
+    DeprecationWarning,
+    stacklevel=3,
+  )
+  return options.replace(**moved)
+
+
 def gpt_oss_windows(num_layers: int, window: int) -> tuple[int, ...]:
   """gpt-oss's default layer pattern: sliding-window attention at even layers, full at odd."""
   return tuple(window if i % 2 == 0 else 0 for i in range(num_layers))
@@ -62,7 +78,6 @@ def gpt_oss_windows(num_layers: int, window: int) -> tuple[int, ...]:
 
 # RoPE variants jaxspec computes (layers.rope_frequencies).
 ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
-MOE_BACKENDS = ("auto", "dense", "ragged", "gather", "loop", "ep", "ep_replicate", "ep_all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +125,6 @@ class ModelConfig:
   n_shared_experts: int = 0
   layer_is_moe: tuple[bool, ...] = ()
   decoder_sparse_step: int = 1  # Qwen3-MoE: only layers i with (i + 1) % step == 0 may be MoE
-  # "dense" (the oracle), "ragged", "gather", "loop", "auto", or expert-parallel on a mesh "ep",
-  # "ep_replicate", "ep_all_to_all" (see moe.py and expert_parallel.py).
-  moe_backend: str = "auto"
-  # Expert-parallel all_to_all buffers: 0 = exact (no pair ever dropped), f > 0 = rows for f times
-  # the mean load per destination, later pairs dropped (models/expert_parallel.py).
-  ep_capacity_factor: float = 0.0
-  # Grouped matmul of the ragged backend over MXFP4 expert weights: "xla" (dequantize, then
-  # ragged_dot), "pallas" (pallas_kernels/mxfp4_gmm, dequantized tile by tile) or "auto" (XLA
-  # until the kernel has run on hardware).
-  gmm_impl: str = "auto"
   # gpt-oss experts: biased projections, gate and up fused and interleaved in one [E, H, 2I]
   # weight, and the clamped SwiGLU (clip(up, ±limit) + 1) · g · σ(alpha · g), g = min(gate, limit)
   # (swiglu_limit 0: the plain SwiGLU silu(gate) · up).
@@ -131,11 +136,6 @@ class ModelConfig:
   # per-head sink logits that join every softmax's denominator.
   layer_windows: tuple[int, ...] = ()
   attention_sinks: bool = False
-  # Attention over the decoding state (models/attention.py): "xla" (chunked online softmax),
-  # "pallas" (the tree-attention kernel) or "auto" (XLA until the kernel is checked on hardware);
-  # the XLA path reads the committed prefix in chunks of `attention_chunk` slots.
-  attention_impl: str = "auto"
-  attention_chunk: int = 256
   # Hybrid targets (HYBRID_ARCHITECTURES): each layer's token mixer, "full_attention" or
   # "linear_attention" (Gated DeltaNet; empty: all full), and the linear layers' shapes.
   layer_types: tuple[str, ...] = ()
@@ -144,32 +144,29 @@ class ModelConfig:
   linear_value_head_dim: int = 0
   linear_num_key_heads: int = 0
   linear_num_value_heads: int = 0
-  # Chunk of the chunked delta rule (prefill, long blocks) and how many per-position states a
-  # linear layer's decoding state keeps for a block (the widest block chain verification may
-  # commit a prefix of; models/gated_deltanet.py, state.LinearState).
-  linear_chunk: int = 64
-  # The chunked rule of the linear layers' prefill / long blocks: "xla" (`lax.scan` over chunks),
-  # "pallas" (pallas_kernels/gated_delta) or "auto" (XLA until the kernel has run on hardware).
-  linear_attention_impl: str = "auto"
-  linear_snapshots: int = 16
   # Qwen3-Next / Qwen3.5-MoE shared expert: one SwiGLU of this width, gated by
   # sigmoid(x · w_gate) (0: none).
   shared_expert_intermediate_size: int = 0
-  # Layer runs as one `nn.scan` over stacked parameters [n, ...] (True: compile time flat in
-  # depth; training's layout), or unrolled over per-layer parameter buffers (False: decoding's
-  # layout, since a scanned layer's weights are sliced out of the stack, a copy on backends
-  # that cannot feed a matmul from a slice; see docs/benchmarks.md). Convert with
-  # `TargetModel.with_scan_layers`.
-  scan_layers: bool = True
   # Multi-token-prediction layers stored after the main layers (DeepSeek-V3 layout).
   num_mtp_layers: int = 0
   # Special tokens.
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
   bos_token_id: int | None = None
-  # Numerics: dtype of activations/matmuls; parameters are stored in `param_dtype`.
-  dtype: str = "float32"
-  param_dtype: str = "float32"
+  # How jaxspec runs the model (kernels, chunks, layout, dtypes): not part of the architecture,
+  # never read from or written to config.json (jaxspec/options.py).
+  options: RunOptions = RunOptions()
+
+  def __getattr__(self, name: str) -> Any:
+    """Deprecated reads of the run options as ModelConfig fields (`config.scan_layers`)."""
+    if name in _OPTION_NAMES:
+      warnings.warn(
+        f"ModelConfig.{name} is deprecated; read config.options.{name}",
+        DeprecationWarning,
+        stacklevel=2,
+      )
+      return getattr(self.options, name)
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
   def __post_init__(self):
     self._check_types()  # before layer_is_moe is derived from num_layers and the sparse step
@@ -193,6 +190,21 @@ class ModelConfig:
     else:
       object.__setattr__(self, "layer_is_moe", tuple(bool(m) for m in self.layer_is_moe))
     self.validate()
+
+  @property
+  def dtype(self) -> str:
+    """`options.dtype`, the activations' dtype: read (not deprecated) by the layers that drafter
+    configs share, which carry their own `dtype`; set it through the options."""
+    return self.options.dtype
+
+  @property
+  def param_dtype(self) -> str:
+    """`options.param_dtype`, the stored parameters' dtype (read-only, as `dtype`)."""
+    return self.options.param_dtype
+
+  def with_options(self, **changes: Any) -> "ModelConfig":
+    """A copy whose run options have `changes` applied (`RunOptions` field names)."""
+    return dataclasses.replace(self, options=self.options.replace(**changes))
 
   @property
   def is_moe(self) -> bool:
@@ -271,9 +283,16 @@ class ModelConfig:
     truncated to its first n entries, or grown by repeating the last layer's kind. Passing
     `layer_is_moe` with `num_layers` uses it as given; it must have one entry per layer.
     """
+    moved = {k: changes.pop(k) for k in _OPTION_NAMES if k in changes}
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
     if unknown:
       raise ConfigError(f"{self.architecture}: unknown ModelConfig field(s) {', '.join(unknown)}")
+    if moved:
+      options = changes.get("options", self.options)
+      try:
+        changes["options"] = _options_with(options, moved, "ModelConfig.replace")
+      except ConfigError as e:
+        raise ConfigError(f"{self.architecture}: {e}") from None
     n = changes.get("num_layers")
     if is_int(n) and "layer_is_moe" not in changes:
       changes["layer_is_moe"] = self._layer_is_moe_at_depth(int(n))
@@ -338,10 +357,7 @@ class ModelConfig:
     "n_group",
     "topk_group",
     "decoder_sparse_step",
-    "attention_chunk",
     "linear_conv_kernel_dim",
-    "linear_chunk",
-    "linear_snapshots",
   )
   _COUNTS = (
     "intermediate_size",
@@ -364,7 +380,6 @@ class ModelConfig:
     "routed_scaling_factor",
   )
   _BOOLS = (
-    "scan_layers",
     "attention_bias",
     "attention_out_bias",
     "qk_norm",
@@ -386,6 +401,10 @@ class ModelConfig:
   def _check_types(self) -> None:
     """Every numeric field a real int / finite float / bool: no bools, NaNs or 64.5 sizes."""
     need = self._need
+    need(
+      isinstance(self.options, RunOptions),
+      f"options must be a jaxspec.RunOptions, got {show(self.options)}",
+    )
     for name in self._POSITIVE_INTS + self._COUNTS:
       v = getattr(self, name)
       need(is_int(v), f"{self._name(name)} must be an integer, got {show(v)}")
@@ -484,21 +503,6 @@ class ModelConfig:
         f"experts only in layers i with (i + 1) % step == 0",
       )
     need(
-      self.moe_backend in MOE_BACKENDS,
-      f"unknown moe_backend {self.moe_backend!r}; expected one of {MOE_BACKENDS}",
-    )
-    need(
-      not isinstance(self.ep_capacity_factor, bool)
-      and isinstance(self.ep_capacity_factor, (int, float))
-      and math.isfinite(self.ep_capacity_factor)
-      and self.ep_capacity_factor >= 0,
-      f"ep_capacity_factor must be a finite number >= 0 (0: exact), got {self.ep_capacity_factor!r}",
-    )
-    need(
-      self.gmm_impl in ("auto", "xla", "pallas"),
-      f"unknown gmm_impl {self.gmm_impl!r} (expected 'auto', 'xla' or 'pallas')",
-    )
-    need(
       len(self.layer_windows) == self.num_layers,
       f"layer_windows has {len(self.layer_windows)} entries but num_layers is "
       f"{self.num_layers}: it needs one entry per layer",
@@ -540,19 +544,9 @@ class ModelConfig:
       "biased experts, the clamped SwiGLU and the top-k-softmax router are gpt-oss features",
     )
     need(
-      self.attention_impl != "pallas" or not (self.attention_sinks or self.sliding_window),
+      self.options.attention_impl != "pallas" or not (self.attention_sinks or self.sliding_window),
       "the Pallas attention kernel has no sinks or sliding windows; use attention_impl='xla'",
     )
-    need(
-      self.attention_impl in ("auto", "xla", "pallas"),
-      f"unknown attention_impl {self.attention_impl!r} (expected 'auto', 'xla' or 'pallas')",
-    )
-    need(
-      self.linear_attention_impl in ("auto", "xla", "pallas"),
-      f"unknown linear_attention_impl {self.linear_attention_impl!r} "
-      "(expected 'auto', 'xla' or 'pallas')",
-    )
-    need(self.attention_chunk >= 1, f"attention_chunk must be ≥ 1, got {self.attention_chunk}")
     scaling = dict(self.rope_scaling) if isinstance(self.rope_scaling, tuple) else {}
     need(
       isinstance(self.rope_scaling, tuple)
@@ -560,12 +554,6 @@ class ModelConfig:
       f"rope_scaling must be () or normalized (name, value) pairs of a {ROPE_TYPES[1:]} "
       f"scaling, got {show(self.rope_scaling)}",
     )
-    for name in ("dtype", "param_dtype"):
-      v = getattr(self, name)
-      need(
-        v in ("float32", "bfloat16", "float16"),
-        f"unsupported {name} {show(v)} (expected 'float32', 'bfloat16' or 'float16')",
-      )
     if self.is_moe:
       need(
         0 < self.num_experts_per_tok <= self.num_experts,
@@ -597,6 +585,30 @@ class ModelConfig:
     """Deprecated: `jaxspec.io.architectures.config_to_hf(config)`."""
     _deprecated("ModelConfig.to_hf", "jaxspec.io.architectures.config_to_hf")
     return _HF_MAPPING["to_hf"](self)
+
+
+_OPTION_NAMES = frozenset(option_names())
+
+
+def _accept_option_fields(init: Callable[..., None]) -> Callable[..., None]:
+  """ModelConfig's generated __init__, still accepting the run options as fields (deprecated):
+  `ModelConfig(..., attention_impl="xla")` goes into `options`, after a DeprecationWarning."""
+
+  @functools.wraps(init)
+  def __init__(self, *args: Any, **kwargs: Any) -> None:
+    moved = {k: kwargs.pop(k) for k in _OPTION_NAMES if k in kwargs}
+    if moved:
+      try:
+        kwargs["options"] = _options_with(kwargs.get("options", RunOptions()), moved, "ModelConfig")
+      except ConfigError as e:
+        arch = kwargs.get("architecture", args[0] if args else "ModelConfig")
+        raise ConfigError(f"{arch}: {e}") from None
+    init(self, *args, **kwargs)
+
+  return __init__
+
+
+ModelConfig.__init__ = _accept_option_fields(ModelConfig.__init__)
 
 
 @dataclasses.dataclass(frozen=True)

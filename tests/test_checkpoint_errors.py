@@ -252,11 +252,52 @@ BASE = dict(
     ("tie_word_embeddings", 1, "tie_word_embeddings must be True or False, got 1"),
     ("pad_token_id", 1.0, "pad_token_id must be an integer or None, got 1.0"),
     ("eos_token_ids", (1, "2"), "eos_token_ids must be a tuple of integers"),
-    ("param_dtype", "int8", "unsupported param_dtype 'int8'"),
   ],
 )
 def test_model_config_checks_every_numeric_field(field, value, fragment):
   _raises(jaxspec.ConfigError, fragment, jaxspec.ModelConfig, **{**BASE, field: value})
+
+
+@pytest.mark.parametrize(
+  "field, value, fragment",
+  [
+    ("param_dtype", "int8", "unsupported param_dtype 'int8'"),
+    ("attention_chunk", 0, "attention_chunk must be positive, got 0"),
+    ("linear_snapshots", 2.0, "linear_snapshots must be an integer, got 2.0"),
+    ("scan_layers", 1, "scan_layers must be True or False, got 1"),
+    ("moe_backend", "fast", "unknown moe_backend 'fast'"),
+    ("ep_capacity_factor", math.inf, "ep_capacity_factor must be a finite number >= 0"),
+    ("gmm_impl", "cuda", "unknown gmm_impl 'cuda'"),
+  ],
+)
+def test_run_options_check_every_field(field, value, fragment):
+  _raises(jaxspec.ConfigError, fragment, jaxspec.RunOptions, **{field: value})
+  _raises(jaxspec.ConfigError, fragment, jaxspec.RunOptions().replace, **{field: value})
+
+
+def test_run_options_given_as_config_fields_are_deprecated_but_work():
+  with pytest.warns(DeprecationWarning, match=r"ModelConfig\(attention_impl=..., scan_layers"):
+    config = jaxspec.ModelConfig(**BASE, attention_impl="xla", scan_layers=False)
+  assert config.options == jaxspec.RunOptions(attention_impl="xla", scan_layers=False)
+  assert config == jaxspec.ModelConfig(**BASE, options=config.options)
+  with pytest.warns(DeprecationWarning, match=r"ModelConfig.replace\(moe_backend=...\)"):
+    replaced = config.replace(moe_backend="dense", num_layers=2)
+  assert replaced.options.moe_backend == "dense" and replaced.num_layers == 2
+  assert replaced.options.attention_impl == "xla"  # the other options kept
+  with pytest.warns(DeprecationWarning, match=r"read config.options.linear_chunk"):
+    assert config.linear_chunk == 64
+  with pytest.warns(DeprecationWarning):  # still checked, and named after the architecture
+    _raises(
+      jaxspec.ConfigError,
+      "Qwen3ForCausalLM: unknown attention_impl 'cuda'",
+      jaxspec.ModelConfig,
+      **BASE,
+      attention_impl="cuda",
+    )
+  # The new way: no warning; dtypes stay readable on the config, as drafter configs have them.
+  config = jaxspec.ModelConfig(**BASE).with_options(attention_impl="xla", dtype="bfloat16")
+  assert config.options.attention_impl == "xla" and config.dtype == "bfloat16"
+  assert hash(config) != hash(config.with_options(attention_chunk=8))  # a different program
 
 
 def test_replace_checks_types_and_names():
@@ -522,7 +563,7 @@ def test_weight_overflowing_param_dtype_is_named(saved, tmp_path):
     f"tensor {name} in {os.path.join(model_dir, TENSORS)} overflows param_dtype float16",
     jaxspec.load_model,
     model_dir,
-    param_dtype="float16",
+    options=jaxspec.RunOptions(param_dtype="float16"),
   )
 
 

@@ -120,7 +120,7 @@ def test_cached_blocks_equal_the_full_forward(saved):
   skip whole chunks below their window and mask inside the first one they read."""
   _, float_dir, mx_dir = saved
   for path in (float_dir, mx_dir):
-    model = jaxspec.load_model(path, attention_chunk=2)
+    model = jaxspec.load_model(path, options=jaxspec.RunOptions(attention_chunk=2))
     b, t = 2, 14
     ids = _ids(model, (b, t), seed=3)
     full = np.asarray(model.logits(ids))
@@ -192,7 +192,7 @@ def test_bad_gpt_oss_configs_are_refused(saved):
   # A null window means no window at all (transformers' reading).
   assert config_from_hf({**hf, "sliding_window": None}).layer_windows == (0, 0, 0)
   with pytest.raises(ConfigError, match="Pallas"):
-    config_from_hf(hf, attention_impl="pallas")
+    config_from_hf(hf, options=jaxspec.RunOptions(attention_impl="pallas"))
   qwen = hf_models.CONFIGS["qwen3_gqa_bias_headdim"][2]
   qwen_hf = {**qwen, "architectures": ["Qwen3ForCausalLM"]}
   with pytest.raises(ConfigError, match="gpt-oss"):
@@ -206,8 +206,10 @@ def test_mxfp4_experts_through_the_pallas_grouped_matmul(saved):
   kernel (interpret mode on CPU): the model's logits equal those of the XLA path (dequantize,
   then ragged_dot), and the kernel really is in the program."""
   _, _, mx_dir = saved
-  xla = jaxspec.load_model(mx_dir, moe_backend="ragged", gmm_impl="xla")
-  pallas = jaxspec.load_model(mx_dir, moe_backend="ragged", gmm_impl="pallas")
+  xla = jaxspec.load_model(mx_dir, options=jaxspec.RunOptions(moe_backend="ragged", gmm_impl="xla"))
+  pallas = jaxspec.load_model(
+    mx_dir, options=jaxspec.RunOptions(moe_backend="ragged", gmm_impl="pallas")
+  )
   ids = _ids(xla, (2, 7), seed=5)
   ref = np.asarray(xla.logits(ids))
   near_ties.assert_logits_match(xla, ids, np.asarray(pallas.logits(ids)), ref, atol=1e-5)

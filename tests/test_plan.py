@@ -23,7 +23,6 @@ from jaxspec.errors import ConfigError
 from jaxspec.plan import arch, scale
 from jaxspec.speculative.memory import tree_bytes
 from jaxspec.quant.formats import QTensor
-from jaxspec.io.architectures import config_from_hf, config_to_hf
 from tests import virtual_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,6 +174,7 @@ SCRIPT = textwrap.dedent(r"""
     from jax.sharding import PartitionSpec as P
     import jaxspec as js
     from jaxspec import sharding as sh
+    from jaxspec.io.architectures import config_from_hf, config_to_hf
     from jaxspec.models import target as target_lib
     from jaxspec.plan import arch, scale
     from jaxspec.quant.formats import QTensor, stored_axes
@@ -202,7 +202,7 @@ SCRIPT = textwrap.dedent(r"""
     report = {}
     models = {"bundled": js.load_model("jaxspec/assets/target", scan_layers=False)}
     # Random values without compiling the initialiser (seconds on a busy CPU).
-    cfg = config_from_hf(hf_small, scan_layers=False)
+    cfg = config_from_hf(hf_small).with_options(scan_layers=False)
     rng = np.random.default_rng(1)
     models["random"] = target_lib.TargetModel(cfg, jax.tree_util.tree_map(
         lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype),

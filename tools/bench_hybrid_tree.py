@@ -37,7 +37,7 @@ def _random_mask(rng, t: int) -> np.ndarray:
 
 
 def main() -> None:
-  config = config_from_hf({**HYBRID, "vocab_size": 64}).replace(linear_snapshots=32)
+  config = config_from_hf({**HYBRID, "vocab_size": 64}).with_options(linear_snapshots=32)
   params = random_params(target_lib.param_shapes(config), 0, 4.0)
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(0, 64, (1, 12)), jnp.int32)

@@ -47,6 +47,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxspec.config import ConfigError, ModelConfig
+from jaxspec.options import RunOptions
 from jaxspec.drafters.base import (
   CommitContext,
   Drafter,
@@ -181,8 +182,7 @@ class DFlashConfig:
       attention_bias=self.attention_bias,
       attention_out_bias=self.attention_bias,
       qk_norm=True,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
+      options=RunOptions(dtype=self.dtype, param_dtype=self.param_dtype),
     )
 
   def replace(self, **changes: Any) -> "DFlashConfig":

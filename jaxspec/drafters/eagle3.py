@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxspec.config import ConfigError, ModelConfig
+from jaxspec.options import RunOptions
 from jaxspec.drafters.base import (
   CommitContext,
   Drafter,
@@ -149,8 +150,7 @@ class Eagle3Config:
       rms_norm_eps=self.rms_norm_eps,
       rope_theta=self.rope_theta,
       qk_norm=False,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
+      options=RunOptions(dtype=self.dtype, param_dtype=self.param_dtype),
     )
 
   def replace(self, **changes: Any) -> "Eagle3Config":

@@ -171,7 +171,7 @@ def layer_windows(config: ModelConfig, first: int, n: int) -> jax.Array | None:
 
 
 def _stack(config: ModelConfig, moe: bool, length: int, name: str, linear: bool) -> nn.Module:
-  if not config.scan_layers:
+  if not config.options.scan_layers:
     return LayerRun(config, moe, length, linear, name=name)
   scanned = nn.scan(
     DecoderLayer,
@@ -305,7 +305,7 @@ class Decoder(nn.Module):
     for i, (stack, (first, n, _)) in enumerate(zip(self.stacks, self.config.segments())):
       kv = None if state is None else state.segments[i]
       if kv is not None and self.config.is_linear(first) and valid is None:
-        if t <= self.config.linear_snapshots:  # keep every position's state until commit
+        if t <= self.config.options.linear_snapshots:  # keep every position's state until commit
           kv = kv.with_pending(start, t)
       (h, kv, _), hs = stack(
         (h, kv, jnp.int32(0)),

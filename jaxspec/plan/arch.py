@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec
 
 from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxspec.io.architectures import HFConfigReader, config_from_hf
+from jaxspec.options import RunOptions
 from jaxspec.errors import ConfigError
 from jaxspec.state import KV_FORMATS, DecodingState, logical_axes
 
@@ -146,7 +147,7 @@ def model_spec(
     raise ConfigError(f"jaxspec cannot build {arch}; count it with source='formula'")
   dims = _dims(hf, arch)
   if buildable and source != "formula":
-    config = config_from_hf(hf, dtype=param_dtype, param_dtype=param_dtype)
+    config = config_from_hf(hf, options=RunOptions(dtype=param_dtype, param_dtype=param_dtype))
     return ModelSpec(name or arch, arch, "traced", traced_weights(config), dims, config, hf)
   return ModelSpec(name or arch, arch, "formula", formula_weights(hf, param_dtype), dims, None, hf)
 

@@ -678,8 +678,8 @@ class SpecEngine:
       # engine's block (γ + 1, or the tree's budget + 1). The snapshots are sized by the block
       # itself, so only the threshold changes.
       width = self.gamma + 1 if self.tree is None else self.tree.budget + 1
-      if width > target.config.linear_snapshots:
-        self.target = self.target.with_config(linear_snapshots=width)
+      if width > target.config.options.linear_snapshots:
+        self.target = self.target.with_options(linear_snapshots=width)
         target = self.target
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = memory.engine_plan(

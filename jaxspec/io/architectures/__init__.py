@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from jaxspec import config as config_lib
 from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxspec.errors import ConfigError, show
+from jaxspec.options import option_names
 from jaxspec.io.architectures import glm4_moe, gpt_oss, qwen3, qwen3_next
 from jaxspec.io.architectures.base import Architecture, read_shared, write_shared
 from jaxspec.io.architectures.reader import HFConfigReader
@@ -68,8 +69,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
   num_hidden_layers, num_attention_heads and intermediate_size are required, the rest default
   as in transformers when absent or null. RoPE is the default, linear or YaRN type
   (`ROPE_TYPES`), stated consistently wherever the config states it (`HFConfigReader.rope`,
-  `rope_scaling`). `overrides` are ModelConfig fields applied last; the result is validated as a
-  whole.
+  `rope_scaling`). `overrides` are ModelConfig fields applied last (`options=RunOptions(...)`
+  for how to run it); the result is validated as a whole.
   """
   if not isinstance(hf, Mapping):
     raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
@@ -81,7 +82,9 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
       f"of {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
   arch = ARCHITECTURES[archs[0]]
-  unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+  # (run options given as fields are still accepted, with ModelConfig's DeprecationWarning)
+  known = {f.name for f in dataclasses.fields(ModelConfig)} | set(option_names())
+  unknown = sorted(set(overrides) - known)
   if unknown:
     raise ConfigError(
       f"{arch.name}: unknown ModelConfig field(s) {', '.join(unknown)} in overrides"

@@ -128,8 +128,9 @@ def write_shared(config: ModelConfig, arch: Architecture) -> dict[str, Any]:
     },
     rope_theta=c.rope_theta,
     partial_rotary_factor=c.partial_rotary_factor,
-    # The dtype the weights are kept in: what transformers loads them as.
-    torch_dtype=c.param_dtype,
+    # The dtype the weights are kept in (a run option, written so that transformers loads them
+    # as such; reading config.json never sets it).
+    torch_dtype=c.options.param_dtype,
     model_type=arch.model_type,
   )
   if not arch.dense_width:
