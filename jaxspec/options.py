@@ -56,7 +56,8 @@ class RunOptions:
   # depth; training's layout), or unrolled over per-layer parameter buffers (False: decoding's
   # layout, since a scanned layer's weights are sliced out of the stack, a copy on backends
   # that cannot feed a matmul from a slice; see docs/benchmarks.md). Convert with
-  # `TargetModel.with_scan_layers`.
+  # `TargetModel.with_scan_layers`; engines decode per layer whatever this says
+  # (`TargetModel.for_decoding`).
   scan_layers: bool = True
   # Numerics: dtype of activations/matmuls; parameters are stored in `param_dtype`.
   dtype: str = "float32"

@@ -75,7 +75,7 @@ def test_mtp_layers_round_trip_in_deepseek_layout(tmp_path):
     "mlp.gate.e_score_correction_bias",
   ):
     assert f"model.layers.2.{suffix}" in names, suffix
-  loaded = jaxspec.load_model(str(tmp_path))
+  loaded = jaxspec.load_model(str(tmp_path), scan_layers=True)  # stacked, as `model`
   assert loaded.config.num_mtp_layers == 1
   same = [
     np.array_equal(a, b)
@@ -211,7 +211,7 @@ def test_convert_script_round_trip(tmp_path):
   jaxspec.save_hf(model, str(tmp_path / "hf"))
   convert(str(tmp_path / "hf"), str(tmp_path / "orbax"), "orbax")
   convert(str(tmp_path / "orbax"), str(tmp_path / "hf2"), "hf")
-  back = jaxspec.load_model(str(tmp_path / "hf2"))
+  back = jaxspec.load_model(str(tmp_path / "hf2"), scan_layers=True)  # stacked, as `model`
   for a, b in zip(_leaves(model.params), _leaves(back.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -61,7 +61,7 @@ def _ids(model, shape=(2, 13), seed=0) -> np.ndarray:
 
 def test_config_reads_the_layer_pattern_and_round_trips(saved):
   _, float_dir, _ = saved
-  model = jaxspec.load_model(float_dir)
+  model = jaxspec.load_model(float_dir, scan_layers=True)  # config_from_hf's default options
   c = model.config
   assert c.layer_windows == (4, 0, 4)
   assert c.attention_sinks and c.expert_bias and c.fused_gate_up and c.router == "topk_softmax"
@@ -81,7 +81,7 @@ def test_mxfp4_checkpoint_is_gpt_oss_layout_and_matches_transformers(saved):
   assert "model.layers.1.mlp.experts.gate_up_proj" not in names  # no float copy
   assert blocks.dtype == np.uint8 and blocks.shape == (4, 64, 1, 16)  # [E, 2I, H/32, 16]
 
-  ours = jaxspec.load_model(mx_dir)
+  ours = jaxspec.load_model(mx_dir, scan_layers=True)  # stacked layers
   experts = ours.params["layers_0"]["mlp"]["gate_up_proj"]
   assert isinstance(experts, QTensor) and experts.format == "mxfp4"  # kept packed in memory
   assert experts.shape == (3, 4, 32, 64)  # [layers, E, H, 2I]
@@ -94,13 +94,13 @@ def test_mxfp4_checkpoint_is_gpt_oss_layout_and_matches_transformers(saved):
   # The quantization is real: the float model's logits are elsewhere.
   assert np.abs(logits - hf_models.hf_logits(hf_float, ids)).max() > 1e-2
   # Saving the loaded model again writes the same bytes.
-  again = jaxspec.load_model(mx_dir)
+  again = jaxspec.load_model(mx_dir, scan_layers=True)  # the layout of `ours`
   np.testing.assert_array_equal(np.asarray(again.logits(ids)), logits)
 
 
 def test_window_and_sinks_are_what_the_logits_depend_on(saved):
   hf_float, float_dir, _ = saved
-  model = jaxspec.load_model(float_dir)
+  model = jaxspec.load_model(float_dir, scan_layers=True)  # stacked layers
   ids = _ids(model)
   ref = hf_models.hf_logits(hf_float, ids)
   full = np.asarray(model.with_config(layer_windows=(0, 0, 0)).logits(ids))

@@ -70,8 +70,12 @@ def test_load_model_in_either_layout_and_files_are_the_same_either_way(scanned, 
   jaxspec.save_hf(scanned, str(tmp_path / "scanned"))
   unrolled = jaxspec.load_model(str(tmp_path / "scanned"), scan_layers=False)
   assert not unrolled.config.options.scan_layers
-  stacked = jaxspec.load_model(str(tmp_path / "scanned"))  # training's layout by default
+  stacked = jaxspec.load_model(str(tmp_path / "scanned"), scan_layers=True)  # training's
   assert stacked.config.options.scan_layers and _equal_trees(stacked.params, scanned.params)
+  # Decoding's layout unless asked, whatever the options say.
+  default = jaxspec.load_model(str(tmp_path / "scanned"), options=jaxspec.RunOptions())
+  assert not default.config.options.scan_layers
+  assert _equal_trees(default.params, unrolled.params)
   assert _equal_trees(unrolled.with_scan_layers(True).params, scanned.params)
   # Saving from the unrolled layout writes the same tensors.
   jaxspec.save_hf(unrolled, str(tmp_path / "unrolled"))
@@ -109,3 +113,13 @@ def test_the_unrolled_decode_reads_weights_in_place():
   assert _weight_slices(scanned), "the scanned program no longer slices weights: test is stale"
   assert _weight_slices(scanned.with_scan_layers(False)) == []
 
+
+def test_decoding_never_runs_on_the_scanned_layout(scanned):
+  """`for_decoding` (what engines call on their target): the per-layer layout, re-laid out
+  from the scanned one with a warning, or the model itself when already per layer."""
+  with pytest.warns(UserWarning, match="re-lays the scanned"):
+    unrolled = scanned.for_decoding()
+  assert not unrolled.config.options.scan_layers
+  assert _equal_trees(unrolled.params, scanned.with_scan_layers(False).params)
+  assert unrolled.for_decoding() is unrolled
+  assert unrolled.with_options(scan_layers=True).config == scanned.config

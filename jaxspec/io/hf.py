@@ -610,17 +610,21 @@ def _without_absent_mtp_layers(
 
 def load_model(
   model_dir: str,
-  scan_layers: bool | None = True,
+  scan_layers: bool = False,
   options: RunOptions | None = None,
   **config_overrides: Any,
 ) -> target_lib.TargetModel:
   """Loads config.json, the safetensors weights and tokenizer.json (when present).
 
-  `options` say how to run the model (kernels, chunks, dtypes: `RunOptions`); `scan_layers`,
-  when not None, sets their layout: True stacks each layer run's weights for `nn.scan`
-  (compile time flat in depth; training's layout), False keeps one buffer per layer, read in
-  place instead of copied out of the stack every step (about 3× faster per token on XLA:CPU;
-  see RunOptions.scan_layers). `config_overrides` are ModelConfig (architecture) fields.
+  The layout is decoding's unless asked: by default (`scan_layers=False`) each layer keeps its
+  own weight buffers, read in place instead of copied out of a stack every step (a 2-3x
+  faster decode: 31% of the matvec bandwidth scanned against ~70% unrolled on a 1.5 GB dense
+  model; see RunOptions.scan_layers). Training asks for `scan_layers=True`: each layer run's
+  weights stacked for `nn.scan` (compile time flat in depth). `scan_layers` sets the layout
+  whatever `options.scan_layers` says.
+
+  `options` say how to run the model (kernels, chunks, dtypes: `RunOptions`);
+  `config_overrides` are ModelConfig (architecture) fields.
 
   MTP layers that config.json declares but the checkpoint holds none of (what transformers'
   `save_pretrained` writes) are dropped with a warning: `config.num_mtp_layers` is then 0 and
@@ -632,8 +636,7 @@ def load_model(
   if options is not None:
     config_overrides["options"] = options
   config, hf_config = load_config(model_dir, **config_overrides)
-  if scan_layers is not None:
-    config = config.with_options(scan_layers=scan_layers)
+  config = config.with_options(scan_layers=scan_layers)
   if config.num_mtp_layers and "num_mtp_layers" not in config_overrides:
     config, hf_config = _without_absent_mtp_layers(model_dir, config, hf_config)
   fewer_layers = bool({"num_layers", "num_mtp_layers"} & set(config_overrides))
