@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.models import gated_deltanet as gdn
 from pallas_kernels.gated_delta import reference

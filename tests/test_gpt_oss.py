@@ -25,7 +25,6 @@ import transformers
 from safetensors import safe_open
 
 import jaxspec
-from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.quant.formats import QTensor

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine

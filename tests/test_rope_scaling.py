@@ -9,7 +9,6 @@ import torch
 import transformers
 
 import jaxspec
-from jaxspec.config import ModelConfig
 from jaxspec.models import layers
 from jaxspec.io.architectures import config_from_hf
 from tests import hf_models, near_ties

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from bench_gated_deltanet import _min_ms  # pylint: disable=import-error
 
-import jaxspec
 from jaxspec.models import gated_deltanet as gdn
 from jaxspec.models import target as target_lib
 from jaxspec.state import DecodingState
