@@ -53,8 +53,10 @@ def _special(model: ml_collections.ConfigDict) -> None:
   model.vocab_size = 8192
   model.eos_token_ids = (0,)
   model.pad_token_id = 1
-  model.dtype = "float32"
-  model.param_dtype = "float32"
+  # How to run it (jaxspec.RunOptions): training's scanned layout, float32 throughout.
+  model.options = ml_collections.ConfigDict(
+    {"dtype": "float32", "param_dtype": "float32", "scan_layers": True}
+  )
 
 
 def target_model() -> ml_collections.ConfigDict:
@@ -84,7 +86,7 @@ def target_model() -> ml_collections.ConfigDict:
   m.max_position_embeddings = 4096
   # On CPU the dense oracle (all experts, masked combine) trains faster than ragged_dot here;
   # the numbers are identical. Inference loads use the library default.
-  m.moe_backend = "dense"
+  m.options.moe_backend = "dense"
   return m
 
 
@@ -123,7 +125,7 @@ def hybrid_model() -> ml_collections.ConfigDict:
   m.num_mtp_layers = 1
   m.tie_word_embeddings = True
   m.max_position_embeddings = 4096
-  m.moe_backend = "dense"
+  m.options.moe_backend = "dense"
   return m
 
 

@@ -13,6 +13,7 @@ from jaxspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.drafters.registry import load_drafter, make_drafter, save_drafter
 from jaxspec.config import MeshConfig, ModelConfig
+from jaxspec.options import RunOptions
 from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecError
 from jaxspec.io.hf import load_model, save_hf
 from jaxspec.models.target import TargetModel
@@ -40,6 +41,7 @@ __all__ = [
   "ModelConfig",
   "NgramDrafter",
   "Request",
+  "RunOptions",
   "SpecEngine",
   "TargetModel",
   "load_drafter",

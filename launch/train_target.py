@@ -58,7 +58,7 @@ def export(model_config, params, tokenizer, out_dir: str, dtype: str = "float32"
   # Inference uses the library's default expert backend. Weights may be stored in bfloat16
   # (half the bytes) while config.json keeps float32 as the compute dtype: jaxspec and
   # transformers both upcast on load and compute in float32 on the same rounded weights.
-  cfg = model_config.replace(moe_backend="ragged")
+  cfg = model_config.with_options(moe_backend="ragged")
   params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
   hf.save_hf(TargetModel(cfg, params, None), out_dir)
   tokenizer.save_hf(out_dir)

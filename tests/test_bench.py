@@ -322,7 +322,7 @@ def test_weight_bytes_read_counts_only_routed_experts_and_stored_bytes():
 
   config = roofline.moe_config(
     hidden=512, layers=2, experts=8, experts_per_tok=2, expert_intermediate=64, vocab=512
-  ).replace(scan_layers=False, num_mtp_layers=0)
+  ).replace(num_mtp_layers=0).with_options(scan_layers=False)
   params = target_lib.init_params(config)
   sizes = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -350,7 +350,7 @@ def test_forward_flops_counts_every_product_once_per_token(moe):
     config = roofline.moe_config(experts=e, experts_per_tok=k, expert_intermediate=inter, **kw)
   else:
     config = roofline.dense_config(intermediate=inter, **kw)
-  config = config.replace(scan_layers=False, num_mtp_layers=0)
+  config = config.replace(num_mtp_layers=0).with_options(scan_layers=False)
   params = target_lib.init_params(config)
   attn_proj = h * heads * hd * 2 + h * kv * hd * 2
   mlp = 3 * h * inter * (k if moe else 1) + (h * e if moe else 0)  # + the router

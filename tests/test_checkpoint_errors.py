@@ -22,6 +22,7 @@ import jaxspec
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.io import checkpoint
 from jaxspec.io import hf as hf_io
+from jaxspec.io.architectures import config_from_hf, config_to_hf
 
 from tests import hf_models
 from tests.drafter_models import small_dflash, small_target
@@ -251,11 +252,52 @@ BASE = dict(
     ("tie_word_embeddings", 1, "tie_word_embeddings must be True or False, got 1"),
     ("pad_token_id", 1.0, "pad_token_id must be an integer or None, got 1.0"),
     ("eos_token_ids", (1, "2"), "eos_token_ids must be a tuple of integers"),
-    ("param_dtype", "int8", "unsupported param_dtype 'int8'"),
   ],
 )
 def test_model_config_checks_every_numeric_field(field, value, fragment):
   _raises(jaxspec.ConfigError, fragment, jaxspec.ModelConfig, **{**BASE, field: value})
+
+
+@pytest.mark.parametrize(
+  "field, value, fragment",
+  [
+    ("param_dtype", "int8", "unsupported param_dtype 'int8'"),
+    ("attention_chunk", 0, "attention_chunk must be positive, got 0"),
+    ("linear_snapshots", 2.0, "linear_snapshots must be an integer, got 2.0"),
+    ("scan_layers", 1, "scan_layers must be True or False, got 1"),
+    ("moe_backend", "fast", "unknown moe_backend 'fast'"),
+    ("ep_capacity_factor", math.inf, "ep_capacity_factor must be a finite number >= 0"),
+    ("gmm_impl", "cuda", "unknown gmm_impl 'cuda'"),
+  ],
+)
+def test_run_options_check_every_field(field, value, fragment):
+  _raises(jaxspec.ConfigError, fragment, jaxspec.RunOptions, **{field: value})
+  _raises(jaxspec.ConfigError, fragment, jaxspec.RunOptions().replace, **{field: value})
+
+
+def test_run_options_given_as_config_fields_are_deprecated_but_work():
+  with pytest.warns(DeprecationWarning, match=r"ModelConfig\(attention_impl=..., scan_layers"):
+    config = jaxspec.ModelConfig(**BASE, attention_impl="xla", scan_layers=False)
+  assert config.options == jaxspec.RunOptions(attention_impl="xla", scan_layers=False)
+  assert config == jaxspec.ModelConfig(**BASE, options=config.options)
+  with pytest.warns(DeprecationWarning, match=r"ModelConfig.replace\(moe_backend=...\)"):
+    replaced = config.replace(moe_backend="dense", num_layers=2)
+  assert replaced.options.moe_backend == "dense" and replaced.num_layers == 2
+  assert replaced.options.attention_impl == "xla"  # the other options kept
+  with pytest.warns(DeprecationWarning, match=r"read config.options.linear_chunk"):
+    assert config.linear_chunk == 64
+  with pytest.warns(DeprecationWarning):  # still checked, and named after the architecture
+    _raises(
+      jaxspec.ConfigError,
+      "Qwen3ForCausalLM: unknown attention_impl 'cuda'",
+      jaxspec.ModelConfig,
+      **BASE,
+      attention_impl="cuda",
+    )
+  # The new way: no warning; dtypes stay readable on the config, as drafter configs have them.
+  config = jaxspec.ModelConfig(**BASE).with_options(attention_impl="xla", dtype="bfloat16")
+  assert config.options.attention_impl == "xla" and config.dtype == "bfloat16"
+  assert hash(config) != hash(config.with_options(attention_chunk=8))  # a different program
 
 
 def test_replace_checks_types_and_names():
@@ -276,41 +318,60 @@ def _hf_dict(name: str) -> dict:
 
 def test_from_hf_accepts_transformers_dicts_and_refuses_hidden_rope_settings():
   glm = _hf_dict("glm4moe_grouped_shared_partial")
-  config = jaxspec.ModelConfig.from_hf(glm)
+  config = config_from_hf(glm)
   assert config.partial_rotary_factor == 0.5 and config.rope_theta == 10000.0
-  assert jaxspec.ModelConfig.from_hf(config.to_hf()) == config
+  assert config_from_hf(config_to_hf(config)) == config
   # The headline case: yarn in the legacy key, which transformers prefers, next to a default
   # rope_parameters that used to hide it: now read (and refused when incomplete).
   yarn = dict(glm, rope_scaling={"rope_type": "yarn", "factor": 4.0})
   _raises(
     jaxspec.ConfigError,
     "yarn RoPE scaling needs original_max_position_embeddings",
-    jaxspec.ModelConfig.from_hf,
+    config_from_hf,
     yarn,
   )
   yarn["rope_scaling"]["original_max_position_embeddings"] = 64
-  assert dict(jaxspec.ModelConfig.from_hf(yarn).rope_scaling)["factor"] == 4.0
+  assert dict(config_from_hf(yarn).rope_scaling)["factor"] == 4.0
   # GLM rotates part of each head: the factor given twice must agree.
   partial = dict(glm, partial_rotary_factor=0.25)
   _raises(
     jaxspec.ConfigError,
     "conflicting partial_rotary_factor: rope_parameters.partial_rotary_factor=0.5, "
     "partial_rotary_factor=0.25",
-    jaxspec.ModelConfig.from_hf,
+    config_from_hf,
     partial,
   )
   # Qwen3 rotates whole heads and never reads the factor, so a stray one is not a conflict.
   qwen = _hf_dict("qwen3_gqa_bias_headdim")
-  assert jaxspec.ModelConfig.from_hf(dict(qwen, partial_rotary_factor=0.25)).rotary_dim == 16
+  assert config_from_hf(dict(qwen, partial_rotary_factor=0.25)).rotary_dim == 16
   _raises(
     jaxspec.ConfigError,
     "decoder_sparse_step must be positive, got 0",
-    jaxspec.ModelConfig.from_hf,
+    config_from_hf,
     dict(_hf_dict("qwen3moe_norm_mlponly"), decoder_sparse_step=0),
   )
-  _raises(
-    jaxspec.ConfigError, "must hold a JSON object, got list", jaxspec.ModelConfig.from_hf, [glm]
-  )
+  _raises(jaxspec.ConfigError, "must hold a JSON object, got list", config_from_hf, [glm])
+
+
+def test_every_built_architecture_has_one_mapping_module():
+  from jaxspec.config import SUPPORTED_ARCHITECTURES  # pylint: disable=import-outside-toplevel
+  from jaxspec.io import architectures  # pylint: disable=import-outside-toplevel
+
+  assert set(architectures.ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
+  for name in hf_models.CONFIGS:
+    hf = _hf_dict(name)
+    config = config_from_hf(hf)
+    assert architectures.ARCHITECTURES[config.architecture].name == hf["architectures"][0]
+    assert config_from_hf(config_to_hf(config)) == config
+
+
+def test_model_config_from_hf_and_to_hf_are_deprecated_but_work():
+  hf = _hf_dict("glm4moe_grouped_shared_partial")
+  with pytest.warns(DeprecationWarning, match="use jaxspec.io.architectures.config_from_hf"):
+    config = jaxspec.ModelConfig.from_hf(hf, num_layers=3)
+  assert config == config_from_hf(hf, num_layers=3)
+  with pytest.warns(DeprecationWarning, match="use jaxspec.io.architectures.config_to_hf"):
+    assert config.to_hf() == config_to_hf(config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -502,7 +563,7 @@ def test_weight_overflowing_param_dtype_is_named(saved, tmp_path):
     f"tensor {name} in {os.path.join(model_dir, TENSORS)} overflows param_dtype float16",
     jaxspec.load_model,
     model_dir,
-    param_dtype="float16",
+    options=jaxspec.RunOptions(param_dtype="float16"),
   )
 
 

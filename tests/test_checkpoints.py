@@ -14,6 +14,7 @@ import jaxspec
 from jaxspec.config import ModelConfig
 from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
+from jaxspec.io.architectures import config_from_hf, config_to_hf
 
 from tests import hf_models, near_ties
 
@@ -74,7 +75,7 @@ def test_mtp_layers_round_trip_in_deepseek_layout(tmp_path):
     "mlp.gate.e_score_correction_bias",
   ):
     assert f"model.layers.2.{suffix}" in names, suffix
-  loaded = jaxspec.load_model(str(tmp_path))
+  loaded = jaxspec.load_model(str(tmp_path), scan_layers=True)  # stacked, as `model`
   assert loaded.config.num_mtp_layers == 1
   same = [
     np.array_equal(a, b)
@@ -210,7 +211,7 @@ def test_convert_script_round_trip(tmp_path):
   jaxspec.save_hf(model, str(tmp_path / "hf"))
   convert(str(tmp_path / "hf"), str(tmp_path / "orbax"), "orbax")
   convert(str(tmp_path / "orbax"), str(tmp_path / "hf2"), "hf")
-  back = jaxspec.load_model(str(tmp_path / "hf2"))
+  back = jaxspec.load_model(str(tmp_path / "hf2"), scan_layers=True)  # stacked, as `model`
   for a, b in zip(_leaves(model.params), _leaves(back.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -286,7 +287,7 @@ def test_replace_num_layers_rederives_glm_dense_first_layout():
   deep = base.replace(num_layers=6)
   assert deep.layer_is_moe == (False, False, True, True, True, True)
   assert deep.segments() == ((0, 2, False), (2, 4, True))
-  assert deep.to_hf()["first_k_dense_replace"] == 2
+  assert config_to_hf(deep)["first_k_dense_replace"] == 2
   dense_only = base.replace(num_layers=1)
   assert dense_only.segments() == ((0, 1, False),)
   # The rule survives a depth with no MoE layer: GLM keeps first_k_dense_replace layers dense.
@@ -320,14 +321,14 @@ def test_replace_num_layers_follows_qwen3moe_sparse_step(name, grown):
   config_cls, _, kwargs = hf_models.CONFIGS[name]
   hf = getattr(transformers, config_cls)(**kwargs).to_dict()
   hf["architectures"] = ["Qwen3MoeForCausalLM"]
-  config = ModelConfig.from_hf(hf)
-  assert ModelConfig.from_hf(config.to_hf()) == config
+  config = config_from_hf(hf)
+  assert config_from_hf(config_to_hf(config)) == config
   n = config.num_layers
   assert config.layer_is_moe == grown[:n]
   assert config.replace(num_layers=6).layer_is_moe == grown
   assert config.replace(num_layers=2).layer_is_moe == grown[:2]
   assert config.replace(num_layers=6).replace(num_layers=n) == config
   wide = config.replace(num_layers=6)
-  assert ModelConfig.from_hf(wide.to_hf()) == wide
+  assert config_from_hf(config_to_hf(wide)) == wide
   model = target_lib.TargetModel.random(wide, seed=0)
   assert np.isfinite(np.asarray(model.logits([[1, 2, 3]]))).all()

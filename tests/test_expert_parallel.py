@@ -153,10 +153,10 @@ SCRIPT = textwrap.dedent(r"""
           return list(leaf.addressable_shards[0].data.shape)
     for label, m, backends in (("float", model, ("auto", "ep_replicate", "ep_all_to_all")),
                                ("mxfp4", jaxspec.quantize(model), ("auto",))):
-      one = np.asarray(m.with_config(moe_backend="dense").logits(tokens))
+      one = np.asarray(m.with_options(moe_backend="dense").logits(tokens))
       params = sh.shard_tree(m.params, target_lib.params_logical_axes(cfg, m.params), mesh)
       for backend in backends:
-        fwd = jax.jit(functools.partial(target_lib.forward, cfg.replace(moe_backend=backend)))
+        fwd = jax.jit(functools.partial(target_lib.forward, cfg.with_options(moe_backend=backend)))
         with sh.use_mesh(mesh):
           out = np.asarray(fwd(params, tokens).logits)
           hlo = fwd.lower(params, tokens).as_text()

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.models import gated_deltanet as gdn
 from pallas_kernels.gated_delta import reference
 from jaxspec.models import target as target_lib
+from jaxspec.io.architectures import config_from_hf
+from jaxspec.options import RunOptions
 from pallas_kernels.gated_delta import gated_delta_pallas, gated_delta_rule
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -99,7 +100,7 @@ def test_dispatcher_and_errors():
   with pytest.raises(ValueError, match="block_v"):
     gated_delta_pallas(q, k, v, g, beta, s0, block_v=3, interpret=True)
   with pytest.raises(ConfigError, match="linear_attention_impl"):
-    jaxspec.ModelConfig.from_hf(HYBRID, linear_attention_impl="cuda")
+    config_from_hf(HYBRID, options=RunOptions(linear_attention_impl="cuda"))
 
 
 def test_kernel_lowers_to_triton():
@@ -136,9 +137,9 @@ HYBRID = {
 
 @pytest.fixture(scope="module")
 def hybrid_models():
-  config = jaxspec.ModelConfig.from_hf(HYBRID, linear_chunk=4)
-  xla = target_lib.TargetModel.random(config.replace(linear_attention_impl="xla"), seed=0)
-  return xla, xla.with_config(linear_attention_impl="pallas")
+  config = config_from_hf(HYBRID, options=RunOptions(linear_chunk=4))
+  xla = target_lib.TargetModel.random(config.with_options(linear_attention_impl="xla"), seed=0)
+  return xla, xla.with_options(linear_attention_impl="pallas")
 
 
 @pytest.mark.slow  # ~15 s: model init and two model compiles; the layer test below is cheap
@@ -172,10 +173,10 @@ def test_layer_pallas_equals_xla():
   7 valid tokens long) under both impls: the same output, and "pallas" really runs the kernel.
   A_log is lowered from its init range (decays of e^-1..e^-20 per token, under which the
   in-chunk solve barely matters) to e^-0.05..e^-0.3, so a wrong solve shows."""
-  config = jaxspec.ModelConfig.from_hf(HYBRID, linear_chunk=4)
+  config = config_from_hf(HYBRID, options=RunOptions(linear_chunk=4))
   x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 11, config.hidden_size)), jnp.float32)
   args = (x, None, jnp.int32(0), jnp.zeros(2, jnp.int32), jnp.array([11, 7]))
-  layer = lambda impl: gdn.GatedDeltaNet(config.replace(linear_attention_impl=impl))
+  layer = lambda impl: gdn.GatedDeltaNet(config.with_options(linear_attention_impl=impl))
   params = jax.jit(layer("xla").init)(jax.random.PRNGKey(0), *args)
   a_log = params["params"]["A_log"]
   params["params"]["A_log"] = a_log.replace_boxed(jnp.log(jnp.array([0.05, 0.2], jnp.float32)))

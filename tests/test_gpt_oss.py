@@ -25,11 +25,11 @@ import transformers
 from safetensors import safe_open
 
 import jaxspec
-from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.quant.formats import QTensor
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.io.architectures import config_from_hf, config_to_hf
 
 from tests import drafter_models, engine_models, hf_models, near_ties
 
@@ -60,12 +60,12 @@ def _ids(model, shape=(2, 13), seed=0) -> np.ndarray:
 
 def test_config_reads_the_layer_pattern_and_round_trips(saved):
   _, float_dir, _ = saved
-  model = jaxspec.load_model(float_dir)
+  model = jaxspec.load_model(float_dir, scan_layers=True)  # config_from_hf's default options
   c = model.config
   assert c.layer_windows == (4, 0, 4)
   assert c.attention_sinks and c.expert_bias and c.fused_gate_up and c.router == "topk_softmax"
   assert dict(c.rope_scaling)["rope_type"] == "yarn"
-  assert ModelConfig.from_hf(c.to_hf()) == c
+  assert config_from_hf(config_to_hf(c)) == c
   # Growing the model keeps gpt-oss's alternation.
   assert c.replace(num_layers=6).layer_windows == (4, 0, 4, 0, 4, 0)
 
@@ -80,7 +80,7 @@ def test_mxfp4_checkpoint_is_gpt_oss_layout_and_matches_transformers(saved):
   assert "model.layers.1.mlp.experts.gate_up_proj" not in names  # no float copy
   assert blocks.dtype == np.uint8 and blocks.shape == (4, 64, 1, 16)  # [E, 2I, H/32, 16]
 
-  ours = jaxspec.load_model(mx_dir)
+  ours = jaxspec.load_model(mx_dir, scan_layers=True)  # stacked layers
   experts = ours.params["layers_0"]["mlp"]["gate_up_proj"]
   assert isinstance(experts, QTensor) and experts.format == "mxfp4"  # kept packed in memory
   assert experts.shape == (3, 4, 32, 64)  # [layers, E, H, 2I]
@@ -93,13 +93,13 @@ def test_mxfp4_checkpoint_is_gpt_oss_layout_and_matches_transformers(saved):
   # The quantization is real: the float model's logits are elsewhere.
   assert np.abs(logits - hf_models.hf_logits(hf_float, ids)).max() > 1e-2
   # Saving the loaded model again writes the same bytes.
-  again = jaxspec.load_model(mx_dir)
+  again = jaxspec.load_model(mx_dir, scan_layers=True)  # the layout of `ours`
   np.testing.assert_array_equal(np.asarray(again.logits(ids)), logits)
 
 
 def test_window_and_sinks_are_what_the_logits_depend_on(saved):
   hf_float, float_dir, _ = saved
-  model = jaxspec.load_model(float_dir)
+  model = jaxspec.load_model(float_dir, scan_layers=True)  # stacked layers
   ids = _ids(model)
   ref = hf_models.hf_logits(hf_float, ids)
   full = np.asarray(model.with_config(layer_windows=(0, 0, 0)).logits(ids))
@@ -119,7 +119,7 @@ def test_cached_blocks_equal_the_full_forward(saved):
   skip whole chunks below their window and mask inside the first one they read."""
   _, float_dir, mx_dir = saved
   for path in (float_dir, mx_dir):
-    model = jaxspec.load_model(path, attention_chunk=2)
+    model = jaxspec.load_model(path, options=jaxspec.RunOptions(attention_chunk=2))
     b, t = 2, 14
     ids = _ids(model, (b, t), seed=3)
     full = np.asarray(model.logits(ids))
@@ -183,21 +183,21 @@ def test_bad_gpt_oss_configs_are_refused(saved):
   with open(os.path.join(float_dir, "config.json")) as f:
     hf = json.load(f)
   with pytest.raises(ConfigError, match="layer_types"):
-    ModelConfig.from_hf({**hf, "layer_types": ["sliding_attention", "chunked", "full_attention"]})
+    config_from_hf({**hf, "layer_types": ["sliding_attention", "chunked", "full_attention"]})
   with pytest.raises(ConfigError, match="layer_types"):
-    ModelConfig.from_hf({**hf, "layer_types": ["full_attention"]})
+    config_from_hf({**hf, "layer_types": ["full_attention"]})
   with pytest.raises(ConfigError, match="sliding_window"):
-    ModelConfig.from_hf({**hf, "sliding_window": 0})
+    config_from_hf({**hf, "sliding_window": 0})
   # A null window means no window at all (transformers' reading).
-  assert ModelConfig.from_hf({**hf, "sliding_window": None}).layer_windows == (0, 0, 0)
+  assert config_from_hf({**hf, "sliding_window": None}).layer_windows == (0, 0, 0)
   with pytest.raises(ConfigError, match="Pallas"):
-    ModelConfig.from_hf(hf, attention_impl="pallas")
+    config_from_hf(hf, options=jaxspec.RunOptions(attention_impl="pallas"))
   qwen = hf_models.CONFIGS["qwen3_gqa_bias_headdim"][2]
   qwen_hf = {**qwen, "architectures": ["Qwen3ForCausalLM"]}
   with pytest.raises(ConfigError, match="gpt-oss"):
-    ModelConfig.from_hf(qwen_hf, attention_sinks=True)
+    config_from_hf(qwen_hf, attention_sinks=True)
   with pytest.raises(ConfigError, match="gpt-oss"):
-    ModelConfig.from_hf(qwen_hf, swiglu_limit=7.0)
+    config_from_hf(qwen_hf, swiglu_limit=7.0)
 
 
 def test_mxfp4_experts_through_the_pallas_grouped_matmul(saved):
@@ -205,8 +205,10 @@ def test_mxfp4_experts_through_the_pallas_grouped_matmul(saved):
   kernel (interpret mode on CPU): the model's logits equal those of the XLA path (dequantize,
   then ragged_dot), and the kernel really is in the program."""
   _, _, mx_dir = saved
-  xla = jaxspec.load_model(mx_dir, moe_backend="ragged", gmm_impl="xla")
-  pallas = jaxspec.load_model(mx_dir, moe_backend="ragged", gmm_impl="pallas")
+  xla = jaxspec.load_model(mx_dir, options=jaxspec.RunOptions(moe_backend="ragged", gmm_impl="xla"))
+  pallas = jaxspec.load_model(
+    mx_dir, options=jaxspec.RunOptions(moe_backend="ragged", gmm_impl="pallas")
+  )
   ids = _ids(xla, (2, 7), seed=5)
   ref = np.asarray(xla.logits(ids))
   near_ties.assert_logits_match(xla, ids, np.asarray(pallas.logits(ids)), ref, atol=1e-5)

@@ -27,6 +27,7 @@ from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import DecodingState, LinearState
+from jaxspec.io.architectures import config_from_hf
 from tests import engine_models, hf_models, near_ties
 
 NAMES = sorted(hf_models.HYBRID_CONFIGS)
@@ -41,7 +42,7 @@ def saved(tmp_path_factory):
 def test_logits_match_transformers(saved, name):
   """Full forward (chunked delta rule in chunks of 8: 19 tokens cross two chunk borders)."""
   hf_model, path = saved[name]
-  model = jaxspec.load_model(path, linear_chunk=8)
+  model = jaxspec.load_model(path, options=jaxspec.RunOptions(linear_chunk=8))
   ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 19))
   ours = np.asarray(model.logits(ids))
   ref = hf_models.hf_logits(hf_model, ids)
@@ -112,7 +113,7 @@ def test_blocks_and_partial_commits_equal_full_forward(saved):
 
 
 def test_linear_state_bytes_do_not_grow_with_context():
-  config = jaxspec.ModelConfig.from_hf(
+  config = config_from_hf(
     {
       "architectures": ["Qwen3_5ForCausalLM"],
       **hf_models.HYBRID_CONFIGS["qwen3_5_dense_3to1_tied"][2],
@@ -196,8 +197,8 @@ def test_chain_speculation_equals_plain(saved):
   near_ties.assert_greedy_match(model, prompts, plain.tokens, spec.tokens)
   hist = np.asarray(spec.stats.summary["accept_hist"]).reshape(-1, 4).sum(0)
   assert all(hist > 0), hist  # 0, 1, 2 and 3 drafts accepted, each at least once
-  narrow = SpecEngine(model.with_config(linear_snapshots=3), drafter, cfg)
-  assert narrow.target.config.linear_snapshots == 4
+  narrow = SpecEngine(model.with_options(linear_snapshots=3), drafter, cfg)
+  assert narrow.target.config.options.linear_snapshots == 4
   np.testing.assert_array_equal(narrow.generate(prompts, max_new_tokens=24).tokens, spec.tokens)
   with pytest.raises(ConfigError, match="draft model with linear-attention"):
     DraftModelDrafter.from_model(model)
@@ -377,7 +378,7 @@ def test_published_vision_language_layout_loads_as_its_text_model(tmp_path):
   )
   hf_model.save_pretrained(str(tmp_path))
   with pytest.warns(UserWarning, match=r"vision-tower tensor\(s\) \(model\.visual\.\*\)"):
-    model = jaxspec.load_model(str(tmp_path), linear_chunk=8)
+    model = jaxspec.load_model(str(tmp_path), options=jaxspec.RunOptions(linear_chunk=8))
   assert model.config.architecture == "Qwen3_5MoeForCausalLM"
   assert not model.config.tie_word_embeddings and model.config.num_layers == 4
   ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (2, 11))

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import DecodingState, LinearState
+from jaxspec.io.architectures import config_from_hf
 from tests import broken_rules, near_ties
 from tests.drafter_models import (
   exact_sequence_probs,
@@ -63,7 +63,7 @@ def _small_hybrid(
   """A small hybrid target with random weights scaled up (sharp logits) and the Gated DeltaNet
   matrices scaled by `mixer` (how much the context, hence the recurrent state, moves the
   logits)."""
-  config = jaxspec.ModelConfig.from_hf({**HYBRID, "vocab_size": vocab, **overrides})
+  config = config_from_hf({**HYBRID, "vocab_size": vocab, **overrides})
   params = random_params(target_lib.param_shapes(config), seed, factor)
 
   def boost(path, x):

@@ -36,7 +36,7 @@ def _equal_trees(a, b) -> bool:
 
 def test_conversion_is_exact_both_ways(scanned):
   unrolled = scanned.with_scan_layers(False)
-  assert not unrolled.config.scan_layers
+  assert not unrolled.config.options.scan_layers
   runs = [k for k in unrolled.params if k.startswith("layers_")]
   assert runs and all(
     set(unrolled.params[k]) == {str(j) for j in range(len(unrolled.params[k]))} for k in runs
@@ -69,9 +69,13 @@ def test_both_layouts_compute_the_same_forward_and_state(scanned):
 def test_load_model_in_either_layout_and_files_are_the_same_either_way(scanned, tmp_path):
   jaxspec.save_hf(scanned, str(tmp_path / "scanned"))
   unrolled = jaxspec.load_model(str(tmp_path / "scanned"), scan_layers=False)
-  assert not unrolled.config.scan_layers
-  stacked = jaxspec.load_model(str(tmp_path / "scanned"))  # training's layout by default
-  assert stacked.config.scan_layers and _equal_trees(stacked.params, scanned.params)
+  assert not unrolled.config.options.scan_layers
+  stacked = jaxspec.load_model(str(tmp_path / "scanned"), scan_layers=True)  # training's
+  assert stacked.config.options.scan_layers and _equal_trees(stacked.params, scanned.params)
+  # Decoding's layout unless asked, whatever the options say.
+  default = jaxspec.load_model(str(tmp_path / "scanned"), options=jaxspec.RunOptions())
+  assert not default.config.options.scan_layers
+  assert _equal_trees(default.params, unrolled.params)
   assert _equal_trees(unrolled.with_scan_layers(True).params, scanned.params)
   # Saving from the unrolled layout writes the same tensors.
   jaxspec.save_hf(unrolled, str(tmp_path / "unrolled"))
@@ -80,9 +84,9 @@ def test_load_model_in_either_layout_and_files_are_the_same_either_way(scanned, 
   # orbax: one stacked layout on disk, restored in the layout asked for.
   checkpoint.save(unrolled, str(tmp_path / "orbax"))
   restored = checkpoint.restore(str(tmp_path / "orbax"), scan_layers=False)
-  assert not restored.config.scan_layers
+  assert not restored.config.options.scan_layers
   assert _equal_trees(restored.with_scan_layers(True).params, scanned.params)
-  assert checkpoint.restore(str(tmp_path / "orbax")).config.scan_layers
+  assert checkpoint.restore(str(tmp_path / "orbax")).config.options.scan_layers
 
 
 def _weight_slices(model: jaxspec.TargetModel) -> list[str]:
@@ -108,3 +112,14 @@ def test_the_unrolled_decode_reads_weights_in_place():
   scanned = drafter_models.small_target(num_layers=3)  # one run of three layers
   assert _weight_slices(scanned), "the scanned program no longer slices weights: test is stale"
   assert _weight_slices(scanned.with_scan_layers(False)) == []
+
+
+def test_decoding_never_runs_on_the_scanned_layout(scanned):
+  """`for_decoding` (what engines call on their target): the per-layer layout, re-laid out
+  from the scanned one with a warning, or the model itself when already per layer."""
+  with pytest.warns(UserWarning, match="re-lays the scanned"):
+    unrolled = scanned.for_decoding()
+  assert not unrolled.config.options.scan_layers
+  assert _equal_trees(unrolled.params, scanned.with_scan_layers(False).params)
+  assert unrolled.for_decoding() is unrolled
+  assert unrolled.with_options(scan_layers=True).config == scanned.config

@@ -9,7 +9,7 @@ import torch
 
 import jaxspec
 from jaxspec.models import target as target_lib
-from jaxspec.speculative import decode
+from jaxspec.speculative import step as step_lib
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import DecodingState, FloatKV
 
@@ -28,7 +28,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers(saved, name, backend):
   hf_model, path = saved[name]
-  model = jaxspec.load_model(path, moe_backend=backend)
+  model = jaxspec.load_model(path, options=jaxspec.RunOptions(moe_backend=backend))
   ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 11))
   ours = np.asarray(model.logits(ids))
   ref = hf_models.hf_logits(hf_model, ids)
@@ -39,10 +39,10 @@ def test_moe_backends_agree_and_differ_from_wrong_routing(saved):
   _, path = saved["glm4moe_grouped_shared_partial"]
   model = jaxspec.load_model(path)
   ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (3, 9))
-  ragged = np.asarray(model.with_config(moe_backend="ragged").logits(ids))
-  dense = np.asarray(model.with_config(moe_backend="dense").logits(ids))
-  gather = np.asarray(model.with_config(moe_backend="gather").logits(ids))
-  loop = np.asarray(model.with_config(moe_backend="loop").logits(ids))
+  ragged = np.asarray(model.with_options(moe_backend="ragged").logits(ids))
+  dense = np.asarray(model.with_options(moe_backend="dense").logits(ids))
+  gather = np.asarray(model.with_options(moe_backend="gather").logits(ids))
+  loop = np.asarray(model.with_options(moe_backend="loop").logits(ids))
   auto = np.asarray(model.logits(ids))
   np.testing.assert_allclose(ragged, dense, atol=1e-5)
   np.testing.assert_allclose(gather, dense, atol=1e-5)
@@ -98,7 +98,7 @@ def test_per_sequence_start_positions(saved):
   prompts = np.zeros((2, 6), np.int32)
   prompts[0], prompts[1, :2] = a[0, :6], c[0, :2]
   state = model.init_state(2, 16)
-  _, state, _, _ = decode.prefill(
+  _, state, _, _ = step_lib.prefill_prompts(
     model.config, model.params, jnp.asarray(prompts), jnp.array([6, 2], jnp.int32), state
   )
   block = np.stack([a[0, 6:9], c[0, 2:5]])

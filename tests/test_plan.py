@@ -174,6 +174,7 @@ SCRIPT = textwrap.dedent(r"""
     from jax.sharding import PartitionSpec as P
     import jaxspec as js
     from jaxspec import sharding as sh
+    from jaxspec.io.architectures import config_from_hf, config_to_hf
     from jaxspec.models import target as target_lib
     from jaxspec.plan import arch, scale
     from jaxspec.quant.formats import QTensor, stored_axes
@@ -201,13 +202,13 @@ SCRIPT = textwrap.dedent(r"""
     report = {}
     models = {"bundled": js.load_model("jaxspec/assets/target", scan_layers=False)}
     # Random values without compiling the initialiser (seconds on a busy CPU).
-    cfg = js.ModelConfig.from_hf(hf_small, scan_layers=False)
+    cfg = config_from_hf(hf_small).with_options(scan_layers=False)
     rng = np.random.default_rng(1)
     models["random"] = target_lib.TargetModel(cfg, jax.tree_util.tree_map(
         lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype),
         target_lib.param_shapes(cfg)))
     for name, model in models.items():
-        hf = model.config.to_hf() if name == "random" else json.load(
+        hf = config_to_hf(model.config) if name == "random" else json.load(
             open("jaxspec/assets/target/config.json"))
         spec = arch.model_spec(hf, param_dtype=model.config.param_dtype)
         logical = target_lib.logical_axes(model.config)

@@ -76,7 +76,7 @@ def test_per_layer_rules_touch_their_layer_only(tmp_path):
     "layers_1/1/mlp/gate_proj",
     "layers_1/1/mlp/up_proj",
   ]
-  scanned = jaxspec.load_model(registry.bundled_dir("target"))
+  scanned = jaxspec.load_model(registry.bundled_dir("target"), scan_layers=True)
   with pytest.raises(jaxspec.ConfigError, match="scan_layers=False"):
     jaxspec.quantize(scanned, (("experts@2", "mxfp4"),))
   with pytest.raises(jaxspec.ConfigError, match="must be a number"):

@@ -9,8 +9,8 @@ import torch
 import transformers
 
 import jaxspec
-from jaxspec.config import ModelConfig
 from jaxspec.models import layers
+from jaxspec.io.architectures import config_from_hf
 from tests import hf_models, near_ties
 
 QWEN3 = dict(
@@ -83,7 +83,7 @@ def _hf(arch: str, scaling: dict, theta: float = 10000.0) -> transformers.PreTra
 @pytest.mark.parametrize("name", sorted(SCALINGS))
 def test_rotary_tables_equal_transformers(name):
   hf = _hf("qwen3", SCALINGS[name], theta=5000.0)
-  config = ModelConfig.from_hf({**hf.config.to_dict(), "architectures": ["Qwen3ForCausalLM"]})
+  config = config_from_hf({**hf.config.to_dict(), "architectures": ["Qwen3ForCausalLM"]})
   assert dict(config.rope_scaling)["rope_type"] == SCALINGS[name]["rope_type"]
   pos = np.arange(0, 200, 7)[None]
   if name == "dynamic":  # transformers scales for the longest position in the call: span M · 2
@@ -119,16 +119,16 @@ def test_logits_past_the_original_context_equal_transformers(arch, name, tmp_pat
 
 def test_legacy_rope_scaling_key_and_unsupported_types():
   base = dict(architectures=["Qwen3ForCausalLM"], **QWEN3)
-  legacy = ModelConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+  legacy = config_from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
   assert dict(legacy.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
   with pytest.raises(jaxspec.ConfigError, match="RoPE type 'longrope'.*not supported"):
-    ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    config_from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
   with pytest.raises(jaxspec.ConfigError, match="dynamic RoPE scaling needs a factor"):
-    ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic"}})
+    config_from_hf({**base, "rope_scaling": {"rope_type": "dynamic"}})
   with pytest.raises(jaxspec.ConfigError, match="original_max_position_embeddings"):
-    ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
   with pytest.raises(jaxspec.ConfigError, match="conflicting RoPE scaling"):
-    ModelConfig.from_hf(
+    config_from_hf(
       {
         **base,
         "rope_parameters": {"rope_type": "linear", "factor": 2.0},
@@ -136,7 +136,7 @@ def test_legacy_rope_scaling_key_and_unsupported_types():
       }
     )
   with pytest.raises(jaxspec.ConfigError, match="linear RoPE scaling needs a factor"):
-    ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "linear"}})
+    config_from_hf({**base, "rope_parameters": {"rope_type": "linear"}})
   with pytest.raises(jaxspec.ConfigError, match="rope_scaling must be"):
     legacy.replace(rope_scaling=(("rope_type", "longrope"),))
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
+from jaxspec.options import RunOptions
 from jaxspec.models.layers import dtype_of, unfused_logits
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.quant.formats import materialize
@@ -143,8 +144,7 @@ def layer_config(config: Any, **fields: Any) -> ModelConfig:
     intermediate_size=config.intermediate_size,
     rms_norm_eps=config.rms_norm_eps,
     rope_theta=config.rope_theta,
-    dtype=config.dtype,
-    param_dtype=config.param_dtype,
+    options=RunOptions(dtype=config.dtype, param_dtype=config.param_dtype),
     **fields,
   )
 

@@ -23,8 +23,10 @@ import orbax.checkpoint as ocp
 from jaxspec import sharding as sharding_lib
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
+from jaxspec.io import architectures
 from jaxspec.io.hf import load_config, load_model, save_hf
 from jaxspec.models import target as target_lib
+from jaxspec.options import RunOptions
 
 PARAMS_DIR = "params"
 FORMATS = ("hf", "orbax")
@@ -42,7 +44,7 @@ def save(model: target_lib.TargetModel, out_dir: str) -> None:
   os.makedirs(out_dir, exist_ok=True)
   if jax.process_index() == 0:
     hf_config = dict(model.hf_config or {})
-    hf_config.update(model.config.to_hf())
+    hf_config.update(architectures.config_to_hf(model.config))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
     if model.tokenizer is not None:
@@ -74,19 +76,29 @@ def abstract_params(
 
 
 def restore(
-  ckpt_dir: str, mesh: jax.sharding.Mesh | None = None, rules: Any = None, **config_overrides: Any
+  ckpt_dir: str,
+  mesh: jax.sharding.Mesh | None = None,
+  rules: Any = None,
+  scan_layers: bool | None = None,
+  options: RunOptions | None = None,
+  **config_overrides: Any,
 ) -> target_lib.TargetModel:
   """Loads a checkpoint written by `save`, placing each parameter with its target sharding.
 
   `mesh` may span several processes (jax.distributed): every process then calls `restore`
-  with the same mesh and reads the shards its own devices hold.
+  with the same mesh and reads the shards its own devices hold. `options` and `scan_layers`
+  are as `load_model`'s; `config_overrides` are ModelConfig (architecture) fields.
   """
   ckpt_dir = os.path.abspath(ckpt_dir)
   params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
   if not os.path.isdir(params_dir):
     raise CheckpointError(f"{ckpt_dir} is not a jaxspec orbax checkpoint (no {PARAMS_DIR}/)")
+  if options is not None:
+    config_overrides["options"] = options
   config, hf_config = load_config(ckpt_dir, **config_overrides)
-  stored = config.replace(scan_layers=True)  # `save` writes stacked layers
+  if scan_layers is not None:
+    config = config.with_options(scan_layers=scan_layers)
+  stored = config.with_options(scan_layers=True)  # `save` writes stacked layers
   checkpointer = ocp.StandardCheckpointer()
   try:
     params = checkpointer.restore(params_dir, abstract_params(stored, mesh, rules))
@@ -101,7 +113,7 @@ def restore(
 
     tokenizer = tokenizer_lib.Tokenizer.from_dir(ckpt_dir)
   model = target_lib.TargetModel(stored, params, tokenizer, hf_config)
-  return model.with_scan_layers(config.scan_layers)
+  return model.with_scan_layers(config.options.scan_layers)
 
 
 def convert(src: str, dst: str, to: str, dtype: str | None = None) -> target_lib.TargetModel:
@@ -132,7 +144,7 @@ def convert(src: str, dst: str, to: str, dtype: str | None = None) -> target_lib
     model = load_model(src)
   if dtype is not None:
     model = target_lib.TargetModel(
-      model.config.replace(param_dtype=dtype),
+      model.config.with_options(param_dtype=dtype),
       jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), model.params),
       model.tokenizer,
       model.hf_config,

@@ -15,8 +15,8 @@ EAGLE-3 (`LlamaForCausalLMEagle3`): a Llama config with `draft_vocab_size`, opti
 `norm.weight`, `lm_head.weight`, `d2t` (int64) and `t2d` (bool) for a reduced vocabulary,
 optionally `embed_tokens.weight` and SpecForge's `fc_norm.{0,1,2}.weight`.
 
-Loading checks every field of config.json for its type (`jaxspec.config.HFConfigReader`) and every
-tensor's presence, shape and finiteness, and rejects unknown tensors (`jaxspec.io.hf.
+Loading checks every field of config.json for its type (`io.architectures.HFConfigReader`) and
+every tensor's presence, shape and finiteness, and rejects unknown tensors (`jaxspec.io.hf.
 check_unexpected`; a sharded index is confined to the checkpoint directory as for targets); export
 writes the same layout back, in the dtype the weights were loaded in, so import → export is exact.
 
@@ -39,7 +39,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxspec.config import ConfigError, HFConfigReader
+from jaxspec.errors import ConfigError
+from jaxspec.io.architectures.reader import HFConfigReader
 from jaxspec.io import layouts
 from jaxspec.io.hf import (
   INDEX_FILE,

@@ -171,7 +171,7 @@ def layer_windows(config: ModelConfig, first: int, n: int) -> jax.Array | None:
 
 
 def _stack(config: ModelConfig, moe: bool, length: int, name: str, linear: bool) -> nn.Module:
-  if not config.scan_layers:
+  if not config.options.scan_layers:
     return LayerRun(config, moe, length, linear, name=name)
   scanned = nn.scan(
     DecoderLayer,
@@ -305,7 +305,7 @@ class Decoder(nn.Module):
     for i, (stack, (first, n, _)) in enumerate(zip(self.stacks, self.config.segments())):
       kv = None if state is None else state.segments[i]
       if kv is not None:  # a short unpadded block may be accepted in part: keep every prefix
-        kv = kv.begin_block(start, t, valid is None and t <= self.config.linear_snapshots)
+        kv = kv.begin_block(start, t, valid is None and t <= self.config.options.linear_snapshots)
       (h, kv, _), hs = stack(
         (h, kv, jnp.int32(0)),
         cos,

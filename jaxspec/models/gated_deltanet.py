@@ -345,7 +345,7 @@ class GatedDeltaNet(nn.Module):
       if entry is None or not entry.has_pending:
         raise ConfigError(
           f"a tree block of {t} tokens needs per-node states: at most "
-          f"ModelConfig.linear_snapshots = {c.linear_snapshots} tokens"
+          f"ModelConfig.linear_snapshots = {c.options.linear_snapshots} tokens"
         )
       tree = tree_structure(block_visibility(block_mask, bsz, t))
       mixed, conv_inputs = tree_causal_conv(qkv, window, conv_w, *tree)
@@ -375,7 +375,9 @@ class GatedDeltaNet(nn.Module):
         out, states = recurrent(q, k, v, g, beta, s0)
         final = states[:, -1]
       else:
-        out, final = chunked_impl(q, k, v, g, beta, s0, c.linear_chunk, c.linear_attention_impl)
+        out, final = chunked_impl(
+          q, k, v, g, beta, s0, c.options.linear_chunk, c.options.linear_attention_impl
+        )
       if entry is not None:
         n = jnp.full((bsz,), t, jnp.int32) if valid is None else jnp.clip(valid, 0, t)
         entry = entry.write_final(layer, n, conv_inputs, final)

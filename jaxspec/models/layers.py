@@ -297,8 +297,8 @@ class Attention(nn.Module):
       start,
       block_mask,
       c.head_dim**-0.5,
-      c.attention_impl,
-      c.attention_chunk,
+      c.options.attention_impl,
+      c.options.attention_chunk,
       window=window,
       sinks=sinks,
     )

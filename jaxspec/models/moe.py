@@ -376,8 +376,8 @@ class MoE(nn.Module):
     )
     dt = dtype_of(c.dtype)
     mesh = sharding.active_mesh()
-    run_local = functools.partial(local_experts, "auto", gmm_impl=c.gmm_impl)
-    if ep.applies(c.moe_backend, e, mesh):
+    run_local = functools.partial(local_experts, "auto", gmm_impl=c.options.gmm_impl)
+    if ep.applies(c.options.moe_backend, e, mesh):
       y, dropped = ep.experts_ep(
         xf.astype(dt),
         weights,
@@ -386,13 +386,15 @@ class MoE(nn.Module):
         run_local,
         mesh=mesh,
         rules=nn.get_logical_axis_rules() or None,
-        backend="ep" if c.moe_backend == "auto" else c.moe_backend,
-        capacity_factor=c.ep_capacity_factor,
+        backend="ep" if c.options.moe_backend == "auto" else c.options.moe_backend,
+        capacity_factor=c.options.ep_capacity_factor,
         ragged_all_to_all=None if jax.default_backend() == "cpu" else jax.lax.ragged_all_to_all,
       )
       self.sow("intermediates", "ep_dropped", dropped)
     else:  # the backend pick_backend resolves (gather and loop dequantize only selected experts)
-      y = local_experts(c.moe_backend, xf.astype(dt), weights, ids, experts, gmm_impl=c.gmm_impl)
+      y = local_experts(
+        c.options.moe_backend, xf.astype(dt), weights, ids, experts, gmm_impl=c.options.gmm_impl
+      )
     y = y.reshape(*lead, h)
     if c.n_shared_experts:
       y = y + MLP(c, c.shared_intermediate_size, name="shared_experts")(x)

@@ -4,7 +4,7 @@ The planner needs, for every weight, its path (which decides its quantization ro
 `jaxspec.quant.policy.role_of`), shape, dtype and logical axes (which decide its sharding,
 `jaxspec.sharding`); and for the decoding state the same per array. Two sources:
 
-* **traced** — the architectures jaxspec builds (`ModelConfig.from_hf`: Qwen3, Qwen3-MoE,
+* **traced** — the architectures jaxspec builds (`io.architectures.config_from_hf`: Qwen3, Qwen3-MoE,
   GLM4-MoE, gpt-oss). The parameter tree is `jax.eval_shape` of the model's own initialiser
   (`jaxspec.models.target.param_shapes` / `logical_axes`) and the state is `eval_shape` of
   `DecodingState.create`, so the planner counts exactly what the code allocates.
@@ -37,7 +37,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxspec.config import SUPPORTED_ARCHITECTURES, HFConfigReader, ModelConfig
+from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxspec.io.architectures import HFConfigReader, config_from_hf
+from jaxspec.options import RunOptions
 from jaxspec.errors import ConfigError
 from jaxspec.state import KV_FORMATS, DecodingState, logical_axes
 
@@ -145,7 +147,7 @@ def model_spec(
     raise ConfigError(f"jaxspec cannot build {arch}; count it with source='formula'")
   dims = _dims(hf, arch)
   if buildable and source != "formula":
-    config = ModelConfig.from_hf(hf, dtype=param_dtype, param_dtype=param_dtype)
+    config = config_from_hf(hf, options=RunOptions(dtype=param_dtype, param_dtype=param_dtype))
     return ModelSpec(name or arch, arch, "traced", traced_weights(config), dims, config, hf)
   return ModelSpec(name or arch, arch, "formula", formula_weights(hf, param_dtype), dims, None, hf)
 
@@ -331,7 +333,7 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
       shared_intermediate=r.integer("shared_expert_intermediate_size", 0),
     )
   elif experts:
-    config = ModelConfig.from_hf(hf)
+    config = config_from_hf(hf)
     d.update(
       moe_layers=sum(config.layer_is_moe),
       shared_intermediate=config.shared_intermediate_size,
@@ -469,9 +471,9 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
   h, layers = d["hidden"], d["layers"]
   w = _Weights(param_dtype)
   w.add("embed", (d["vocab"], h), ("vocab", "embed"))
-  # Which layers are MoE: the same rules as ModelConfig.from_hf for the buildable ones.
+  # Which layers are MoE: the same rules as config_from_hf for the buildable ones.
   if arch in SUPPORTED_ARCHITECTURES:
-    is_moe = ModelConfig.from_hf(hf).layer_is_moe or (False,) * layers
+    is_moe = config_from_hf(hf).layer_is_moe or (False,) * layers
   elif d["experts"]:
     first = r.integer("first_k_dense_replace", 0) if arch in MLA_ARCHITECTURES else 0
     is_moe = tuple(i >= first for i in range(layers))

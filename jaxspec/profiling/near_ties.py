@@ -89,7 +89,7 @@ def routing_margins(model: target_lib.TargetModel, ids: Any) -> np.ndarray:
   margins = np.full((b, t), np.inf)
   # The scanned layout (model.config.scan_layers) stacks the per-layer values; make it so.
   params = model.with_scan_layers(True).params
-  scanned = config.replace(scan_layers=True)
+  scanned = config.with_options(scan_layers=True)
   for stack, sown in _intermediates(scanned, params, tokens).items():
     if "mlp" not in sown or "router_logits" not in sown["mlp"]:
       continue

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
+from jaxspec.options import RunOptions
 from jaxspec.models import target as target_lib
 from jaxspec.plan import decoding_state_bytes
 from jaxspec.state import DecodingState
@@ -69,8 +70,7 @@ def dense_config(
     num_kv_heads=kv_heads,
     head_dim=head_dim,
     intermediate_size=intermediate or 4 * hidden,
-    dtype=dtype,
-    param_dtype=dtype,
+    options=RunOptions(dtype=dtype, param_dtype=dtype),
   )
 
 
@@ -99,8 +99,7 @@ def moe_config(
     num_experts_per_tok=experts_per_tok,
     moe_intermediate_size=expert_intermediate,
     norm_topk_prob=True,
-    dtype=dtype,
-    param_dtype=dtype,
+    options=RunOptions(dtype=dtype, param_dtype=dtype),
   )
 
 

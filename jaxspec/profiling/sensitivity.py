@@ -60,7 +60,7 @@ class GroupResult:
 
 def groups(target: Any) -> list[tuple[Optional[int], str]]:
   """The (layer, role) groups of a per-layer (scan_layers=False) target's quantizable weights."""
-  if target.config.scan_layers:
+  if target.config.options.scan_layers:
     raise ConfigError("profiling needs the per-layer layout: load with scan_layers=False")
   found = set()
   for path, _ in jax.tree_util.tree_flatten_with_path(target.params)[0]:

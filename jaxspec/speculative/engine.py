@@ -196,7 +196,9 @@ class SpecEngine:
     mesh: Optional[jax.sharding.Mesh] = None,
     rules: Any = None,
   ):
-    self.target = target
+    # Decoding never runs on the scanned (training) layout: it would copy every layer's
+    # weights out of the stack each step (TargetModel.for_decoding).
+    self.target = target = target.for_decoding()
     self.config = config
     self.tree = config.tree_options
     if self.tree is not None and drafter is not None:
@@ -224,8 +226,8 @@ class SpecEngine:
       # when it is at most `linear_snapshots` tokens wide: widen the threshold to this
       # engine's block (γ + 1, or the tree's budget + 1). The snapshots are sized by the block
       # itself, so only the threshold changes.
-      if self.verifier.width > target.config.linear_snapshots:
-        self.target = self.target.with_config(linear_snapshots=self.verifier.width)
+      if self.verifier.width > target.config.options.linear_snapshots:
+        self.target = self.target.with_options(linear_snapshots=self.verifier.width)
         target = self.target
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = memory.engine_plan(

@@ -212,7 +212,7 @@ def make_loss_fn(
   method = method_of(drafter)
   # On CPU the dense expert oracle is the fastest full-sequence backend (same numbers).
   tconfig = (
-    target.config.replace(moe_backend="dense") if target.config.num_experts else target.config
+    target.config.with_options(moe_backend="dense") if target.config.num_experts else target.config
   )
 
   soft = method == "dflash" and (tc.soft_label_weight > 0 or evaluation)

@@ -36,6 +36,7 @@ import tqdm
 from absl import logging
 
 from jaxspec.config import ModelConfig
+from jaxspec.options import RunOptions
 from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.train import data as data_lib
@@ -90,9 +91,12 @@ def dataclass_from_mapping(cls: type, m: Mapping[str, Any], what: str) -> Any:
 
 
 def model_config_from(m: Mapping[str, Any] | ml_collections.ConfigDict) -> ModelConfig:
-  """A ModelConfig from a config section (lists become tuples)."""
+  """A ModelConfig from a config section (lists become tuples); its `options` sub-section, if
+  any, holds the RunOptions fields."""
   d = m.to_dict() if isinstance(m, ml_collections.ConfigDict) else dict(m)
-  return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+  options = RunOptions(**d.pop("options", {}))
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+  return ModelConfig(**fields, options=options)
 
 
 def count_params(config: ModelConfig, params: Any) -> dict[str, int]:

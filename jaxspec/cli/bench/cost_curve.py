@@ -130,7 +130,7 @@ def run_cost_curves(
     make = roofline.dense_config if kind == "dense" else roofline.moe_config
     layouts = (False, True) if kind == "dense" else (False,)
     for scan in layouts:
-      config = make(**kw).replace(scan_layers=scan)
+      config = make(**kw).with_options(scan_layers=scan)
       params = roofline.random_params(config)
       name = f"{kind} ({'scanned' if scan else 'unrolled'} layers)"
       curves[name] = roofline.cost_curve(config, params, tokens, max_len, position)

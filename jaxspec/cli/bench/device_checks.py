@@ -651,7 +651,7 @@ def bundled_target(**changes: Any) -> jaxspec.TargetModel:
   if path is None:
     raise SkipCheck("no bundled target in jaxspec/assets/target")
   target = jaxspec.load_model(path, scan_layers=False)  # decoding's layout
-  return target.with_config(**changes) if changes else target
+  return target.with_options(**changes) if changes else target
 
 
 def prompt_ids(target: jaxspec.TargetModel, n: int) -> list[list[int]]:

@@ -43,13 +43,13 @@ def _lossless(rec: checks.Recorder, sizes: checks.Sizes, dtype: str, labels: Seq
     return dict(
       dtype=target.config.dtype,
       param_dtype=target.config.param_dtype,
-      moe_backend=target.config.moe_backend,
-      scan_layers=target.config.scan_layers,
+      moe_backend=target.config.options.moe_backend,
+      scan_layers=target.config.options.scan_layers,
       prompts=len(holder["prompts"]),
       prompt_tokens=[len(p) for p in holder["prompts"]],
     )
 
-  name = "float32 (matmul precision highest)" if dtype == "float32" else "bf16 target.with_config"
+  name = "float32 (matmul precision highest)" if dtype == "float32" else "bf16 target.with_options"
   if not rec.run(f"{dtype}/load: {name}", load):
     return
   target, prompts = holder["target"], holder["prompts"]
@@ -163,7 +163,7 @@ def section_cost(rec: checks.Recorder, sizes: checks.Sizes, cpu: bool) -> None:
   def draw():
     # Drawn stacked (few, large leaves: a quick compile), split per layer below.
     t0 = time.perf_counter()
-    params = jax.block_until_ready(roofline.random_params(base.replace(scan_layers=True)))
+    params = jax.block_until_ready(roofline.random_params(base.with_options(scan_layers=True)))
     state["stacked"] = params
     return dict(
       model=f"dense h{m['hidden']} L{m['layers']} i{m['intermediate']} v{m['vocab']} bf16",
@@ -172,7 +172,7 @@ def section_cost(rec: checks.Recorder, sizes: checks.Sizes, cpu: bool) -> None:
     )
 
   def scanned_t1():
-    cfg = base.replace(scan_layers=True)
+    cfg = base.with_options(scan_layers=True)
     (p,) = roofline.cost_curve(
       cfg, state["stacked"], (1,), max_len, position, repeats=sizes.cost_repeats
     )
@@ -180,7 +180,7 @@ def section_cost(rec: checks.Recorder, sizes: checks.Sizes, cpu: bool) -> None:
     return dict(ms=1e3 * p.seconds, weight_gb_s=p.weight_bytes / p.seconds / 1e9)
 
   def unrolled_t1():
-    model = jaxspec.TargetModel(base.replace(scan_layers=True), state.pop("stacked"))
+    model = jaxspec.TargetModel(base.with_options(scan_layers=True), state.pop("stacked"))
     unrolled = model.with_scan_layers(False)
     del model
     cfg, params = unrolled.config, jax.block_until_ready(unrolled.params)

@@ -97,7 +97,7 @@ def main(argv):
     tokens = sharding.shard_tree(tokens, ("batch", None), mesh)
     times = {}
     for backend in ("gspmd", "ep", "ep_replicate", "ep_all_to_all"):
-      run_cfg = cfg.replace(moe_backend="auto" if backend == "gspmd" else backend)
+      run_cfg = cfg.with_options(moe_backend="auto" if backend == "gspmd" else backend)
       fwd = jax.jit(functools.partial(target_lib.forward, run_cfg))
       call = lambda: fwd(params, tokens).logits.block_until_ready()  # noqa: B023
       if backend == "gspmd":

@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-import jaxspec
 from jaxspec.cli.bench import gdn as gdn_bench
+from jaxspec.io.architectures import config_from_hf
 from jaxspec.models import gated_deltanet as gdn
 from jaxspec.models import target as target_lib
 from jaxspec.profiling import roofline
@@ -59,7 +59,7 @@ def _random_mask(rng, t: int) -> np.ndarray:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  config = jaxspec.ModelConfig.from_hf({**HYBRID, "vocab_size": 64}).replace(linear_snapshots=32)
+  config = config_from_hf({**HYBRID, "vocab_size": 64}).with_options(linear_snapshots=32)
   params = roofline.random_params(config, 0, 0.08)  # the tests' scale: 4 × 0.02
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(0, 64, (1, 12)), jnp.int32)

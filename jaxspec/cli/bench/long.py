@@ -191,14 +191,14 @@ def job_fidelity(context: int, kv: str) -> dict[str, Any]:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
-  from jaxspec.speculative import decode  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative import step as step_lib  # pylint: disable=import-outside-toplevel
 
   target, _ = _models()
   n = FLAGS.fidelity_tokens
   (ids,) = long_prompts(target.tokenizer, context + n)
   tokens = jnp.asarray([ids], jnp.int32)
   chunk = 2048
-  run_chunk = jax.jit(decode.prefill_chunk, static_argnums=(0, 4), donate_argnums=(6,))
+  run_chunk = jax.jit(step_lib.prefill_chunk, static_argnums=(0, 4), donate_argnums=(6,))
   logits = {}
   for fmt in ("float", kv):
     state = target.init_state(1, context + n, fmt)

@@ -42,11 +42,11 @@ def run_quant_costs(
   rows = []
   for kind, kw in cost_curve.COST_MODELS[size].items():
     make = roofline.dense_config if kind == "dense" else roofline.moe_config
-    base = make(**kw).replace(scan_layers=False)
+    base = make(**kw).with_options(scan_layers=False)
     for name in policies:
       config, params = base, roofline.random_params(base)
       if name == "bfloat16":  # stored bf16, computed in float32 (XLA:CPU has no bf16 dots)
-        config = base.replace(param_dtype="bfloat16")
+        config = base.with_options(param_dtype="bfloat16")
         params = jax.tree_util.tree_map(lambda x: x.astype(jax.numpy.bfloat16), params)
       elif name != "float32":
         params = jaxspec.quantize(

@@ -1,0 +1,108 @@
+"""The Hugging Face `config.json` mapping of every target architecture jaxspec builds.
+
+`config_from_hf` reads a config.json dict into a `ModelConfig`, rejecting what it does not
+understand rather than guessing; `config_to_hf` writes one back. Each architecture family is one
+small module here (its fields and defaults), registered in `ARCHITECTURES`; what every family
+shares is read and written once, in `base.py`. A new architecture is a new module and a line
+in the table (and, in jaxspec.config, a name in SUPPORTED_ARCHITECTURES).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from jaxspec import config as config_lib
+from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxspec.errors import ConfigError, show
+from jaxspec.options import option_names
+from jaxspec.io.architectures import glm4_moe, gpt_oss, qwen3, qwen3_next
+from jaxspec.io.architectures.base import Architecture, read_shared, write_shared
+from jaxspec.io.architectures.reader import HFConfigReader
+
+__all__ = [
+  "ARCHITECTURES",
+  "Architecture",
+  "HFConfigReader",
+  "config_from_hf",
+  "config_to_hf",
+  "text_config",
+]
+
+ARCHITECTURES: dict[str, Architecture] = {
+  a.name: a
+  for a in (
+    qwen3.QWEN3,
+    qwen3.QWEN3_MOE,
+    glm4_moe.GLM4_MOE,
+    gpt_oss.GPT_OSS,
+    qwen3_next.QWEN3_NEXT,
+    qwen3_next.QWEN3_5,
+    qwen3_next.QWEN3_5_MOE,
+  )
+}
+# A multimodal checkpoint's architecture -> the text model's, read from its `text_config`.
+MULTIMODAL_TEXT_ARCHITECTURES = dict(qwen3_next.MULTIMODAL_TEXT)
+assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES), "a built architecture lacks a mapping"
+
+
+def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+  """The text model's config.json dict: `hf` itself, or a multimodal checkpoint's `text_config`
+  as its text architecture (top-level keys it lacks, such as tie_word_embeddings, inherited)."""
+  archs = hf.get("architectures") if isinstance(hf, Mapping) else None
+  if not (isinstance(archs, (list, tuple)) and len(archs) == 1):
+    return hf
+  text_arch = MULTIMODAL_TEXT_ARCHITECTURES.get(archs[0])
+  if text_arch is None:
+    return hf
+  inner = hf.get("text_config")
+  if not isinstance(inner, Mapping):
+    raise ConfigError(f"{archs[0]} config.json has no text_config object")
+  outer = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+  return {**outer, **inner, "architectures": [text_arch]}
+
+
+def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+  """Builds a ModelConfig from a HF `config.json` dict; raises ConfigError on what it can't run.
+
+  Every field is type-checked as it is read (see `HFConfigReader`): vocab_size, hidden_size,
+  num_hidden_layers, num_attention_heads and intermediate_size are required, the rest default
+  as in transformers when absent or null. RoPE is the default, linear or YaRN type
+  (`ROPE_TYPES`), stated consistently wherever the config states it (`HFConfigReader.rope`,
+  `rope_scaling`). `overrides` are ModelConfig fields applied last (`options=RunOptions(...)`
+  for how to run it); the result is validated as a whole.
+  """
+  if not isinstance(hf, Mapping):
+    raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+  hf = text_config(hf)
+  archs = hf.get("architectures") or []
+  if not isinstance(archs, (list, tuple)) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    raise ConfigError(
+      f"unsupported architectures {show(archs)} in config.json; jaxspec supports exactly one "
+      f"of {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+  arch = ARCHITECTURES[archs[0]]
+  # (run options given as fields are still accepted, with ModelConfig's DeprecationWarning)
+  known = {f.name for f in dataclasses.fields(ModelConfig)} | set(option_names())
+  unknown = sorted(set(overrides) - known)
+  if unknown:
+    raise ConfigError(
+      f"{arch.name}: unknown ModelConfig field(s) {', '.join(unknown)} in overrides"
+    )
+  r, kw = read_shared(HFConfigReader(hf, arch.name), arch)
+  kw.update(arch.read(r, kw))
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+  """The HF `config.json` dict that describes `config`'s architecture (inverse of
+  `config_from_hf`)."""
+  arch = ARCHITECTURES[config.architecture]
+  hf = write_shared(config, arch)
+  hf.update(arch.write(config))
+  return hf
+
+
+# The deprecated ModelConfig.from_hf / to_hf delegate here (config cannot import this layer).
+config_lib.register_hf_mapping(config_from_hf, config_to_hf)
