@@ -283,7 +283,7 @@ class ModelConfig:
     truncated to its first n entries, or grown by repeating the last layer's kind. Passing
     `layer_is_moe` with `num_layers` uses it as given; it must have one entry per layer.
     """
-    moved = {k: changes.pop(k) for k in _OPTION_NAMES if k in changes}
+    moved = {k: changes.pop(k) for k in option_names() if k in changes}  # field order
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
     if unknown:
       raise ConfigError(f"{self.architecture}: unknown ModelConfig field(s) {', '.join(unknown)}")
@@ -596,7 +596,7 @@ def _accept_option_fields(init: Callable[..., None]) -> Callable[..., None]:
 
   @functools.wraps(init)
   def __init__(self, *args: Any, **kwargs: Any) -> None:
-    moved = {k: kwargs.pop(k) for k in _OPTION_NAMES if k in kwargs}
+    moved = {k: kwargs.pop(k) for k in option_names() if k in kwargs}  # field order
     if moved:
       try:
         kwargs["options"] = _options_with(kwargs.get("options", RunOptions()), moved, "ModelConfig")
