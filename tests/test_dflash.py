@@ -73,7 +73,7 @@ def reference_logits(drafter, target, taps, block, start, windows, keep=0):
 def _check_final_state(target, drafter, engine, windows, keep=0):
   """Generates, then compares the drafter's block logits with the explicit re-computation."""
   state = engine.init_state(prompts(2, 64), max_new_tokens=21)
-  state = engine._loop(target.params, drafter.params, state)  # pylint: disable=protected-access
+  state = engine._loop(engine.target.params, drafter.params, state)  # pylint: disable=protected-access
   tokens, seq = np.asarray(state.tokens), np.asarray(state.seq_len)
   # The whole buffer: one compilation; causal, so the tail is harmless.
   full = target_lib.forward(target.config, target.params, jnp.asarray(tokens), taps=drafter.taps)

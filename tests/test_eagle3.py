@@ -165,7 +165,7 @@ def test_tree_verification_greedy_equals_plain(greedy):
 def test_cache_holds_exact_entries_after_generation(target, drafter, greedy):
   eng = greedy.spec
   state = eng.init_state(prompts(2, 64), max_new_tokens=20)
-  state = eng._loop(target.params, drafter.params, state)  # pylint: disable=protected-access
+  state = eng._loop(eng.target.params, drafter.params, state)  # pylint: disable=protected-access
   tokens, seq = jnp.asarray(state.tokens), np.asarray(state.seq_len)
   length = tokens.shape[1] - 1
   zeros = jnp.zeros((2,), jnp.int32)

@@ -78,7 +78,7 @@ def test_cache_holds_exact_entries_after_steps(target, greedy):
   """After a generation, the MTP cache below the root equals a fresh recomputation."""
   eng = greedy.spec
   state = eng.init_state(prompts(2, 64), max_new_tokens=20)
-  state = eng._loop(target.params, eng.drafter_params, state)  # pylint: disable=protected-access
+  state = eng._loop(eng.target.params, eng.drafter_params, state)  # pylint: disable=protected-access
   tokens, seq = jnp.asarray(state.tokens), np.asarray(state.seq_len)
   length = int(seq.max())
   zeros = jnp.zeros((2,), jnp.int32)
