@@ -25,11 +25,19 @@ SUPPORTED_ARCHITECTURES = (
   "Qwen3NextForCausalLM",
   "Qwen3_5ForCausalLM",
   "Qwen3_5MoeForCausalLM",
+  "DeepseekV3ForCausalLM",
+  "DeepseekV32ForCausalLM",
+  "GlmMoeDsaForCausalLM",
 )
 # Hybrid targets: Gated DeltaNet (linear-attention) layers beside gated full-attention layers,
 # zero-centred RMSNorms ((1 + w) · x) and a sigmoid-gated shared expert (models/gated_deltanet.py).
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 LAYER_TYPES = ("full_attention", "linear_attention")
+# Multi-head Latent Attention targets (models/mla.py); the last two add DeepSeek Sparse Attention's
+# lightning indexer (models/dsa.py).
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+INDEXER_TYPES = ("full", "shared")
 
 # ModelConfig fields → the config.json key users see, for messages about values read from it.
 _HF_NAMES = {
@@ -149,6 +157,23 @@ class ModelConfig:
   shared_expert_intermediate_size: int = 0
   # Multi-token-prediction layers stored after the main layers (DeepSeek-V3 layout).
   num_mtp_layers: int = 0
+  # Multi-head Latent Attention (MLA_ARCHITECTURES; kv_lora_rank 0: not MLA). Keys and values
+  # come from a per-token latent of kv_lora_rank values plus one shared RoPE key of
+  # qk_rope_head_dim; head_dim is qk_nope_head_dim + qk_rope_head_dim, values have v_head_dim.
+  q_lora_rank: int = 0  # 0: a plain q_proj, else q_a_proj → q_a_layernorm → q_b_proj
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  rope_interleave: bool = False  # RoPE on interleaved feature pairs (DeepSeek's layout)
+  # DeepSeek Sparse Attention (DSA_ARCHITECTURES): the lightning indexer picks each query's
+  # index_topk keys; "shared" layers reuse the previous "full" layer's choice (index_n_heads 0:
+  # dense attention).
+  index_n_heads: int = 0
+  index_head_dim: int = 0
+  index_topk: int = 0
+  indexer_types: tuple[str, ...] = ()
+  indexer_rope_interleave: bool = False  # GLM-5: interleaved; DeepSeek-V3.2: half-split
   # Special tokens.
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -174,6 +199,10 @@ class ModelConfig:
       object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
     else:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if not self.indexer_types and self.index_n_heads:
+      object.__setattr__(self, "indexer_types", ("full",) * self.num_layers)
+    else:
+      object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
     if not self.layer_windows:
       object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
     else:
@@ -241,7 +270,45 @@ class ModelConfig:
 
   @property
   def rotary_dim(self) -> int:
+    if self.is_mla:  # RoPE rotates only the decoupled rope part of each head
+      return self.qk_rope_head_dim
     return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
+  def is_mla(self) -> bool:
+    """Multi-head Latent Attention (models/mla.py): a latent cache, not per-head K/V."""
+    return self.kv_lora_rank > 0
+
+  @property
+  def is_dsa(self) -> bool:
+    """DeepSeek Sparse Attention: MLA whose queries attend to their indexer's top-k keys."""
+    return self.index_n_heads > 0
+
+  @property
+  def value_head_dim(self) -> int:
+    """The attention output's per-head width (MLA's v_head_dim, else head_dim)."""
+    return self.v_head_dim if self.is_mla else self.head_dim
+
+  @property
+  def latent_dim(self) -> int:
+    """Values per token and layer in an MLA cache: the latent and the shared RoPE key."""
+    return self.kv_lora_rank + self.qk_rope_head_dim
+
+  @property
+  def attention_scale(self) -> float:
+    """The softmax scale: head_dim^-0.5, times mscale(factor, mscale_all_dim)² under DeepSeek's
+    YaRN (MLA targets; transformers' `yarn_apply_mscale`)."""
+    scale = self.head_dim**-0.5
+    s = dict(self.rope_scaling)
+    if self.is_mla and s.get("rope_type", "default") != "default" and s.get("mscale_all_dim"):
+      factor = s["factor"]
+      m = 1.0 if factor <= 1 else 0.1 * s["mscale_all_dim"] * math.log(factor) + 1.0
+      scale *= m * m
+    return scale
+
+  def is_full_indexer(self, layer: int) -> bool:
+    """Whether DSA layer `layer` runs its own indexer (else it reuses the previous one's)."""
+    return self.indexer_types[layer] == "full"
 
   @property
   def shared_intermediate_size(self) -> int:
@@ -255,15 +322,24 @@ class ModelConfig:
   def segments(self) -> tuple[tuple[int, int, bool], ...]:
     """Maximal runs of same-kind layers as (first_layer, num_layers, is_moe); each is one scan.
 
-    A run's layers share the FFN kind and the token mixer (`is_linear(first_layer)`)."""
+    A run's layers share the FFN kind, the token mixer (`is_linear(first_layer)`) and, in DSA
+    targets, whether they run their own indexer (`is_full_indexer(first_layer)`)."""
     runs: list[tuple[int, int, bool]] = []
     for i, moe in enumerate(self.layer_is_moe):
-      if runs and runs[-1][2] == moe and self.is_linear(runs[-1][0]) == self.is_linear(i):
+      if (
+        runs
+        and runs[-1][2] == moe
+        and self.is_linear(runs[-1][0]) == self.is_linear(i)
+        and self._indexer_kind(runs[-1][0]) == self._indexer_kind(i)
+      ):
         start, n, _ = runs[-1]
         runs[-1] = (start, n + 1, moe)
       else:
         runs.append((i, 1, moe))
     return tuple(runs)
+
+  def _indexer_kind(self, layer: int) -> str:
+    return self.indexer_types[layer] if self.is_dsa else ""
 
   def replace(self, **changes: Any) -> "ModelConfig":
     """A copy with `changes` applied, validated.
@@ -300,6 +376,9 @@ class ModelConfig:
       changes["layer_windows"] = self._windows_at_depth(int(n))
     if is_int(n) and "layer_types" not in changes:
       changes["layer_types"] = self._types_at_depth(int(n))
+    if is_int(n) and "indexer_types" not in changes and self.indexer_types:
+      old, m = self.indexer_types, int(n)
+      changes["indexer_types"] = old[:m] + old[-1:] * max(0, m - len(old))
     return dataclasses.replace(self, **changes)
 
   def _types_at_depth(self, n: int) -> tuple[str, ...]:
@@ -371,6 +450,14 @@ class ModelConfig:
     "linear_num_key_heads",
     "linear_num_value_heads",
     "shared_expert_intermediate_size",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
   )
   _POSITIVE_FLOATS = (
     "swiglu_alpha",
@@ -387,6 +474,8 @@ class ModelConfig:
     "norm_topk_prob",
     "expert_bias",
     "attention_sinks",
+    "rope_interleave",
+    "indexer_rope_interleave",
   )
 
   def _need(self, cond: bool, msg: str) -> None:
@@ -534,6 +623,7 @@ class ModelConfig:
       not self.shared_expert_intermediate_size or self.is_hybrid,
       "a gated shared expert (shared_expert_intermediate_size) is a Qwen3-Next / Qwen3.5 feature",
     )
+    self._validate_mla()
     gpt_oss = self.architecture == "GptOssForCausalLM"
     need(
       gpt_oss or not (self.attention_sinks or self.sliding_window),
@@ -570,6 +660,57 @@ class ModelConfig:
         )
     else:
       need(not any(self.layer_is_moe), "layer_is_moe set on a model without experts")
+
+  def _validate_mla(self) -> None:
+    """MLA and DSA fields: present exactly where the architecture has them, and consistent."""
+    need = self._need
+    mla = self.architecture in MLA_ARCHITECTURES
+    need(mla == self.is_mla, f"kv_lora_rank > 0 (MLA) goes with exactly {MLA_ARCHITECTURES}")
+    if not mla:
+      need(
+        not (self.q_lora_rank or self.is_dsa or self.rope_interleave),
+        "q_lora_rank, rope_interleave and the DSA indexer are MLA features",
+      )
+      return
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+      need(getattr(self, name) > 0, f"{name} must be positive for MLA")
+    need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+    need(
+      self.head_dim == self.qk_nope_head_dim + self.qk_rope_head_dim,
+      f"head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim "
+      f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim}) for MLA",
+    )
+    need(
+      self.num_kv_heads == self.num_heads,
+      f"MLA expands the latent to every head: num_key_value_heads ({self.num_kv_heads}) must be "
+      f"num_attention_heads ({self.num_heads})",
+    )
+    need(
+      self.options.attention_impl != "pallas",
+      "the Pallas attention kernel does not read MLA's latent cache; use attention_impl='xla'",
+    )
+    dsa = self.architecture in DSA_ARCHITECTURES
+    need(dsa == self.is_dsa, f"the DSA indexer (index_n_heads > 0) goes with exactly {DSA_ARCHITECTURES}")
+    if not dsa:
+      return
+    need(self.q_lora_rank > 0, "the DSA indexer reads the q low-rank latent: q_lora_rank must be > 0")
+    need(self.index_head_dim > 0, "index_head_dim must be positive")
+    need(
+      self.qk_rope_head_dim <= self.index_head_dim,
+      f"index_head_dim ({self.index_head_dim}) must hold the RoPE part ({self.qk_rope_head_dim})",
+    )
+    need(self.index_topk > 0, "index_topk must be positive")
+    need(
+      isinstance(self.indexer_types, tuple)
+      and len(self.indexer_types) == self.num_layers
+      and all(t in INDEXER_TYPES for t in self.indexer_types),
+      f"indexer_types must name {' or '.join(INDEXER_TYPES)} for each of the {self.num_layers} "
+      f"layers, got {show(self.indexer_types)}",
+    )
+    need(
+      self.indexer_types[0] == "full",
+      "the first layer's indexer must be 'full': a 'shared' layer reuses an earlier choice",
+    )
 
   # ----------------------------------------------------------------------------------------------
   # Hugging Face config.json: jaxspec.io.architectures (deprecated here)

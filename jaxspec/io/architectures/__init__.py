@@ -16,7 +16,7 @@ from jaxspec import config as config_lib
 from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxspec.errors import ConfigError, show
 from jaxspec.options import option_names
-from jaxspec.io.architectures import glm4_moe, gpt_oss, qwen3, qwen3_next
+from jaxspec.io.architectures import deepseek_v3, glm4_moe, gpt_oss, qwen3, qwen3_next
 from jaxspec.io.architectures.base import Architecture, read_shared, write_shared
 from jaxspec.io.architectures.reader import HFConfigReader
 
@@ -39,10 +39,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     qwen3_next.QWEN3_NEXT,
     qwen3_next.QWEN3_5,
     qwen3_next.QWEN3_5_MOE,
+    deepseek_v3.DEEPSEEK_V3,
+    deepseek_v3.DEEPSEEK_V32,
+    deepseek_v3.GLM_MOE_DSA,
   )
 }
 # A multimodal checkpoint's architecture -> the text model's, read from its `text_config`.
-MULTIMODAL_TEXT_ARCHITECTURES = dict(qwen3_next.MULTIMODAL_TEXT)
+MULTIMODAL_TEXT_ARCHITECTURES = {**qwen3_next.MULTIMODAL_TEXT, **deepseek_v3.MULTIMODAL_TEXT}
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES), "a built architecture lacks a mapping"
 
 
