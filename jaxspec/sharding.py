@@ -64,6 +64,9 @@ MLP = "mlp"
 EXPERT = "expert"
 VOCAB = "vocab"
 LAYERS = "layers"
+# MLA's low-rank widths (q_a_proj's output, the KV latent): small, never split.
+Q_LORA = "q_lora"
+KV_LORA = "kv_lora"
 LOGICAL_AXES: tuple[str, ...] = (
   BATCH,
   LENGTH,
@@ -75,6 +78,8 @@ LOGICAL_AXES: tuple[str, ...] = (
   EXPERT,
   VOCAB,
   LAYERS,
+  Q_LORA,
+  KV_LORA,
 )
 
 MeshAxes = Union[str, tuple[str, ...], None]
@@ -94,6 +99,8 @@ DEFAULT_RULES: Rules = (
   (LAYERS, None),
   (LENGTH, None),
   (HEAD_DIM, None),
+  (Q_LORA, None),
+  (KV_LORA, None),
 )
 
 

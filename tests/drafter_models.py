@@ -129,12 +129,13 @@ def sampled_pvalue(
 
 
 class GreedyCheck:
-  """Plain and speculative engines (batch 2) for one target: greedy outputs must agree."""
+  """Plain and speculative engines (batch 2 by default) for one target: greedy outputs must
+  agree."""
 
-  def __init__(self, target: TargetModel, drafter, max_len: int = 80):
+  def __init__(self, target: TargetModel, drafter, max_len: int = 80, batch_size: int = 2):
     self.target = target
     self.drafter = drafter
-    self.cfg = EngineConfig(max_len=max_len, batch_size=2, use_eos=False)
+    self.cfg = EngineConfig(max_len=max_len, batch_size=batch_size, use_eos=False)
     self.plain = SpecEngine(target, None, self.cfg)
     self.spec = SpecEngine(target, drafter, self.cfg)
 

@@ -308,3 +308,75 @@ def save_all(
 def hf_logits(model: transformers.PreTrainedModel, ids: np.ndarray) -> np.ndarray:
   with torch.no_grad():
     return model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+# Multi-head Latent Attention targets (DeepSeek-V3 / Kimi-K2), kept apart as HYBRID_CONFIGS are.
+_MLA = dict(
+  vocab_size=96,
+  hidden_size=32,
+  intermediate_size=48,
+  moe_intermediate_size=16,
+  num_attention_heads=4,
+  num_key_value_heads=4,
+  kv_lora_rank=24,  # + qk_rope_head_dim 8: a Q4_0 block
+  qk_nope_head_dim=8,
+  qk_rope_head_dim=8,
+  v_head_dim=12,
+  n_shared_experts=1,
+  num_experts_per_tok=2,
+  first_k_dense_replace=1,
+  norm_topk_prob=True,
+  tie_word_embeddings=False,
+  num_nextn_predict_layers=0,
+)
+MLA_CONFIGS = {
+  # q low-rank, grouped routing, DeepSeek's YaRN with mscale (softmax scale × mscale²).
+  "deepseek_v3_qlora_grouped_yarn": (
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
+    dict(
+      _MLA,
+      num_hidden_layers=3,
+      q_lora_rank=12,
+      n_routed_experts=8,
+      n_group=4,
+      topk_group=2,
+      routed_scaling_factor=2.5,
+      max_position_embeddings=256,
+      rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.8,
+        "mscale_all_dim": 1.0,
+      },
+    ),
+  ),
+  # Plain q_proj (q_lora_rank null, as DeepSeek-V2-Lite), flat routing, half-split RoPE.
+  "deepseek_v3_plainq_flat": (
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
+    dict(
+      _MLA,
+      num_hidden_layers=2,
+      q_lora_rank=None,
+      n_routed_experts=4,
+      n_group=1,
+      topk_group=1,
+      routed_scaling_factor=1.0,
+      rope_interleave=False,
+      attention_bias=True,
+    ),
+  ),
+}
+
+
+def build_any(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+  """build_hf_model for a name in CONFIGS, HYBRID_CONFIGS or MLA_CONFIGS."""
+  for table in (CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS):
+    if name in table:
+      return build_hf_model_from(*table[name], seed=seed)
+  raise KeyError(name)

@@ -86,7 +86,35 @@ def _layer_entries(config: ModelConfig, moe: bool, linear: bool = False) -> list
   return e + _ffn_entries(config, moe)
 
 
+def _mla_entries(config: ModelConfig) -> list[Entry]:
+  """An MLA layer's tensors (DeepSeek-V3 names; models/mla.py)."""
+  a = lambda name: ("self_attn", name, "kernel")
+  if config.q_lora_rank:
+    e: list[Entry] = [
+      ("self_attn.q_a_proj.weight", a("q_a_proj"), "linear"),
+      ("self_attn.q_a_layernorm.weight", ("self_attn", "q_a_layernorm", "scale"), "same"),
+      ("self_attn.q_b_proj.weight", a("q_b_proj"), "in_heads"),
+    ]
+  else:
+    e = [("self_attn.q_proj.weight", a("q_proj"), "in_heads")]
+  e += [
+    ("self_attn.kv_a_proj_with_mqa.weight", a("kv_a_proj_with_mqa"), "linear"),
+    ("self_attn.kv_a_layernorm.weight", ("self_attn", "kv_a_layernorm", "scale"), "same"),
+    ("self_attn.kv_b_proj.weight", a("kv_b_proj"), "in_heads"),
+    ("self_attn.o_proj.weight", a("o_proj"), "out_heads"),
+  ]
+  if config.attention_bias:
+    biased = ("q_a_proj",) if config.q_lora_rank else ()
+    e += [
+      (f"self_attn.{p}.bias", ("self_attn", p, "bias"), "same")
+      for p in (*biased, "kv_a_proj_with_mqa", "o_proj")
+    ]
+  return e
+
+
 def _attention_entries(config: ModelConfig) -> list[Entry]:
+  if config.is_mla:
+    return _mla_entries(config)
   e: list[Entry] = [
     ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "in_heads"),
     ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "in_heads"),

@@ -100,6 +100,15 @@ def _scores(qg: jax.Array, k: jax.Array, scale: float) -> jax.Array:
   return jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
 
 
+class Selection(NamedTuple):
+  """Which keys each block query keeps (DeepSeek Sparse Attention's top-k, models/dsa.py), on
+  top of what it may see: `cache` bool [B, T, S] over a state entry's slots (None without a
+  state) and `block` bool [B, T, T] over the block's own keys."""
+
+  cache: jax.Array | None
+  block: jax.Array
+
+
 class Window(NamedTuple):
   """A sliding window (gpt-oss): a key at position p is seen by a query at position q iff
   p > q − size. `size` may be traced (it differs between the layers of one scan); positions
@@ -123,6 +132,7 @@ def attend_xla(
   chunk: int,
   window: Window | None = None,
   sinks: jax.Array | None = None,
+  select: Selection | None = None,
 ) -> jax.Array:
   """q [B,T,H,D]; k/v_block [B,T,K,D] as stored; kv a state entry (or None) → [B,T,H,Dv].
 
@@ -131,7 +141,8 @@ def attend_xla(
   query to the keys of its sliding window (the entry is then read from the first chunk a window
   reaches, so a sliding layer's cost is bounded by its window, not the context); `sinks` [H] are
   per-head logits that join each softmax's denominator and carry no value (gpt-oss): the
-  running max and normaliser start from them. The output's head dim is V's (Dv).
+  running max and normaliser start from them; `select` (DSA) drops the keys a query's indexer
+  did not choose. The output's head dim is V's (Dv).
   """
   b, t, h, d = q.shape
   kv_heads, dv = k_block.shape[2], v_block.shape[-1]
@@ -147,6 +158,8 @@ def attend_xla(
   if window is not None and window.in_block:
     pos = window.positions
     inside = inside & (pos[:, None, :] > pos[:, :, None] - window.size)
+  if select is not None:
+    inside = inside & select.block
   carry = _update(
     carry, _scores(qg, k_block.astype(q.dtype), scale), inside[:, None, None], v_block
   )
@@ -171,6 +184,9 @@ def attend_xla(
       if window is not None:
         key_pos = read.positions[:, None, :]
         visible = visible & (key_pos > window.positions[:, :, None] - window.size)
+      if select is not None:  # [B, T, S]: the indexer's choice among this chunk's slots
+        chosen = jax.lax.dynamic_slice_in_dim(select.cache, offset, size, axis=2)
+        visible = visible & chosen
       scores = _scores(qg, k.astype(q.dtype), scale)
       return _update(carry, scores, visible[:, None, None], v.astype(q.dtype))
 
@@ -224,15 +240,18 @@ def attention(
   chunk: int = 256,
   window: Window | None = None,
   sinks: jax.Array | None = None,
+  select: Selection | None = None,
 ) -> tuple[jax.Array, Any]:
-  """Writes the block's k/v [B,T,K,D] into `kv` (if any) and attends; returns (out, kv)."""
-  extras = dict(window=window, sinks=sinks)
+  """Writes the block's k/v [B,T,K,D] into `kv` (if any) and attends; returns (out, kv).
+
+  A latent entry (MLA, state/latent.py) takes the block's vectors as k and no v."""
+  extras = dict(window=window, sinks=sinks, select=select)
   if kv is None:
     return attend_xla(q, k, v, None, layer, start, block_mask, scale, chunk, **extras), None
   kv, k_block, v_block = kv.write(layer, start, k, v)
   if resolve_impl(impl) == "pallas":
-    if window is not None or sinks is not None:
-      raise ConfigError("the Pallas attention kernel has no sinks or sliding windows")
+    if window is not None or sinks is not None or select is not None:
+      raise ConfigError("the Pallas attention kernel has no sinks, sliding windows or DSA")
     return attend_pallas(q, kv, layer, start, block_mask, scale), kv
   out = attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk, **extras)
   return out, kv

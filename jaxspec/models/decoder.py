@@ -30,6 +30,7 @@ from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import attention as attention_lib
 from jaxspec.models.gated_deltanet import GatedDeltaNet
+from jaxspec.models.mla import MLAttention
 from jaxspec.models.layers import (
   MLP,
   Attention,
@@ -62,8 +63,9 @@ class DecoderOutput(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm block: x + mix(norm(x)); x + ffn(norm(x)). The token mixer is attention or, with
-  `linear`, a Gated DeltaNet (models/gated_deltanet.py); the FFN is dense or MoE."""
+  """Pre-norm block: x + mix(norm(x)); x + ffn(norm(x)). The token mixer is attention (MLA in
+  MLA targets, models/mla.py) or, with `linear`, a Gated DeltaNet (models/gated_deltanet.py);
+  the FFN is dense or MoE."""
 
   config: ModelConfig
   moe: bool
@@ -89,6 +91,10 @@ class DecoderLayer(nn.Module):
     if self.linear:
       attn_out, kv = GatedDeltaNet(c, name="linear_attn")(
         norm("input_layernorm")(h), kv, layer, start, valid, block_mask
+      )
+    elif c.is_mla:
+      attn_out, kv = MLAttention(c, name="self_attn")(
+        norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask
       )
     else:
       window = None if windows is None else attention_lib.Window(windows[layer], positions)

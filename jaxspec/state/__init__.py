@@ -58,11 +58,12 @@ Kinds here:
                          (DFlash's target-feature store, injected into every drafter layer)
   LinearState            the fixed-size recurrent state of Gated DeltaNet layers, read by its
                          mixer (`initial`), with per-prefix snapshots while a block is pending
+  LatentKV, LatentFP8,   MLA's cache (state/latent.py): one vector per token and layer, the
+  LatentQ4               KV latent and the shared RoPE key, read as one KV head (k: all of it,
+                         v: the latent) by absorbed-form queries; `LATENT_FORMATS` maps
+                         `kv_format` to them for MLA targets
 
-Kinds the next issues add fit as new classes, attention and engine unchanged: an MLA latent cache
-(`read_chunk` gives the latent (+ RoPE key) as K and the latent as V, one KV head, for
-absorbed-form queries; the output head dim follows V), a DSA indexer key cache (read by the
-indexer through the same chunk calls, V absent), a sliding-window ring (a `RingKV`-like ring of
+Kinds the next issues add fit as new classes, attention and engine unchanged: a sliding-window ring (a `RingKV`-like ring of
 window + verify-slack slots whose `read_chunk` floors positions at start − window) and paged
 storage (`read_chunk` / `write` map slots through a page table; positions stay identity).
 
@@ -93,6 +94,7 @@ from jaxspec.state.base import (
   KVChunk,
 )
 from jaxspec.state.kv import FP8KV, KV_FORMATS, FloatKV, Q4KV
+from jaxspec.state.latent import LATENT_FORMATS, LatentFP8, LatentKV, LatentQ4
 from jaxspec.state.linear import LINEAR_STATE_AXES, LinearState
 from jaxspec.state.ring import ContextRing, RingKV
 
@@ -110,6 +112,10 @@ __all__ = [
   "FP8KV",
   "FloatKV",
   "KVChunk",
+  "LATENT_FORMATS",
+  "LatentFP8",
+  "LatentKV",
+  "LatentQ4",
   "LinearState",
   "Q4KV",
   "RingKV",
@@ -144,7 +150,8 @@ class DecodingState:
     (1,) for one MTP or drafter layer)."""
     if kv_format not in KV_FORMATS:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
-    kind = KV_FORMATS[kv_format]
+    # MLA targets keep one latent vector per token and layer instead of per-head K/V.
+    kind = (LATENT_FORMATS if getattr(config, "is_mla", False) else KV_FORMATS)[kv_format]
     if segment_layers is None:  # the main stack: linear-attention runs get a LinearState
       kinds = [
         LinearState if config.is_linear(first) else kind for first, _, _ in config.segments()

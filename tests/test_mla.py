@@ -1,0 +1,235 @@
+"""Multi-head Latent Attention targets (DeepSeek-V3 / Kimi-K2): parity with transformers, the
+absorbed decode form against the expanded one, the latent cache's formats and size, and greedy
+and sampled speculative decoding (MTP, DFlash chain, DFlash + DDTree) on an MLA target."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxspec.config import ModelConfig
+from jaxspec.drafters.mtp import MTPDrafter
+from jaxspec.errors import ConfigError
+from jaxspec.io.hf import load_model
+from jaxspec.models import target as target_lib
+from jaxspec.models.target import TargetModel
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.state import LATENT_FORMATS, DecodingState, LatentKV
+from tests import hf_models, near_ties
+from tests.drafter_models import (
+  GreedyCheck,
+  exact_sequence_probs,
+  random_params,
+  sampled_pvalue,
+  small_dflash,
+)
+
+NAMES = sorted(hf_models.MLA_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+  """name → (HF model, jaxspec model loaded from its saved checkpoint)."""
+  out = {}
+  for name in NAMES:
+    hf = hf_models.build_any(name)
+    d = str(tmp_path_factory.mktemp(name))
+    hf.save_pretrained(d)
+    out[name] = (hf, load_model(d))
+  return out
+
+
+def _ids(vocab: int, shape=(2, 13), seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(pairs, name):
+  hf, model = pairs[name]
+  ids = _ids(model.config.vocab_size)
+  near_ties.assert_logits_match(
+    model, ids, model.logits(jnp.asarray(ids)), hf_models.hf_logits(hf, ids), atol=1e-4
+  )
+
+
+def _cached_logits(model: TargetModel, ids: np.ndarray, blocks, kv_format="float") -> np.ndarray:
+  """Logits of `ids` computed block by block through a decoding state (the absorbed form)."""
+  b, n = ids.shape
+  state = DecodingState.create(model.config, b, 32, kv_format)
+  out, pos = [], 0
+  for t in blocks:
+    start = jnp.full((b,), pos, jnp.int32)
+    res = target_lib.forward(model.config, model.params, jnp.asarray(ids[:, pos : pos + t]), start, state)
+    state = res.state.commit(jnp.full((b,), t, jnp.int32))
+    out.append(np.asarray(res.logits))
+    pos += t
+  assert pos == n
+  return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_absorbed_cache_equals_expanded(pairs, name):
+  """Prefill, one-token decodes and a verify block over the latent cache (absorbed form) give
+  the full-sequence (expanded) logits."""
+  _, model = pairs[name]
+  ids = _ids(model.config.vocab_size, (2, 12), seed=1)
+  expanded = np.asarray(model.logits(jnp.asarray(ids)))
+  cached = _cached_logits(model, ids, (5, 1, 1, 4, 1))
+  np.testing.assert_allclose(cached, expanded, atol=1e-5, rtol=0)
+
+
+def _prefilled(model: TargetModel, ids: np.ndarray, kv_format: str) -> DecodingState:
+  b, t = ids.shape
+  state = DecodingState.create(model.config, b, 32, kv_format)
+  start = jnp.zeros((b,), jnp.int32)
+  res = target_lib.forward(model.config, model.params, jnp.asarray(ids), start, state)
+  return res.state.commit(jnp.full((b,), t, jnp.int32))
+
+
+@pytest.mark.parametrize("fmt, bound, drift", [("fp8", 1 / 14, 0.3), ("q4_0", 1 / 7.9, 1.0)])
+def test_quantized_latent_caches(pairs, fmt, bound, drift):
+  """FP8 / Q4_0 latent caches hold each stored vector within the format's rounding (a fraction
+  of its largest value: E4M3's 3 mantissa bits, Q4_0 up to amax/8 where the
+  clipped side of a block rounds to 7d), and decode from them
+  stays close to float (logits of a random MoE also move where routing flips)."""
+  _, model = pairs["deepseek_v3_qlora_grouped_yarn"]
+  ids = _ids(model.config.vocab_size, (2, 12), seed=2)
+  exact = np.stack([s.values() for s in _prefilled(model, ids, "float").segments[0:1]])
+  stored = np.stack([s.values() for s in _prefilled(model, ids, fmt).segments[0:1]])
+  live = exact[..., :12, :]
+  err = np.abs(stored[..., :12, :] - live)
+  amax = np.abs(live).max(-1, keepdims=True)
+  assert (err <= bound * amax + 1e-6).all() and err.max() > 0
+  expanded = np.asarray(model.logits(jnp.asarray(ids)))
+  got = _cached_logits(model, ids, (6, 1, 5), fmt)
+  assert np.median(np.abs(got - expanded).max(-1)) < drift
+
+
+def test_latent_cache_bytes_per_token_and_layer():
+  """(kv_lora_rank + qk_rope_head_dim) × bytes of the format, whatever the number of heads."""
+  cfg = _mla_config(num_heads=8, kv_lora_rank=64, qk_rope_head_dim=32)  # 96 values
+  for fmt, per_value in (("float", 4.0), ("fp8", 1 + 4 / 96), ("q4_0", 18 / 32)):
+    state = DecodingState.create(cfg, 2, 16, fmt)
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state.segments))
+    per_token_layer = nbytes / (2 * 16 * cfg.num_layers)
+    assert per_token_layer == pytest.approx(96 * per_value), fmt
+    assert isinstance(state.segments[0], LATENT_FORMATS[fmt])
+  gqa = cfg.replace(
+    architecture="Glm4MoeForCausalLM", kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0,
+    qk_rope_head_dim=0, v_head_dim=0, rope_interleave=False,
+  )
+  full = DecodingState.create(gqa, 2, 16)
+  assert sum(x.nbytes for x in jax.tree_util.tree_leaves(full.segments)) == (2 * 8 * 40) * 4 * (2 * 16 * cfg.num_layers)  # K+V per head
+
+
+def test_greedy_decoding_equals_transformers_generate(pairs):
+  hf, model = pairs["deepseek_v3_qlora_grouped_yarn"]
+  ids = _ids(model.config.vocab_size, (1, 7), seed=3)
+  with torch.no_grad():
+    want = hf.generate(
+      torch.as_tensor(ids), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, 7:].tolist()
+  engine = SpecEngine(model, None, EngineConfig(max_len=32, batch_size=1, use_eos=False))
+  got = engine.generate([ids[0].tolist()], max_new_tokens=10).tokens[0]
+  near_ties.assert_greedy_match(model, [ids[0].tolist()], [want], [got])
+
+
+def test_config_errors_name_the_field():
+  with pytest.raises(ConfigError, match="head_dim"):
+    _mla_config(head_dim=20)
+  with pytest.raises(ConfigError, match="num_key_value_heads"):
+    _mla_config(num_kv_heads=2)
+  with pytest.raises(ConfigError, match="MLA"):
+    _mla_config(architecture="Glm4MoeForCausalLM")
+  with pytest.raises(ConfigError, match="multiple of 32"):
+    DecodingState.create(_mla_config(kv_lora_rank=20), 1, 8, "q4_0")
+  with pytest.raises(ConfigError, match="MLA targets only"):
+    LatentKV.create(hf_gqa_config(), 1, 1, 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# Speculative decoding on an MLA target
+# ------------------------------------------------------------------------------------------------
+
+
+def _mla_config(**changes) -> ModelConfig:
+  base = dict(
+    architecture="DeepseekV3ForCausalLM",
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=16,
+    intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    router="sigmoid",
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    n_shared_experts=1,
+    layer_is_moe=(False, True, True),
+    q_lora_rank=16,
+    kv_lora_rank=24,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    rope_interleave=True,
+    num_mtp_layers=1,
+  )
+  base.update(changes)
+  if "num_heads" in changes and "num_kv_heads" not in changes:
+    base["num_kv_heads"] = changes["num_heads"]
+  if "qk_rope_head_dim" in changes and "head_dim" not in changes:
+    base["head_dim"] = base["qk_nope_head_dim"] + changes["qk_rope_head_dim"]
+  return ModelConfig(**base).with_options(scan_layers=False)
+
+
+def hf_gqa_config() -> ModelConfig:
+  return ModelConfig(
+    architecture="Qwen3ForCausalLM", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+    num_kv_heads=1, head_dim=4, intermediate_size=8,
+  )
+
+
+@pytest.fixture(scope="module")
+def mla_target() -> TargetModel:
+  cfg = _mla_config()
+  return TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 3))
+
+
+@pytest.fixture(scope="module")
+def mtp_greedy(mla_target):
+  return GreedyCheck(mla_target, MTPDrafter.from_target(mla_target, gamma=3), 48, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def dflash_greedy(mla_target):
+  return GreedyCheck(mla_target, small_dflash(mla_target), 48, batch_size=4)
+
+
+# CI runs batch 4 of MTP and DDTree (one compile each); the other cases are slow-marked.
+SLOW_BATCH_1 = [pytest.param(1, marks=pytest.mark.slow), 4]
+
+
+@pytest.mark.parametrize("batch", SLOW_BATCH_1)
+def test_mtp_greedy_equals_plain(mtp_greedy, batch):
+  mtp_greedy.check(batch, new=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dflash_chain_greedy_equals_plain(dflash_greedy, batch):
+  dflash_greedy.check(batch, new=16)
+
+
+@pytest.mark.parametrize("batch", SLOW_BATCH_1)
+def test_dflash_ddtree_greedy_equals_plain(dflash_greedy, batch):
+  dflash_greedy.check(batch, new=16, tree_budget=6)
