@@ -58,13 +58,15 @@ Kinds here:
                          (DFlash's target-feature store, injected into every drafter layer)
   LinearState            the fixed-size recurrent state of Gated DeltaNet layers, read by its
                          mixer (`initial`), with per-prefix snapshots while a block is pending
+  IndexerKeys            DeepSeek Sparse Attention's lightning-indexer keys [L, B, S, D], one
+                         small key per position, read whole by the indexer (models/dsa.py:
+                         `write`, `read`) to choose each query's top-k keys
 
 Kinds the next issues add fit as new classes, attention and engine unchanged: an MLA latent cache
 (`read_chunk` gives the latent (+ RoPE key) as K and the latent as V, one KV head, for
-absorbed-form queries; the output head dim follows V), a DSA indexer key cache (read by the
-indexer through the same chunk calls, V absent), a sliding-window ring (a `RingKV`-like ring of
-window + verify-slack slots whose `read_chunk` floors positions at start − window) and paged
-storage (`read_chunk` / `write` map slots through a page table; positions stay identity).
+absorbed-form queries; the output head dim follows V), a sliding-window ring (a `RingKV`-like
+ring of window + verify-slack slots whose `read_chunk` floors positions at start − window) and
+paged storage (`read_chunk` / `write` map slots through a page table; positions stay identity).
 
 Logical axes: each kind's `AXES` table names the logical axis of every dimension of its arrays
 (`layers`, `batch`, `length`, `kv_heads`, `head_dim`); `logical_axes` reads those tables for a
@@ -92,11 +94,13 @@ from jaxspec.state.base import (
   SCALE_AXES,
   KVChunk,
 )
+from jaxspec.state.indexer import INDEXER_AXES, IndexerKeys
 from jaxspec.state.kv import FP8KV, KV_FORMATS, FloatKV, Q4KV
 from jaxspec.state.linear import LINEAR_STATE_AXES, LinearState
 from jaxspec.state.ring import ContextRing, RingKV
 
 __all__ = [
+  "INDEXER_AXES",
   "KV_AXES",
   "KV_FORMATS",
   "LINEAR_STATE_AXES",
@@ -109,6 +113,7 @@ __all__ = [
   "DecodingState",
   "FP8KV",
   "FloatKV",
+  "IndexerKeys",
   "KVChunk",
   "LinearState",
   "Q4KV",
