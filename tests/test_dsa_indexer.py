@@ -121,9 +121,10 @@ class Case:
     self.module, self._apply = module, apply
 
   def run(self, x, q, positions, keys=None, start=0, mask=None):
-    """(Selection, keys, scores) of jaxspec's indexer for a block at `positions` [B, n]."""
+    """(Selection, keys, scores) of jaxspec's indexer for a block at `positions` [B, n] and
+    slots start.. (an int, or one per row)."""
     cos, sin = _tables(positions)
-    start = jnp.full((BATCH,), start, jnp.int32)
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (BATCH,))
     mask = None if mask is None else jnp.asarray(mask)
     return self._apply(self.params, jnp.asarray(x), jnp.asarray(q), cos, sin, keys, start, mask)
 
@@ -249,6 +250,21 @@ def test_cached_block_selects_as_the_full_sequence(case):
   # The block's keys were written at slots PREFIX..T-1 for later steps.
   assert np.abs(np.asarray(keys.k[0, :, PREFIX:T])).sum(-1).all()
   assert not np.asarray(keys.k[0, :, T:]).any()
+
+
+def test_rows_with_different_starts(case):
+  """Row 0 continues at 7, row 1 at 5 (overwriting its scratch slots 5, 6): each row chooses
+  as its own full sequence does."""
+  full = np.asarray(case.full()[0].block)
+  _, keys = _prefilled(case)
+  starts, n = np.array([PREFIX, 5]), T - PREFIX
+  take = lambda a: np.stack([a[b, s : s + n] for b, s in enumerate(starts)])
+  positions = starts[:, None] + np.arange(n)
+  sel, _, _ = case.run(take(case.x), take(case.q), positions, keys, starts)
+  for b, s in enumerate(starts):
+    np.testing.assert_array_equal(sel.cache[b, :, :s], full[b, s : s + n, :s])
+    assert not np.asarray(sel.cache[b, :, s:]).any()
+    np.testing.assert_array_equal(sel.block[b], full[b, s : s + n, s : s + n])
 
 
 # Tree: node 0 the root, 1 and 2 its children, 3 the child of 1.
