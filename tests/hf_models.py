@@ -374,6 +374,35 @@ MLA_CONFIGS = {
 }
 
 
+_DSA = dict(
+  _MLA,
+  q_lora_rank=12,
+  n_routed_experts=4,
+  n_group=1,
+  topk_group=1,
+  routed_scaling_factor=1.5,
+  index_n_heads=8,
+  index_head_dim=16,
+  index_topk=4,  # shorter than the test contexts: the choice matters
+)
+# DeepSeek Sparse Attention targets (MLA + the lightning indexer).
+DSA_CONFIGS = {
+  # GLM-5: interleaved indexer RoPE, a layer reusing the previous indexer's choice.
+  "glm5_dsa_shared": (
+    "GlmMoeDsaConfig",
+    "GlmMoeDsaForCausalLM",
+    dict(_DSA, num_hidden_layers=3, indexer_types=["full", "shared", "full"]),
+  ),
+  # DeepSeek-V3.2: half-split indexer RoPE, every layer its own indexer.
+  "deepseek_v32_dsa": (
+    "DeepseekV32Config",
+    "DeepseekV32ForCausalLM",
+    dict(_DSA, num_hidden_layers=2),
+  ),
+}
+MLA_CONFIGS.update(DSA_CONFIGS)
+
+
 def build_any(name: str, seed: int = 0) -> transformers.PreTrainedModel:
   """build_hf_model for a name in CONFIGS, HYBRID_CONFIGS or MLA_CONFIGS."""
   for table in (CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS):

@@ -233,3 +233,97 @@ def test_dflash_chain_greedy_equals_plain(dflash_greedy, batch):
 @pytest.mark.parametrize("batch", SLOW_BATCH_1)
 def test_dflash_ddtree_greedy_equals_plain(dflash_greedy, batch):
   dflash_greedy.check(batch, new=16, tree_budget=6)
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_dsa_choice_matters(pairs):
+  """The parity above is not dense attention in disguise: the same weights with every key kept
+  (index_topk past the context) move the logits of queries that see more than index_topk keys,
+  and only those."""
+  hf, model = pairs["glm5_dsa_shared"]
+  ids = _ids(model.config.vocab_size)
+  dense = TargetModel(model.config.replace(index_topk=10**6), model.params)
+  diff = np.abs(np.asarray(dense.logits(jnp.asarray(ids))) - hf_models.hf_logits(hf, ids)).max(-1)
+  topk = model.config.index_topk
+  assert diff[:, :topk].max() < 1e-4  # a query sees ≤ topk keys: the same
+  assert diff[:, topk:].max() > 1e-2
+
+
+def _dsa_config(**changes) -> ModelConfig:
+  dsa = dict(
+    architecture="GlmMoeDsaForCausalLM",
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=6,  # prompts and decoding run past it
+    indexer_types=("full", "shared", "full"),
+    indexer_rope_interleave=True,
+  )
+  return _mla_config(**{**dsa, **changes})
+
+
+@pytest.fixture(scope="module")
+def dsa_target() -> TargetModel:
+  cfg = _dsa_config()
+  return TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 5))
+
+
+@pytest.fixture(scope="module")
+def dsa_mtp_greedy(dsa_target):
+  return GreedyCheck(dsa_target, MTPDrafter.from_target(dsa_target, gamma=3), 48, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def dsa_dflash_greedy(dsa_target):
+  return GreedyCheck(dsa_target, small_dflash(dsa_target), 48, batch_size=4)
+
+
+@pytest.mark.parametrize("batch", SLOW_BATCH_1)
+def test_dsa_mtp_greedy_equals_plain(dsa_mtp_greedy, batch):
+  dsa_mtp_greedy.check(batch, new=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dsa_dflash_chain_greedy_equals_plain(dsa_dflash_greedy, batch):
+  dsa_dflash_greedy.check(batch, new=16)
+
+
+@pytest.mark.parametrize("batch", SLOW_BATCH_1)
+def test_dsa_dflash_ddtree_greedy_equals_plain(dsa_dflash_greedy, batch):
+  """Tree verification: each node's indexer chooses among the prefix and its own ancestors."""
+  dsa_dflash_greedy.check(batch, new=16, tree_budget=6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling
+# ------------------------------------------------------------------------------------------------
+
+
+class _ArgmaxButReportsQ(MTPDrafter):
+  """A broken drafter: drafts the argmax but reports the warped q (what a bug would look like)."""
+
+  def propose(self, params, state, ctx):
+    prop, state = super().propose(params, state, ctx)
+    return prop.replace(tokens=jnp.argmax(prop.probs, axis=-1).astype(jnp.int32)), state
+
+
+def test_sampled_sequences_follow_the_target_distribution():
+  """MTP speculation at T = 1 on a DSA target (index_topk 2 < the 6-token contexts) samples
+  the target's exact sequence distribution; a broken drafter fails the same test."""
+  cfg = _dsa_config(vocab_size=6, index_topk=2, num_layers=2, layer_is_moe=(False, True),
+                    indexer_types=("full", "shared"))
+  target = TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 3, factor=2.0))
+  prompt, length = [1, 4, 2], 3
+  outcomes, probs = exact_sequence_probs(target, prompt, length)
+  engine_cfg = EngineConfig(max_len=16, batch_size=512, use_eos=False, min_prompt_bucket=4)
+  good = SpecEngine(target, MTPDrafter.from_target(target, gamma=2), engine_cfg)
+  assert sampled_pvalue(good, prompt, length, 12, outcomes, probs) > 1e-4
+  base = MTPDrafter.from_target(target, gamma=2)
+  bad = SpecEngine(
+    target, _ArgmaxButReportsQ(gamma=2, params=base.params, config=base.config), engine_cfg
+  )
+  assert sampled_pvalue(bad, prompt, length, 12, outcomes, probs) < 1e-6

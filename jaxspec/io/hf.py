@@ -74,7 +74,9 @@ def _linear_attn_entries(config: ModelConfig) -> list[Entry]:
   ]
 
 
-def _layer_entries(config: ModelConfig, moe: bool, linear: bool = False) -> list[Entry]:
+def _layer_entries(
+  config: ModelConfig, moe: bool, linear: bool = False, indexer: bool = False
+) -> list[Entry]:
   e: list[Entry] = [
     ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
     ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "same"),
@@ -83,6 +85,8 @@ def _layer_entries(config: ModelConfig, moe: bool, linear: bool = False) -> list
     e += _linear_attn_entries(config)
   else:
     e += _attention_entries(config)
+  if indexer:
+    e += _indexer_entries()
   return e + _ffn_entries(config, moe)
 
 
@@ -110,6 +114,18 @@ def _mla_entries(config: ModelConfig) -> list[Entry]:
       for p in (*biased, "kv_a_proj_with_mqa", "o_proj")
     ]
   return e
+
+
+def _indexer_entries() -> list[Entry]:
+  """A DSA layer's lightning indexer (models/dsa.py), under self_attn.indexer."""
+  i = lambda *path: ("self_attn", "indexer", *path)
+  return [
+    ("self_attn.indexer.wq_b.weight", i("wq_b", "kernel"), "in_heads"),
+    ("self_attn.indexer.wk.weight", i("wk", "kernel"), "linear"),
+    ("self_attn.indexer.k_norm.weight", i("k_norm", "scale"), "same"),
+    ("self_attn.indexer.k_norm.bias", i("k_norm", "bias"), "same"),
+    ("self_attn.indexer.weights_proj.weight", i("weights_proj", "kernel"), "linear"),
+  ]
 
 
 def _attention_entries(config: ModelConfig) -> list[Entry]:
@@ -191,7 +207,7 @@ def _mtp_entries(config: ModelConfig) -> list[Entry]:
   ]
   return e + [
     (block + hf, ("block", *path), kind)
-    for hf, path, kind in _layer_entries(config, config.mtp_is_moe)
+    for hf, path, kind in _layer_entries(config, config.mtp_is_moe, indexer=config.is_dsa)
   ]
 
 
@@ -202,7 +218,8 @@ def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, st
   if not config.tie_word_embeddings:
     yield "lm_head.weight", ("lm_head", "kernel"), None, "linear"
   for s, (first, n, moe) in enumerate(config.segments()):
-    entries = _layer_entries(config, moe, config.is_linear(first))
+    indexer = config.is_dsa and config.is_full_indexer(first)
+    entries = _layer_entries(config, moe, config.is_linear(first), indexer)
     for j in range(n):
       for hf, path, kind in entries:
         yield f"model.layers.{first + j}.{hf}", (f"layers_{s}", *path), j, kind

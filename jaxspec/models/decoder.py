@@ -70,6 +70,7 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
   moe: bool
   linear: bool = False
+  indexer: bool = False  # DSA: runs its own lightning indexer (else reuses the carried choice)
 
   @nn.compact
   def __call__(
@@ -83,7 +84,8 @@ class DecoderLayer(nn.Module):
     windows: jax.Array | None = None,
     valid: jax.Array | None = None,
   ):
-    h, kv, layer = carry
+    # (h, kv, layer), and in DSA targets the last indexer's choice (attention.Selection).
+    h, kv, layer, *select = carry
     c = self.config
     norm = lambda name: RMSNorm(
       c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset, name=name
@@ -93,9 +95,11 @@ class DecoderLayer(nn.Module):
         norm("input_layernorm")(h), kv, layer, start, valid, block_mask
       )
     elif c.is_mla:
-      attn_out, kv = MLAttention(c, name="self_attn")(
-        norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask
+      attn_out, kv, chosen = MLAttention(c, self.indexer, name="self_attn")(
+        norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, *select
       )
+      if select:
+        select = [chosen]
     else:
       window = None if windows is None else attention_lib.Window(windows[layer], positions)
       attn_out, kv = Attention(c, name="self_attn")(
@@ -105,7 +109,7 @@ class DecoderLayer(nn.Module):
     x = norm("post_attention_layernorm")(h)
     ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
     h = sharding.constrain_activation(h + ffn(x), "embed")
-    return (h, kv, layer + 1), h
+    return (h, kv, layer + 1, *select), h
 
 
 class LayerRun(nn.Module):
@@ -121,6 +125,7 @@ class LayerRun(nn.Module):
   moe: bool
   length: int
   linear: bool = False
+  indexer: bool = False
 
   @nn.compact
   def __call__(
@@ -128,7 +133,7 @@ class LayerRun(nn.Module):
   ):
     outs = []
     for j in range(self.length):
-      carry, h = DecoderLayer(self.config, self.moe, self.linear, name=str(j))(
+      carry, h = DecoderLayer(self.config, self.moe, self.linear, self.indexer, name=str(j))(
         carry, cos, sin, start, block_mask, positions, windows, valid
       )
       outs.append(h)
@@ -164,6 +169,16 @@ def unstack_layer_params(config: ModelConfig, params: Any) -> Any:
   return out
 
 
+def no_selection(config: ModelConfig, batch: int, t: int, kv: Any) -> list:
+  """The DSA choice carried into a target's first layer (which runs its own indexer, so it is
+  never read), shaped as the indexer's so a layer scan's carry keeps one structure: [] for
+  targets without DSA, else [Selection] over the state's slots (None without a state)."""
+  if not config.is_dsa:
+    return []
+  cache = None if kv is None else jnp.zeros((batch, t, kv.max_len), bool)
+  return [attention_lib.Selection(cache, jnp.zeros((batch, t, t), bool))]
+
+
 FULL_WINDOW = 2**30  # a window no context reaches: full attention in a layer scan with windows
 
 
@@ -176,9 +191,11 @@ def layer_windows(config: ModelConfig, first: int, n: int) -> jax.Array | None:
   return jnp.asarray([w or FULL_WINDOW for w in windows], jnp.int32)
 
 
-def _stack(config: ModelConfig, moe: bool, length: int, name: str, linear: bool) -> nn.Module:
+def _stack(
+  config: ModelConfig, moe: bool, length: int, name: str, linear: bool, indexer: bool = False
+) -> nn.Module:
   if not config.options.scan_layers:
-    return LayerRun(config, moe, length, linear, name=name)
+    return LayerRun(config, moe, length, linear, indexer, name=name)
   scanned = nn.scan(
     DecoderLayer,
     variable_axes={"params": 0, "intermediates": 0},
@@ -187,7 +204,7 @@ def _stack(config: ModelConfig, moe: bool, length: int, name: str, linear: bool)
     length=length,
     metadata_params={nn.PARTITION_NAME: "layers"},
   )
-  return scanned(config, moe, linear, name=name)
+  return scanned(config, moe, linear, indexer, name=name)
 
 
 class MTPLayer(nn.Module):
@@ -209,7 +226,8 @@ class MTPLayer(nn.Module):
     self.eh_proj = Dense(
       (c.hidden_size,), ("mlp", "embed"), dtype=c.dtype, param_dtype=c.param_dtype
     )
-    self.block = DecoderLayer(c, c.mtp_is_moe)  # full attention, also in hybrid targets
+    # Full attention, also in hybrid targets; in DSA targets with its own indexer.
+    self.block = DecoderLayer(c, c.mtp_is_moe, indexer=c.is_dsa)
     self.post_norm = norm()
 
   def __call__(
@@ -224,7 +242,8 @@ class MTPLayer(nn.Module):
   ):
     x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(prev_hidden)], axis=-1))
     x = sharding.constrain_activation(x, "embed")
-    (h, kv, _), _ = self.block((x, kv, jnp.int32(0)), cos, sin, start, block_mask)
+    carry = (x, kv, jnp.int32(0), *no_selection(self.config, x.shape[0], x.shape[1], kv))
+    (h, kv, *_), _ = self.block(carry, cos, sin, start, block_mask)
     return h, self.post_norm(h), kv
 
 
@@ -242,7 +261,7 @@ class Decoder(nn.Module):
       dtype_of(c.param_dtype),
     )
     self.stacks = [
-      _stack(c, moe, n, f"layers_{i}", c.is_linear(first))
+      _stack(c, moe, n, f"layers_{i}", c.is_linear(first), c.is_dsa and c.is_full_indexer(first))
       for i, (first, n, moe) in enumerate(c.segments())
     ]
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset)
@@ -308,12 +327,14 @@ class Decoder(nn.Module):
     cos, sin = self._rope(positions)
     h = self.embed_tokens(tokens)
     per_layer, entries = [], []
+    first_kv = None if state is None else state.segments[0]
+    select = no_selection(self.config, b, t, first_kv)  # DSA: the indexer's choice, carried
     for i, (stack, (first, n, _)) in enumerate(zip(self.stacks, self.config.segments())):
       kv = None if state is None else state.segments[i]
       if kv is not None:  # a short unpadded block may be accepted in part: keep every prefix
         kv = kv.begin_block(start, t, valid is None and t <= self.config.options.linear_snapshots)
-      (h, kv, _), hs = stack(
-        (h, kv, jnp.int32(0)),
+      (h, kv, _, *select), hs = stack(
+        (h, kv, jnp.int32(0), *select),
         cos,
         sin,
         start,

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import attention as attention_lib
+from jaxspec.models.dsa import Indexer
 from jaxspec.models.layers import Dense, RMSNorm, apply_rope, dtype_of, normal_init, weight
 from jaxspec.quant.formats import materialize
 
@@ -71,12 +72,15 @@ class KVUp(nn.Module):
 class MLAttention(nn.Module):
   """MLA self-attention of a block over [committed prefix in the latent cache; the block].
 
-  The interface of `layers.Attention`: (x, kv, layer, start, cos, sin, block_mask) → (out, kv),
-  `kv` a latent entry (state/latent.py) or None; `select` (DSA) restricts each query to the keys
-  its indexer chose. cos/sin are tables of qk_rope_head_dim.
+  (x, kv, layer, start, cos, sin, block_mask, select) → (out, kv, select), `kv` a latent entry
+  (state/latent.py) or None; cos/sin are tables of qk_rope_head_dim. In DSA targets each query
+  attends only to the keys its lightning indexer chose (models/dsa.py): a layer with `indexer`
+  runs its own (kv is then a `SparseLatent`, the latent cache beside the indexer's keys) and
+  returns its choice; a "shared" layer uses the `select` it is given, the previous one's.
   """
 
   config: ModelConfig
+  indexer: bool = False
 
   def query(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """x → (q [B, T, H, dn + dr], the q latent after q_a_layernorm or None)."""
@@ -105,12 +109,17 @@ class MLAttention(nn.Module):
     cos: jax.Array,
     sin: jax.Array,
     block_mask: jax.Array | None,
-    select: Any = None,
-  ) -> tuple[jax.Array, Any]:
+    select: attention_lib.Selection | None = None,
+  ) -> tuple[jax.Array, Any, attention_lib.Selection | None]:
     c = self.config
     dn, dr, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
-    q, _ = self.query(x)
+    q, q_lat = self.query(x)
+    entry = kv
+    if self.indexer:  # DSA: this layer's own top-k choice, from its own key cache
+      keys = None if kv is None else kv.index
+      select, keys = Indexer(c, name="indexer")(x, q_lat, cos, sin, keys, layer, start, block_mask)
+      kv = None if kv is None else kv.latent
     q_nope, q_rope = q[..., :dn], rope_part(q[..., dn:], cos, sin, c.rope_interleave)
     latent = Dense(
       (r + dr,), ("embed", "kv_lora"), c.attention_bias, name="kv_a_proj_with_mqa", **dense
@@ -140,6 +149,8 @@ class MLAttention(nn.Module):
         select=select,
       )
       out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv)
+    if self.indexer and entry is not None:
+      kv = entry.replace(latent=kv, index=keys)
     out = sharding.constrain_activation(out, "heads", "head_dim")
     out = Dense(
       (c.hidden_size,),
@@ -149,4 +160,4 @@ class MLAttention(nn.Module):
       in_dims=2,
       **dense,
     )(out)
-    return sharding.constrain_activation(out, "embed"), kv
+    return sharding.constrain_activation(out, "embed"), kv, select

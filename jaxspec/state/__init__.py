@@ -62,10 +62,15 @@ Kinds here:
   LatentQ4               KV latent and the shared RoPE key, read as one KV head (k: all of it,
                          v: the latent) by absorbed-form queries; `LATENT_FORMATS` maps
                          `kv_format` to them for MLA targets
+  IndexerKeys            DeepSeek Sparse Attention's lightning-indexer keys [L, B, S, D], one
+                         small key per position, read whole by the indexer (models/dsa.py:
+                         `write`, `read`) to choose each query's top-k keys
+  SparseLatent           a DSA layer run's entry: its latent cache beside its indexer keys
 
-Kinds the next issues add fit as new classes, attention and engine unchanged: a sliding-window ring (a `RingKV`-like ring of
-window + verify-slack slots whose `read_chunk` floors positions at start − window) and paged
-storage (`read_chunk` / `write` map slots through a page table; positions stay identity).
+Kinds the next issues add fit as new classes, attention and engine unchanged: a sliding-window
+ring (a `RingKV`-like ring of window + verify-slack slots whose `read_chunk` floors positions at
+start − window) and paged storage (`read_chunk` / `write` map slots through a page table;
+positions stay identity).
 
 Logical axes: each kind's `AXES` table names the logical axis of every dimension of its arrays
 (`layers`, `batch`, `length`, `kv_heads`, `head_dim`); `logical_axes` reads those tables for a
@@ -93,12 +98,14 @@ from jaxspec.state.base import (
   SCALE_AXES,
   KVChunk,
 )
+from jaxspec.state.indexer import INDEXER_AXES, IndexerKeys
 from jaxspec.state.kv import FP8KV, KV_FORMATS, FloatKV, Q4KV
-from jaxspec.state.latent import LATENT_FORMATS, LatentFP8, LatentKV, LatentQ4
+from jaxspec.state.latent import LATENT_FORMATS, LatentFP8, LatentKV, LatentQ4, SparseLatent
 from jaxspec.state.linear import LINEAR_STATE_AXES, LinearState
 from jaxspec.state.ring import ContextRing, RingKV
 
 __all__ = [
+  "INDEXER_AXES",
   "KV_AXES",
   "KV_FORMATS",
   "LINEAR_STATE_AXES",
@@ -111,6 +118,7 @@ __all__ = [
   "DecodingState",
   "FP8KV",
   "FloatKV",
+  "IndexerKeys",
   "KVChunk",
   "LATENT_FORMATS",
   "LatentFP8",
@@ -119,6 +127,7 @@ __all__ = [
   "LinearState",
   "Q4KV",
   "RingKV",
+  "SparseLatent",
   "logical_axes",
 ]
 
@@ -150,17 +159,12 @@ class DecodingState:
     (1,) for one MTP or drafter layer)."""
     if kv_format not in KV_FORMATS:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
-    # MLA targets keep one latent vector per token and layer instead of per-head K/V.
-    kind = (LATENT_FORMATS if getattr(config, "is_mla", False) else KV_FORMATS)[kv_format]
-    if segment_layers is None:  # the main stack: linear-attention runs get a LinearState
-      kinds = [
-        LinearState if config.is_linear(first) else kind for first, _, _ in config.segments()
-      ]
-      segment_layers = tuple(n for _, n, _ in config.segments())
-    else:
-      kinds = [kind] * len(segment_layers)
+    if segment_layers is None:  # the main stack, run by run
+      runs = [(first, n) for first, n, _ in config.segments()]
+    else:  # standalone layers (MTP, drafters): full attention, their own indexer
+      runs = [(None, n) for n in segment_layers]
     return cls(
-      tuple(k.create(config, n, batch, max_len) for k, n in zip(kinds, segment_layers)),
+      tuple(_entry(config, kv_format, first, n, batch, max_len) for first, n in runs),
       jnp.zeros((batch,), jnp.int32),
     )
 
@@ -188,6 +192,20 @@ class DecodingState:
     """Moves an accepted tree path (node indices [B, n], root first) of the block written at
     slots lengths.. to slots lengths..lengths+n-1 in every segment; lengths are unchanged."""
     return self.replace(segments=tuple(s.commit_path(self.lengths, path) for s in self.segments))
+
+
+def _entry(config, kv_format: str, first: int | None, n: int, batch: int, max_len: int):
+  """The zero entry of a run of n layers from layer `first` (None: standalone layers): a
+  LinearState for Gated DeltaNet runs; for MLA targets the latent cache (with the indexer's
+  keys where the run has its own DSA indexer); else K/V in `kv_format`."""
+  if first is not None and config.is_linear(first):
+    return LinearState.create(config, n, batch, max_len)
+  if not getattr(config, "is_mla", False):  # (drafter configs have no MLA fields)
+    return KV_FORMATS[kv_format].create(config, n, batch, max_len)
+  latent = LATENT_FORMATS[kv_format].create(config, n, batch, max_len)
+  if config.is_dsa and (first is None or config.is_full_indexer(first)):
+    return SparseLatent(latent, IndexerKeys.create(config, n, batch, max_len))
+  return latent
 
 
 # --------------------------------------------------------------------------------------------------

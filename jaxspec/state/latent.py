@@ -194,3 +194,41 @@ class LatentQ4(_LatentCache):
 
 
 LATENT_FORMATS = {"float": LatentKV, "fp8": LatentFP8, "q4_0": LatentQ4}
+
+
+@flax.struct.dataclass
+class SparseLatent(Kind):
+  """A DSA layer run's entry: the latent cache attention reads (`latent`, a LATENT_FORMATS
+  kind) beside the lightning indexer's keys (`index`, state/indexer.py), slot for slot.
+
+  Attention's questions go to the latent cache; the indexer reads and writes `index` itself
+  (models/dsa.py); an accepted tree path moves both.
+  """
+
+  latent: Any
+  index: Any
+
+  @property
+  def format(self) -> str:
+    return self.latent.format
+
+  @property
+  def kv_format(self) -> str:
+    return self.latent.kv_format
+
+  @property
+  def max_len(self) -> int:
+    return self.latent.max_len
+
+  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: Any = None):
+    latent, k, v = self.latent.write(layer, start, k, v)
+    return self.replace(latent=latent), k, v
+
+  def read_range(self, start: jax.Array, lowest: jax.Array | None = None):
+    return self.latent.read_range(start, lowest)
+
+  def read_chunk(self, layer: jax.Array, offset: jax.Array, size: int, start: jax.Array):
+    return self.latent.read_chunk(layer, offset, size, start)
+
+  def commit_path(self, start: jax.Array, path: jax.Array) -> "SparseLatent":
+    return SparseLatent(self.latent.commit_path(start, path), self.index.commit_path(start, path))

@@ -41,6 +41,8 @@ class Architecture:
     head_dim: `head_dim` when absent (None: hidden_size // num_attention_heads).
     attention_bias: `attention_bias` when absent.
     mtp_key: the config.json key that states the number of MTP layers, when there are any.
+    attention_layer_types: the `layer_types` entries that mean (non-sliding) attention layers
+      of this family (DSA targets write "indexed_attention").
   """
 
   name: str
@@ -56,6 +58,7 @@ class Architecture:
   head_dim: int | None = None
   attention_bias: bool = False
   mtp_key: str = "num_nextn_predict_layers"
+  attention_layer_types: tuple[str, ...] = ("full_attention",)
 
 
 def read_shared(r: HFConfigReader, arch: Architecture) -> tuple[HFConfigReader, dict[str, Any]]:
@@ -66,7 +69,7 @@ def read_shared(r: HFConfigReader, arch: Architecture) -> tuple[HFConfigReader, 
     required.append("intermediate_size")
   r.require(*required)
   sliding = r.flag("use_sliding_window", False) or any(
-    t != "full_attention" for t in r.strings("layer_types", ())
+    t not in arch.attention_layer_types for t in r.strings("layer_types", ())
   )
   if sliding and not arch.sliding:
     raise r.error("sliding-window attention layers are not supported")

@@ -59,8 +59,14 @@ def _glm5_indexer_types(r: HFConfigReader, n: int) -> tuple[str, ...]:
 
 def _read_dsa(r: HFConfigReader, kw: dict[str, Any], glm: bool) -> dict[str, Any]:
   n = kw["num_layers"]
+  fields = _read_mla(r, kw)
+  if r.has("mlp_layer_types"):  # transformers' per-layer form of first_k_dense_replace
+    kinds = r.strings("mlp_layer_types")
+    if len(kinds) != n or any(k not in ("dense", "sparse") for k in kinds):
+      raise r.error(f"mlp_layer_types must be 'dense' or 'sparse' for each of the {n} layers")
+    fields["layer_is_moe"] = tuple(k == "sparse" for k in kinds)
   return dict(
-    _read_mla(r, kw),
+    fields,
     rope_interleave=True,
     index_n_heads=r.integer("index_n_heads"),
     index_head_dim=r.integer("index_head_dim"),
@@ -99,6 +105,7 @@ def _write_dsa(c: ModelConfig, glm: bool) -> dict[str, Any]:
 
 
 _MLA = dict(dense_width=True, rotary_fraction=None)
+_DSA = dict(_MLA, attention_layer_types=("full_attention", "indexed_attention"))
 DEEPSEEK_V3 = Architecture(
   name="DeepseekV3ForCausalLM", model_type="deepseek_v3", read=_read_v3, write=_write_v3, **_MLA
 )
@@ -107,14 +114,14 @@ DEEPSEEK_V32 = Architecture(
   model_type="deepseek_v32",
   read=lambda r, kw: _read_dsa(r, kw, glm=False),
   write=lambda c: _write_dsa(c, glm=False),
-  **_MLA,
+  **_DSA,
 )
 GLM_MOE_DSA = Architecture(
   name="GlmMoeDsaForCausalLM",
   model_type="glm_moe_dsa",
   read=lambda r, kw: _read_dsa(r, kw, glm=True),
   write=lambda c: _write_dsa(c, glm=True),
-  **_MLA,
+  **_DSA,
 )
 # Kimi-K2.5 wraps a DeepSeek-V3 text model (its `text_config`) with a vision tower.
 MULTIMODAL_TEXT = {"KimiK25ForConditionalGeneration": "DeepseekV3ForCausalLM"}
