@@ -26,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLE_MODELS = (
   ("DeepSeek-V3", "deepseek_v3.json"),
   ("Kimi-K2", "kimi_k2.json"),
+  ("GLM-5", "glm_5.json"),
   ("Qwen3-235B-A22B", "qwen3_235b_a22b.json"),
   ("gpt-oss-120b", "gpt_oss_120b.json"),
   ("Qwen3.5-397B-A17B", "qwen3_5_397b_a17b.json"),

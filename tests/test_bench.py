@@ -14,6 +14,7 @@ import jaxspec
 from jaxspec.cli import bench
 from jaxspec.cli.bench import cost_curve
 from jaxspec.cli.bench import generate
+from jaxspec.cli.bench import latent
 from jaxspec.cli.bench import quant
 from jaxspec.cli.bench import runners
 
@@ -31,6 +32,7 @@ OWN_FLAG = {
   "compile": "--layers",
   "device": "--sections",
   "hybrid-context": "--contexts",
+  "latent": "--kv_lora_rank",
   "gdn": "--traceback",
   "hybrid-tree": "--traceback",
 }
@@ -380,3 +382,12 @@ def test_quant_cost_mode(tmp_path):
     assert all(s > 0 for s in f32["seconds"].values())
   with open(out) as f:
     assert len(json.load(f)["rows"]) == 6
+
+
+def test_latent_bench_measures_both_caches_at_tiny_sizes():
+  # r + dr = 40 values per token against 2 heads × (16 + 8) × 2 for K and V.
+  m = latent.measure(64, heads=2, r=32, dn=16, dr=8, dv=16, repeats=1)
+  assert latent.cache_bytes_per_token(2, 32, 16, 8) == (2 * 2 * 24 * 4, 40 * 4)
+  assert m["gqa_bytes"] == 64 * 2 * 2 * 24 * 4
+  assert m["latent_bytes"] == 64 * 40 * 4 + 32 * 2 * 32 * 4  # the cache and kv_b_proj
+  assert m["gqa_s"] > 0 and m["latent_s"] > 0

@@ -4,15 +4,19 @@ The planner needs, for every weight, its path (which decides its quantization ro
 `jaxspec.quant.policy.role_of`), shape, dtype and logical axes (which decide its sharding,
 `jaxspec.sharding`); and for the decoding state the same per array. Two sources:
 
-* **traced** — the architectures jaxspec builds (`io.architectures.config_from_hf`: Qwen3, Qwen3-MoE,
-  GLM4-MoE, gpt-oss). The parameter tree is `jax.eval_shape` of the model's own initialiser
+* **traced** — every architecture jaxspec builds (`io.architectures.config_from_hf`: Qwen3,
+  Qwen3-MoE, GLM4-MoE, gpt-oss, Qwen3.5, and the MLA targets DeepSeek-V3 / Kimi-K2 / DeepSeek-V3.2
+  / GLM-5). The parameter tree is `jax.eval_shape` of the model's own initialiser
   (`jaxspec.models.target.param_shapes` / `logical_axes`) and the state is `eval_shape` of
-  `DecodingState.create`, so the planner counts exactly what the code allocates.
-* **formula** — architectures jaxspec cannot build: DeepSeek-V3 / Kimi-K2 multi-head latent
-  attention (MLA) and Qwen3.5 / Qwen3-Next hybrids (Gated DeltaNet layers). `formula_weights`
-  writes the same kind of entries, with jaxspec's path and axis conventions, from the config's
-  numbers; it also covers the buildable architectures so tests can cross-check it against the
-  traced count.
+  `DecodingState.create` (the latent cache kinds of `jaxspec.state.latent` for MLA), so the
+  planner counts exactly what the code allocates, and nothing is allocated.
+* **formula** — the same entries written from the config's numbers, with jaxspec's path and
+  axis conventions. It is kept as a cross-check (tests compare it with the traced tree) and for
+  architectures named in config.json that jaxspec does not build.
+
+DSA (DeepSeek-V3.2, GLM-5): until the lightning indexer lands in jaxspec (models/dsa.py), the
+traced tree and state lack it; `model_spec` adds its weights and its key cache from the formula
+(`indexer_weights`, `indexer_state`) and says so in `ModelSpec.counted` ("traced+formula").
 
 Decoding state of the formula architectures, per sequence:
 
@@ -43,13 +47,20 @@ from jaxspec.options import RunOptions
 from jaxspec.errors import ConfigError
 from jaxspec.state import KV_FORMATS, DecodingState, logical_axes
 
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+MLA_ARCHITECTURES = (
+  "DeepseekV3ForCausalLM",
+  "DeepseekV2ForCausalLM",
+  "KimiK2ForCausalLM",
+) + DSA_ARCHITECTURES
 HYBRID_ARCHITECTURES = (
   "Qwen3NextForCausalLM",
   "Qwen3_5MoeForCausalLM",
   "Qwen3_5MoeForConditionalGeneration",
 )
-PLANNED_ARCHITECTURES = SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES
+PLANNED_ARCHITECTURES = tuple(
+  dict.fromkeys(SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +94,7 @@ class ModelSpec:
 
   name: str
   architecture: str
-  counted: str  # "traced" or "formula"
+  counted: str  # "traced", "formula", or "traced+formula" (DSA's indexer from the formula)
   weights: tuple[Tensor, ...]
   dims: Mapping[str, int]
   config: ModelConfig | None = None  # set when jaxspec can build the model
@@ -104,7 +115,11 @@ class ModelSpec:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
     if self.config is not None:
       shapes = jax.eval_shape(lambda: DecodingState.create(self.config, batch, max_len, kv_format))
-      return _state_tensors(shapes, "state")
+      state = _state_tensors(shapes, "state")
+      if self.config.is_dsa and not any("index" in t.path for t in state):
+        # TODO(models/dsa.py): the indexer's key cache, from the formula until it is traced.
+        state += indexer_state(self.hf, batch, max_len, kv_format, self.param_dtype)
+      return state
     return _formula_state(self, batch, max_len, kv_format)
 
 
@@ -148,7 +163,13 @@ def model_spec(
   dims = _dims(hf, arch)
   if buildable and source != "formula":
     config = config_from_hf(hf, options=RunOptions(dtype=param_dtype, param_dtype=param_dtype))
-    return ModelSpec(name or arch, arch, "traced", traced_weights(config), dims, config, hf)
+    weights, counted = traced_weights(config), "traced"
+    if config.is_dsa and not any("/indexer/" in w.path for w in weights):
+      # TODO(models/dsa.py): trace the lightning indexer once the module lands; until then its
+      # weights come from the formula (same paths and axes as `_indexer` writes them).
+      weights += indexer_weights(hf, param_dtype)
+      counted = "traced+formula"
+    return ModelSpec(name or arch, arch, counted, weights, dims, config, hf)
   return ModelSpec(name or arch, arch, "formula", formula_weights(hf, param_dtype), dims, None, hf)
 
 
@@ -231,6 +252,8 @@ def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) ->
       keys_only=d["cache_heads"] == 1 and d.get("mla", 0) == 1,
     )
   )
+  if spec.architecture in DSA_ARCHITECTURES:
+    out += indexer_state(spec.hf, batch, max_len, kv_format, dtype)
   if d["linear_layers"]:
     out.append(
       Tensor(
@@ -400,12 +423,45 @@ def _mla_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfi
     w.stack(p, n, "self_attn/q_b_proj/kernel", (q_lora, q, qk), ("q_lora", "heads", "head_dim"))
   else:
     w.stack(p, n, "self_attn/q_proj/kernel", (h, q, qk), ("embed", "heads", "head_dim"))
-  w.stack(p, n, "self_attn/kv_a_proj/kernel", (h, lora + rope), ("embed", "kv_lora"))
+  w.stack(p, n, "self_attn/kv_a_proj_with_mqa/kernel", (h, lora + rope), ("embed", "kv_lora"))
   w.stack(p, n, "self_attn/kv_a_layernorm/scale", (lora,), ("kv_lora",))
   w.stack(
     p, n, "self_attn/kv_b_proj/kernel", (lora, q, qk - rope + v), ("kv_lora", "heads", "head_dim")
   )
   w.stack(p, n, "self_attn/o_proj/kernel", (q, v, h), ("heads", "head_dim", "embed"))
+
+
+def _indexer(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader):
+  """DSA's lightning indexer (DeepSeek-V3.2, GLM-5): its own low-rank query heads, one key per
+  token (LayerNorm'd) and a per-head weighting of the scores. Names and axes follow the indexer
+  module being written (models/dsa.py); none of its axes is sharded."""
+  h, q_lora = d["hidden"], r.integer("q_lora_rank")
+  heads, dim = r.integer("index_n_heads"), r.integer("index_head_dim")
+  a = "self_attn/indexer"
+  w.stack(p, n, f"{a}/wq_b/kernel", (q_lora, heads, dim), ("q_lora", None, None))
+  w.stack(p, n, f"{a}/wk/kernel", (h, dim), ("embed", None))
+  w.stack(p, n, f"{a}/k_norm/scale", (dim,), (None,))
+  w.stack(p, n, f"{a}/k_norm/bias", (dim,), (None,))
+  w.stack(p, n, f"{a}/weights_proj/kernel", (h, heads), ("embed", None))
+
+
+def indexer_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tuple[Tensor, ...]:
+  """The lightning indexer's weights of a DSA config, by formula (main layers and MTP)."""
+  return tuple(t for t in formula_weights(hf, param_dtype) if "/indexer/" in t.path)
+
+
+def indexer_state(
+  hf: Mapping[str, Any], batch: int, max_len: int, kv_format: str, dtype: str
+) -> tuple[Tensor, ...]:
+  """The indexer's key cache of a DSA config: index_head_dim values per token in every layer
+  that runs its indexer ("full" in `indexer_types`; "shared" layers reuse a selection), in
+  the run's KV format."""
+  config = config_from_hf(hf)
+  layers = sum(kind == "full" for kind in config.indexer_types)
+  return kv_kind_tensors(
+    "state.indexer", layers, batch, max_len, 1, config.index_head_dim, kv_format, dtype,
+    keys_only=True,
+  )
 
 
 def _gated_deltanet(w: _Weights, p: str, n: int, d: Mapping[str, int]):
@@ -484,6 +540,9 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
     kinds = tuple(
       ("full" if (i + 1) % interval == 0 else "linear", m) for i, m in enumerate(is_moe)
     )
+  elif arch in DSA_ARCHITECTURES:
+    indexed = config_from_hf(hf).indexer_types
+    kinds = tuple(("dsa" if t == "full" else "full", m) for t, m in zip(indexed, is_moe))
   else:
     kinds = tuple(("full", m) for m in is_moe)
   runs: list[list] = []
@@ -501,7 +560,8 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
     for norm in ("enorm", "hnorm", "post_norm"):
       w.add(f"{p}/{norm}/scale", (h,), ("embed",))
     block = _Weights(param_dtype)
-    _layer(block, f"{p}/block", 1, d, r, arch, "full", d["experts"] > 0)
+    mixer = "dsa" if arch in DSA_ARCHITECTURES else "full"
+    _layer(block, f"{p}/block", 1, d, r, arch, mixer, d["experts"] > 0)
     w.items += [  # one layer, no leading `layers` axis
       Tensor(t.path, t.shape[1:], t.dtype, t.axes[1:]) for t in block.items
     ]
@@ -519,6 +579,8 @@ def _layer(w: _Weights, p: str, n: int, d, r, arch: str, mixer: str, moe: bool) 
     _gated_deltanet(w, p, n, d)
   elif arch in MLA_ARCHITECTURES:
     _mla_attention(w, p, n, d, r)
+    if mixer == "dsa":
+      _indexer(w, p, n, d, r)
   else:
     _gqa_attention(w, p, n, d, r, arch)
   if moe:

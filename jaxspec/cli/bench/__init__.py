@@ -103,6 +103,12 @@ SUBCOMMANDS = {
       "tools/bench_hybrid_context.py",
     ),
     Subcommand(
+      "latent",
+      "latent",
+      "decode-step attention over MLA's latent cache against an equivalent GQA cache",
+      "no earlier script",
+    ),
+    Subcommand(
       "gdn",
       "gdn",
       "the gated delta rule: recurrent against chunked form (XLA and Pallas), per call",
