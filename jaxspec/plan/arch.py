@@ -14,10 +14,6 @@ The planner needs, for every weight, its path (which decides its quantization ro
   axis conventions. It is kept as a cross-check (tests compare it with the traced tree) and for
   architectures named in config.json that jaxspec does not build.
 
-DSA (DeepSeek-V3.2, GLM-5): until the lightning indexer lands in jaxspec (models/dsa.py), the
-traced tree and state lack it; `model_spec` adds its weights and its key cache from the formula
-(`indexer_weights`, `indexer_state`) and says so in `ModelSpec.counted` ("traced+formula").
-
 Decoding state of the formula architectures, per sequence:
 
 * MLA keeps the compressed latent, as serving engines do: kv_lora_rank + qk_rope_head_dim
@@ -94,7 +90,7 @@ class ModelSpec:
 
   name: str
   architecture: str
-  counted: str  # "traced", "formula", or "traced+formula" (DSA's indexer from the formula)
+  counted: str  # "traced" or "formula"
   weights: tuple[Tensor, ...]
   dims: Mapping[str, int]
   config: ModelConfig | None = None  # set when jaxspec can build the model
@@ -115,11 +111,7 @@ class ModelSpec:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
     if self.config is not None:
       shapes = jax.eval_shape(lambda: DecodingState.create(self.config, batch, max_len, kv_format))
-      state = _state_tensors(shapes, "state")
-      if self.config.is_dsa and not any("index" in t.path for t in state):
-        # TODO(models/dsa.py): the indexer's key cache, from the formula until it is traced.
-        state += indexer_state(self.hf, batch, max_len, kv_format, self.param_dtype)
-      return state
+      return _state_tensors(shapes, "state")
     return _formula_state(self, batch, max_len, kv_format)
 
 
@@ -163,13 +155,7 @@ def model_spec(
   dims = _dims(hf, arch)
   if buildable and source != "formula":
     config = config_from_hf(hf, options=RunOptions(dtype=param_dtype, param_dtype=param_dtype))
-    weights, counted = traced_weights(config), "traced"
-    if config.is_dsa and not any("/indexer/" in w.path for w in weights):
-      # TODO(models/dsa.py): trace the lightning indexer once the module lands; until then its
-      # weights come from the formula (same paths and axes as `_indexer` writes them).
-      weights += indexer_weights(hf, param_dtype)
-      counted = "traced+formula"
-    return ModelSpec(name or arch, arch, counted, weights, dims, config, hf)
+    return ModelSpec(name or arch, arch, "traced", traced_weights(config), dims, config, hf)
   return ModelSpec(name or arch, arch, "formula", formula_weights(hf, param_dtype), dims, None, hf)
 
 
@@ -434,32 +420,29 @@ def _mla_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfi
 def _indexer(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader):
   """DSA's lightning indexer (DeepSeek-V3.2, GLM-5): its own low-rank query heads, one key per
   token (LayerNorm'd) and a per-head weighting of the scores. Names and axes follow the indexer
-  module being written (models/dsa.py); none of its axes is sharded."""
+  module (models/dsa.py)."""
   h, q_lora = d["hidden"], r.integer("q_lora_rank")
   heads, dim = r.integer("index_n_heads"), r.integer("index_head_dim")
   a = "self_attn/indexer"
-  w.stack(p, n, f"{a}/wq_b/kernel", (q_lora, heads, dim), ("q_lora", None, None))
-  w.stack(p, n, f"{a}/wk/kernel", (h, dim), ("embed", None))
-  w.stack(p, n, f"{a}/k_norm/scale", (dim,), (None,))
-  w.stack(p, n, f"{a}/k_norm/bias", (dim,), (None,))
-  w.stack(p, n, f"{a}/weights_proj/kernel", (h, heads), ("embed", None))
-
-
-def indexer_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tuple[Tensor, ...]:
-  """The lightning indexer's weights of a DSA config, by formula (main layers and MTP)."""
-  return tuple(t for t in formula_weights(hf, param_dtype) if "/indexer/" in t.path)
+  w.stack(p, n, f"{a}/wq_b/kernel", (q_lora, heads, dim), ("q_lora", "heads", "head_dim"))
+  w.stack(p, n, f"{a}/wk/kernel", (h, dim), ("embed", "head_dim"))
+  w.stack(p, n, f"{a}/k_norm/scale", (dim,), ("head_dim",))
+  w.stack(p, n, f"{a}/k_norm/bias", (dim,), ("head_dim",))
+  w.stack(p, n, f"{a}/weights_proj/kernel", (h, heads), ("embed", "heads"))
 
 
 def indexer_state(
   hf: Mapping[str, Any], batch: int, max_len: int, kv_format: str, dtype: str
 ) -> tuple[Tensor, ...]:
   """The indexer's key cache of a DSA config: index_head_dim values per token in every layer
-  that runs its indexer ("full" in `indexer_types`; "shared" layers reuse a selection), in
-  the run's KV format."""
+  that runs its indexer ("full" in `indexer_types`; "shared" layers reuse a selection), kept
+  in the float dtype whatever the latent cache's format
+  (state/indexer.py)."""
+  del kv_format
   config = config_from_hf(hf)
   layers = sum(kind == "full" for kind in config.indexer_types)
   return kv_kind_tensors(
-    "state.indexer", layers, batch, max_len, 1, config.index_head_dim, kv_format, dtype,
+    "state.indexer", layers, batch, max_len, 1, config.index_head_dim, "float", dtype,
     keys_only=True,
   )
 
