@@ -43,7 +43,13 @@ def _glm_with_mtp() -> ModelConfig:
 
 
 @pytest.mark.parametrize(
-  "name", ["glm4moe_grouped_shared_partial", "qwen3moe_norm_mlponly", "qwen3_mha_tied"]
+  "name",
+  [
+    "glm4moe_grouped_shared_partial",
+    "qwen3moe_norm_mlponly",
+    "qwen3_mha_tied",
+    *sorted(hf_models.MLA_CONFIGS),  # DeepSeek-V3 layout: MLA projections, latent norms
+  ],
 )
 def test_save_hf_loads_in_transformers_with_same_logits(tmp_path, name):
   hf_model = hf_models.save_hf_model(name, str(tmp_path / "in"))
