@@ -260,10 +260,9 @@ HYBRID_CONFIGS = {
 
 
 def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-  """A float32 HF model of configuration `name` (CONFIGS or HYBRID_CONFIGS) with perturbed
-  random weights, in eval mode."""
-  spec = CONFIGS[name] if name in CONFIGS else HYBRID_CONFIGS[name]
-  return build_hf_model_from(*spec, seed=seed)
+  """A float32 HF model of configuration `name` (CONFIGS, HYBRID_CONFIGS or MLA_CONFIGS) with
+  perturbed random weights, in eval mode."""
+  return build_any(name, seed)
 
 
 def build_hf_model_from(

@@ -43,7 +43,13 @@ def _glm_with_mtp() -> ModelConfig:
 
 
 @pytest.mark.parametrize(
-  "name", ["glm4moe_grouped_shared_partial", "qwen3moe_norm_mlponly", "qwen3_mha_tied"]
+  "name",
+  [
+    "glm4moe_grouped_shared_partial",
+    "qwen3moe_norm_mlponly",
+    "qwen3_mha_tied",
+    *sorted(hf_models.MLA_CONFIGS),  # DeepSeek-V3 layout: MLA projections, latent norms
+  ],
 )
 def test_save_hf_loads_in_transformers_with_same_logits(tmp_path, name):
   hf_model = hf_models.save_hf_model(name, str(tmp_path / "in"))
@@ -332,3 +338,97 @@ def test_replace_num_layers_follows_qwen3moe_sparse_step(name, grown):
   assert config_from_hf(config_to_hf(wide)) == wide
   model = target_lib.TargetModel.random(wide, seed=0)
   assert np.isfinite(np.asarray(model.logits([[1, 2, 3]]))).all()
+
+
+# Kimi-K2.5: a DeepSeek-V3 text model (text_config) wrapped with a vision tower and projector.
+_KIMI_VISION = dict(
+  patch_size=4,
+  pos_emb_height=4,
+  pos_emb_width=4,
+  pos_emb_time=2,
+  num_attention_heads=2,
+  num_hidden_layers=1,
+  hidden_size=16,
+  intermediate_size=24,
+)
+
+
+def _published_kimi_name(name: str) -> str:
+  """transformers' in-memory Kimi-K2.5 name → the published checkpoints' (LLaVA-style) one."""
+  for ours, theirs in (
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision_tower.encoder."),
+    ("model.mm_projector.", "mm_projector."),
+  ):
+    if name.startswith(ours):
+      return theirs + name[len(ours) :]
+  return name
+
+
+def _per_expert(state: dict) -> dict:
+  """transformers' fused in-memory experts (`experts.gate_up_proj` [E, 2I, H], `down_proj`
+  [E, H, I]) → the per-expert tensors checkpoints store (`experts.{e}.gate_proj.weight`, ...)."""
+  out = {}
+  for k, v in state.items():
+    if k.endswith("mlp.experts.gate_up_proj"):
+      half = v.shape[1] // 2
+      for e in range(v.shape[0]):
+        out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :half]
+        out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, half:]
+    elif k.endswith("mlp.experts.down_proj"):
+      for e in range(v.shape[0]):
+        out[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e]
+    else:
+      out[k] = v
+  return out
+
+
+@pytest.fixture(scope="module")
+def kimi_k25(tmp_path_factory):
+  """HF Kimi_K25ForConditionalGeneration and {layout: checkpoint dir} of its tensors under
+  transformers' names (`model.language_model.*`) and under the published checkpoints' names
+  (`language_model.model.*`, remote-code architecture name, text_config model_type kimi_k2).
+  Written from the state dict: transformers 5.24's save_pretrained mangles this model's text
+  q_proj (its vision `wqkv` conversion reversed onto it)."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+  text = dict(hf_models.MLA_CONFIGS["deepseek_v3_plainq_flat"][2])
+  tied = text.pop("tie_word_embeddings")
+  hf_model = hf_models.build_hf_model_from(
+    "Kimi_K25Config",
+    "Kimi_K25ForConditionalGeneration",
+    dict(
+      text_config=text,
+      vision_config=_KIMI_VISION,
+      projection_hidden_size=16,
+      tie_word_embeddings=tied,
+    ),
+  )
+  state = _per_expert({k: v.detach().numpy().copy() for k, v in hf_model.state_dict().items()})
+  cfg = hf_model.config.to_dict()
+  dirs = {}
+  for layout in ("transformers", "published"):
+    d = str(tmp_path_factory.mktemp(f"kimi_{layout}"))
+    names = (lambda k: k) if layout == "transformers" else _published_kimi_name
+    save_file({names(k): v for k, v in state.items()}, os.path.join(d, "model.safetensors"))
+    c = dict(cfg, architectures=["Kimi_K25ForConditionalGeneration"])  # what a save writes
+    if layout == "published":
+      c["architectures"] = ["KimiK25ForConditionalGeneration"]
+      c["text_config"] = dict(c["text_config"], model_type="kimi_k2")
+    with open(os.path.join(d, "config.json"), "w") as f:
+      json.dump(c, f)
+    dirs[layout] = d
+  return hf_model, dirs
+
+
+@pytest.mark.parametrize("layout", ["transformers", "published"])
+def test_kimi_k25_checkpoint_loads_its_text_model(kimi_k25, layout):
+  hf_model, dirs = kimi_k25
+  with pytest.warns(UserWarning, match=r"vision-tower tensor\(s\) \(.*vision_tower\.\*"):
+    model = jaxspec.load_model(dirs[layout])
+  assert model.config.architecture == "DeepseekV3ForCausalLM" and model.config.is_mla
+  assert not model.config.tie_word_embeddings and model.config.num_layers == 2
+  ids = np.random.default_rng(5).integers(0, model.config.vocab_size, (2, 9))
+  ref = hf_models.hf_logits(hf_model, ids)  # text-only input: the VL model's text path
+  near_ties.assert_logits_match(model, ids, np.asarray(model.logits(ids)), ref, atol=1e-4)

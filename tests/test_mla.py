@@ -327,3 +327,46 @@ def test_sampled_sequences_follow_the_target_distribution():
     target, _ArgmaxButReportsQ(gamma=2, params=base.params, config=base.config), engine_cfg
   )
   assert sampled_pvalue(bad, prompt, length, 12, outcomes, probs) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantizing an MLA target by policy
+# ------------------------------------------------------------------------------------------------
+
+MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def test_fp8_attention_and_mxfp4_experts_policy_on_an_mla_target(tmp_path):
+  """FP8 attention (every MLA projection, kv_b_proj read through `materialize` in both forms)
+  and MXFP4 experts: reported, close to float, exact through a jaxspec checkpoint."""
+  from jaxspec import quant  # pylint: disable=import-outside-toplevel
+  from jaxspec.io.hf import save_hf  # pylint: disable=import-outside-toplevel
+
+  config_cls, model_cls, kwargs = hf_models.MLA_CONFIGS["deepseek_v3_qlora_grouped_yarn"]
+  kwargs = dict(kwargs, moe_intermediate_size=32, num_hidden_layers=2)  # MXFP4 blocks of 32
+  hf_models.build_hf_model_from(config_cls, model_cls, kwargs).save_pretrained(str(tmp_path / "f"))
+  model = load_model(str(tmp_path / "f"))
+  cfg = model.config
+  q = quant.quantize(model, (("experts", "mxfp4"), ("attention", "fp8")))
+  formats = q.quant_report.formats
+  for layer in ("layers_0/0", "layers_1/0"):
+    for p in MLA_ATTENTION:
+      assert formats[f"{layer}/self_attn/{p}/kernel"] == "fp8", (layer, p)
+  assert {formats[p] for p in formats if quant.role_of(p) == "experts"} == {"mxfp4"}
+  assert q.params["layers_1"]["0"]["self_attn"]["kv_b_proj"]["kernel"].scales.shape == (4, 20)  # per head and column
+  ids = _ids(cfg.vocab_size, (2, 10), seed=4)
+  got, want = np.asarray(q.logits(jnp.asarray(ids))), np.asarray(model.logits(jnp.asarray(ids)))
+  is_q = lambda x: isinstance(x, quant.QTensor)
+  deq = dataclasses.replace(
+    q,
+    params=jax.tree_util.tree_map(lambda x: x.dequantize() if is_q(x) else x, q.params, is_leaf=is_q),
+    quant_report=None,
+  )
+  np.testing.assert_allclose(got, np.asarray(deq.logits(jnp.asarray(ids))), atol=1e-5, rtol=1e-5)
+  # Quantized for real, and near float (MXFP4's 4-bit experts dominate on these random weights).
+  err = np.abs(got - want).max()
+  assert 1e-3 < err < 0.25 * np.abs(want).max(), err
+  np.testing.assert_allclose(_cached_logits(q, ids, (10,)), got, atol=1e-4, rtol=1e-4)
+  save_hf(q, str(tmp_path / "q"))
+  again = load_model(str(tmp_path / "q"))
+  np.testing.assert_array_equal(np.asarray(again.logits(jnp.asarray(ids))), got)

@@ -341,8 +341,34 @@ def check_finite(name: str, w: np.ndarray, where: str) -> None:
     raise CheckpointError(f"tensor {name} in {where} holds NaN or Inf values")
 
 
-LANGUAGE_MODEL_PREFIX = "model.language_model."  # a vision-language checkpoint's text model
-VISUAL_PREFIX = "model.visual."
+# Vision-language checkpoints wrap the text model under a prefix; jaxspec reads the text model
+# under its own names. (stored prefix, text-layout prefix), longest first:
+# * `model.language_model.`: transformers' layout (Qwen3.5, and Kimi-K2.5 in memory);
+# * `language_model.model.` / `language_model.lm_head.`: the LLaVA-style layout published
+#   Kimi-K2.5 checkpoints store (transformers' kimi_k25 conversion mapping renames it on load).
+# (transformers 5.24's save_pretrained of Kimi-K2.5 reverses that mapping lossily, e.g. the
+# text q_proj written as `self_wqkv`: such a save is not a layout to read.)
+TEXT_PREFIXES = (
+  ("model.language_model.", "model."),
+  ("language_model.model.", "model."),
+  ("language_model.lm_head.", "lm_head."),
+)
+# The vision tower and projector of those checkpoints: left out with a warning.
+VISION_PREFIXES = (
+  "model.visual.",
+  "model.vision_tower.",
+  "model.mm_projector.",
+  "vision_tower.",
+  "mm_projector.",
+)
+
+
+def text_name(name: str) -> str | None:
+  """A wrapped text-model tensor's name in the text layout, or None if `name` is not one."""
+  for stored, text in TEXT_PREFIXES:
+    if name.startswith(stored):
+      return text + name[len(stored) :]
+  return None
 
 
 class _TensorSource:
@@ -362,30 +388,29 @@ class _TensorSource:
       raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
     self._handles: dict[str, Any] = {}
     self._stored: dict[str, str] = {}  # name read → name in the files (multimodal layout)
-    if any(k.startswith(LANGUAGE_MODEL_PREFIX) for k in self.file_of):
+    if any(text_name(k) is not None for k in self.file_of):
       self._text_only(model_dir, quiet)
 
   def _text_only(self, model_dir: str, quiet: bool) -> None:
-    """A vision-language checkpoint (published Qwen3.5): its text model's tensors under the
-    text layout's names (`model.language_model.X` read as `model.X`), the vision tower's
-    (`model.visual.*`) left out with a warning."""
-    visual = [k for k in self.file_of if k.startswith(VISUAL_PREFIX)]
+    """A vision-language checkpoint (Qwen3.5, Kimi-K2.5): its text model's tensors under the
+    text layout's names (`TEXT_PREFIXES`), the vision tower's and projector's
+    (`VISION_PREFIXES`) left out with a warning."""
+    visual = [k for k in self.file_of if k.startswith(VISION_PREFIXES)]
     files = {}
     for k, path in self.file_of.items():
-      if k.startswith(VISUAL_PREFIX):
+      if k.startswith(VISION_PREFIXES):
         continue
-      name = (
-        "model." + k[len(LANGUAGE_MODEL_PREFIX) :] if k.startswith(LANGUAGE_MODEL_PREFIX) else k
-      )
+      name = text_name(k) or k
       if name in files:
-        raise CheckpointError(f"{model_dir} holds both {k} and {name}")
+        raise CheckpointError(f"{model_dir} holds both {self._stored.get(name, name)} and {k}")
       files[name] = path
       self._stored[name] = k
     self.file_of = files
     if visual and not quiet:
+      where = sorted({p + "*" for p in VISION_PREFIXES for v in visual if v.startswith(p)})
       warnings.warn(
         f"checkpoint in {model_dir}: ignoring the {len(visual)} vision-tower tensor(s) "
-        f"({VISUAL_PREFIX}*): jaxspec runs the text model",
+        f"({', '.join(where)}): jaxspec runs the text model",
         stacklevel=4,
       )
 

@@ -8,7 +8,8 @@ it is. Roles, from the parameter tree:
                    gpt-oss's fused gate_up_proj)
   shared_experts   the always-on shared experts of MoE layers
   mlp              dense feed-forward layers
-  attention        q / k / v / o projections
+  attention        q / k / v / o projections; MLA's q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+                   kv_b_proj (its latent norms are norms)
   router           MoE router weights (float32, as HF keeps them)
   lm_head          an untied LM head
   mtp              everything in the MTP layers
@@ -54,6 +55,9 @@ DEFAULT_POLICY = (("experts", "mxfp4"), ("attention", "fp8"), ("router", "fp8"))
 
 # Logical axes a weight may have in front of its matrix: a stack of layers, or of experts.
 _LEADING = ("layers", "expert")
+# MLA's low-rank latents: the input of q_b_proj [q_lora, heads, head_dim] and of kv_b_proj
+# [kv_lora, heads, head_dim], weights that never see the "embed" axis.
+_LATENT_INPUTS = ("q_lora", "kv_lora")
 
 
 def path_str(path: tuple) -> str:
@@ -91,13 +95,16 @@ def role_of(path: str) -> str:
 def contraction_axes(axes: tuple) -> tuple[int, ...]:
   """A weight's contraction axes, as negative indices, from its logical axis names: "embed"
   when it comes first in the matrix (an input projection), else every axis before "embed"
-  (an output projection: o_proj contracts heads and head_dim, down_proj contracts mlp)."""
+  (an output projection: o_proj contracts heads and head_dim, down_proj contracts mlp); an
+  MLA up-projection without "embed" contracts its leading latent axis."""
   names = list(axes)
   n = len(names)
   lead = 0
   while lead < n and names[lead] in _LEADING:
     lead += 1
   matrix = names[lead:]
+  if "embed" not in matrix and matrix and matrix[0] in _LATENT_INPUTS:
+    return (lead - n,)
   if "embed" not in matrix:
     raise ConfigError(f"cannot tell the contraction axes of a weight with axes {axes}")
   at = matrix.index("embed")

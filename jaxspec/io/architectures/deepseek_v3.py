@@ -123,5 +123,9 @@ GLM_MOE_DSA = Architecture(
   write=lambda c: _write_dsa(c, glm=True),
   **_DSA,
 )
-# Kimi-K2.5 wraps a DeepSeek-V3 text model (its `text_config`) with a vision tower.
-MULTIMODAL_TEXT = {"KimiK25ForConditionalGeneration": "DeepseekV3ForCausalLM"}
+# Kimi-K2.5 wraps a DeepSeek-V3 text model (its `text_config`) with a vision tower: published
+# config.json names the remote-code class, transformers' own save names `Kimi_K25...`.
+MULTIMODAL_TEXT = {
+  "KimiK25ForConditionalGeneration": "DeepseekV3ForCausalLM",
+  "Kimi_K25ForConditionalGeneration": "DeepseekV3ForCausalLM",
+}
