@@ -105,7 +105,8 @@ SCRIPT = DIE_AT_ONCE + textwrap.dedent(r"""
     quantized = jaxspec.quantize(checkpoint.restore(ckpt, mesh=None), POLICY)
     engine_q = jaxspec.SpecEngine(quantized, None, jaxspec.EngineConfig(
         method="plain", max_len=64, batch_size=2), mesh=mesh)
-    q_experts = engine_q.target.params["layers_1"]["mlp"]["gate_proj"]
+    q_run = engine_q.target.params["layers_1"]  # the engine decodes per layer: {"0": ...}
+    q_experts = q_run.get("0", q_run)["mlp"]["gate_proj"]
     report["quantized_spans_processes"] = not q_experts.values.is_fully_addressable
     report["quantized_format"] = q_experts.format
     report["quantized"] = engine_q.generate(
