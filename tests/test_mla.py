@@ -153,7 +153,7 @@ def test_config_errors_name_the_field():
 
 
 # ------------------------------------------------------------------------------------------------
-# Speculative decoding on an MLA target
+# Small random MLA configurations (jaxspec's own, no transformers)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -199,44 +199,8 @@ def hf_gqa_config() -> ModelConfig:
   )
 
 
-@pytest.fixture(scope="module")
-def mla_target() -> TargetModel:
-  cfg = _mla_config()
-  return TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 3))
-
-
-@pytest.fixture(scope="module")
-def mtp_greedy(mla_target):
-  return GreedyCheck(mla_target, MTPDrafter.from_target(mla_target, gamma=3), 48, batch_size=4)
-
-
-@pytest.fixture(scope="module")
-def dflash_greedy(mla_target):
-  return GreedyCheck(mla_target, small_dflash(mla_target), 48, batch_size=4)
-
-
-# CI runs batch 4 of MTP and DDTree (one compile each); the other cases are slow-marked.
-SLOW_BATCH_1 = [pytest.param(1, marks=pytest.mark.slow), 4]
-
-
-@pytest.mark.parametrize("batch", SLOW_BATCH_1)
-def test_mtp_greedy_equals_plain(mtp_greedy, batch):
-  mtp_greedy.check(batch, new=16)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 4])
-def test_dflash_chain_greedy_equals_plain(dflash_greedy, batch):
-  dflash_greedy.check(batch, new=16)
-
-
-@pytest.mark.parametrize("batch", SLOW_BATCH_1)
-def test_dflash_ddtree_greedy_equals_plain(dflash_greedy, batch):
-  dflash_greedy.check(batch, new=16, tree_budget=6)
-
-
 # ------------------------------------------------------------------------------------------------
-# DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2)
+# DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2) and speculative decoding
 # ------------------------------------------------------------------------------------------------
 
 
@@ -265,37 +229,42 @@ def _dsa_config(**changes) -> ModelConfig:
   return _mla_config(**{**dsa, **changes})
 
 
-@pytest.fixture(scope="module")
-def dsa_target() -> TargetModel:
-  cfg = _dsa_config()
-  return TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 5))
+# Greedy speculative decoding on an MLA target and a DSA target (GLM-5 with a shared-indexer
+# layer, index_topk 6 < the contexts), batch 1 and 4. CI runs the cases below (one compile
+# each); the others are slow-marked.
+IN_CI = {("dsa", "mtp", 4), ("mla", "ddtree", 4), ("dsa", "ddtree", 4)}
+CASES = [
+  pytest.param(kind, drafter, batch, marks=() if (kind, drafter, batch) in IN_CI else pytest.mark.slow)
+  for kind in ("mla", "dsa")
+  for drafter in ("mtp", "chain", "ddtree")
+  for batch in (1, 4)
+]
 
 
 @pytest.fixture(scope="module")
-def dsa_mtp_greedy(dsa_target):
-  return GreedyCheck(dsa_target, MTPDrafter.from_target(dsa_target, gamma=3), 48, batch_size=4)
+def spec_checks():
+  """(target kind, drafter) → a GreedyCheck of batch 4, built on first use."""
+  targets, checks = {}, {}
+
+  def get(kind: str, drafter: str) -> GreedyCheck:
+    if kind not in targets:
+      cfg = _mla_config() if kind == "mla" else _dsa_config()
+      targets[kind] = TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 3))
+    key = (kind, "mtp" if drafter == "mtp" else "dflash")
+    if key not in checks:
+      t = targets[kind]
+      d = MTPDrafter.from_target(t, gamma=3) if drafter == "mtp" else small_dflash(t)
+      checks[key] = GreedyCheck(t, d, 48, batch_size=4)
+    return checks[key]
+
+  return get
 
 
-@pytest.fixture(scope="module")
-def dsa_dflash_greedy(dsa_target):
-  return GreedyCheck(dsa_target, small_dflash(dsa_target), 48, batch_size=4)
-
-
-@pytest.mark.parametrize("batch", SLOW_BATCH_1)
-def test_dsa_mtp_greedy_equals_plain(dsa_mtp_greedy, batch):
-  dsa_mtp_greedy.check(batch, new=16)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 4])
-def test_dsa_dflash_chain_greedy_equals_plain(dsa_dflash_greedy, batch):
-  dsa_dflash_greedy.check(batch, new=16)
-
-
-@pytest.mark.parametrize("batch", SLOW_BATCH_1)
-def test_dsa_dflash_ddtree_greedy_equals_plain(dsa_dflash_greedy, batch):
-  """Tree verification: each node's indexer chooses among the prefix and its own ancestors."""
-  dsa_dflash_greedy.check(batch, new=16, tree_budget=6)
+@pytest.mark.parametrize("kind, drafter, batch", CASES)
+def test_greedy_speculation_equals_plain(spec_checks, kind, drafter, batch):
+  """MTP (the checkpoint's own layer; in DSA targets with its own indexer), DFlash chain and
+  DFlash + DDTree (each tree node's indexer chooses among its ancestors) equal plain decoding."""
+  spec_checks(kind, drafter).check(batch, new=16, tree_budget=6 if drafter == "ddtree" else 0)
 
 
 # ------------------------------------------------------------------------------------------------
