@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from jaxspec.config import ModelConfig
+from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.errors import ConfigError
 from jaxspec.io.hf import load_model
@@ -230,15 +231,15 @@ def _dsa_config(**changes) -> ModelConfig:
 
 
 # Greedy speculative decoding on an MLA target and a DSA target (GLM-5 with a shared-indexer
-# layer, index_topk 6 < the contexts), batch 1 and 4. CI runs the cases below (one compile
-# each); the others are slow-marked.
-IN_CI = {("dsa", "mtp", 4), ("mla", "ddtree", 4), ("dsa", "ddtree", 4)}
+# layer, index_topk 6 < the contexts), batch 1 and 4. CI runs two cases (one compile each);
+# the others are slow-marked.
+IN_CI = {("dsa", "mtp", 4), ("dsa", "ddtree", 4)}  # (a DSA target is an MLA target too)
 CASES = [
   pytest.param(kind, drafter, batch, marks=() if (kind, drafter, batch) in IN_CI else pytest.mark.slow)
   for kind in ("mla", "dsa")
   for drafter in ("mtp", "chain", "ddtree")
   for batch in (1, 4)
-]
+] + [pytest.param(kind, "eagle3", 4, marks=pytest.mark.slow) for kind in ("mla", "dsa")]
 
 
 @pytest.fixture(scope="module")
@@ -250,10 +251,15 @@ def spec_checks():
     if kind not in targets:
       cfg = _mla_config() if kind == "mla" else _dsa_config()
       targets[kind] = TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 3))
-    key = (kind, "mtp" if drafter == "mtp" else "dflash")
+    key = (kind, drafter if drafter in ("mtp", "eagle3") else "dflash")
     if key not in checks:
       t = targets[kind]
-      d = MTPDrafter.from_target(t, gamma=3) if drafter == "mtp" else small_dflash(t)
+      if drafter == "mtp":
+        d = MTPDrafter.from_target(t, gamma=3)
+      elif drafter == "eagle3":
+        d = Eagle3Drafter.random(t, target_layer_ids=(0, 1, 2), stddev=0.2, seed=2)
+      else:
+        d = small_dflash(t)
       checks[key] = GreedyCheck(t, d, 48, batch_size=4)
     return checks[key]
 
@@ -262,8 +268,9 @@ def spec_checks():
 
 @pytest.mark.parametrize("kind, drafter, batch", CASES)
 def test_greedy_speculation_equals_plain(spec_checks, kind, drafter, batch):
-  """MTP (the checkpoint's own layer; in DSA targets with its own indexer), DFlash chain and
-  DFlash + DDTree (each tree node's indexer chooses among its ancestors) equal plain decoding."""
+  """MTP (the checkpoint's own layer; in DSA targets with its own indexer), DFlash chain,
+  DFlash + DDTree (each tree node's indexer chooses among its ancestors) and EAGLE-3 (taps of
+  an MLA target) equal plain decoding."""
   spec_checks(kind, drafter).check(batch, new=16, tree_budget=6 if drafter == "ddtree" else 0)
 
 

@@ -64,6 +64,8 @@ def test_default_rules_cover_logical_axes():
     "layers": None,
     "length": None,
     "head_dim": None,
+    "q_lora": None,  # MLA's low-rank widths stay whole
+    "kv_lora": None,
   }
   for _, axes in sh.DEFAULT_RULES:
     assert axes is None or axes in sh.MESH_AXES
