@@ -150,7 +150,7 @@ def test_config_errors_name_the_field():
   with pytest.raises(ConfigError, match="multiple of 32"):
     DecodingState.create(_mla_config(kv_lora_rank=20), 1, 8, "q4_0")
   with pytest.raises(ConfigError, match="MLA targets only"):
-    LatentKV.create(hf_gqa_config(), 1, 1, 8)
+    LatentKV.create(_gqa_config(), 1, 1, 8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def _mla_config(**changes) -> ModelConfig:
   return ModelConfig(**base).with_options(scan_layers=False)
 
 
-def hf_gqa_config() -> ModelConfig:
+def _gqa_config() -> ModelConfig:
   return ModelConfig(
     architecture="Qwen3ForCausalLM", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
     num_kv_heads=1, head_dim=4, intermediate_size=8,
