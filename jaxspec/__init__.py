@@ -18,7 +18,7 @@ from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecErro
 from jaxspec.io.hf import load_model, save_hf
 from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
-from jaxspec.speculative.request import Request
+from jaxspec.speculative.request import Request, SamplingArgs
 from jaxspec.quant import quantize
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
   "NgramDrafter",
   "Request",
   "RunOptions",
+  "SamplingArgs",
   "SpecEngine",
   "TargetModel",
   "load_drafter",
