@@ -52,21 +52,6 @@ def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
   return kept.reshape(*lead, n) & visible
 
 
-def rope_first(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -> jax.Array:
-  """Rotates the first rotary_dim features of x [B, T, H, D] (the indexer's RoPE part).
-
-  Half-split: rotate-half as `layers.apply_rope`. Interleaved: the RoPE part's feature pairs
-  (x0, x1), (x2, x3), … are first laid out as [x0, x2, …; x1, x3, …] (the layout transformers'
-  interleaved RoPE returns), then rotated half-split; q and k share the layout, so their dot
-  products are those of the rotated pairs.
-  """
-  if interleave:
-    rd = cos.shape[-1]
-    rot = x[..., :rd]
-    x = jnp.concatenate([rot[..., 0::2], rot[..., 1::2], x[..., rd:]], axis=-1)
-  return apply_rope(x, cos, sin)
-
-
 class LayerNorm(nn.Module):
   """y = (x − mean) / sqrt(var + eps) · scale + bias over the last axis, in float32."""
 
@@ -128,8 +113,8 @@ class Indexer(nn.Module):
     k = Dense((dim,), ("embed", "head_dim"), name="wk", **dense)(x)
     k = LayerNorm(dim, K_NORM_EPS, "head_dim", c.param_dtype, name="k_norm")(k)
     interleave = c.indexer_rope_interleave
-    q = rope_first(q, cos, sin, interleave)  # [B, T, H, D]
-    k = rope_first(k[:, :, None, :], cos, sin, interleave)[:, :, 0, :]  # [B, T, D]
+    q = apply_rope(q, cos, sin, interleave)  # [B, T, H, D]
+    k = apply_rope(k[:, :, None, :], cos, sin, interleave)[:, :, 0, :]  # [B, T, D]
     w = Dense((heads,), ("embed", "heads"), name="weights_proj", **dense)(x)
     w = w.astype(jnp.float32) * heads**-0.5 * dim**-0.5  # both scales fold into the head weights
 

@@ -202,14 +202,22 @@ def rope_tables(
   return jnp.cos(emb) * attention, jnp.sin(emb) * attention
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def apply_rope(
+  x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False
+) -> jax.Array:
   """Rotates the first rotary_dim features of x [B, T, H, D] (rotate-half convention).
 
   cos/sin are [B, T, rotary_dim]; features past rotary_dim pass through (partial rotary).
+  `interleaved` (DeepSeek's layout): the rotary features are stored as pairs (x0, x1), (x2, x3),
+  …; they are laid out as [x0, x2, …; x1, x3, …] first (what transformers' interleaved RoPE
+  returns) and rotated half-split. Queries and keys share the layout, so their dot products are
+  those of the rotated pairs.
   """
   rd = cos.shape[-1]
   xf = x.astype(jnp.float32)
   x_rot, x_pass = xf[..., :rd], xf[..., rd:]
+  if interleaved:
+    x_rot = jnp.concatenate([x_rot[..., 0::2], x_rot[..., 1::2]], axis=-1)
   x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2 :]
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   c, s = cos[:, :, None, :], sin[:, :, None, :]

@@ -19,8 +19,9 @@ Two forms compute the same attention:
   absorbed form too).
 
 RoPE: DeepSeek stores the RoPE features pairwise interleaved (`rope_interleave`); they are
-de-interleaved before the rotate-half rotation, as transformers does, and cached so. The softmax
-scale is `config.attention_scale` ((dn + dr)^-0.5 with DeepSeek's YaRN mscale²).
+de-interleaved before the rotate-half rotation (`layers.apply_rope`), as transformers does, and
+cached so. The softmax scale is `config.attention_scale` ((dn + dr)^-0.5 with DeepSeek's YaRN
+mscale²).
 """
 
 from __future__ import annotations
@@ -37,17 +38,6 @@ from jaxspec.models import attention as attention_lib
 from jaxspec.models.dsa import Indexer
 from jaxspec.models.layers import Dense, RMSNorm, apply_rope, dtype_of, normal_init, weight
 from jaxspec.quant.formats import materialize
-
-
-def deinterleave(x: jax.Array) -> jax.Array:
-  """[..., d] features stored as pairs (x0, x1, x2, x3, …) → (x0, x2, …, x1, x3, …): the
-  rotate-half layout in which interleaved-pair RoPE is the ordinary rotation."""
-  return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-
-
-def rope_part(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
-  """RoPE on features [B, T, H, dr] that are all rotary (MLA's decoupled part)."""
-  return apply_rope(deinterleave(x) if interleaved else x, cos, sin)
 
 
 class KVUp(nn.Module):
@@ -120,14 +110,14 @@ class MLAttention(nn.Module):
       keys = None if kv is None else kv.index
       select, keys = Indexer(c, name="indexer")(x, q_lat, cos, sin, keys, layer, start, block_mask)
       kv = None if kv is None else kv.latent
-    q_nope, q_rope = q[..., :dn], rope_part(q[..., dn:], cos, sin, c.rope_interleave)
+    q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin, c.rope_interleave)
     latent = Dense(
       (r + dr,), ("embed", "kv_lora"), c.attention_bias, name="kv_a_proj_with_mqa", **dense
     )(x)
     c_kv = RMSNorm(r, c.rms_norm_eps, "kv_lora", c.param_dtype, name="kv_a_layernorm")(
       latent[..., :r]
     )
-    k_rope = rope_part(latent[..., None, r:], cos, sin, c.rope_interleave)  # [B, T, 1, dr]
+    k_rope = apply_rope(latent[..., None, r:], cos, sin, c.rope_interleave)  # [B, T, 1, dr]
     up = KVUp(c, name="kv_b_proj")()
     w_uk, w_uv = up[..., :dn], up[..., dn:]
     impl, chunk = c.options.attention_impl, c.options.attention_chunk
