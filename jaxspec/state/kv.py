@@ -34,7 +34,7 @@ def _positions(offset: jax.Array, size: int, batch: int) -> jax.Array:
   return jnp.broadcast_to(offset + jnp.arange(size, dtype=jnp.int32)[None, :], (batch, size))
 
 
-class _FullKV(Kind):
+class FullLengthKV(Kind):
   """A full-length cache: slot s holds position s, every position up to max_len."""
 
   @property
@@ -53,7 +53,7 @@ class _FullKV(Kind):
 
 
 @flax.struct.dataclass
-class FloatKV(_FullKV):
+class FloatKV(FullLengthKV):
   """Attention K/V of one segment in a float dtype: k, v [L, B, S, K, D]."""
 
   k: jax.Array
@@ -88,7 +88,7 @@ class FloatKV(_FullKV):
     return dict(k=self.k, v=self.v)
 
 
-class _QuantizedKV(_FullKV):
+class _QuantizedKV(FullLengthKV):
   """What the quantized kinds share: K and V stored as `encode` makes them, beside their
   scales, written quantized once and read back through `decode` chunk by chunk.
 

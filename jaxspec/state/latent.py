@@ -35,23 +35,21 @@ from jaxspec.quant.codecs import (
   q4_0_dequantize,
   q4_0_quantize,
 )
-from jaxspec.state.base import KVChunk, Kind, move_path, read_slots, write_block
+from jaxspec.state.base import Kind, move_path, read_slots, write_block
+from jaxspec.state.kv import FullLengthKV
 
 LATENT_AXES = ("layers", "batch", "length", "kv_lora")
 LATENT_SCALE_AXES = ("layers", "batch", "length")
 
 
-class _LatentCache(Kind):
+class _LatentCache(FullLengthKV):
   """What the latent formats share: a full-length cache of one vector per token (slot s holds
-  position s), stored as `encode` makes it (`c`, `scale`) and read back through `decode`.
+  position s; `FullLengthKV` answers the range and chunk questions through `read`), stored as
+  `encode` makes it (`c`, `scale`) and read back through `decode`.
 
   A subclass is a flax struct with fields c, scale (None for float), rank and dtype, and
   defines `encode(x) -> (stored, scale)`, `decode(stored, scale, dtype)` and `create`.
   """
-
-  @property
-  def kv_format(self) -> str:
-    return self.format
 
   @property
   def max_len(self) -> int:
@@ -73,16 +71,11 @@ class _LatentCache(Kind):
     k = self.decode(stored, scale, self.dtype)[:, :, None]
     return entry, k, k[..., : self.rank]
 
-  def read_range(self, start: jax.Array, lowest: jax.Array | None = None):
-    lo = 0 if lowest is None else jnp.clip(lowest, 0, None)
-    return lo, jnp.max(start)
-
-  def read_chunk(self, layer: jax.Array, offset: jax.Array, size: int, start: jax.Array):
+  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Slots offset..offset+size−1 as one KV head: k [B, S, 1, latent_dim], v its latent part."""
     piece = lambda x: None if x is None else read_slots(x, layer, offset, size)
-    k = self.decode(piece(self.c), piece(self.scale), self.dtype)[:, :, None]  # [B, S, 1, D]
-    batch = k.shape[0]
-    pos = jnp.broadcast_to(offset + jnp.arange(size, dtype=jnp.int32)[None, :], (batch, size))
-    return KVChunk(k, k[..., : self.rank], pos, pos < start[:, None])
+    k = self.decode(piece(self.c), piece(self.scale), self.dtype)[:, :, None]
+    return k, k[..., : self.rank]
 
   def commit_path(self, start: jax.Array, path: jax.Array):
     return self.replace(
