@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import attention as attention_lib
+from jaxspec.models import matmul
 from jaxspec.errors import ConfigError
-from jaxspec.quant.formats import QTensor, materialize
+from jaxspec.quant.formats import QTensor
 
 
 @jax.custom_jvp
@@ -91,7 +92,8 @@ class RMSNorm(nn.Module):
 class Dense(nn.Module):
   """x @ W (+ b) with W of shape [in, *out_shape] and logical axes (in_axis, *out_axes).
 
-  W may be a quantized weight (jaxspec.quant: read through `materialize`)."""
+  W may be a quantized weight (jaxspec.quant); the product is `matmul.dense`'s (a kernel that
+  reads the stored bytes on CPU decode and verify blocks, XLA otherwise)."""
 
   out_shape: Sequence[int]
   axes: Sequence[str]
@@ -112,12 +114,7 @@ class Dense(nn.Module):
     )
     dt = dtype_of(self.dtype)
     n = self.in_dims
-    y = jax.lax.dot_general(
-      x.astype(dt),
-      materialize(kernel, dt),
-      ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())),
-      preferred_element_type=jnp.float32 if dt == jnp.float32 else None,
-    )
+    y = matmul.dense(x, kernel, n, dt)
     if self.use_bias:
       bias = self.param(
         "bias",

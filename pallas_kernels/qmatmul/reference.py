@@ -12,6 +12,9 @@ The weight is 2-D and given by its stored arrays, in one of these formats (each 
                [ceil(N / bo), ceil(K / bi)], one per (bo × bi) block (`block`, default 128 × 128).
 * "mxfp4":     values uint8 [N, K/32, 16] (two E2M1 codes a byte, the even element in the low
                nibble); scales uint8 [N, K/32] (E8M0, 2^(s − 127)): the contraction axis last.
+               Or grouped along K: values [G, N, K/G/32, 16], scales [G, N, K/G/32], the storage
+               of a weight with two contraction axes [G, K/G, N] blocked along the second (an
+               output projection [heads, head_dim, hidden]); x's K runs over (g, k) in that order.
 
 Every dequantized weight is exact in float32, so the oracle and the kernels differ only in the
 summation order of the dot.
@@ -43,13 +46,18 @@ def check_inputs(
   m, k = x.shape
   shape = tuple(values.shape)
   if fmt == "mxfp4":
-    if len(shape) != 3 or shape[-1] != MX_BLOCK // 2 or values.dtype != jnp.uint8:
-      raise ValueError(f"mxfp4 values must be uint8 [N, K/32, 16], got {values.dtype}{shape}")
-    n, kb = shape[0], shape[1]
-    if kb * MX_BLOCK != k:
-      raise ValueError(f"x has K={k} but the mxfp4 weight holds K={kb * MX_BLOCK}")
-    if tuple(scales.shape) != (n, kb) or scales.dtype != jnp.uint8:
-      raise ValueError(f"mxfp4 scales must be uint8 [{n}, {kb}], got {scales.dtype}{scales.shape}")
+    if len(shape) not in (3, 4) or shape[-1] != MX_BLOCK // 2 or values.dtype != jnp.uint8:
+      raise ValueError(
+        f"mxfp4 values must be uint8 [N, K/32, 16] or [G, N, K/G/32, 16], got {values.dtype}{shape}"
+      )
+    groups = shape[0] if len(shape) == 4 else 1
+    n, kb = shape[-3], shape[-2]
+    if groups * kb * MX_BLOCK != k:
+      raise ValueError(f"x has K={k} but the mxfp4 weight holds K={groups * kb * MX_BLOCK}")
+    if tuple(scales.shape) != shape[:-1] or scales.dtype != jnp.uint8:
+      raise ValueError(
+        f"mxfp4 scales must be uint8 {list(shape[:-1])}, got {scales.dtype}{tuple(scales.shape)}"
+      )
     return m, k, n
   if len(shape) != 2:
     raise ValueError(f"{fmt} values must be a matrix, got shape {shape}")
@@ -77,7 +85,8 @@ def dequantize(
   if fmt == "float":
     return values.astype(jnp.float32)
   if fmt == "mxfp4":
-    return mxfp4_dequantize(values, scales, axis=-2, dtype=jnp.float32)
+    w = mxfp4_dequantize(values, scales, axis=-2, dtype=jnp.float32)  # [(G,) K/G, N]
+    return w.reshape(-1, w.shape[-1])
   if values.dtype == jnp.uint8:
     values = codecs.fp8_values(values)
   if fmt == "fp8":
