@@ -180,3 +180,38 @@ def test_bad_operands_raise():
     qmatmul(jnp.ones((2, 64)), values, scales, "int4")
   with pytest.raises(ValueError, match="scales"):
     qmatmul(jnp.ones((2, 64)), values, scales[:, :1], "mxfp4")
+
+
+PORTABLE_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from jaxspec.quant.formats import quantize_weight
+from pallas_kernels.qmatmul import cpu, qmatmul_reference
+assert cpu.available(), cpu.unavailable_reason()
+w = jax.random.normal(jax.random.key(0), (160, 72))
+for fmt in ("fp8", "mxfp4"):
+  q = quantize_weight(w, fmt, (-2,))
+  for m in (1, 5):
+    x = jax.random.normal(jax.random.key(m), (m, 160))
+    got = cpu.qmatmul_cpu(x, q.values, q.scales, fmt, (128, 128))
+    want = qmatmul_reference(x, q.values, q.scales, fmt)
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-4 * float(jnp.max(jnp.abs(want))), fmt
+print("portable ok")
+"""
+
+
+@pytest.mark.skipif(
+  __import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86 -march names"
+)
+def test_portable_decoders(tmp_path):
+  """The decoders other processors compile (no AVX-512, no F16C) agree with the oracle too."""
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  env = dict(os.environ, JAXSPEC_CPU_MARCH="x86-64-v2", JAXSPEC_KERNEL_CACHE=str(tmp_path))
+  env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+  done = subprocess.run(
+    [sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True, timeout=300
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "portable ok" in done.stdout

@@ -18,9 +18,10 @@ import numpy as np
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.options import RunOptions
+from jaxspec.models import matmul
 from jaxspec.models.layers import dtype_of, unfused_logits
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.quant.formats import materialize
+from jaxspec.quant.formats import is_quantized, materialize
 
 # Target features a feature drafter keeps for long contexts (its ring's size; 0 = all).
 DEFAULT_CONTEXT_WINDOW = 4096
@@ -53,8 +54,11 @@ def embed_tokens(shared: dict, tokens: jax.Array, dtype: str) -> jax.Array:
 def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:
   """The target's LM head on drafter hidden states: float32 logits [..., V]."""
   dt = dtype_of(dtype)
+  if "lm_head" in shared and (is_quantized(shared["lm_head"]) or dt == jnp.float32):
+    # The target's own product: a quantized head is read as stored (computed in float32).
+    return unfused_logits(matmul.dense(h.astype(dt), shared["lm_head"], 1, jnp.float32))
   if "lm_head" in shared:
-    head, spec = materialize(shared["lm_head"], dt), "...h,hv->...v"
+    head, spec = shared["lm_head"].astype(dt), "...h,hv->...v"
   else:
     head, spec = shared["embed"].astype(dt), "...h,vh->...v"
   return unfused_logits(jnp.einsum(spec, h.astype(dt), head, preferred_element_type=jnp.float32))

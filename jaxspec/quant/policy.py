@@ -52,6 +52,15 @@ ROLES = (
 )
 NEVER = ("embed", "norm", "bias")
 DEFAULT_POLICY = (("experts", "mxfp4"), ("attention", "fp8"), ("router", "fp8"))
+_LINEAR = ("experts", "shared_experts", "mlp", "attention", "router", "lm_head", "mtp")
+# Policies by name (`load_policy`): "fp8" and "mxfp4" put every linear layer in that format
+# (llama.cpp's whole-model Q8_0 / Q4_0 counterparts, as the llama.cpp race compares them).
+NAMED_POLICIES = {
+  "default": DEFAULT_POLICY,
+  "none": (),
+  "fp8": tuple((role, "fp8") for role in _LINEAR),
+  "mxfp4": tuple((role, "mxfp4") for role in _LINEAR),
+}
 
 # Logical axes a weight may have in front of its matrix: a stack of layers, or of experts.
 _LEADING = ("layers", "expert")
@@ -261,17 +270,16 @@ def quantize(target: Any, policy: Optional[Iterable] = None) -> Any:
 
 
 def load_policy(spec: str) -> tuple[tuple[str, str], ...]:
-  """A policy by name ("default", "none") or from a JSON file holding {"rules": [...]}."""
-  if spec == "default":
-    return DEFAULT_POLICY
-  if spec == "none":
-    return ()
+  """A policy by name (NAMED_POLICIES: "default", "none", "fp8", "mxfp4") or from a JSON file
+  holding {"rules": [...]}."""
+  if spec in NAMED_POLICIES:
+    return NAMED_POLICIES[spec]
   try:
     with open(spec) as f:
       data = json.load(f)
   except FileNotFoundError:
     raise ConfigError(
-      f"quantization policy {spec!r} is neither 'default', 'none' nor a JSON file"
+      f"quantization policy {spec!r} is neither one of {sorted(NAMED_POLICIES)} nor a JSON file"
     ) from None
   except json.JSONDecodeError as e:
     raise ConfigError(f"quantization policy file {spec} is not JSON: {e}") from None

@@ -1,7 +1,8 @@
 """The CPU kernels of kernel_cpu.cc: built on first use, registered with XLA's FFI, called here.
 
 The source is compiled once per machine with the C++ compiler found on PATH (`$CXX`, else g++,
-else clang++), with `-O3 -march=native` against the FFI headers jaxlib ships, into
+else clang++), with `-O3 -march=native` (or `-march=$JAXSPEC_CPU_MARCH`) against the FFI headers
+jaxlib ships, into
 `$JAXSPEC_KERNEL_CACHE` (default ~/.cache/jaxspec/kernels), named by a hash of the source, the
 compiler, jaxlib's version and the processor's flags, so a changed source, compiler or machine
 builds anew and concurrent processes never see a half-written library. Building takes a few
@@ -39,7 +40,12 @@ TARGETS = {
   "mxfp4": "JaxspecCpuMatmulMxfp4",
 }
 TARGET_PREFIX = "jaxspec_cpu_qmatmul_"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+
+
+def march() -> str:
+  """The -march the kernels are built for: JAXSPEC_CPU_MARCH, else this processor ("native")."""
+  return os.environ.get("JAXSPEC_CPU_MARCH", "native")
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -75,7 +81,7 @@ def library_path(compiler: str) -> str:
   h = hashlib.sha256()
   with open(SOURCE, "rb") as f:
     h.update(f.read())
-  for part in (compiler, " ".join(FLAGS), jaxlib.__version__, _cpu_flags()):
+  for part in (compiler, " ".join(FLAGS), march(), jaxlib.__version__, _cpu_flags()):
     h.update(part.encode())
   return os.path.join(cache_dir(), f"libjaxspec_qmatmul_{h.hexdigest()[:16]}.so")
 
@@ -88,7 +94,7 @@ def build(compiler: str) -> str:
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
   os.close(fd)
-  cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+  cmd = [compiler, *FLAGS, f"-march={march()}", "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     if done.returncode:

@@ -446,10 +446,21 @@ ffi::Error check_2d(const ffi::AnyBuffer& b, const char* what) {
   return ffi::Error::Success();
 }
 
+// The stored element type a layout reads: float32, or one byte (E4M3 or its uint8 bits).
+template <class Rows>
+ffi::Error check_type(const ffi::AnyBuffer& b) {
+  const auto t = b.element_type();
+  const bool ok = Rows::kBytes == 4 ? t == ffi::DataType::F32
+                                    : (t == ffi::DataType::U8 || t == ffi::DataType::F8E4M3FN);
+  if (!ok) return ffi::Error::InvalidArgument("the weight's element type does not match its format");
+  return ffi::Error::Success();
+}
+
 template <class Rows>
 ffi::Error kn_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                      ffi::Result<ffi::Buffer<ffi::F32>> y) {
   if (auto e = check_2d(w, "the weight"); e.failure()) return e;
+  if (auto e = check_type<Rows>(w); e.failure()) return e;
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
   if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("x and W disagree on K");
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
@@ -516,6 +527,7 @@ ffi::Error fp8_block_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                             ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y,
                             int64_t block_n, int64_t block_k) {
   if (auto e = check_2d(w, "the weight"); e.failure()) return e;
+  if (auto e = check_type<Fp8Rows>(w); e.failure()) return e;
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
   if (w.dimensions()[1] != K) return ffi::Error::InvalidArgument("x and W disagree on K");
   if (block_k % kLanes && (K + block_k - 1) / block_k > 1)
