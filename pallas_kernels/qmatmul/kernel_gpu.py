@@ -20,8 +20,9 @@ accumulates x[bm, bk] · tile in float32:
 Masked-off weight elements load as byte 0, which every format decodes to 0.0; x is padded with
 zeros to (rows, ceil(K / bk) · bk), rows a power of two >= 16 (Triton dot operands are at least
 16 wide) or a multiple of bm; this is the only copy made (x is small in decode / verify), and the
-output is computed into [rows, ceil(N / bn) · bn] and sliced. Tiles are powers of two: bm, bn >= 16,
-bk >= 16 (>= 32 for mxfp4); for fp8_block bn and bk are further lowered to divide the scale block.
+output is computed into [rows, ceil(N / bn) · bn] and sliced. Tiles are powers of two:
+bm, bn >= 16, bk >= 16 (>= 32 for mxfp4); for fp8_block, bn and bk are lowered to divide the
+scale block.
 
 Each dequantized product is the same float32 operation as the oracle's (`dequantize`), so the
 result differs from `qmatmul_reference` only by the dot's summation order.
@@ -198,7 +199,10 @@ def qmatmul_gpu(
     operands = (x, as_bytes(values), scales.astype(jnp.float32).reshape(-1))
   else:
     operands = (x, values, scales)
-  whole = lambda a: pl.BlockSpec(a.shape, lambda j, i, nd=a.ndim: (0,) * nd)  # a base pointer
+
+  def whole(a: jax.Array) -> pl.BlockSpec:  # the whole array: a base pointer in Triton
+    return pl.BlockSpec(a.shape, lambda j, i: (0,) * a.ndim)
+
   in_specs = [pl.BlockSpec((bm, x.shape[1]), lambda j, i: (i, 0))]
   in_specs += [whole(a) for a in operands[1:]]
   kernel = functools.partial(

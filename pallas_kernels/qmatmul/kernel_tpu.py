@@ -120,10 +120,11 @@ def _kernel(*refs, fmt, k_dim, block_k, num_k, scale_block, scale_grid):
     inside = kt * half + _iota(b.shape, 1) < k_dim // 2
     w_lo = jnp.where(inside, mxfp4_to_f32(b & 0x0F, s), 0.0)  # elements 2p
     w_hi = jnp.where(inside, mxfp4_to_f32((b >> 4) & 0x0F, s), 0.0)  # elements 2p + 1
-    acc_ref[...] += jax.lax.dot_general(
-      x, w_lo, NT, preferred_element_type=jnp.float32, precision=HIGHEST
-    ) + jax.lax.dot_general(xo_ref[...], w_hi, NT, preferred_element_type=jnp.float32,
-                            precision=HIGHEST)
+    dot = functools.partial(
+      jax.lax.dot_general, dimension_numbers=NT, preferred_element_type=jnp.float32,
+      precision=HIGHEST,
+    )
+    acc_ref[...] += dot(x, w_lo) + dot(xo_ref[...], w_hi)
 
   @pl.when(kt == num_k - 1)
   def _():
