@@ -88,6 +88,8 @@ def qmatmul(
   check_inputs(x, values, scales, fmt, block)
   if impl == "xla":
     return qmatmul_reference(x, values, scales, fmt, block)
+  if impl in ("pallas", "pallas_tpu") and fmt == "mxfp4" and values.ndim == 4:
+    raise ValueError("grouped MXFP4 weights [G, N, K/G/32, 16] have no Pallas kernel (impl='auto')")
   if impl == "pallas":
     return qmatmul_gpu(x, values, scales, fmt, block, interpret)
   if impl == "pallas_tpu":

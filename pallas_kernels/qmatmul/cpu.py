@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from jaxspec.quant import codecs
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_cpu.cc")
 TARGETS = {
@@ -140,10 +139,6 @@ def unavailable_reason() -> str:
   return _state.get("reason", "")
 
 
-def _as_bytes(values: jax.Array) -> jax.Array:
-  return codecs.fp8_bits(values) if values.dtype == codecs.FP8_DTYPE else values
-
-
 def qmatmul_cpu(
   x: jax.Array, values: jax.Array, scales: Any, fmt: str, block: tuple[int, int]
 ) -> jax.Array:
@@ -167,10 +162,10 @@ def qmatmul_cpu(
   if fmt == "float":
     return call()(xf, values.astype(jnp.float32))
   if fmt == "fp8":
-    return call()(xf, _as_bytes(values), scales.astype(jnp.float32))
+    return call()(xf, values, scales.astype(jnp.float32))
   if fmt == "fp8_block":
     return call()(
-      xf, _as_bytes(values), scales.astype(jnp.float32),
+      xf, values, scales.astype(jnp.float32),
       block_n=int(block[0]), block_k=int(block[1]),
     )
   return call()(xf, values, scales)
