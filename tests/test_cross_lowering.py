@@ -19,13 +19,14 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.io.architectures import config_from_hf
-from jaxspec.models.target import TargetModel
+from jaxspec.models.target import TargetModel, param_shapes
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
 PLATFORMS = ("tpu", "cuda")
@@ -46,6 +47,16 @@ ALLOWED_CALLS = {
 }
 
 
+def _random(config: ModelConfig, seed: int) -> TargetModel:
+  """Random weights drawn on the host from the parameter shapes (no init program compiles)."""
+  rng = np.random.default_rng(seed)
+  shapes = param_shapes(config)
+  params = jax.tree_util.tree_map(
+    lambda s: (0.1 * rng.standard_normal(s.shape)).astype(s.dtype), shapes
+  )
+  return TargetModel(config, params)
+
+
 def _dense_config(**changes) -> ModelConfig:
   base = dict(
     architecture="Qwen3ForCausalLM",
@@ -63,12 +74,12 @@ def _dense_config(**changes) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def dense() -> TargetModel:
-  return TargetModel.random(_dense_config(), seed=0)
+  return _random(_dense_config(), seed=0)
 
 
 @pytest.fixture(scope="module")
 def draft() -> TargetModel:
-  return TargetModel.random(
+  return _random(
     _dense_config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                   intermediate_size=16),
     seed=1,
@@ -94,7 +105,7 @@ def mla() -> TargetModel:
     v_head_dim=8,
     rope_interleave=True,
   )
-  return TargetModel.random(cfg.with_options(scan_layers=False), seed=0)
+  return _random(cfg.with_options(scan_layers=False), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +127,7 @@ def hybrid() -> TargetModel:
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
   })
-  return TargetModel.random(cfg.with_options(scan_layers=False), seed=0)
+  return _random(cfg.with_options(scan_layers=False), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +146,7 @@ def moe_mxfp4() -> TargetModel:
     num_experts_per_tok=2,
     moe_intermediate_size=32,
   ).with_options(scan_layers=False, moe_backend="ragged", gmm_impl="pallas")
-  return jaxspec.quantize(TargetModel.random(cfg, seed=0), (("experts", "mxfp4"),))
+  return jaxspec.quantize(_random(cfg, seed=0), (("experts", "mxfp4"),))
 
 
 def _engine(target: TargetModel, draft: TargetModel, kind: str, kv_format: str) -> SpecEngine:
@@ -200,9 +211,17 @@ def check_kv_storage(text: str, kv_format: str) -> None:
     assert "f8E4M3FN" not in text
 
 
+def _dense_cases():
+  """kind × kv_format; the tree step with a quantized cache (each part covered elsewhere) is
+  slow-marked."""
+  for kind in KINDS:
+    for fmt in KV_FORMATS:
+      marks = pytest.mark.slow if kind == "tree" and fmt != "float" else ()
+      yield pytest.param(kind, fmt, marks=marks)
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("kv_format", KV_FORMATS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,kv_format", list(_dense_cases()))
 def test_dense_step(dense, draft, kind, kv_format, platform):
   text = lower_step(_engine(dense, draft, kind, kv_format), platform)
   assert not check_step(text, platform)  # the XLA path: no kernel
@@ -224,12 +243,18 @@ def test_hybrid_gated_deltanet_step(hybrid, draft, kind, platform):
   assert not check_step(text, platform)
 
 
+@pytest.fixture(scope="module")
+def quantized(dense) -> dict[str, TargetModel]:
+  """The dense target with attention and MLP weights in FP8 / MXFP4 (`jaxspec.quantize`)."""
+  return {f: jaxspec.quantize(dense, (("attention", f), ("mlp", f))) for f in ("fp8", "mxfp4")}
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_quantized_linear_layers_step(dense, draft, fmt, platform):
+def test_quantized_linear_layers_step(quantized, draft, fmt, platform):
   """Attention and MLP weights in `fmt`: dequantize-then-dot today, pallas_kernels/qmatmul
   later; either way the stored bytes enter the step and nothing CPU-only is called."""
-  target = jaxspec.quantize(dense, (("attention", fmt), ("mlp", fmt)))
+  target = quantized[fmt]
   text = lower_step(_engine(target, draft, "chain", "float"), platform)
   calls = check_step(text, platform)
   main = text[text.index("func.func public @main") :].split("\n", 1)[0]
@@ -256,10 +281,11 @@ def test_moe_mxfp4_pallas_gmm_step(moe_mxfp4, draft, platform):
 
 
 # Pallas attention (attention_impl="pallas", pallas_kernels/tree_attention):
-# - CUDA: its pallas_call passes no compiler params, so JAX 0.10 lowers it with Mosaic GPU, not
-#   Triton, which fails: "NotImplementedError: Only copies transferring a number of bytes
+# - CUDA: its pallas_call passes no compiler params, so JAX 0.10 lowers it with Mosaic GPU by
+#   default (jax_pallas_use_mosaic_gpu), not Triton, which fails: "NotImplementedError: Only copies transferring a number of bytes
 #   divisible by the warpgroup size are supported. Got bytes=4 but warpgroup size is 128".
-#   (mxfp4_gmm and gated_delta pass `pallas.triton.CompilerParams` for this reason.)
+#   (mxfp4_gmm and gated_delta pass `pallas.triton.CompilerParams` for this reason.) Under the
+#   Triton lowering it lowers: test_pallas_attention_step_triton.
 # - TPU: there is no TPU kernel; the GPU kernel through Mosaic TPU fails (here, on a CPU-only
 #   jaxlib, at its rank-1 block check: "ValueError: Unsupported TPU device kind: cpu").
 _ATTN_CUDA = pytest.mark.xfail(
@@ -282,6 +308,32 @@ def test_pallas_attention_step(dense, draft, kind, kv_format, platform):
   calls = check_step(text, platform)
   kernels = {"tpu": (TPU_KERNEL,), "cuda": (TRITON_KERNEL, MOSAIC_GPU_KERNEL)}[platform]
   assert any(c.startswith(kernels) for c in calls), calls
+  check_kv_storage(text, kv_format)
+
+
+@contextlib.contextmanager
+def _triton_lowering():
+  """Pallas calls without compiler params lower to Triton on GPUs (JAX 0.10 defaults to Mosaic
+  GPU, option jax_pallas_use_mosaic_gpu; later JAX versions always use Triton)."""
+  try:
+    old = jax.config.jax_pallas_use_mosaic_gpu
+  except AttributeError:
+    yield
+    return
+  jax.config.update("jax_pallas_use_mosaic_gpu", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_pallas_use_mosaic_gpu", old)
+
+
+@pytest.mark.parametrize("kind,kv_format", [("tree", "float"), ("chain", "fp8")])
+def test_pallas_attention_step_triton(dense, draft, kind, kv_format):
+  """Under the Triton lowering the attention kernel does lower for CUDA."""
+  target = dense.with_options(attention_impl="pallas")
+  with _triton_lowering():
+    text = lower_step(_engine(target, draft, kind, kv_format), "cuda")
+  assert TRITON_KERNEL in check_step(text, "cuda")
   check_kv_storage(text, kv_format)
 
 
