@@ -17,7 +17,7 @@ import numpy as np
 from jaxspec.profiling import near_ties
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("environment", "pallas", "lossless", "cost", "speedup")
+SECTIONS = ("environment", "pallas", "qmatmul", "lossless", "cost", "speedup")
 RESULTS = ("pass", "fail", "timeout", "skip")
 
 

@@ -29,7 +29,7 @@ from jaxspec.profiling import near_ties
 from jaxspec.profiling import roofline
 
 
-SECTIONS = ("environment", "pallas", "lossless", "cost", "speedup")
+SECTIONS = ("environment", "pallas", "qmatmul", "lossless", "cost", "speedup")
 RESULTS = ("pass", "fail", "timeout", "skip")
 
 # Vendor datasheet memory bandwidth (bytes/s) by device kind, a cross-check of the measured one.
@@ -643,6 +643,9 @@ KERNEL_CHECKS = {
   "tree_attention": _check_tree_attention,
   "mxfp4_gmm": _check_mxfp4_gmm,
   "gated_delta": _check_gated_delta,
+  "qmatmul": lambda rec, sizes, cpu: rec.row(
+    "qmatmul", "skip", {"reason": "checked and timed in the qmatmul section"}, 0.0
+  ),
 }
 
 
