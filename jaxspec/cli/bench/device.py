@@ -1,6 +1,6 @@
 """Check jaxspec on a lent accelerator in one command: one table of pass/fail/timeout/skip rows.
 
-  python launch/bench.py device --out=$OUT           # on the GPU machine, < 6 minutes
+  python launch/bench.py device --out=$OUT           # on the GPU machine, < 5 minutes
   python launch/bench.py device --cpu --out=/tmp/dc  # smoke run: CPU, tiny shapes
 
 Sections, each in a subprocess of its own with its own time limit, so that a hang, a crash or a
@@ -57,13 +57,13 @@ RESULTS = ("pass", "fail", "timeout", "skip")
 # Nominal time limits (s) per section. They sum to under the default budget, and time a
 # section leaves unused goes to the later ones (see `_section_limit`).
 DEVICE_LIMITS = {
-  "environment": 30, "pallas": 60, "qmatmul": 45, "lossless": 80, "cost": 70, "speedup": 40
+  "environment": 30, "pallas": 60, "qmatmul": 30, "lossless": 80, "cost": 70, "speedup": 40
 }
 CPU_LIMITS = {
   "environment": 60, "pallas": 90, "qmatmul": 30, "lossless": 120, "cost": 90, "speedup": 90
 }
-DEVICE_BUDGET_S = 330  # the whole run: 6 minutes on one GPU, less a margin
-CPU_BUDGET_S = 430
+DEVICE_BUDGET_S = 285  # the whole run: 5 minutes on one GPU, less a margin
+CPU_BUDGET_S = 400
 
 FLAGS = flags.FLAGS
 
