@@ -6,16 +6,14 @@ with `lowering_platforms=(platform,)`. A lowering error fails the test, so a con
 platform cannot lower (a CPU-only custom call, a Pallas kernel written for another backend) is
 caught here rather than on a lent device.
 
-"As on the accelerator": the library picks some implementations by `jax.default_backend()` at
-trace time (Pallas interpret mode on CPU, the MoE backend for "auto"); `_as_device` makes it
-answer the lowering platform's backend while tracing, so the kernels' real lowerings run.
+The platform is chosen inside the program: the model's Pallas options pick kernel or reference
+with `jax.lax.platform_dependent` (jaxspec/models/platform.py), so one trace made on this host
+lowers to each platform's kernels, and nothing here pretends to be another backend.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +30,6 @@ from jaxspec.speculative.engine import EngineConfig, SpecEngine
 PLATFORMS = ("tpu", "cuda")
 KINDS = ("plain", "chain", "tree")
 KV_FORMATS = ("float", "fp8", "q4_0")
-_BACKEND = {"tpu": "tpu", "cuda": "gpu"}
 
 # Custom-call targets of the Pallas backends: Mosaic TPU; Triton and Mosaic GPU.
 TPU_KERNEL = "tpu_custom_call"
@@ -162,25 +159,16 @@ def _engine(target: TargetModel, draft: TargetModel, kind: str, kv_format: str) 
   return SpecEngine(target, drafter, config)
 
 
-@contextlib.contextmanager
-def _as_device(platform: str):
-  """Traces as on `platform`: jax.default_backend() answers its backend, and no trace cached
-  for another platform is reused."""
-  jax.clear_caches()
-  try:
-    with mock.patch.object(jax, "default_backend", lambda: _BACKEND[platform]):
-      yield
-  finally:
-    jax.clear_caches()
+def trace_step(engine: SpecEngine) -> jax.stages.Traced:
+  """The engine's stepping loop traced on this host (for any platform)."""
+  state = engine._abstract_state(engine.config.batch_size)  # pylint: disable=protected-access
+  args = (engine.target.params, engine.drafter_params, state, jnp.int32(1))
+  return engine._loop.trace(*args)  # pylint: disable=protected-access
 
 
 def lower_step(engine: SpecEngine, platform: str) -> str:
   """The engine's stepping loop lowered for `platform`, as StableHLO text."""
-  state = engine._abstract_state(engine.config.batch_size)  # pylint: disable=protected-access
-  args = (engine.target.params, engine.drafter_params, state, jnp.int32(1))
-  with _as_device(platform):
-    traced = engine._loop.trace(*args)  # pylint: disable=protected-access
-    return traced.lower(lowering_platforms=(platform,)).as_text()
+  return trace_step(engine).lower(lowering_platforms=(platform,)).as_text()
 
 
 def custom_calls(text: str) -> set[str]:
@@ -262,17 +250,9 @@ def test_quantized_linear_layers_step(quantized, draft, fmt, platform):
   del calls  # a kernel (Pallas qmatmul) or none: both fine
 
 
-# The MXFP4 grouped matmul on TPU: models/moe.py `grouped_matmul` calls mxfp4_gmm(impl="pallas"),
-# the Triton-style GPU kernel, on every backend; Mosaic TPU then rejects its Triton compiler
-# params (`assert isinstance(compiler_params, tpu_core.CompilerParams)`). The TPU kernel exists
-# (impl="pallas_tpu", kernel_tpu.py, which lowers): the model should pick it on TPU.
-_GMM_TPU = pytest.mark.xfail(
-  raises=AssertionError, strict=True, reason="moe.grouped_matmul runs the GPU kernel on TPU"
-)
-
-
-@pytest.mark.parametrize("platform", [pytest.param("tpu", marks=_GMM_TPU), "cuda"])
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_moe_mxfp4_pallas_gmm_step(moe_mxfp4, draft, platform):
+  """gmm_impl="pallas": the Mosaic TPU kernel on TPU, the Triton one on CUDA."""
   text = lower_step(_engine(moe_mxfp4, draft, "chain", "float"), platform)
   calls = check_step(text, platform)
   assert {"tpu": TPU_KERNEL, "cuda": TRITON_KERNEL}[platform] in calls
@@ -280,61 +260,30 @@ def test_moe_mxfp4_pallas_gmm_step(moe_mxfp4, draft, platform):
   assert "xui8>" in main  # the experts enter as MXFP4 bytes
 
 
-# Pallas attention (attention_impl="pallas", pallas_kernels/tree_attention):
-# - CUDA: its pallas_call passes no compiler params, so JAX 0.10 lowers it with Mosaic GPU by
-#   default (jax_pallas_use_mosaic_gpu), not Triton, which fails: "NotImplementedError: Only copies transferring a number of bytes
-#   divisible by the warpgroup size are supported. Got bytes=4 but warpgroup size is 128".
-#   (mxfp4_gmm and gated_delta pass `pallas.triton.CompilerParams` for this reason.) Under the
-#   Triton lowering it lowers: test_pallas_attention_step_triton.
-# - TPU: there is no TPU kernel; the GPU kernel through Mosaic TPU fails (here, on a CPU-only
-#   jaxlib, at its rank-1 block check: "ValueError: Unsupported TPU device kind: cpu").
-_ATTN_CUDA = pytest.mark.xfail(
-  raises=NotImplementedError,
-  strict=True,
-  reason="tree_attention's pallas_call lowers with Mosaic GPU (no Triton compiler params)",
-)
-_ATTN_TPU = pytest.mark.xfail(
-  raises=ValueError, strict=True, reason="tree_attention has no TPU kernel"
-)
-
-
-@pytest.mark.parametrize(
-  "platform", [pytest.param("tpu", marks=_ATTN_TPU), pytest.param("cuda", marks=_ATTN_CUDA)]
-)
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("kind,kv_format", [("tree", "float"), ("chain", "fp8")])
 def test_pallas_attention_step(dense, draft, kind, kv_format, platform):
+  """attention_impl="pallas": the Triton kernel on CUDA (pinned by its compiler params, not
+  JAX 0.10's default Mosaic GPU); on TPU, which has no kernel, the XLA path."""
   target = dense.with_options(attention_impl="pallas")
   text = lower_step(_engine(target, draft, kind, kv_format), platform)
   calls = check_step(text, platform)
-  kernels = {"tpu": (TPU_KERNEL,), "cuda": (TRITON_KERNEL, MOSAIC_GPU_KERNEL)}[platform]
-  assert any(c.startswith(kernels) for c in calls), calls
+  if platform == "cuda":
+    assert TRITON_KERNEL in calls, calls
+  else:
+    assert not calls
   check_kv_storage(text, kv_format)
 
 
-@contextlib.contextmanager
-def _triton_lowering():
-  """Pallas calls without compiler params lower to Triton on GPUs (JAX 0.10 defaults to Mosaic
-  GPU, option jax_pallas_use_mosaic_gpu; later JAX versions always use Triton)."""
-  try:
-    old = jax.config.jax_pallas_use_mosaic_gpu
-  except AttributeError:
-    yield
-    return
-  jax.config.update("jax_pallas_use_mosaic_gpu", False)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_pallas_use_mosaic_gpu", old)
-
-
-@pytest.mark.parametrize("kind,kv_format", [("tree", "float"), ("chain", "fp8")])
-def test_pallas_attention_step_triton(dense, draft, kind, kv_format):
-  """Under the Triton lowering the attention kernel does lower for CUDA."""
-  target = dense.with_options(attention_impl="pallas")
-  with _triton_lowering():
-    text = lower_step(_engine(target, draft, kind, kv_format), "cuda")
-  assert TRITON_KERNEL in check_step(text, "cuda")
-  check_kv_storage(text, kv_format)
+def test_one_trace_lowers_for_every_platform(moe_mxfp4, draft):
+  """Pallas attention and the MXFP4 grouped matmul in one step, traced once: each lowering
+  keeps its platform's branch (CPU: interpret mode, no kernel call)."""
+  target = moe_mxfp4.with_options(attention_impl="pallas")
+  traced = trace_step(_engine(target, draft, "chain", "float"))
+  text = {p: traced.lower(lowering_platforms=(p,)).as_text() for p in ("cpu", *PLATFORMS)}
+  assert check_step(text["tpu"], "tpu") == {TPU_KERNEL}
+  assert check_step(text["cuda"], "cuda") == {TRITON_KERNEL}
+  assert not custom_calls(text["cpu"]) & {TPU_KERNEL, TRITON_KERNEL, MOSAIC_GPU_KERNEL}
 
 
 def test_a_cpu_only_custom_call_fails_the_check():
