@@ -293,3 +293,23 @@ def test_a_cpu_only_custom_call_fails_the_check():
     check_step(text, "cuda")
   with pytest.raises(AssertionError):
     check_step(text.replace("jaxspec_cpu_qmatmul", "lapack_sgesdd_ffi"), "tpu")
+
+
+def test_a_kernel_refusing_its_operands_fails_only_its_platform():
+  """kernel_or_reference: a GPU kernel that rejects the operands when traced (not in interpret
+  mode) leaves the CPU and TPU lowerings alone and fails the CUDA one with its error."""
+  from jaxspec.models.platform import kernel_or_reference  # pylint: disable=import-outside-toplevel
+
+  def kernel(x, interpret):
+    if not interpret:
+      raise ValueError("width 4: the Triton kernel needs a power of two >= 16")
+    return x + 1.0
+
+  step = lambda x: kernel_or_reference(lambda i: kernel(x, i), lambda: x * 2.0)
+  traced = jax.jit(step).trace(jnp.ones((4,)))
+  tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
+  assert "stablehlo.multiply" in tpu and "stablehlo.add" not in tpu  # the reference
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert "stablehlo.add" in cpu and "stablehlo.multiply" not in cpu  # the interpret branch
+  with pytest.raises(ValueError, match="needs a power of two"):
+    traced.lower(lowering_platforms=("cuda",))
