@@ -8,8 +8,8 @@ slow compile in one becomes a row ("timeout" or "fail") and the next section sti
 
 1. environment: library versions, backend, device kind, memory (`device.memory_stats()`).
 2. pallas: every kernel under pallas_kernels/ compiled for the device (interpret mode only with
-   --cpu) against its jnp reference, float32 and bf16 (and FP8 cache) shapes, under each GPU
-   lowering (Triton, Mosaic GPU); then the model path, `attention_impl="pallas"` against "xla"
+   --cpu) against its jnp reference, float32 and bf16 (and FP8 cache) shapes, under the Triton
+   lowering (each kernel pins it); then the model path, `attention_impl="pallas"` against "xla"
    on the bundled target (prefill + a tree-verify block, and a DDTree generation).
 3. qmatmul (quantized matmuls): pallas_kernels.qmatmul for float, FP8, FP8 block and MXFP4
    weights of 4096 × 14336 at M = 1, 4, 16, 32 rows, impl="xla" against the platform's Pallas
