@@ -17,7 +17,7 @@ import numpy as np
 from jaxspec.profiling import near_ties
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("environment", "pallas", "lossless", "cost", "speedup")
+SECTIONS = ("environment", "pallas", "qmatmul", "lossless", "cost", "speedup")
 RESULTS = ("pass", "fail", "timeout", "skip")
 
 
@@ -73,3 +73,23 @@ def test_greedy_agreement_compares_up_to_the_first_near_tie():
   assert (after_tie.compared, after_tie.tokens, after_tie.sequences) == (6, 8, 2)
   before_tie = near_ties.greedy_agreement(reference, [[1, 9, 3, 4], [5, 6, 7]], [2, 4])
   assert not before_tie.ok and before_tie.first_diff == (1, 3)
+
+
+def test_qmatmul_section_operands_hold_the_weight():
+  """The qmatmul section's operands (bench/device_qmatmul.py) are the weight in each format:
+  what qmatmul's oracle dequantizes is w up to the format's rounding."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from jaxspec.cli.bench import device_qmatmul  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.qmatmul import check_inputs, dequantize  # pylint: disable=import-outside-toplevel
+
+  w = 0.02 * jax.random.normal(jax.random.PRNGKey(0), (256, 384))
+  x = np.ones((2, 256), np.float32)
+  for fmt, tol in (("float", 0.0), ("fp8", 0.07), ("fp8_block", 0.07), ("mxfp4", 0.3)):
+    values, scales = device_qmatmul.quantized_operands(w, fmt, (128, 128))
+    assert check_inputs(x, values, scales, fmt) == (2, 256, 384)
+    got = np.asarray(dequantize(values, scales, fmt))
+    err = np.linalg.norm(got - np.asarray(w)) / np.linalg.norm(np.asarray(w))
+    assert err <= tol, (fmt, err)
+  assert device_qmatmul.kernel_impls("gpu") == (("pallas", False),)
+  assert device_qmatmul.kernel_impls("tpu") == (("pallas_tpu", False),)

@@ -13,8 +13,10 @@ Two implementations, chosen by `ModelConfig.attention_impl`:
   is dequantized chunk by chunk. Decoding at 450 tokens costs the same with max_len 1K or 32K.
 * "pallas": the tree-attention kernel (pallas_kernels/tree_attention) over the stacked cache:
   KV groups read once for all their query heads, long prefixes split across programs. It runs
-  in interpret mode on CPU. "auto" picks "xla" everywhere until the kernel has been compiled
-  and checked on a GPU/TPU.
+  on CUDA/ROCm, in interpret mode on CPU; there is no TPU kernel, so on TPU (and any other
+  platform) "pallas" runs the "xla" path. The platform is the one the program is lowered for
+  (jaxspec/models/platform.py), not the tracing host's. "auto" picks "xla" everywhere until the
+  kernel has been compiled and checked on a GPU.
 
 The XLA path reads any state kind through the protocol of jaxspec/state (`read_range` for the
 slots to visit, `read_chunk` for float K/V, the position each slot holds and which ones the
@@ -27,13 +29,14 @@ Without a state (training, `TargetModel.logits`) the block attends to itself onl
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import ConfigError
 from jaxspec import sharding
+from jaxspec.models.platform import kernel_or_reference
 
 NEG_INF = -1e30  # large finite negative: fully masked rows stay NaN-free
 
@@ -204,8 +207,12 @@ def attend_pallas(
   start: jax.Array,
   block_mask: jax.Array | None,
   scale: float,
+  reference: Callable[[], jax.Array],
 ) -> jax.Array:
-  """The Pallas tree-attention kernel over the stacked cache (block already written)."""
+  """The Pallas tree-attention kernel over the stacked cache (block already written).
+
+  The kernel runs on CPU (interpret mode), CUDA and ROCm; on other platforms (TPU: no kernel)
+  `reference()` (the XLA path) runs, chosen when the program is lowered."""
   # pylint: disable=import-outside-toplevel
   from pallas_kernels.tree_attention import tree_attention
 
@@ -214,17 +221,21 @@ def attend_pallas(
     raise ConfigError(
       f"the Pallas attention kernel does not read {kv.format} caches; use attention_impl='xla'"
     )
-  out = tree_attention(
-    q,
-    start=start,
-    block_mask=block_mask,
-    scale=scale,
-    impl="pallas",
-    interpret=jax.default_backend() == "cpu",
-    layer=layer,
-    **operands,
-  )
-  return out.astype(q.dtype)
+
+  def kernel(interpret: bool) -> jax.Array:
+    out = tree_attention(
+      q,
+      start=start,
+      block_mask=block_mask,
+      scale=scale,
+      impl="pallas",
+      interpret=interpret,
+      layer=layer,
+      **operands,
+    )
+    return out.astype(q.dtype)
+
+  return kernel_or_reference(kernel, lambda: reference().astype(q.dtype))
 
 
 def attention(
@@ -252,6 +263,7 @@ def attention(
   if resolve_impl(impl) == "pallas":
     if window is not None or sinks is not None or select is not None:
       raise ConfigError("the Pallas attention kernel has no sinks, sliding windows or DSA")
-    return attend_pallas(q, kv, layer, start, block_mask, scale), kv
+    xla = lambda: attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk)
+    return attend_pallas(q, kv, layer, start, block_mask, scale, reference=xla), kv
   out = attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk, **extras)
   return out, kv

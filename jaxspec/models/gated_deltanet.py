@@ -50,6 +50,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.models.attention import block_visibility
 from jaxspec.models.layers import Dense, dtype_of
+from jaxspec.models.platform import kernel_or_reference
 from pallas_kernels.gated_delta.reference import HIGHEST, as_float32, chunked, zeros_state
 
 
@@ -95,22 +96,20 @@ def chunked_impl(
   impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
   """`chunked` by `ModelConfig.linear_attention_impl`: "pallas" runs the Pallas kernel
-  (pallas_kernels/gated_delta, interpret mode on CPU); "auto" and "xla" run `chunked`."""
+  (pallas_kernels/gated_delta, Triton) on CUDA/ROCm, in interpret mode on CPU, and `chunked` on
+  TPU and other platforms, chosen when the program is lowered (jaxspec/models/platform.py);
+  "auto" and "xla" run `chunked`."""
+  reference = lambda: chunked(q, k, v, g, beta, state, chunk_size)
   if impl == "pallas":
     from pallas_kernels.gated_delta import gated_delta_rule  # pylint: disable=import-outside-toplevel
 
-    return gated_delta_rule(
-      q,
-      k,
-      v,
-      g,
-      beta,
-      state,
-      chunk_size,
-      impl="pallas",
-      interpret=jax.default_backend() == "cpu",
-    )
-  return chunked(q, k, v, g, beta, state, chunk_size)
+    def kernel(interpret: bool) -> tuple[jax.Array, jax.Array]:
+      return gated_delta_rule(
+        q, k, v, g, beta, state, chunk_size, impl="pallas", interpret=interpret
+      )
+
+    return kernel_or_reference(kernel, reference)
+  return reference()
 
 
 def tree_structure(mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -34,6 +34,7 @@ from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import expert_parallel as ep
 from jaxspec.models.layers import MLP, Dense, dtype_of, normal_init, weight
+from jaxspec.models.platform import kernel_or_reference
 from jaxspec.quant.formats import is_quantized, materialize, take
 
 
@@ -134,24 +135,29 @@ def grouped_matmul(xs: jax.Array, w: Any, group_sizes: jax.Array, impl: str = "a
   """Rows of xs [M, K] grouped by expert (sizes [E]) times their expert's w [E, K, N] → float32.
 
   An MXFP4 weight goes to the Pallas grouped matmul (pallas_kernels/mxfp4_gmm, dequantized
-  tile by tile) with impl="pallas"; otherwise (and for impl "auto"/"xla") the weight is
-  dequantized and `jax.lax.ragged_dot` runs.
+  tile by tile) with impl="pallas": the platform's kernel, chosen when the program is lowered
+  (jaxspec/models/platform.py): the Triton kernel on CUDA/ROCm (interpret mode on CPU), the
+  Mosaic kernel on TPU, ragged_dot elsewhere. Otherwise (and for impl "auto"/"xla") the weight
+  is dequantized and `jax.lax.ragged_dot` runs.
   """
+
+  def reference() -> jax.Array:
+    return jax.lax.ragged_dot(
+      xs, materialize(w, xs.dtype), group_sizes, preferred_element_type=jnp.float32
+    )
+
   if impl == "pallas" and is_quantized(w) and w.format == "mxfp4" and w.axes == (-2,):
     from pallas_kernels.mxfp4_gmm import mxfp4_gmm  # pylint: disable=import-outside-toplevel
 
-    return mxfp4_gmm(
-      xs,
-      w.values,
-      w.scales,
-      group_sizes,
-      impl="pallas",
-      interpret=jax.default_backend() == "cpu",
-      preferred_element_type=jnp.float32,
+    gmm = functools.partial(
+      mxfp4_gmm, xs, w.values, w.scales, group_sizes, preferred_element_type=jnp.float32
     )
-  return jax.lax.ragged_dot(
-    xs, materialize(w, xs.dtype), group_sizes, preferred_element_type=jnp.float32
-  )
+    return kernel_or_reference(
+      lambda interpret: gmm(impl="pallas", interpret=interpret),
+      reference,
+      tpu=lambda: gmm(impl="pallas_tpu"),
+    )
+  return reference()
 
 
 def experts_ragged(

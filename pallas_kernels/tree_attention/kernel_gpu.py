@@ -30,8 +30,10 @@ each tile is dequantized in the kernel, k.astype(f32) * k_scale[slot, None].
 
 Status: checked only in interpret mode (`interpret=True`, on CPU) against reference.py; no GPU
 was available when it was written. It uses backend-neutral Pallas (BlockSpecs, ref slicing,
-`jnp.dot`, a `fori_loop`), i.e. the Triton lowering; a Hopper (Mosaic GPU) version with TMA
-copies and wgmma is future work. Triton needs power-of-two loads and dot operands >= 16 wide:
+`jnp.dot`, a `fori_loop`) written for the Triton lowering, which the pallas_call pins with
+`pallas.triton.CompilerParams` (without compiler params JAX 0.10 lowers pallas_call on GPU with
+Mosaic GPU, which rejects this kernel); a Hopper (Mosaic GPU) version with TMA copies and wgmma
+is future work. There is no TPU version. Triton needs power-of-two loads and dot operands >= 16 wide:
 R >= 16 and block_k >= 16 are enforced here; head_dim must be >= 16 on hardware (tests use 8 in
 interpret mode). On hardware, float32 `jnp.dot` may run as TF32, so expect a looser match than
 the 2e-5 of the interpret-mode tests. Degenerate rows that see no slot at all (only possible with a user mask that
@@ -46,6 +48,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.tree_attention.reference import MASK_VALUE
 
@@ -348,5 +351,8 @@ def tree_attention_partials(
       jax.ShapeDtypeStruct(part, jnp.float32),
     ],
     interpret=interpret,
+    # Triton, not JAX 0.10's default Mosaic GPU (jax_pallas_use_mosaic_gpu), which cannot lower
+    # this kernel; Triton's default warps and stages.
+    compiler_params=pltriton.CompilerParams(),
     name="tree_attention",
   )(*operands)

@@ -8,16 +8,20 @@ slow compile in one becomes a row ("timeout" or "fail") and the next section sti
 
 1. environment: library versions, backend, device kind, memory (`device.memory_stats()`).
 2. pallas: every kernel under pallas_kernels/ compiled for the device (interpret mode only with
-   --cpu) against its jnp reference, float32 and bf16 (and FP8 cache) shapes, under each GPU
-   lowering (Triton, Mosaic GPU); then the model path, `attention_impl="pallas"` against "xla"
+   --cpu) against its jnp reference, float32 and bf16 (and FP8 cache) shapes, under the Triton
+   lowering (each kernel pins it); then the model path, `attention_impl="pallas"` against "xla"
    on the bundled target (prefill + a tree-verify block, and a DDTree generation).
-3. lossless: greedy speculative decoding equals plain decoding on the bundled models, in
+3. qmatmul (quantized matmuls): pallas_kernels.qmatmul for float, FP8, FP8 block and MXFP4
+   weights of 4096 × 14336 at M = 1, 4, 16, 32 rows, impl="xla" against the platform's Pallas
+   kernel (errors reported in the row): agreement, µs and stored bytes per second
+   (device_qmatmul.py).
+4. lossless: greedy speculative decoding equals plain decoding on the bundled models, in
    float32 with full-precision matmuls (chain: EAGLE-3, DFlash, MTP, draft model; tree: DFlash
    + DDTree), and in bf16 up to each sequence's first near-tie (top-2 logit gap < 1e-2).
-4. cost: t(T) / t(1) of one forward of a random 8B-shaped dense model in bf16 (Qwen3-8B
+5. cost: t(T) / t(1) of one forward of a random 8B-shaped dense model in bf16 (Qwen3-8B
    proportions) at a mid-cache position, T = 1 … 64, per-layer weight buffers (and T = 1 with
    scanned layers), and plain decoding's fraction of the measured memory bandwidth.
-5. speedup: tokens/s and acceptance length of plain, EAGLE-3 (chain) and DFlash + DDTree on the
+6. speedup: tokens/s and acceptance length of plain, EAGLE-3 (chain) and DFlash + DDTree on the
    bundled models.
 
 Each row: section, check, result, numbers, seconds. The table is printed and saved under --out
@@ -48,12 +52,16 @@ from jaxspec.cli.bench import device_checks as checks
 from jaxspec.cli.bench import device_decoding
 
 
-SECTIONS = ("environment", "pallas", "lossless", "cost", "speedup")
+SECTIONS = checks.SECTIONS
 RESULTS = ("pass", "fail", "timeout", "skip")
 # Nominal time limits (s) per section. They sum to under the default budget, and time a
 # section leaves unused goes to the later ones (see `_section_limit`).
-DEVICE_LIMITS = {"environment": 30, "pallas": 60, "lossless": 80, "cost": 70, "speedup": 40}
-CPU_LIMITS = {"environment": 60, "pallas": 90, "lossless": 120, "cost": 90, "speedup": 90}
+DEVICE_LIMITS = {
+  "environment": 30, "pallas": 60, "qmatmul": 30, "lossless": 80, "cost": 70, "speedup": 40
+}
+CPU_LIMITS = {
+  "environment": 60, "pallas": 90, "qmatmul": 30, "lossless": 120, "cost": 90, "speedup": 90
+}
 DEVICE_BUDGET_S = 285  # the whole run: 5 minutes on one GPU, less a margin
 CPU_BUDGET_S = 400
 

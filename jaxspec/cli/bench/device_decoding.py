@@ -15,6 +15,7 @@ import numpy as np
 
 import jaxspec
 from jaxspec.cli.bench import device_checks as checks
+from jaxspec.cli.bench import device_qmatmul
 from jaxspec.models import target as target_lib
 from jaxspec.profiling import near_ties
 from jaxspec.profiling import roofline
@@ -309,6 +310,7 @@ def section_speedup(rec: checks.Recorder, sizes: checks.Sizes, cpu: bool) -> Non
 SECTION_FNS = {
   "environment": checks.section_environment,
   "pallas": checks.section_pallas,
+  "qmatmul": device_qmatmul.section_qmatmul,
   "lossless": section_lossless,
   "cost": section_cost,
   "speedup": section_speedup,
