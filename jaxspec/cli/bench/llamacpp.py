@@ -314,12 +314,18 @@ def run_race() -> dict[str, Any]:
       runs.append(Run("llama.cpp", fmt, "repeat", "ngram", spec, step_bytes))
   for r in runs:  # warm-up: compilation, first touch of the mapped files
     r.go(prompts[r.prompt], min(8, n))
-  for _ in range(FLAGS.repeats):
+  for round_ in range(FLAGS.repeats):
     for r in runs:
       tokens, seconds, passes = r.go(prompts[r.prompt], n)
       if seconds < r.best_s:
         r.best_s, r.passes = seconds, passes
       r.tokens = tokens
+      print(
+        f"round {round_ + 1}/{FLAGS.repeats}: {r.engine} {r.fmt} {r.prompt} {r.mode}: "
+        f"{(len(tokens) - 1) / seconds:.2f} tok/s",
+        file=sys.stderr,
+        flush=True,
+      )
   load_after = _load()
   return _report(runs, n, threads, load_before, load_after, write_s, base.config, jax, llama_cpp)
 
