@@ -35,6 +35,7 @@ OWN_FLAG = {
   "latent": "--kv_lora_rank",
   "gdn": "--traceback",
   "hybrid-tree": "--traceback",
+  "llamacpp": "--llama_formats",
 }
 
 

@@ -50,6 +50,7 @@ PIP_NAMES = {
   "absl": "absl-py",
   "google": "protobuf",
   "jaxlib": "jaxlib",
+  "llama_cpp": "llama-cpp-python",
   "ml_collections": "ml-collections",
   "orbax": "orbax-checkpoint",
   "PIL": "pillow",

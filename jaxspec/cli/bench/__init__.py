@@ -120,6 +120,12 @@ SUBCOMMANDS = {
       "verify-block cost of tree against chain verification on a hybrid target",
       "tools/bench_hybrid_tree.py",
     ),
+    Subcommand(
+      "llamacpp",
+      "llamacpp",
+      "jaxspec against llama.cpp on the same weights (GGUF F32/Q8_0/Q4_0), plain and n-gram",
+      "no earlier script",
+    ),
   )
 }
 
