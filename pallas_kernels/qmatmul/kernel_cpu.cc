@@ -13,9 +13,10 @@
 // kernels stream the stored bytes once, decode them in registers and use each decoded weight for
 // every row of x, with register tiles of (rows of x) × (columns of W):
 //
-//   KN: for a tile of 16·NV columns, for k: decode W[k, tile] once, FMA it with x[t, k] for TG
-//       rows (TG × NV accumulators). K is cut into chunks so the tile's chunk stays in cache
-//       while successive row groups reuse it.
+//   KN, up to 8 rows: stream four rows of W side by side in long runs, decode each 16 columns
+//       once and FMA them into the rows' accumulators (kept in L1).
+//   KN, more rows: decode a 64 × 2048 block once into an L2-resident buffer, multiply it with
+//       6 × 64 register tiles while the next block is prefetched.
 //   NK: for NB rows of W, for each block along K: decode once, FMA with x[t, block] for TG rows;
 //       a horizontal sum per (row, output) at the end. MXFP4's nibbles are decoded with a
 //       16-entry table (one permute per 16 values) against x split into even and odd elements.
@@ -150,27 +151,49 @@ struct Fp8Rows {
   }
 };
 
-// One or two rows of x: each row of W is read once, as long sequential runs (8 KiB of a row at a
-// time), into accumulators kept in y (L1-resident for the block). Byte formats also prefetch the
-// next row's run, a cache line at a time: without it one thread read FP8 from memory at ~60% of
-// the rate it read float32 (2.5 vs 1.7 ms for a 2048 × 8192 weight).
+// Decode and small verify blocks stream W: each row is read once, in long sequential runs, into
+// accumulators kept in y (L1-resident for a block of columns), with a software prefetch of the
+// runs four rows ahead: without it one thread read FP8 from memory at ~60% of the rate it read
+// float32.
 constexpr int64_t kStreamBytes = 8192;
 
+// Up to 8 rows of x: four rows of W at a time, streamed side by side; each 16-column slice of the
+// accumulators y[t] is loaded once, takes the four rows' FMAs in k order and is stored, so the
+// stores are a quarter of the FMAs and the reads stay sequential runs.
 template <class Rows, int TG>
-void kn_stream(const float* x, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t c0,
-               int64_t c1) {
-  const int64_t row_bytes = N * Rows::kBytes, block = kStreamBytes / Rows::kBytes;
+void kn_stream4(const float* x, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t c0,
+                int64_t c1) {
+  const int64_t row_bytes = N * Rows::kBytes;
+  const int64_t block = std::max<int64_t>(256, std::min<int64_t>(kStreamBytes / Rows::kBytes,
+                                                                 4096 / TG / kLanes * kLanes));
   for (int64_t b0 = c0; b0 < c1; b0 += block) {
     const int64_t b1 = std::min(c1, b0 + block);
     for (int t = 0; t < TG; ++t) std::fill(y + t * N + b0, y + t * N + b1, 0.f);
-    for (int64_t k = 0; k < K; ++k) {
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
       const uint8_t* row = w + k * row_bytes;
-      v16f xb[TG];
-      for (int t = 0; t < TG; ++t) xb[t] = splat(x[t * K + k]);
+      v16f xb[TG][4];
+      for (int t = 0; t < TG; ++t)
+        for (int r = 0; r < 4; ++r) xb[t][r] = splat(x[t * K + k + r]);
       for (int64_t n = b0; n < b1; n += kLanes) {
-        if (Rows::kBytes == 1 && (n & 63) == 0) __builtin_prefetch(row + row_bytes + n);
+        if ((n * Rows::kBytes & 63) == 0)
+          for (int r = 0; r < 4; ++r)
+            __builtin_prefetch(row + (4 + r) * row_bytes + n * Rows::kBytes);
+        v16f wv[4];
+        for (int r = 0; r < 4; ++r) wv[r] = Rows::load(row + r * row_bytes, n);
+        for (int t = 0; t < TG; ++t) {
+          v16f acc = load_f(y + t * N + n);
+          for (int r = 0; r < 4; ++r) acc += xb[t][r] * wv[r];
+          store_f(y + t * N + n, acc);
+        }
+      }
+    }
+    for (; k < K; ++k) {
+      const uint8_t* row = w + k * row_bytes;
+      for (int64_t n = b0; n < b1; n += kLanes) {
         const v16f wv = Rows::load(row, n);
-        for (int t = 0; t < TG; ++t) store_f(y + t * N + n, load_f(y + t * N + n) + xb[t] * wv);
+        for (int t = 0; t < TG; ++t)
+          store_f(y + t * N + n, load_f(y + t * N + n) + splat(x[t * K + k]) * wv);
       }
     }
   }
@@ -269,9 +292,17 @@ void kn_columns(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
                 int64_t c0, int64_t c1) {
   const int64_t full = c0 + (c1 - c0) / kLanes * kLanes;
   if (full > c0) {
-    if (M == 1) kn_stream<Rows, 1>(x, K, w, N, y, c0, full);
-    else if (M == 2) kn_stream<Rows, 2>(x, K, w, N, y, c0, full);
-    else kn_packed<Rows>(x, M, K, w, N, y, c0, full);
+    switch (M) {
+      case 1: kn_stream4<Rows, 1>(x, K, w, N, y, c0, full); break;
+      case 2: kn_stream4<Rows, 2>(x, K, w, N, y, c0, full); break;
+      case 3: kn_stream4<Rows, 3>(x, K, w, N, y, c0, full); break;
+      case 4: kn_stream4<Rows, 4>(x, K, w, N, y, c0, full); break;
+      case 5: kn_stream4<Rows, 5>(x, K, w, N, y, c0, full); break;
+      case 6: kn_stream4<Rows, 6>(x, K, w, N, y, c0, full); break;
+      case 7: kn_stream4<Rows, 7>(x, K, w, N, y, c0, full); break;
+      case 8: kn_stream4<Rows, 8>(x, K, w, N, y, c0, full); break;
+      default: kn_packed<Rows>(x, M, K, w, N, y, c0, full); break;
+    }
   }
   for (int64_t n = full; n < c1; ++n) {  // the last N % 16 columns
     for (int64_t t = 0; t < M; ++t) {
