@@ -16,7 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.quant import is_quantized, materialize
-from pallas_kernels.qmatmul import DEFAULT_BLOCK, cpu_kernel_applies, qmatmul
+
+# pallas_kernels.qmatmul builds on jaxspec.quant, and importing it first imports jaxspec, which
+# imports this module: it is imported where it is used.
+DEFAULT_BLOCK = (128, 128)  # qmatmul's block for formats without block scales (unused by them)
 
 
 def kernel_operands(w: Any, in_dims: int) -> tuple | None:
@@ -53,13 +56,15 @@ def dense(x: jax.Array, w: Any, in_dims: int, dtype: Any) -> jax.Array:
   """x [..., *in] @ w [*in, *out] → [..., *out] in `dtype` (float32 accumulation)."""
   lead, in_shape = x.shape[: x.ndim - in_dims], x.shape[x.ndim - in_dims :]
   out_shape = tuple(w.shape[in_dims:])
+  from pallas_kernels import qmatmul as kernels  # pylint: disable=import-outside-toplevel
+
   operands = kernel_operands(w, in_dims)
   rows = math.prod(lead)
   if operands is not None and (is_quantized(w) or dtype == jnp.float32):
     x2 = x.reshape(rows, math.prod(in_shape))
     values, scales, fmt, block = operands
-    if cpu_kernel_applies(x2, values, fmt):
-      y = qmatmul(x2, values, scales, fmt, block=block)
+    if kernels.cpu_kernel_applies(x2, values, fmt):
+      y = kernels.qmatmul(x2, values, scales, fmt, block=block)
       return y.reshape(*lead, *out_shape).astype(dtype)
   y = jax.lax.dot_general(
     x.astype(dtype),

@@ -321,6 +321,61 @@ void kn_columns(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 // weight may be G groups along K (values [G, N, K/G/32, 16]: a weight with two contraction axes,
 // blocked along the last, e.g. an output projection [heads, head_dim, hidden]); group g's blocks
 // meet x's elements [g·K/G, (g+1)·K/G).
+#if defined(__AVX512F__)
+// 16 E8M0 scale bytes → their 16 float32 scales (2^(s − 127); s = 0 is the subnormal 2^-127).
+inline __m512 e8m0_16(const uint8_t* p) {
+  const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()),
+                                               _mm512_slli_epi32(s, 23),
+                                               _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(bits);
+}
+
+// AVX-512: each block's scale multiplies the 16-entry E2M1 table once (one multiply for 32
+// elements), the scales of 16 blocks are decoded together and picked by a permute.
+template <int NB, int TG>
+void mx_tile(const float* xe, const float* xo, int64_t K, int64_t G, const uint8_t* w,
+             const uint8_t* s, int64_t N, float* y, int64_t t0, int64_t n0) {
+  const int64_t kb = K / 32 / G, half = K / 2;
+  const __m512 table = reinterpret_cast<__m512>(kE2M1);
+  v16f acc[NB][TG] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b0 = 0; b0 < kb; b0 += 16) {
+      const int64_t nbk = std::min<int64_t>(16, kb - b0);
+      __m512 sv[NB];
+      for (int i = 0; i < NB; ++i) {
+        const uint8_t* sp = s + (g * N + n0 + i) * kb + b0;
+        if (nbk == 16) {
+          sv[i] = e8m0_16(sp);
+        } else {
+          uint8_t padded[16] = {};
+          std::memcpy(padded, sp, nbk);
+          sv[i] = e8m0_16(padded);
+        }
+      }
+      for (int64_t j = 0; j < nbk; ++j) {
+        const __m512i lane = _mm512_set1_epi32(static_cast<int>(j));
+        v16f we[NB], wo[NB];
+        for (int i = 0; i < NB; ++i) {
+          const __m512 lut = _mm512_mul_ps(table, _mm512_permutexvar_ps(lane, sv[i]));
+          const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(w + ((g * N + n0 + i) * kb + b0 + j) * 16)));
+          we[i] = reinterpret_cast<v16f>(_mm512_permutexvar_ps(q, lut));
+          wo[i] = reinterpret_cast<v16f>(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut));
+        }
+        const int64_t at = (g * kb + b0 + j) * kLanes;
+        for (int t = 0; t < TG; ++t) {
+          const v16f e = load_f(xe + (t0 + t) * half + at);
+          const v16f o = load_f(xo + (t0 + t) * half + at);
+          for (int i = 0; i < NB; ++i) acc[i][t] += we[i] * e + wo[i] * o;
+        }
+      }
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int t = 0; t < TG; ++t) y[(t0 + t) * N + n0 + i] = hsum(acc[i][t]);
+}
+#else
 template <int NB, int TG>
 void mx_tile(const float* xe, const float* xo, int64_t K, int64_t G, const uint8_t* w,
              const uint8_t* s, int64_t N, float* y, int64_t t0, int64_t n0) {
@@ -347,6 +402,8 @@ void mx_tile(const float* xe, const float* xo, int64_t K, int64_t G, const uint8
   for (int i = 0; i < NB; ++i)
     for (int t = 0; t < TG; ++t) y[(t0 + t) * N + n0 + i] = hsum(acc[i][t]);
 }
+
+#endif  // __AVX512F__
 
 // FP8 with block scales: W[n, k] bytes, scale[n / bo, k / bi]; K need not be a multiple of 16
 // (the last partial vector is decoded from a zero-padded copy).
