@@ -163,6 +163,9 @@ constexpr int64_t kStreamBytes = 8192;
 template <class Rows, int TG>
 void kn_stream4(const float* x, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t c0,
                 int64_t c1) {
+  // A lone float32 row streams fastest on the hardware prefetcher alone (15 vs 12 GB/s on one
+  // thread); byte formats and several rows (more work per line) gain from the software one.
+  constexpr bool kPrefetch = Rows::kBytes == 1 || TG > 1;
   const int64_t row_bytes = N * Rows::kBytes;
   const int64_t block = std::max<int64_t>(256, std::min<int64_t>(kStreamBytes / Rows::kBytes,
                                                                  4096 / TG / kLanes * kLanes));
@@ -176,7 +179,7 @@ void kn_stream4(const float* x, int64_t K, const uint8_t* w, int64_t N, float* y
       for (int t = 0; t < TG; ++t)
         for (int r = 0; r < 4; ++r) xb[t][r] = splat(x[t * K + k + r]);
       for (int64_t n = b0; n < b1; n += kLanes) {
-        if ((n * Rows::kBytes & 63) == 0)
+        if (kPrefetch && (n * Rows::kBytes & 63) == 0)
           for (int r = 0; r < 4; ++r)
             __builtin_prefetch(row + (4 + r) * row_bytes + n * Rows::kBytes);
         v16f wv[4];
