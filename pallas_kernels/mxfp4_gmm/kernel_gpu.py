@@ -113,21 +113,21 @@ def _kernel(
   jax.lax.fori_loop(0, n_tail, tail_tile, 0)
 
 
-def _pow2_at_most(n: int) -> int:
+def pow2_at_most(n: int) -> int:
   p = 1
   while p * 2 <= n:
     p *= 2
   return p
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
   p = 1
   while p < n:
     p *= 2
   return p
 
 
-def _pow2_dividing(n: int, cap: int) -> int:
+def pow2_dividing(n: int, cap: int) -> int:
   """The largest power of two <= cap that divides n."""
   p = 1
   while p * 2 <= cap and n % (p * 2) == 0:
@@ -135,7 +135,7 @@ def _pow2_dividing(n: int, cap: int) -> int:
   return p
 
 
-def _check_pow2(name: str, value: int, floor: int) -> None:
+def check_pow2(name: str, value: int, floor: int) -> None:
   if value < floor or value & (value - 1):
     raise ValueError(f"{name}={value} must be a power of two >= {floor}")
 
@@ -173,22 +173,22 @@ def mxfp4_gmm_gpu(
   Triton IR (no GPU was available): see the module docstring.
   """
   m, k_dim, n, e = check_inputs(x, values, scales, group_sizes)
-  _check_pow2("block_m", block_m, MIN_ROWS)
-  _check_pow2("block_n", block_n, MIN_ROWS)
-  _check_pow2("block_k", block_k, MX_BLOCK)
-  bn = _pow2_dividing(n, block_n)
+  check_pow2("block_m", block_m, MIN_ROWS)
+  check_pow2("block_n", block_n, MIN_ROWS)
+  check_pow2("block_k", block_k, MX_BLOCK)
+  bn = pow2_dividing(n, block_n)
   if bn < MIN_ROWS:
     raise ValueError(f"N={n} must be a multiple of {MIN_ROWS} for the Pallas kernel")
-  bk = _pow2_dividing(k_dim, block_k)  # >= 32: K is a multiple of 32
+  bk = pow2_dividing(k_dim, block_k)  # >= 32: K is a multiple of 32
   dtype = out_dtype(x, preferred_element_type)
 
   rows = max(m, MIN_ROWS)
   if rows > m:  # toy input: pad to one 16-row tile (the only copy of x)
     x = jnp.pad(x, ((0, rows - m), (0, 0)))
-  bm = min(block_m, _pow2_at_most(rows))
+  bm = min(block_m, pow2_at_most(rows))
   starts, ends = group_bounds(group_sizes, m)
   # Small int32 operands, padded to a power-of-two length (Triton loads); read by scalar loads.
-  e_pad = _pow2_at_least(e)
+  e_pad = pow2_at_least(e)
   starts = jnp.pad(starts, (0, e_pad - e))
   ends = jnp.pad(ends, (0, e_pad - e))
 

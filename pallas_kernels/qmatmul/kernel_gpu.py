@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxspec.quant import codecs
 from pallas_kernels.mxfp4_gmm.decode import dequantize_tile
+from pallas_kernels.mxfp4_gmm.kernel_gpu import check_pow2, pow2_at_least, pow2_dividing
 from pallas_kernels.qmatmul.reference import DEFAULT_BLOCK, check_inputs
 
 MX_BLOCK = 32  # elements per MXFP4 scale
@@ -75,30 +76,11 @@ def e4m3_to_f32(bits: jax.Array) -> jax.Array:
 
 
 def as_bytes(values: jax.Array) -> jax.Array:
-  """fp8 values (float8_e4m3fn or uint8) as their uint8 bytes (a bitcast, no copy in XLA)."""
+  """fp8 values (float8_e4m3fn or uint8) as their uint8 bytes (a bitcast; XLA:CPU was seen to
+  copy such a bitcast feeding a custom call, so check the GPU HLO when this runs there)."""
   if values.dtype == codecs.FP8_DTYPE:
     return jax.lax.bitcast_convert_type(values, jnp.uint8)
   return values
-
-
-def _pow2_at_least(n: int) -> int:
-  p = 1
-  while p < n:
-    p *= 2
-  return p
-
-
-def _pow2_dividing(n: int, cap: int) -> int:
-  """The largest power of two <= cap that divides n."""
-  p = 1
-  while p * 2 <= cap and n % (p * 2) == 0:
-    p *= 2
-  return p
-
-
-def _check_pow2(name: str, value: int, floor: int) -> None:
-  if value < floor or value & (value - 1):
-    raise ValueError(f"{name}={value} must be a power of two >= {floor}")
 
 
 def _kernel(*refs, fmt, k_dim, n_dim, block_k, num_k, scale_block, scale_cols):
@@ -173,19 +155,19 @@ def qmatmul_gpu(
   interpret mode and by lowering to Triton IR: see the module docstring.
   """
   m, k_dim, n = check_inputs(x, values, scales, fmt, block)
-  _check_pow2("block_m", block_m, MIN_TILE)
-  _check_pow2("block_n", block_n, MIN_TILE)
-  _check_pow2("block_k", block_k, MX_BLOCK if fmt == "mxfp4" else MIN_TILE)
+  check_pow2("block_m", block_m, MIN_TILE)
+  check_pow2("block_n", block_n, MIN_TILE)
+  check_pow2("block_k", block_k, MX_BLOCK if fmt == "mxfp4" else MIN_TILE)
   bn, bk = block_n, block_k
   bo, bi = block
   if fmt == "fp8_block":
-    bn, bk = _pow2_dividing(bo, block_n), _pow2_dividing(bi, block_k)
+    bn, bk = pow2_dividing(bo, block_n), pow2_dividing(bi, block_k)
     if min(bn, bk) < MIN_TILE:
       raise ValueError(f"fp8_block scale block {block} needs power-of-two factors >= {MIN_TILE}")
-  bk = min(bk, _pow2_at_least(k_dim))  # no tile much wider than K itself
+  bk = min(bk, pow2_at_least(k_dim))  # no tile much wider than K itself
   if fmt == "mxfp4":
     bk = max(bk, MX_BLOCK)
-  bm = min(block_m, _pow2_at_least(max(m, MIN_TILE)))
+  bm = min(block_m, pow2_at_least(max(m, MIN_TILE)))
   rows = -(-m // bm) * bm
   num_k = -(-k_dim // bk)
   tiles_n = -(-n // bn)
