@@ -19,12 +19,13 @@ from jaxspec.quant import is_quantized, materialize
 
 # pallas_kernels.qmatmul builds on jaxspec.quant, and importing it first imports jaxspec, which
 # imports this module: it is imported where it is used.
-DEFAULT_BLOCK = (128, 128)  # qmatmul's block for formats without block scales (unused by them)
 
 
 def kernel_operands(w: Any, in_dims: int) -> tuple | None:
   """(values, scales, format, block) in `qmatmul`'s layouts for a weight [*in, *out] whose first
   `in_dims` axes are contracted, or None when no kernel reads this layout (XLA does)."""
+  from pallas_kernels.qmatmul import DEFAULT_BLOCK  # pylint: disable=import-outside-toplevel
+
   if not is_quantized(w):
     k = math.prod(w.shape[:in_dims])
     return w.reshape(k, -1), None, "float", DEFAULT_BLOCK

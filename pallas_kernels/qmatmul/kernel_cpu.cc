@@ -105,19 +105,12 @@ const v16f kE2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 // 16 packed bytes (32 codes) → the even elements (low nibbles) and the odd ones (high nibbles).
+// (The portable mx_tile's decoder; the AVX-512 mx_tile folds the scale into the table.)
 inline void mxfp4_decode(const uint8_t* p, v16f* even, v16f* odd) {
-#if defined(__AVX512F__)
-  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 lut = reinterpret_cast<__m512>(kE2M1);
-  // vpermps reads only an index's low 4 bits: the low nibble needs no mask.
-  *even = reinterpret_cast<v16f>(_mm512_permutexvar_ps(w, lut));
-  *odd = reinterpret_cast<v16f>(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut));
-#else
   v16i w;
   for (int i = 0; i < kLanes; ++i) w[i] = p[i];
   *even = __builtin_shuffle(kE2M1, kE2M1, w & 0xF);
   *odd = __builtin_shuffle(kE2M1, kE2M1, (w >> 4) & 0xF);
-#endif
 }
 
 // E8M0 → 2^(s − 127). s = 0 is 2^-127, a float32 subnormal; 0xFF (NaN) is refused at load.
