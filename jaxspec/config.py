@@ -28,7 +28,12 @@ SUPPORTED_ARCHITECTURES = (
   "DeepseekV3ForCausalLM",
   "DeepseekV32ForCausalLM",
   "GlmMoeDsaForCausalLM",
+  # (issue #34: "MiMoV2FlashForCausalLM", "MiniMaxM2ForCausalLM" join here with their mappings)
 )
+# Architectures with sliding-window layers and attention sinks (gpt-oss; MiMo-V2-Flash's SWA
+# layers, which also differ from its full layers in KV heads and RoPE base).
+WINDOWED_ARCHITECTURES = ("GptOssForCausalLM", "MiMoV2FlashForCausalLM")
+QK_NORM_TYPES = ("per_head", "per_layer")
 # Hybrid targets: Gated DeltaNet (linear-attention) layers beside gated full-attention layers,
 # zero-centred RMSNorms ((1 + w) · x) and a sigmoid-gated shared expert (models/gated_deltanet.py).
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
@@ -117,6 +122,12 @@ class ModelConfig:
   attention_bias: bool = False  # biases on q/k/v projections
   attention_out_bias: bool = False  # bias on o_proj (Qwen3 ties it to attention_bias; GLM never)
   qk_norm: bool = True
+  # "per_head": one RMSNorm of head_dim shared by the heads (Qwen3); "per_layer": one RMSNorm
+  # over the whole q (k) projection, num_heads × head_dim wide (MiniMax-M2).
+  qk_norm_type: str = "per_head"
+  # A constant factor on the value vectors before they are stored (MiMo-V2-Flash's
+  # attention_value_scale).
+  attention_value_scale: float = 1.0
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 32768
   # Mixture of experts (num_experts == 0 means dense).
@@ -144,6 +155,11 @@ class ModelConfig:
   # per-head sink logits that join every softmax's denominator.
   layer_windows: tuple[int, ...] = ()
   attention_sinks: bool = False
+  # MiMo-V2-Flash: sinks in the sliding layers only (attention_sinks: in every layer), and the
+  # sliding layers' own KV head count and RoPE base (0: num_kv_heads / rope_theta).
+  sliding_attention_sinks: bool = False
+  sliding_num_kv_heads: int = 0
+  sliding_rope_theta: float = 0.0
   # Hybrid targets (HYBRID_ARCHITECTURES): each layer's token mixer, "full_attention" or
   # "linear_attention" (Gated DeltaNet; empty: all full), and the linear layers' shapes.
   layer_types: tuple[str, ...] = ()
@@ -286,8 +302,29 @@ class ModelConfig:
 
   @property
   def value_head_dim(self) -> int:
-    """The attention output's per-head width (MLA's v_head_dim, else head_dim)."""
-    return self.v_head_dim if self.is_mla else self.head_dim
+    """The attention output's per-head width: v_head_dim (MLA; MiMo-V2-Flash's values are
+    narrower than its keys) when stated, else head_dim."""
+    return self.v_head_dim or self.head_dim
+
+  def is_sliding(self, layer: int) -> bool:
+    """Whether attention layer `layer` sees only a sliding window of keys."""
+    return self.layer_windows[layer] > 0
+
+  def layer_kv_heads(self, layer: int) -> int:
+    """KV heads of attention layer `layer` (MiMo's sliding layers have their own count)."""
+    if self.is_sliding(layer) and self.sliding_num_kv_heads:
+      return self.sliding_num_kv_heads
+    return self.num_kv_heads
+
+  def layer_rope_theta(self, layer: int) -> float:
+    """The RoPE base of layer `layer` (MiMo's sliding layers have their own)."""
+    if self.is_sliding(layer) and self.sliding_rope_theta:
+      return self.sliding_rope_theta
+    return self.rope_theta
+
+  def has_sinks(self, layer: int) -> bool:
+    """Whether attention layer `layer` has learned per-head sink logits."""
+    return self.attention_sinks or (self.sliding_attention_sinks and self.is_sliding(layer))
 
   @property
   def latent_dim(self) -> int:
@@ -322,14 +359,17 @@ class ModelConfig:
   def segments(self) -> tuple[tuple[int, int, bool], ...]:
     """Maximal runs of same-kind layers as (first_layer, num_layers, is_moe); each is one scan.
 
-    A run's layers share the FFN kind, the token mixer (`is_linear(first_layer)`) and, in DSA
-    targets, whether they run their own indexer (`is_full_indexer(first_layer)`)."""
+    A run's layers share the FFN kind, the token mixer (`is_linear(first_layer)`), the
+    sliding window (a sliding layer's decoding state is a ring of its window, a full layer's
+    holds every position; MiMo's sliding layers also differ in shape) and, in DSA targets,
+    whether they run their own indexer (`is_full_indexer(first_layer)`)."""
     runs: list[tuple[int, int, bool]] = []
     for i, moe in enumerate(self.layer_is_moe):
       if (
         runs
         and runs[-1][2] == moe
         and self.is_linear(runs[-1][0]) == self.is_linear(i)
+        and self.layer_windows[runs[-1][0]] == self.layer_windows[i]
         and self._indexer_kind(runs[-1][0]) == self._indexer_kind(i)
       ):
         start, n, _ = runs[-1]
@@ -458,6 +498,7 @@ class ModelConfig:
     "index_n_heads",
     "index_head_dim",
     "index_topk",
+    "sliding_num_kv_heads",
   )
   _POSITIVE_FLOATS = (
     "swiglu_alpha",
@@ -465,6 +506,7 @@ class ModelConfig:
     "rope_theta",
     "partial_rotary_factor",
     "routed_scaling_factor",
+    "attention_value_scale",
   )
   _BOOLS = (
     "attention_bias",
@@ -476,6 +518,7 @@ class ModelConfig:
     "attention_sinks",
     "rope_interleave",
     "indexer_rope_interleave",
+    "sliding_attention_sinks",
   )
 
   def _need(self, cond: bool, msg: str) -> None:
@@ -625,16 +668,33 @@ class ModelConfig:
     )
     self._validate_mla()
     gpt_oss = self.architecture == "GptOssForCausalLM"
+    windowed = self.architecture in WINDOWED_ARCHITECTURES
+    sliding_only = (self.sliding_attention_sinks, self.sliding_num_kv_heads, self.sliding_rope_theta)
     need(
-      gpt_oss or not (self.attention_sinks or self.sliding_window),
-      "attention sinks and sliding windows are gpt-oss features (GptOssForCausalLM)",
+      windowed or not (self.attention_sinks or self.sliding_window or any(sliding_only)),
+      f"attention sinks and sliding windows are features of {', '.join(WINDOWED_ARCHITECTURES)}",
+    )
+    need(
+      is_real(self.sliding_rope_theta) and self.sliding_rope_theta >= 0,
+      f"sliding_rope_theta must be ≥ 0 (0: rope_theta), got {show(self.sliding_rope_theta)}",
+    )
+    need(
+      self.qk_norm_type in QK_NORM_TYPES,
+      f"qk_norm_type must be one of {QK_NORM_TYPES}, got {show(self.qk_norm_type)}",
+    )
+    kv_sliding = self.sliding_num_kv_heads or self.num_kv_heads
+    need(
+      self.num_heads % kv_sliding == 0,
+      f"num_attention_heads ({self.num_heads}) must be a multiple of the sliding layers' KV "
+      f"heads ({kv_sliding})",
     )
     need(
       gpt_oss or not (self.expert_bias or self.swiglu_limit or self.router == "topk_softmax"),
       "biased experts, the clamped SwiGLU and the top-k-softmax router are gpt-oss features",
     )
     need(
-      self.options.attention_impl != "pallas" or not (self.attention_sinks or self.sliding_window),
+      self.options.attention_impl != "pallas"
+      or not (self.attention_sinks or self.sliding_attention_sinks or self.sliding_window),
       "the Pallas attention kernel has no sinks or sliding windows; use attention_impl='xla'",
     )
     scaling = dict(self.rope_scaling) if isinstance(self.rope_scaling, tuple) else {}

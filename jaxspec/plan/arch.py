@@ -528,13 +528,16 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
     kinds = tuple(("dsa" if t == "full" else "full", m) for t, m in zip(indexed, is_moe))
   else:
     kinds = tuple(("full", m) for m in is_moe)
+  # Sliding and full layers are separate runs (as `ModelConfig.segments`).
+  windows = config_from_hf(hf).layer_windows if arch in SUPPORTED_ARCHITECTURES else ()
+  kinds = tuple((*k, windows[i] if windows else 0) for i, k in enumerate(kinds))
   runs: list[list] = []
   for kind in kinds:
     if runs and runs[-1][0] == kind:
       runs[-1][1] += 1
     else:
       runs.append([kind, 1])
-  for s, ((mixer, moe), n) in enumerate(runs):
+  for s, ((mixer, moe, _), n) in enumerate(runs):
     p = f"layers_{s}"
     _layer(w, p, n, d, r, arch, mixer, moe)
   for m in range(d["mtp_layers"]):
