@@ -1,0 +1,247 @@
+"""MiniMax-M2 targets (MiniMaxM2ForCausalLM) against transformers on small random configurations.
+
+Two configurations, saved once by transformers (the published Mixtral-style tensor names,
+`block_sparse_moe.experts.{e}.w1/w2/w3`): "partial" rotates 4 of 8 features per head (stated
+as `rotary_dim`, MiniMax's key) with 2 query heads per KV head; "full" rotates whole heads of
+16 with 3 KV heads of 6 query heads, and is wide enough (64, experts 32) for MXFP4 blocks. Norms (the per-layer q/k norms included) and the routing
+correction bias are perturbed, so every piece moves the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import jaxspec
+from jaxspec.errors import ConfigError
+from jaxspec.io.architectures import config_from_hf, config_to_hf
+from jaxspec.quant.formats import QTensor
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+
+from tests import drafter_models, hf_models, near_ties
+
+CONFIGS = {
+  "partial": dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rotary_dim=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+  ),
+  "full": dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    head_dim=16,
+    num_local_experts=6,
+    num_experts_per_tok=3,
+    rms_norm_eps=1e-5,
+    rope_theta=1000.0,
+    tie_word_embeddings=False,
+  ),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """name → (HF model, checkpoint dir saved by transformers)."""
+  out = {}
+  for name, kwargs in CONFIGS.items():
+    hf = hf_models.build_hf_model_from("MiniMaxM2Config", "MiniMaxM2ForCausalLM", kwargs, seed=3)
+    d = str(tmp_path_factory.mktemp(f"minimax_{name}"))
+    hf.save_pretrained(d)
+    out[name] = (hf, d)
+  return out
+
+
+def _ids(vocab: int, shape=(2, 11), seed=0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def _hf_config(d: str) -> dict:
+  with open(os.path.join(d, "config.json")) as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers(saved, name):
+  hf, d = saved[name]
+  model = jaxspec.load_model(d)
+  c = model.config
+  assert c.qk_norm_type == "per_layer" and c.router == "sigmoid" and c.norm_topk_prob
+  assert c.partial_rotary_factor == (0.5 if name == "partial" else 1.0)
+  ids = _ids(c.vocab_size)
+  near_ties.assert_logits_match(
+    model, ids, np.asarray(model.logits(ids)), hf_models.hf_logits(hf, ids), atol=1e-4
+  )
+
+
+def test_per_head_qk_norm_is_wrong_for_minimax(saved):
+  """The same weights normalised per head (Qwen3's q/k norm, the scale's first row shared)
+  move the logits: the per-layer norm is what the match depends on."""
+  hf, d = saved["partial"]
+  model = jaxspec.load_model(d, scan_layers=True)
+  ids = _ids(model.config.vocab_size)
+  params = jax.tree_util.tree_map(lambda x: x, model.params)
+  for norm in ("q_norm", "k_norm"):
+    attn = params["layers_0"]["self_attn"]
+    attn[norm] = {"scale": attn[norm]["scale"][:, 0]}  # [layers, heads, D] → [layers, D]
+  broken = dataclasses.replace(model, params=params).with_config(qk_norm_type="per_head")
+  assert np.abs(np.asarray(broken.logits(ids)) - hf_models.hf_logits(hf, ids)).max() > 1e-3
+
+
+def test_config_round_trip_and_published_keys(saved):
+  _, d = saved["partial"]
+  hf = _hf_config(d)
+  c = config_from_hf(hf)
+  assert config_from_hf(config_to_hf(c)) == c
+  assert config_to_hf(c)["rotary_dim"] == 4
+  # The published config.json's legacy keys, at their published values, are accepted.
+  published = {
+    **hf,
+    "rotary_dim": 4,
+    "partial_rotary_factor": 0.5,
+    "use_qk_norm": True,
+    "qk_norm_type": "per_layer",
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "attn_type_list": [1, 1],
+    "sliding_window": None,
+    "shared_intermediate_size": 0,
+    "layernorm_full_attention_beta": 1.0,
+    "layernorm_mlp_beta": 1.0,
+    "router_aux_loss_coef": 0.001,
+  }
+  published.pop("rope_parameters")
+  assert config_from_hf(published) == c.replace(rope_theta=5000000.0)
+  with pytest.warns(UserWarning, match="num_mtp_modules"):
+    assert config_from_hf({**published, "use_mtp": True, "num_mtp_modules": 3}).num_mtp_layers == 0
+  # Absent keys take MiniMaxM2Config's defaults.
+  keys = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
+  dflt = config_from_hf({**{k: hf[k] for k in keys}, "num_attention_heads": 16})
+  assert (dflt.head_dim, dflt.num_kv_heads, dflt.num_experts, dflt.num_experts_per_tok) == (
+    128, 8, 256, 8
+  )
+  assert (dflt.rope_theta, dflt.max_position_embeddings, dflt.eos_token_ids) == (
+    5000000.0, 196608, (200020,)
+  )
+
+
+@pytest.mark.parametrize(
+  "key,value",
+  [
+    ("attn_type_list", [0, 1]),
+    ("sliding_window", 128),
+    ("scoring_func", "softmax"),
+    ("use_routing_bias", False),
+    ("use_qk_norm", False),
+    ("qk_norm_type", "per_head"),
+    ("shared_intermediate_size", 64),
+    ("layernorm_mlp_alpha", 3.5),
+    ("postnorm", True),
+    ("routed_scaling_factor", 2.0),
+    ("rotary_dim", 6),  # disagrees with the saved partial_rotary_factor 0.5
+  ],
+)
+def test_unsupported_keys_are_refused_by_name(saved, key, value):
+  _, d = saved["partial"]
+  with pytest.raises(ConfigError, match=key):
+    config_from_hf({**_hf_config(d), key: value})
+
+
+def test_checkpoint_round_trip_through_transformers(saved, tmp_path):
+  hf, d = saved["full"]
+  model = jaxspec.load_model(d)
+  jaxspec.save_hf(model, str(tmp_path))
+  names = json.dumps(sorted(_safetensors_names(str(tmp_path))))
+  assert "block_sparse_moe.experts.5.w3.weight" in names and "mlp." not in names
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+  ids = _ids(model.config.vocab_size, seed=1)
+  np.testing.assert_allclose(
+    hf_models.hf_logits(back.eval(), ids), hf_models.hf_logits(hf, ids), atol=1e-5
+  )
+
+
+def _safetensors_names(d: str) -> list[str]:
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+  with safe_open(os.path.join(d, "model.safetensors"), "np") as f:
+    return list(f.keys())
+
+
+def test_greedy_generation_matches_transformers(saved):
+  hf, d = saved["partial"]
+  model = jaxspec.load_model(d)
+  prompt = _ids(model.config.vocab_size, (1, 6), seed=2)
+  new = 12
+  with torch.no_grad():
+    ref = hf.generate(
+      torch.as_tensor(prompt),
+      max_new_tokens=new,
+      min_new_tokens=new,
+      do_sample=False,
+      pad_token_id=0,
+      eos_token_id=None,
+    )
+  cfg = EngineConfig(max_len=32, batch_size=1, use_eos=False)
+  res = SpecEngine(model, None, cfg).generate([prompt[0]], max_new_tokens=new, temperature=0.0)
+  near_ties.assert_greedy_match(model, prompt, [ref[0, 6:].tolist()], [list(res.tokens[0])])
+
+
+def test_speculative_decoding_is_lossless(saved):
+  """DFlash chain and DDTree outputs equal plain greedy decoding, batch 1 and 4 (one set of
+  engines of 4 slots: compiled once)."""
+  _, d = saved["partial"]
+  target = jaxspec.load_model(d)
+  drafter = drafter_models.small_dflash(target, target_layer_ids=(0, 1))
+  check = drafter_models.GreedyCheck(target, drafter, max_len=48, batch_size=4)
+  tree = SpecEngine(
+    target, drafter, dataclasses.replace(check.cfg, verify="tree", tree_budget=6)
+  )
+  for batch in (1, 4):
+    ps = drafter_models.prompts(batch, target.config.vocab_size)
+    plain = check.plain.generate(ps, max_new_tokens=12)
+    for engine in (check.spec, tree):
+      spec = engine.generate(ps, max_new_tokens=12)
+      near_ties.assert_greedy_match(target, ps, plain.tokens, spec.tokens)
+      assert all(len(t) == 12 for t in spec.tokens)
+
+
+def test_default_quantize_policy_runs(saved):
+  """DEFAULT_POLICY: MXFP4 experts, FP8 attention and router; the routing correction bias and
+  the q/k norms stay float32; the logits stay finite and near the float model's."""
+  hf, d = saved["full"]
+  q = jaxspec.quantize(jaxspec.load_model(d, scan_layers=True))
+  layer = q.params["layers_0"]
+  formats = {
+    name: w.format
+    for name, w in (("gate_proj", layer["mlp"]["gate_proj"]), ("router", layer["mlp"]["router"]),
+                    ("q_proj", layer["self_attn"]["q_proj"]["kernel"]))
+  }
+  assert formats == {"gate_proj": "mxfp4", "router": "fp8", "q_proj": "fp8"}
+  for w in (layer["mlp"]["e_score_correction_bias"], layer["self_attn"]["q_norm"]["scale"]):
+    assert not isinstance(w, QTensor) and w.dtype == np.float32
+  ids = _ids(q.config.vocab_size, seed=4)
+  logits = np.asarray(q.logits(ids))
+  ref = hf_models.hf_logits(hf, ids)
+  assert np.isfinite(logits).all()
+  err = np.abs(logits - ref).max()
+  assert 1e-4 < err < 0.25 * np.abs(ref).max(), err
