@@ -3,8 +3,9 @@
 Two configurations, saved once by transformers (the published Mixtral-style tensor names,
 `block_sparse_moe.experts.{e}.w1/w2/w3`): "partial" rotates 4 of 8 features per head (stated
 as `rotary_dim`, MiniMax's key) with 2 query heads per KV head; "full" rotates whole heads of
-16 with 3 KV heads of 6 query heads, and is wide enough (64, experts 32) for MXFP4 blocks. Norms (the per-layer q/k norms included) and the routing
-correction bias are perturbed, so every piece moves the logits.
+16 with 3 KV heads of 6 query heads, and is wide enough (64, experts 32) for MXFP4 blocks.
+Norms (the per-layer q/k norms included) and the routing correction bias are perturbed, so
+every piece moves the logits.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import jax
 import numpy as np
 import pytest
 import torch
+import transformers
+from safetensors import safe_open
 
 import jaxspec
 from jaxspec.errors import ConfigError
@@ -131,7 +134,8 @@ def test_config_round_trip_and_published_keys(saved):
   published.pop("rope_parameters")
   assert config_from_hf(published) == c.replace(rope_theta=5000000.0)
   with pytest.warns(UserWarning, match="num_mtp_modules"):
-    assert config_from_hf({**published, "use_mtp": True, "num_mtp_modules": 3}).num_mtp_layers == 0
+    with_mtp = config_from_hf({**published, "use_mtp": True, "num_mtp_modules": 3})
+  assert with_mtp == config_from_hf(published)
   # Absent keys take MiniMaxM2Config's defaults.
   keys = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
   dflt = config_from_hf({**{k: hf[k] for k in keys}, "num_attention_heads": 16})
@@ -171,8 +175,6 @@ def test_checkpoint_round_trip_through_transformers(saved, tmp_path):
   jaxspec.save_hf(model, str(tmp_path))
   names = json.dumps(sorted(_safetensors_names(str(tmp_path))))
   assert "block_sparse_moe.experts.5.w3.weight" in names and "mlp." not in names
-  import transformers  # pylint: disable=import-outside-toplevel
-
   back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
   ids = _ids(model.config.vocab_size, seed=1)
   np.testing.assert_allclose(
@@ -181,8 +183,6 @@ def test_checkpoint_round_trip_through_transformers(saved, tmp_path):
 
 
 def _safetensors_names(d: str) -> list[str]:
-  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
-
   with safe_open(os.path.join(d, "model.safetensors"), "np") as f:
     return list(f.keys())
 
@@ -231,12 +231,9 @@ def test_default_quantize_policy_runs(saved):
   hf, d = saved["full"]
   q = jaxspec.quantize(jaxspec.load_model(d, scan_layers=True))
   layer = q.params["layers_0"]
-  formats = {
-    name: w.format
-    for name, w in (("gate_proj", layer["mlp"]["gate_proj"]), ("router", layer["mlp"]["router"]),
-                    ("q_proj", layer["self_attn"]["q_proj"]["kernel"]))
-  }
-  assert formats == {"gate_proj": "mxfp4", "router": "fp8", "q_proj": "fp8"}
+  mlp, attn = layer["mlp"], layer["self_attn"]
+  formats = [w.format for w in (mlp["gate_proj"], mlp["router"], attn["q_proj"]["kernel"])]
+  assert formats == ["mxfp4", "fp8", "fp8"]
   for w in (layer["mlp"]["e_score_correction_bias"], layer["self_attn"]["q_norm"]["scale"]):
     assert not isinstance(w, QTensor) and w.dtype == np.float32
   ids = _ids(q.config.vocab_size, seed=4)
@@ -245,3 +242,54 @@ def test_default_quantize_policy_runs(saved):
   assert np.isfinite(logits).all()
   err = np.abs(logits - ref).max()
   assert 1e-4 < err < 0.25 * np.abs(ref).max(), err
+
+
+def test_block_fp8_checkpoint_in_the_published_layout(saved, tmp_path):
+  """Published MiniMax-M2 weights are FP8 with block scales (`weight_scale_inv`) on the
+  attention projections and the experts' w1/w2/w3, the router left float: such a checkpoint
+  loads as stored (fp8_block), its logits those of the dequantized float weights, and saves
+  back byte for byte."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
+
+  from jaxspec.io.quantized import read_raw  # pylint: disable=import-outside-toplevel
+  from tests import test_fp8_block as fp8  # pylint: disable=import-outside-toplevel
+
+  _, d = saved["full"]
+  quantized = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight")
+  quantized += (".w1.weight", ".w2.weight", ".w3.weight")
+  stored, deq = {}, {}
+  for name, w in load_file(os.path.join(d, "model.safetensors")).items():
+    if name.endswith(quantized):
+      q, s = fp8._block_quantize(w)  # pylint: disable=protected-access
+      stored[name], stored[name + "_scale_inv"] = q, s
+      deq[name] = fp8._dequantize(q, s)  # pylint: disable=protected-access
+    else:
+      stored[name] = deq[name] = w
+  hf = _hf_config(d)
+  fp8_dir, float_dir, back = (tmp_path / n for n in ("fp8", "float", "back"))
+  quantization = {  # as published (with a 16 × 16 block for these small shapes)
+    "quant_method": "fp8",
+    "fmt": "float8_e4m3fn",
+    "activation_scheme": "dynamic",
+    "weight_block_size": list(fp8.BLOCK),
+    "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"],
+  }
+  for out, tensors, extra in (
+    (fp8_dir, stored, {"quantization_config": quantization}),
+    (float_dir, deq, {}),
+  ):
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**hf, **extra}))
+  q = jaxspec.load_model(str(fp8_dir), scan_layers=True)
+  w1 = q.params["layers_0"]["mlp"]["gate_proj"]
+  assert isinstance(w1, QTensor) and w1.format == "fp8_block"
+  ids = _ids(q.config.vocab_size, seed=5)
+  ref = np.asarray(jaxspec.load_model(str(float_dir), scan_layers=True).logits(ids))
+  np.testing.assert_allclose(np.asarray(q.logits(ids)), ref, atol=1e-5, rtol=1e-5)
+  jaxspec.save_hf(q, str(back))
+  name = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
+  np.testing.assert_array_equal(
+    read_raw(str(back / "model.safetensors"), name, fp8.F8).view(np.uint8),
+    stored[name].view(np.uint8),
+  )

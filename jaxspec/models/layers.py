@@ -306,8 +306,9 @@ class Attention(nn.Module):
     )(x)
     if c.qk_norm and c.qk_norm_type == "per_layer":  # MiniMax-M2: over all heads at once
       norm = dict(eps=c.rms_norm_eps, param_dtype=c.param_dtype, offset=c.norm_offset)
-      q = HeadsRMSNorm((c.num_heads, c.head_dim), ("heads", "head_dim"), name="q_norm", **norm)(q)
-      k = HeadsRMSNorm((c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), name="k_norm", **norm)(k)
+      q_axes, k_axes = ("heads", "head_dim"), ("kv_heads", "head_dim")
+      q = HeadsRMSNorm((c.num_heads, c.head_dim), q_axes, name="q_norm", **norm)(q)
+      k = HeadsRMSNorm((c.num_kv_heads, c.head_dim), k_axes, name="k_norm", **norm)(k)
     elif c.qk_norm:
       norm = dict(offset=c.norm_offset)
       q = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="q_norm", **norm)(q)

@@ -57,9 +57,8 @@ def _check_legacy(r: HFConfigReader, num_layers: int) -> None:
   if r.has("use_qk_norm"):
     _refuse_unless(r, "use_qk_norm", r.flag("use_qk_norm"), "attention without q/k norms")
   if r.has("qk_norm_type"):
-    _refuse_unless(
-      r, "qk_norm_type", r.string("qk_norm_type") == "per_layer", "a q/k norm other than per_layer"
-    )
+    per_layer = r.string("qk_norm_type") == "per_layer"
+    _refuse_unless(r, "qk_norm_type", per_layer, "a q/k norm other than per_layer")
   for key in ("shared_intermediate_size", "n_shared_experts"):
     if r.has(key):
       _refuse_unless(r, key, r.integer(key) == 0, "a shared expert")
