@@ -24,6 +24,7 @@ from safetensors import safe_open
 import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.io.architectures import config_from_hf, config_to_hf
+from jaxspec.plan import arch as plan_arch
 from jaxspec.quant.formats import QTensor
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
@@ -133,9 +134,8 @@ def test_config_round_trip_and_published_keys(saved):
   }
   published.pop("rope_parameters")
   assert config_from_hf(published) == c.replace(rope_theta=5000000.0)
-  with pytest.warns(UserWarning, match="num_mtp_modules"):
-    with_mtp = config_from_hf({**published, "use_mtp": True, "num_mtp_modules": 3})
-  assert with_mtp == config_from_hf(published)
+  with_mtp = {**published, "use_mtp": True, "num_mtp_modules": 3, "mtp_transformer_layers": 1}
+  assert config_from_hf(with_mtp) == config_from_hf(published)
   # Absent keys take MiniMaxM2Config's defaults.
   keys = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
   dflt = config_from_hf({**{k: hf[k] for k in keys}, "num_attention_heads": 16})
@@ -293,3 +293,16 @@ def test_block_fp8_checkpoint_in_the_published_layout(saved, tmp_path):
     read_raw(str(back / "model.safetensors"), name, fp8.F8).view(np.uint8),
     stored[name].view(np.uint8),
   )
+
+
+def test_published_config_is_planned_from_the_traced_model():
+  """configs/hf/minimax_m2.json (the published config.json's numbers): traced by the planner,
+  its formula agreeing entry for entry; ~229B parameters (published: 230B total)."""
+  with open(os.path.join(os.path.dirname(__file__), "..", "configs", "hf", "minimax_m2.json")) as f:
+    hf = json.load(f)
+  traced = plan_arch.model_spec(hf)
+  assert traced.counted == "traced" and traced.config.qk_norm_type == "per_layer"
+  as_table = lambda spec: {w.path: (w.shape, w.dtype, w.axes) for w in spec.weights}
+  assert as_table(traced) == as_table(plan_arch.model_spec(hf, source="formula"))
+  assert 228e9 < traced.num_params < 231e9, traced.num_params
+  assert traced.config.rotary_dim == 64 and traced.config.num_mtp_layers == 0

@@ -5,11 +5,15 @@ The published config.json carries keys of the MiniMax family's earlier models (M
 attention and DeepNorm scales, a shared MLP, MTP modules). Those that describe the model
 transformers runs are honoured; those that would change it are refused by name unless they hold
 their neutral value. `intermediate_size` is the experts' width (there is no dense MLP).
+
+The published config.json declares MTP modules (`use_mtp`, `num_mtp_modules` 3,
+`mtp_transformer_layers` 1) that transformers does not build either: the target is complete
+without them, so the keys are accepted and left out (`num_mtp_layers` 0; a checkpoint that does
+hold their tensors is refused by `load_params` as holding tensors the config does not use).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from jaxspec.config import ModelConfig
@@ -73,12 +77,6 @@ def _check_legacy(r: HFConfigReader, num_layers: int) -> None:
     )
 
 
-def _mtp_modules(r: HFConfigReader) -> int:
-  """The MTP modules config.json declares (0 unless `use_mtp`)."""
-  count = r.integer("num_mtp_modules", 0)
-  return count if r.flag("use_mtp", count > 0) else 0
-
-
 def _partial_rotary(r: HFConfigReader, kw: dict[str, Any]) -> float:
   """The rotated fraction of each head: `rotary_dim` / head_dim (MiniMax's key), which must
   agree with a `partial_rotary_factor` stated beside it."""
@@ -102,13 +100,6 @@ def _partial_rotary(r: HFConfigReader, kw: dict[str, Any]) -> float:
 def _read(r: HFConfigReader, kw: dict[str, Any]) -> dict[str, Any]:
   num_layers = kw["num_layers"]
   _check_legacy(r, num_layers)
-  mtp = _mtp_modules(r)
-  if mtp:  # transformers builds no MTP module either; the target's outputs are unchanged
-    warnings.warn(
-      f"{r.what}: num_mtp_modules={mtp} (use_mtp): MiniMax-M2's MTP modules are not built; "
-      "the target runs without them",
-      stacklevel=4,
-    )
   experts = r.first_integer(("num_local_experts", "num_experts"), 256)
   return dict(
     num_kv_heads=r.integer("num_key_value_heads", DEFAULT_KV_HEADS),
