@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -24,11 +26,12 @@ from safetensors import safe_open
 import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.io.architectures import config_from_hf, config_to_hf
+from jaxspec.models import moe
 from jaxspec.plan import arch as plan_arch
 from jaxspec.quant.formats import QTensor
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
-from tests import drafter_models, hf_models, near_ties
+from tests import drafter_models, hf_models, near_ties, virtual_devices
 
 CONFIGS = {
   "partial": dict(
@@ -94,6 +97,29 @@ def test_logits_match_transformers(saved, name):
   near_ties.assert_logits_match(
     model, ids, np.asarray(model.logits(ids)), hf_models.hf_logits(hf, ids), atol=1e-4
   )
+
+
+def test_routing_equals_transformers_router(saved):
+  """jaxspec's sigmoid router (one group, normalised, scale 1) against MiniMaxM2TopKRouter:
+  the same experts with the same weights, the correction bias steering the choice only."""
+  hf, d = saved["full"]
+  c = jaxspec.load_model(d).config
+  block = hf.model.layers[0].mlp
+  x = torch.randn(64, c.hidden_size, generator=torch.Generator().manual_seed(0))
+  with torch.no_grad():
+    logits, ref_w, ref_ids = block.gate(x, block.e_score_correction_bias)
+  bias = jnp.asarray(block.e_score_correction_bias.numpy())
+  w, ids = moe.route(c, jnp.asarray(logits.numpy()), bias)
+  order = np.argsort(ref_ids.numpy(), -1)
+  ref_ids, ref_w = np.take_along_axis(ref_ids.numpy(), order, -1), np.take_along_axis(
+    ref_w.numpy(), order, -1
+  )
+  order = np.argsort(np.asarray(ids), -1)
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, -1), ref_ids)
+  np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, -1), ref_w, atol=1e-6)
+  # The bias changes the choice for some tokens (it is not a no-op here).
+  unbiased = moe.route(c, jnp.asarray(logits.numpy()), jnp.zeros_like(bias))[1]
+  assert (np.sort(np.asarray(unbiased), -1) != ref_ids).any()
 
 
 def test_per_head_qk_norm_is_wrong_for_minimax(saved):
@@ -212,7 +238,7 @@ def test_speculative_decoding_is_lossless(saved):
   _, d = saved["partial"]
   target = jaxspec.load_model(d)
   drafter = drafter_models.small_dflash(target, target_layer_ids=(0, 1))
-  check = drafter_models.GreedyCheck(target, drafter, max_len=48, batch_size=4)
+  check = drafter_models.GreedyCheck(target, drafter, max_len=32, batch_size=4)
   tree = SpecEngine(
     target, drafter, dataclasses.replace(check.cfg, verify="tree", tree_budget=6)
   )
@@ -306,3 +332,40 @@ def test_published_config_is_planned_from_the_traced_model():
   assert as_table(traced) == as_table(plan_arch.model_spec(hf, source="formula"))
   assert 228e9 < traced.num_params < 231e9, traced.num_params
   assert traced.config.rotary_dim == 64 and traced.config.num_mtp_layers == 0
+
+
+MESH_SCRIPT = textwrap.dedent(r"""
+    import json
+    import jax, numpy as np
+    from jaxspec import sharding as sh
+    from jaxspec.io.architectures import config_from_hf
+    from jaxspec.models import target as target_lib
+    from jaxspec.models.target import TargetModel
+    from tests.drafter_models import random_params
+
+    assert len(jax.devices()) == 4, jax.devices()
+    cfg = config_from_hf(dict(
+      architectures=["MiniMaxM2ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=16,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rotary_dim=4,
+      num_local_experts=4, num_experts_per_tok=2,
+    ))
+    params = random_params(target_lib.param_shapes(cfg), 3)
+    target = TargetModel(cfg, params)
+    ids = np.random.default_rng(0).integers(0, 64, (2, 9))
+    one = np.asarray(target.logits(ids))
+    mesh = sh.make_mesh({"tensor": 2, "expert": 2})
+    with sh.use_mesh(mesh):
+      placed = sh.shard_tree(params, target.logical_axes(), mesh)
+      q = placed["layers_0"]["self_attn"]["q_norm"]["scale"]
+      got = np.asarray(jax.jit(lambda p: TargetModel(cfg, p).logits(ids))(placed))
+    print(json.dumps(dict(err=float(np.abs(got - one).max()), spec=str(q.sharding.spec),
+                          local=list(q.addressable_shards[0].data.shape), shape=list(q.shape))))
+""")
+
+
+def test_per_layer_qk_norm_over_heads_split_by_the_mesh():
+  """Heads split over tensor=2 (the q/k norm scales with them): the norm still spans every
+  head, and the logits equal one device's."""
+  out = virtual_devices.run_json(MESH_SCRIPT, devices=4)
+  assert out["shape"] == [2, 4, 8] and out["local"] == [2, 2, 8], out  # [layers, heads, D]
+  assert out["err"] < 1e-5, out
