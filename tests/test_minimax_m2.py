@@ -251,9 +251,10 @@ def test_speculative_decoding_is_lossless(saved):
       assert all(len(t) == 12 for t in spec.tokens)
 
 
-def test_default_quantize_policy_runs(saved):
+def test_default_quantize_policy_runs(saved, tmp_path):
   """DEFAULT_POLICY: MXFP4 experts, FP8 attention and router; the routing correction bias and
-  the q/k norms stay float32; the logits stay finite and near the float model's."""
+  the q/k norms stay float32; the logits stay finite and near the float model's, and the
+  quantized checkpoint jaxspec writes reads back to the same logits."""
   hf, d = saved["full"]
   q = jaxspec.quantize(jaxspec.load_model(d, scan_layers=True))
   layer = q.params["layers_0"]
@@ -268,6 +269,10 @@ def test_default_quantize_policy_runs(saved):
   assert np.isfinite(logits).all()
   err = np.abs(logits - ref).max()
   assert 1e-4 < err < 0.25 * np.abs(ref).max(), err
+  jaxspec.save_hf(q, str(tmp_path))
+  assert "model.layers.1.block_sparse_moe.experts.w2_blocks" in _safetensors_names(str(tmp_path))
+  again = jaxspec.load_model(str(tmp_path), scan_layers=True)
+  np.testing.assert_array_equal(np.asarray(again.logits(ids)), logits)
 
 
 def test_block_fp8_checkpoint_in_the_published_layout(saved, tmp_path):

@@ -52,10 +52,12 @@ def _check_legacy(r: HFConfigReader, num_layers: int) -> None:
       len(types) == num_layers and all(t == 1 for t in types),
       f"anything but full attention (1) in each of the {num_layers} layers",
     )
-  if r.has("sliding_window"):
-    _refuse_unless(r, "sliding_window", False, "sliding-window attention")
+  if r.has("sliding_window"):  # (null: no window)
+    window = show(r.hf["sliding_window"])
+    raise r.error(f"sliding_window={window}: sliding-window attention is not supported")
   if r.has("scoring_func"):
-    _refuse_unless(r, "scoring_func", r.string("scoring_func") == "sigmoid", "softmax routing")
+    sigmoid = r.string("scoring_func") == "sigmoid"
+    _refuse_unless(r, "scoring_func", sigmoid, "a routing score other than the sigmoid")
   if r.has("use_routing_bias"):
     _refuse_unless(r, "use_routing_bias", r.flag("use_routing_bias"), "routing without the bias")
   if r.has("use_qk_norm"):
