@@ -287,6 +287,7 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
   moe_inter = r.integer("moe_intermediate_size", 0)
   if arch in ("GptOssForCausalLM", "MiniMaxM2ForCausalLM"):  # intermediate_size: the experts'
     moe_inter = r.integer("intermediate_size")
+  top_k = r.first_integer(("num_experts_per_tok", "experts_per_token"), 8 if minimax else 0)
   d: dict[str, Any] = dict(
     hidden=hidden,
     vocab=r.integer("vocab_size"),
@@ -297,9 +298,7 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
     q_width=heads * head_dim,
     intermediate=r.integer("intermediate_size", 0),
     experts=experts,
-    top_k=r.first_integer(("num_experts_per_tok", "experts_per_token"), 8 if minimax else 0)
-    if experts
-    else 0,
+    top_k=top_k if experts else 0,
     moe_intermediate=moe_inter,
     shared_intermediate=0,
     moe_layers=0,
