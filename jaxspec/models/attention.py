@@ -259,11 +259,15 @@ def attention(
   extras = dict(window=window, sinks=sinks, select=select)
   if kv is None:
     return attend_xla(q, k, v, None, layer, start, block_mask, scale, chunk, **extras), None
+  before = kv
   kv, k_block, v_block = kv.write(layer, start, k, v)
   if resolve_impl(impl) == "pallas":
     if window is not None or sinks is not None or select is not None:
       raise ConfigError("the Pallas attention kernel has no sinks, sliding windows or DSA")
     xla = lambda: attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk)
     return attend_pallas(q, kv, layer, start, block_mask, scale, reference=xla), kv
-  out = attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk, **extras)
+  # The prefix is read from the written entry (no copy of it kept), unless the block is wide
+  # enough to displace keys of its own window in a sliding ring (state/sliding.py).
+  read = kv if before.reads_after_write(q.shape[1]) else before
+  out = attend_xla(q, k_block, v_block, read, layer, start, block_mask, scale, chunk, **extras)
   return out, kv

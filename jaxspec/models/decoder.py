@@ -42,7 +42,7 @@ from jaxspec.models.layers import (
   unfused_logits,
 )
 from jaxspec.models.moe import MoE
-from jaxspec.state import DecodingState
+from jaxspec.state import NO_LIMIT, DecodingState
 
 
 class DecoderOutput(NamedTuple):
@@ -177,6 +177,14 @@ def no_selection(config: ModelConfig, batch: int, t: int, kv: Any) -> list:
     return []
   cache = None if kv is None else jnp.zeros((batch, t, kv.max_len), bool)
   return [attention_lib.Selection(cache, jnp.zeros((batch, t, t), bool))]
+
+
+def write_limit(start: jax.Array, valid: jax.Array | None) -> jax.Array:
+  """[B]: the first position of a block a ring entry may not store: past each padded prompt's
+  end (`valid` tokens of the block are real), or none."""
+  if valid is None:
+    return jnp.full(start.shape, NO_LIMIT, jnp.int32)
+  return (start + valid).astype(jnp.int32)
 
 
 FULL_WINDOW = 2**30  # a window no context reaches: full attention in a layer scan with windows
@@ -333,6 +341,7 @@ class Decoder(nn.Module):
       kv = None if state is None else state.segments[i]
       if kv is not None:  # a short unpadded block may be accepted in part: keep every prefix
         kv = kv.begin_block(start, t, valid is None and t <= self.config.options.linear_snapshots)
+        kv = kv.with_bounds(limit=write_limit(start, valid))  # rings: no padding written
       (h, kv, _, *select), hs = stack(
         (h, kv, jnp.int32(0), *select),
         cos,

@@ -41,7 +41,7 @@ from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxspec.io.architectures import HFConfigReader, config_from_hf
 from jaxspec.options import RunOptions
 from jaxspec.errors import ConfigError
-from jaxspec.state import KV_FORMATS, DecodingState, logical_axes
+from jaxspec.state import DEFAULT_SLACK, KV_FORMATS, DecodingState, logical_axes
 
 DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 MLA_ARCHITECTURES = (
@@ -105,12 +105,17 @@ class ModelSpec:
     """The dtype of the unquantized weights (the embedding's) and of a float KV cache."""
     return next((w.dtype for w in self.weights if w.path == "embed"), "bfloat16")
 
-  def state(self, batch: int, max_len: int, kv_format: str = "float") -> tuple[Tensor, ...]:
-    """The target's decoding state for these shapes, per array (not per device)."""
+  def state(
+    self, batch: int, max_len: int, kv_format: str = "float", slack: int = DEFAULT_SLACK
+  ) -> tuple[Tensor, ...]:
+    """The target's decoding state for these shapes, per array (not per device); sliding-window
+    layers keep rings of window + `slack` slots (the verify block), as the engine does."""
     if kv_format not in KV_FORMATS:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
     if self.config is not None:
-      shapes = jax.eval_shape(lambda: DecodingState.create(self.config, batch, max_len, kv_format))
+      shapes = jax.eval_shape(
+        lambda: DecodingState.create(self.config, batch, max_len, kv_format, slack=slack)
+      )
       return _state_tensors(shapes, "state")
     return _formula_state(self, batch, max_len, kv_format)
 

@@ -72,6 +72,7 @@ from jaxspec.plan.arch import ModelSpec, Tensor, kv_kind_tensors, tensors_of
 from jaxspec.speculative.memory import human_bytes
 from jaxspec.quant.formats import quantize_weight, stored_axes
 from jaxspec.quant.policy import DEFAULT_POLICY, check_policy, contraction_axes, format_for
+from jaxspec.state import DEFAULT_SLACK
 
 # Named policies: the weights of every role they name in that format; the rest as stored.
 POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -192,10 +193,13 @@ def state_bytes(
   kv_format: str,
   sizes: Mapping[str, int],
   rules: sharding.Rules | None = None,
+  slack: int = DEFAULT_SLACK,
 ) -> int:
-  """Per-device bytes of the target's decoding state, sharded by its logical axes."""
+  """Per-device bytes of the target's decoding state, sharded by its logical axes
+  (sliding-window layers: rings of window + `slack` slots; slack ≥ max_len: every position)."""
   rules, sizes = sharding.rules_from(rules), mesh_sizes(sizes)
-  return sum(device_bytes(t, sizes, rules) for t in spec.state(batch, max_len, kv_format))
+  tensors = spec.state(batch, max_len, kv_format, slack=slack)
+  return sum(device_bytes(t, sizes, rules) for t in tensors)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -383,6 +387,7 @@ class Plan:
   state: int
   drafter: int
   activations: int
+  state_full_length: int  # the state if sliding-window layers kept every position
   decode_traffic: Mapping[str, Any]
   verify_traffic: Mapping[str, Any]
 
@@ -411,6 +416,11 @@ class Plan:
       lines.append(f"    {label:<24}{human_bytes(n):>12}")
     lines += [
       f"    decoding state          {human_bytes(self.state):>12}",
+      *(
+        [f"      (sliding layers holding every position: {human_bytes(self.state_full_length)})"]
+        if self.state_full_length != self.state
+        else []
+      ),
       f"    drafter (weights+state) {human_bytes(self.drafter):>12}",
       f"    verify activations      {human_bytes(self.activations):>12}",
       f"    total                   {human_bytes(self.total):>12}",
@@ -476,7 +486,8 @@ def plan(
     batch=batch,
     block=block,
     params=params_by_format(spec, policy, sizes, rules),
-    state=state_bytes(spec, batch, max_len, kv_format, sizes, rules),
+    state=state_bytes(spec, batch, max_len, kv_format, sizes, rules, slack=block),
+    state_full_length=state_bytes(spec, batch, max_len, kv_format, sizes, rules, slack=max_len),
     drafter=draft_bytes,
     activations=activation_bytes(spec, batch, block, sizes, rules=rules),
     decode_traffic=traffic(spec, batch, 1, sizes, split=_batch_on_expert(batch, sizes, rules)),

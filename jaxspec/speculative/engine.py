@@ -229,9 +229,12 @@ class SpecEngine:
       if self.verifier.width > target.config.options.linear_snapshots:
         self.target = self.target.with_options(linear_snapshots=self.verifier.width)
         target = self.target
+    # Sliding-window layers keep rings of window + the widest block a step verifies (a block
+    # rejected in part must not displace a key still inside a window: state/sliding.py).
+    self.slack = self.verifier.width
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = memory.engine_plan(
-      self.target, drafter, config.batch_size, config.max_len, config.kv_format
+      self.target, drafter, config.batch_size, config.max_len, config.kv_format, self.slack
     )
     memory.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
     cfg, dr = target.config, drafter
@@ -240,7 +243,7 @@ class SpecEngine:
     axes = self._state_axes = None if mesh is None else self.state_axes()
     self._prefill = self._on_mesh(
       jax.jit(
-        functools.partial(step_lib.prefill, cfg, dr, state_axes=axes),
+        functools.partial(step_lib.prefill, cfg, dr, state_axes=axes, slack=self.slack),
         static_argnames=("chunk", "kv_format"),
         donate_argnames=("tokens",),
       )
@@ -587,7 +590,12 @@ class SpecEngine:
     keys = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
     chunk = min(cfg.min_prompt_bucket, cfg.max_len)
     run = functools.partial(
-      step_lib.prefill, self.target.config, self.drafter, chunk=chunk, kv_format=cfg.kv_format
+      step_lib.prefill,
+      self.target.config,
+      self.drafter,
+      chunk=chunk,
+      kv_format=cfg.kv_format,
+      slack=self.slack,
     )
     return jax.eval_shape(
       run,

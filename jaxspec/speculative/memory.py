@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxspec.errors import ConfigError
-from jaxspec.state import DecodingState
+from jaxspec.state import DEFAULT_SLACK, DecodingState
 
 
 def tree_bytes(tree: Any) -> int:
@@ -43,9 +43,14 @@ def human_bytes(n: float) -> str:
   raise AssertionError("unreachable")
 
 
-def decoding_state_bytes(config: Any, batch: int, max_len: int, kv_format: str = "float") -> int:
-  """Bytes of the target's decoding state (`jaxspec.state.DecodingState`) for these shapes."""
-  shapes = jax.eval_shape(lambda: DecodingState.create(config, batch, max_len, kv_format))
+def decoding_state_bytes(
+  config: Any, batch: int, max_len: int, kv_format: str = "float", slack: int = DEFAULT_SLACK
+) -> int:
+  """Bytes of the target's decoding state (`jaxspec.state.DecodingState`) for these shapes
+  (sliding-window rings of window + `slack` slots)."""
+  shapes = jax.eval_shape(
+    lambda: DecodingState.create(config, batch, max_len, kv_format, slack=slack)
+  )
   return tree_bytes(shapes)
 
 
@@ -129,14 +134,16 @@ def _devices_of(tree: Any) -> list[jax.Device]:
   return list(devices.values()) or jax.local_devices()[:1]
 
 
-def engine_plan(target: Any, drafter: Any, batch: int, max_len: int, kv_format: str) -> MemoryPlan:
+def engine_plan(
+  target: Any, drafter: Any, batch: int, max_len: int, kv_format: str, slack: int = DEFAULT_SLACK
+) -> MemoryPlan:
   """The memory plan of a `SpecEngine` for `target` and `drafter` at these shapes.
 
   The state is assumed spread over the devices holding the target's weights.
   """
   return MemoryPlan(
     weights=tree_bytes(target.params) + (tree_bytes(drafter.params) if drafter else 0),
-    target_state=decoding_state_bytes(target.config, batch, max_len, kv_format),
+    target_state=decoding_state_bytes(target.config, batch, max_len, kv_format, slack),
     drafter_state=drafter_state_bytes(drafter, batch, max_len),
     buffers=batch * max_len * np.dtype(np.int32).itemsize,
     free=free_bytes(_devices_of(target.params)),
@@ -164,7 +171,8 @@ def kv_bytes_per_token(config: Any, kv_format: str = "float") -> float:
 
 
 def kv_table(config: Any, contexts: Sequence[int] = (8192, 32768, 131072)) -> list[str]:
-  """Rows: each KV format's bytes per token and at each context length, batch 1."""
+  """Rows: each KV format's bytes per token (as if every layer held every position) and the
+  state's bytes at each context length, batch 1 (sliding-window layers: their rings)."""
   from jaxspec.state import KV_FORMATS  # pylint: disable=import-outside-toplevel
 
   head = f"{'kv':>6} {'bytes/token':>12}" + "".join(f"{f'{n // 1024}K':>11}" for n in contexts)
@@ -176,6 +184,7 @@ def kv_table(config: Any, contexts: Sequence[int] = (8192, 32768, 131072)) -> li
       rows.append(f"{fmt:>6} {'-':>12}  ({e})")
       continue
     rows.append(
-      f"{fmt:>6} {per:>12,.0f}" + "".join(f"{human_bytes(per * n):>11}" for n in contexts)
+      f"{fmt:>6} {per:>12,.0f}"
+      + "".join(f"{human_bytes(decoding_state_bytes(config, 1, n, fmt)):>11}" for n in contexts)
     )
   return rows

@@ -35,7 +35,7 @@ from jaxspec.models import target as target_lib
 from jaxspec.speculative import metrics, verifiers
 from jaxspec.speculative.placement import laid_out
 from jaxspec.speculative.verifiers import Accepted, Verifier
-from jaxspec.state import ROW_AXES, DecodingState
+from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState
 
 
 @flax.struct.dataclass
@@ -166,6 +166,7 @@ def prefill(
   chunk: int,
   kv_format: str = "float",
   state_axes: Optional[SpecState] = None,
+  slack: int = DEFAULT_SLACK,
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step.
 
@@ -173,7 +174,8 @@ def prefill(
   `chunk` positions at a time in a loop on device (one compilation per chunk size); each
   chunk's target features go to the drafter before the next chunk runs, and a prompt's first
   token is sampled in the chunk that holds its last position. `state_axes` (the state's logical
-  axes, `SpecEngine.state_axes`) lays the state out on the active mesh from its creation on.
+  axes, `SpecEngine.state_axes`) lays the state out on the active mesh from its creation on;
+  `slack` is the widest block a step verifies (sliding-window rings keep window + slack).
   """
   lay = functools.partial(laid_out, state_axes)
   batch, max_len = tokens.shape
@@ -209,7 +211,7 @@ def prefill(
     return lay_carry(target_state, drafter_state, tokens, logprobs)
 
   init = lay_carry(
-    DecodingState.create(config, batch, max_len, kv_format),
+    DecodingState.create(config, batch, max_len, kv_format, slack=slack),
     drafter_state,
     tokens,
     jnp.zeros((batch, max_len), jnp.float32),

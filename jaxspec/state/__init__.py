@@ -66,11 +66,13 @@ Kinds here:
                          small key per position, read whole by the indexer (models/dsa.py:
                          `write`, `read`) to choose each query's top-k keys
   SparseLatent           a DSA layer run's entry: its latent cache beside its indexer keys
+  SlidingKV              a sliding-window layer run's K/V (state/sliding.py): a ring of
+                         window + slack slots in any `KV_FORMATS` storage, read by stored
+                         position; `DecodingState.create` gives it to every sliding run whose
+                         ring is smaller than max_len
 
-Kinds the next issues add fit as new classes, attention and engine unchanged: a sliding-window
-ring (a `RingKV`-like ring of window + verify-slack slots whose `read_chunk` floors positions at
-start − window) and paged storage (`read_chunk` / `write` map slots through a page table;
-positions stay identity).
+Kinds the next issues add fit as new classes, attention and engine unchanged: paged storage
+(`read_chunk` / `write` map slots through a page table; positions stay identity).
 
 Logical axes: each kind's `AXES` table names the logical axis of every dimension of its arrays
 (`layers`, `batch`, `length`, `kv_heads`, `head_dim`); `logical_axes` reads those tables for a
@@ -80,7 +82,7 @@ device mesh by the rules of jaxspec/sharding.py.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import flax.struct
 import jax
@@ -103,6 +105,11 @@ from jaxspec.state.kv import FP8KV, KV_FORMATS, FloatKV, Q4KV
 from jaxspec.state.latent import LATENT_FORMATS, LatentFP8, LatentKV, LatentQ4, SparseLatent
 from jaxspec.state.linear import LINEAR_STATE_AXES, LinearState
 from jaxspec.state.ring import ContextRing, RingKV
+from jaxspec.state.sliding import SlidingKV
+
+# Ring slots past the window a sliding-window entry keeps when its creator does not say: covers
+# verify blocks of up to 64 tokens (chains of γ ≤ 63, trees of budget ≤ 63).
+DEFAULT_SLACK = 64
 
 __all__ = [
   "INDEXER_AXES",
@@ -127,7 +134,10 @@ __all__ = [
   "LinearState",
   "Q4KV",
   "RingKV",
+  "SlidingKV",
   "SparseLatent",
+  "DEFAULT_SLACK",
+  "KVGeometry",
   "logical_axes",
 ]
 
@@ -154,23 +164,35 @@ class DecodingState:
     max_len: int,
     kv_format: str = "float",
     segment_layers: tuple[int, ...] | None = None,
+    slack: int = DEFAULT_SLACK,
   ) -> "DecodingState":
     """A zero state for `config`'s main stack (or for runs of `segment_layers` layers, e.g.
-    (1,) for one MTP or drafter layer)."""
+    (1,) for one MTP or drafter layer).
+
+    Sliding-window runs keep a ring of window + `slack` slots (`SlidingKV`) when that is fewer
+    than max_len: `slack` must be at least the widest block that may be accepted only in part
+    (the engine's speculative verify block); wider blocks that are accepted whole (prefill
+    chunks) are fine.
+    """
     if kv_format not in KV_FORMATS:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
+    if not (isinstance(slack, int) and slack >= 1):
+      raise ConfigError(f"slack must be a positive integer, got {slack!r}")
     if segment_layers is None:  # the main stack, run by run
       runs = [(first, n) for first, n, _ in config.segments()]
     else:  # standalone layers (MTP, drafters): full attention, their own indexer
       runs = [(None, n) for n in segment_layers]
     return cls(
-      tuple(_entry(config, kv_format, first, n, batch, max_len) for first, n in runs),
+      tuple(_entry(config, kv_format, first, n, batch, max_len, slack) for first, n in runs),
       jnp.zeros((batch,), jnp.int32),
     )
 
   @property
   def max_len(self) -> int:
-    return min(s.max_len for s in self.segments)
+    """The longest text the state holds: the slots of its full-length entries (rings of
+    recent positions hold any length)."""
+    full = [s.max_len for s in self.segments if s.holds_every_position]
+    return min(full) if full else NO_LIMIT
 
   @property
   def kv_format(self) -> str:
@@ -194,14 +216,41 @@ class DecodingState:
     return self.replace(segments=tuple(s.commit_path(self.lengths, path) for s in self.segments))
 
 
-def _entry(config, kv_format: str, first: int | None, n: int, batch: int, max_len: int):
+class KVGeometry(NamedTuple):
+  """What a K/V kind's `create` reads of a config, for one layer run: MiMo's sliding layers
+  have their own KV head count, and its values are narrower than its keys."""
+
+  num_kv_heads: int
+  head_dim: int
+  value_head_dim: int
+  dtype: str
+
+
+def kv_geometry(config, first: int | None) -> Any:
+  """The K/V geometry of the run starting at layer `first` (None: a standalone layer, which
+  has the config's own); drafter configs, without per-layer fields, are their own."""
+  if first is None or not hasattr(config, "layer_kv_heads"):
+    return config
+  return KVGeometry(
+    config.layer_kv_heads(first), config.head_dim, config.value_head_dim, config.dtype
+  )
+
+
+def _entry(
+  config, kv_format: str, first: int | None, n: int, batch: int, max_len: int, slack: int
+):
   """The zero entry of a run of n layers from layer `first` (None: standalone layers): a
   LinearState for Gated DeltaNet runs; for MLA targets the latent cache (with the indexer's
-  keys where the run has its own DSA indexer); else K/V in `kv_format`."""
+  keys where the run has its own DSA indexer); a `SlidingKV` ring for sliding-window runs
+  whose window + slack is below max_len; else K/V in `kv_format`."""
   if first is not None and config.is_linear(first):
     return LinearState.create(config, n, batch, max_len)
   if not getattr(config, "is_mla", False):  # (drafter configs have no MLA fields)
-    return KV_FORMATS[kv_format].create(config, n, batch, max_len)
+    geometry = kv_geometry(config, first)
+    window = config.layer_windows[first] if first is not None else 0
+    if window and window + slack < max_len:
+      return SlidingKV.create(KV_FORMATS[kv_format], geometry, n, batch, window, slack)
+    return KV_FORMATS[kv_format].create(geometry, n, batch, max_len)
   latent = LATENT_FORMATS[kv_format].create(config, n, batch, max_len)
   if config.is_dsa and (first is None or config.is_full_indexer(first)):
     return SparseLatent(latent, IndexerKeys.create(config, n, batch, max_len))

@@ -38,6 +38,16 @@ class Kind:
   for a question answers."""
 
   kv_format: ClassVar[Optional[str]] = None  # the `EngineConfig.kv_format` it stores, if any
+  # Whether slot s holds position s for every position up to max_len (else: a ring of recent
+  # positions, whose max_len is its slot count, not a bound on the text).
+  holds_every_position: ClassVar[bool] = True
+
+  def reads_after_write(self, t: int) -> bool:
+    """Whether a block of t tokens may read the entry after writing it (attention then reads
+    the written entry, which spares a copy); a ring whose writes could displace keys the
+    block's own queries need says no, and is read as it was before the write."""
+    del t
+    return True
 
   def begin_block(self, start: jax.Array, t: int, keep: bool):
     """The entry ready for a block of t tokens at `start` (attention kinds: scratch slots)."""

@@ -29,6 +29,13 @@ from jaxspec.state.base import (
 )
 
 
+def kv_shapes(config, num_layers: int, batch: int, slots: int) -> tuple[tuple, tuple]:
+  """The [L, B, S, K, D] shapes of K and of V for `config`'s geometry: keys of head_dim, values
+  of `value_head_dim` where the config has one (MiMo's are narrower), K = num_kv_heads."""
+  lead = (num_layers, batch, slots, config.num_kv_heads)
+  return (*lead, config.head_dim), (*lead, getattr(config, "value_head_dim", config.head_dim))
+
+
 def _positions(offset: jax.Array, size: int, batch: int) -> jax.Array:
   """[B, size]: slots offset.. of a full-length cache, each holding its own position."""
   return jnp.broadcast_to(offset + jnp.arange(size, dtype=jnp.int32)[None, :], (batch, size))
@@ -64,9 +71,9 @@ class FloatKV(FullLengthKV):
 
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int) -> "FloatKV":
-    shape = (num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    k_shape, v_shape = kv_shapes(config, num_layers, batch, max_len)
     dtype = jnp.dtype(config.dtype)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return cls(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype))
 
   @property
   def max_len(self) -> int:
@@ -77,6 +84,13 @@ class FloatKV(FullLengthKV):
   ) -> tuple["FloatKV", jax.Array, jax.Array]:
     k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
     return FloatKV(write_block(self.k, layer, start, k), write_block(self.v, layer, start, v)), k, v
+
+  def put(self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array):
+    """A block's k, v [B, T, ...] at explicit slots [B, T] of `layer` (slot S: dropped), for
+    kinds that map positions to slots themselves (state/sliding.py); → (entry, k, v stored)."""
+    k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+    put = lambda x, block: x.at[layer, rows, slots].set(block, mode="drop")
+    return FloatKV(put(self.k, k), put(self.v, v)), k, v
 
   def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     return read_slots(self.k, layer, offset, size), read_slots(self.v, layer, offset, size)
@@ -115,6 +129,15 @@ class _QuantizedKV(FullLengthKV):
       v=write_block(self.v, layer, start, qv),
       k_scale=write_block(self.k_scale, layer, start, sk),
       v_scale=write_block(self.v_scale, layer, start, sv),
+    )
+    return entry, self.decode(qk, sk, self.dtype), self.decode(qv, sv, self.dtype)
+
+  def put(self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array):
+    """As `write`, at explicit slots [B, T] (slot S: dropped; see FloatKV.put)."""
+    (qk, sk), (qv, sv) = self.encode(k), self.encode(v)
+    put = lambda x, block: x.at[layer, rows, slots].set(block.astype(x.dtype), mode="drop")
+    entry = self.replace(
+      k=put(self.k, qk), v=put(self.v, qv), k_scale=put(self.k_scale, sk), v_scale=put(self.v_scale, sv)
     )
     return entry, self.decode(qk, sk, self.dtype), self.decode(qv, sv, self.dtype)
 
@@ -176,10 +199,10 @@ class FP8KV(_QuantizedKV):
 
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int) -> "FP8KV":
-    shape = (num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    values = lambda: jnp.zeros(shape, jnp.uint8)  # distinct buffers: the state is donated
-    scales = lambda: jnp.ones(shape[:-1], jnp.float32)
-    return cls(values(), values(), scales(), scales(), config.dtype)
+    k_shape, v_shape = kv_shapes(config, num_layers, batch, max_len)
+    values = lambda shape: jnp.zeros(shape, jnp.uint8)  # distinct buffers: the state is donated
+    scales = lambda: jnp.ones(k_shape[:-1], jnp.float32)
+    return cls(values(k_shape), values(v_shape), scales(), scales(), config.dtype)
 
 
 @flax.struct.dataclass
@@ -205,14 +228,15 @@ class Q4KV(_QuantizedKV):
 
   @classmethod
   def create(cls, config, num_layers: int, batch: int, max_len: int) -> "Q4KV":
-    if config.head_dim % Q4_BLOCK:
+    k_shape, v_shape = kv_shapes(config, num_layers, batch, max_len)
+    if k_shape[-1] % Q4_BLOCK or v_shape[-1] % Q4_BLOCK:
       raise ConfigError(
-        f"kv_format='q4_0' needs head_dim to be a multiple of {Q4_BLOCK}, got {config.head_dim}"
+        f"kv_format='q4_0' needs head_dim to be a multiple of {Q4_BLOCK}, got keys of "
+        f"{k_shape[-1]} and values of {v_shape[-1]}"
       )
-    lead = (num_layers, batch, max_len, config.num_kv_heads)
-    values = lambda: jnp.zeros((*lead, config.head_dim // 2), jnp.uint8)
-    scales = lambda: jnp.zeros((*lead, config.head_dim // Q4_BLOCK), jnp.float16)
-    return cls(values(), values(), scales(), scales(), config.dtype)
+    values = lambda shape: jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8)
+    scales = lambda shape: jnp.zeros((*shape[:-1], shape[-1] // Q4_BLOCK), jnp.float16)
+    return cls(values(k_shape), values(v_shape), scales(k_shape), scales(v_shape), config.dtype)
 
 
 KV_FORMATS = {"float": FloatKV, "fp8": FP8KV, "q4_0": Q4KV}

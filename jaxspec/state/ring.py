@@ -26,6 +26,8 @@ class _Ring(Kind):
   """What the ring kinds share: slot = position mod C, the position each slot holds recorded;
   a block wider than the ring, or than its write limit allows, keeps only its last C."""
 
+  holds_every_position: ClassVar[bool] = False
+
   def read_range(self, start: jax.Array, lowest: jax.Array | None = None):
     """(lo, hi): every slot that can hold a position < start (all of them once wrapped); while
     no row has reached C, slot = position, so a window's lowest position bounds lo too."""
