@@ -93,14 +93,14 @@ def role_of(path: str) -> str:
     return "mtp"
   if parts[0] == "lm_head":
     return "lm_head"
+  if leaf == "sinks":
+    return "bias"  # one logit per head (gpt-oss, MiMo), not an attention projection
   if "self_attn" in parts:
     return "attention"
   if "shared_experts" in parts:
     return "shared_experts"
   if leaf == "router":
     return "router"
-  if leaf == "sinks":
-    return "bias"  # one logit per head
   if leaf in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") and "mlp" in parts:
     return "experts"
   return "mlp"
