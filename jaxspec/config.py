@@ -354,8 +354,15 @@ class ModelConfig:
 
   @property
   def mtp_is_moe(self) -> bool:
-    """MTP blocks use routed experts whenever the model has them (HF and DeepSeek convention)."""
-    return self.is_moe
+    """MTP blocks use routed experts whenever the model has them (HF and DeepSeek convention),
+    except MiMo-V2-Flash's, whose MTP blocks have a dense MLP."""
+    return self.is_moe and not self.mtp_sliding
+
+  @property
+  def mtp_sliding(self) -> bool:
+    """MTP blocks with the sliding layers' attention (MiMo-V2-Flash: window, KV heads, sinks,
+    RoPE base of its sliding layers)."""
+    return self.architecture == "MiMoV2FlashForCausalLM"
 
   def segments(self) -> tuple[tuple[int, int, bool], ...]:
     """Maximal runs of same-kind layers as (first_layer, num_layers, is_moe); each is one scan.
@@ -670,7 +677,11 @@ class ModelConfig:
     self._validate_mla()
     gpt_oss = self.architecture == "GptOssForCausalLM"
     windowed = self.architecture in WINDOWED_ARCHITECTURES
-    sliding_only = (self.sliding_attention_sinks, self.sliding_num_kv_heads, self.sliding_rope_theta)
+    sliding_only = (
+      self.sliding_attention_sinks,
+      self.sliding_num_kv_heads,
+      self.sliding_rope_theta,
+    )
     need(
       windowed or not (self.attention_sinks or self.sliding_window or any(sliding_only)),
       f"attention sinks and sliding windows are features of {', '.join(WINDOWED_ARCHITECTURES)}",

@@ -247,3 +247,153 @@ def test_default_quantize_policy(saved):
   assert not isinstance(mlp["router"], jaxspec.quant.QTensor)
   ids = _ids(q.config.vocab_size, seed=4)
   assert np.isfinite(np.asarray(q.logits(ids))).all()
+
+
+# -- MTP layers (model.mtp.layers.{k}.*: a sliding-window block with a dense MLP) ----------------
+
+MTP_LAYERS = 2
+
+
+def _mtp_tensors(config: dict, k: int, rng: np.random.Generator) -> dict:
+  """Random tensors of MTP layer k under the published names (vLLM's / SGLang's MiMo MTP
+  loaders read these: enorm, hnorm, eh_proj, final_layernorm beside a decoder block whose MLP
+  norm is `pre_mlp_layernorm`)."""
+  names = ("hidden_size", "num_attention_heads", "head_dim", "v_head_dim")
+  h, heads, hd, vd = (config[n] for n in names)
+  kv, inter = 2 * config["num_key_value_heads"], config["intermediate_size"]
+  shapes = {
+    "enorm.weight": (h,),
+    "hnorm.weight": (h,),
+    "eh_proj.weight": (h, 2 * h),
+    "final_layernorm.weight": (h,),
+    "input_layernorm.weight": (h,),
+    "pre_mlp_layernorm.weight": (h,),
+    "self_attn.q_proj.weight": (heads * hd, h),
+    "self_attn.k_proj.weight": (kv * hd, h),
+    "self_attn.v_proj.weight": (kv * vd, h),
+    "self_attn.o_proj.weight": (h, heads * vd),
+    "self_attn.attention_sink_bias": (heads,),
+    "mlp.gate_proj.weight": (inter, h),
+    "mlp.up_proj.weight": (inter, h),
+    "mlp.down_proj.weight": (h, inter),
+  }
+  out = {}
+  for name, shape in shapes.items():
+    norm = name.endswith("norm.weight")
+    x = 1.0 + 0.2 * rng.standard_normal(shape) if norm else 0.15 * rng.standard_normal(shape)
+    out[f"model.mtp.layers.{k}.{name}"] = x.astype(np.float32)
+  return out
+
+
+@pytest.fixture(scope="module")
+def with_mtp(saved, tmp_path_factory):
+  """(HF main model, dir of its checkpoint with MTP_LAYERS MTP layers added, the tensors)."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+  hf, d = saved["hub"]
+  out = str(tmp_path_factory.mktemp("mimo_mtp"))
+  with open(os.path.join(d, "config.json")) as f:
+    config = json.load(f)
+  with safe_open(os.path.join(d, "model.safetensors"), "np") as f:
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+  rng = np.random.default_rng(7)
+  mtp = {}
+  for k in range(MTP_LAYERS):
+    mtp.update(_mtp_tensors(CONFIGS["hub"], k, rng))
+  save_file({**tensors, **mtp}, os.path.join(out, "model.safetensors"))
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump({**config, "num_nextn_predict_layers": MTP_LAYERS}, f)
+  return hf, out, mtp
+
+
+def _mtp_reference(hf, mtp: dict, k: int, tokens: np.ndarray, prev: np.ndarray) -> np.ndarray:
+  """MTP layer k by transformers' own MiMo pieces: its RMSNorm for enorm / hnorm, then a
+  one-layer MiMo model (one sliding layer, dense MLP: the MTP block, its norm as the final
+  layernorm) run on inputs_embeds = eh_proj([enorm(embed(t)); hnorm(h)]), then the LM head."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash as m  # pylint: disable=all
+
+  cfg = dict(CONFIGS["hub"], num_hidden_layers=1, layer_types=["sliding_attention"])
+  cfg["mlp_layer_types"] = ["dense"]
+  one = transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(**cfg)).float().eval()
+  p = f"model.mtp.layers.{k}."
+  t = lambda name: torch.as_tensor(mtp[p + name])
+  block = ("input_layernorm", "pre_mlp_layernorm", "self_attn", "mlp")
+  renames = (
+    (p, "model.layers.0."),
+    ("pre_mlp_layernorm", "post_attention_layernorm"),
+    ("attention_sink_bias", "sinks"),
+  )
+  state = {}
+  for name, v in mtp.items():
+    if name.startswith(p) and name[len(p) :].split(".")[0] in block:
+      for old, new in renames:
+        name = name.replace(old, new)
+      state[name] = torch.as_tensor(v)
+  state["model.norm.weight"] = t("final_layernorm.weight")
+  state["model.embed_tokens.weight"] = hf.model.embed_tokens.weight.detach()
+  state["lm_head.weight"] = hf.lm_head.weight.detach()
+  missing, unexpected = one.load_state_dict(state, strict=False)
+  assert not unexpected and all("rotary" in n for n in missing), (missing, unexpected)
+  eps = hf.config.rms_norm_eps
+  norm = lambda w: m.MiMoV2FlashRMSNorm(w.shape[0], eps).eval()
+  enorm, hnorm = norm(t("enorm.weight")), norm(t("hnorm.weight"))
+  with torch.no_grad():
+    enorm.weight.copy_(t("enorm.weight"))
+    hnorm.weight.copy_(t("hnorm.weight"))
+    emb = hf.model.embed_tokens(torch.as_tensor(tokens))
+    x = torch.cat([enorm(emb), hnorm(torch.as_tensor(prev))], dim=-1) @ t("eh_proj.weight").T
+    return one(inputs_embeds=x).logits.float().numpy()
+
+
+def test_mtp_layers_load_in_the_published_layout_and_round_trip(with_mtp, tmp_path):
+  _, d, mtp = with_mtp
+  model = jaxspec.load_model(d)
+  assert model.config.num_mtp_layers == MTP_LAYERS and model.config.mtp_sliding
+  jaxspec.save_hf(model, str(tmp_path))
+  with safe_open(os.path.join(str(tmp_path), "model.safetensors"), "np") as f:
+    for name, x in mtp.items():
+      np.testing.assert_array_equal(f.get_tensor(name), x)
+
+
+def test_mtp_layer_equals_transformers_pieces(with_mtp):
+  """Each MTP layer's logits (cache-free, 13 tokens: past the window of 5) against the
+  reference built from transformers' MiMo modules; a wrong RoPE base for the block (the full
+  layers' instead of the sliding layers') is caught."""
+  from jaxspec.models import target as target_lib  # pylint: disable=import-outside-toplevel
+
+  hf, d, mtp = with_mtp
+  model = jaxspec.load_model(d)
+  rng = np.random.default_rng(5)
+  tokens = rng.integers(0, model.config.vocab_size, (2, 13))
+  prev = rng.standard_normal((2, 13, model.config.hidden_size)).astype(np.float32)
+  for k in range(MTP_LAYERS):
+    ref = _mtp_reference(hf, mtp, k, tokens, prev)
+    got, _, _ = target_lib.apply_mtp(model.config, model.params, k, tokens, prev)
+    np.testing.assert_allclose(np.asarray(got), ref, atol=1e-4)
+  wrong = model.with_config(sliding_rope_theta=model.config.rope_theta)
+  bad, _, _ = target_lib.apply_mtp(wrong.config, wrong.params, 0, tokens, prev)
+  assert np.abs(np.asarray(bad) - _mtp_reference(hf, mtp, 0, tokens, prev)).max() > 1e-3
+
+
+def test_mtp_drafter_is_lossless(with_mtp):
+  """Greedy MTP speculation (the first MTP layer chained γ times) equals plain decoding, chain
+  (γ = 3) and tree, batch 1 and 4."""
+  _, d, _ = with_mtp
+  target = jaxspec.load_model(d)
+  cfg = EngineConfig(max_len=48, batch_size=4, use_eos=False)
+  plain = SpecEngine(target, None, cfg)
+  engines = [
+    SpecEngine(target, jaxspec.MTPDrafter.from_target(target, gamma=3), cfg),
+    SpecEngine(
+      target,
+      jaxspec.MTPDrafter.from_target(target, gamma=3),
+      dataclasses.replace(cfg, verify="tree", tree_budget=6),
+    ),
+  ]
+  for batch in (1, 4):
+    ps = drafter_models.prompts(batch, target.config.vocab_size)
+    want = plain.generate(ps, max_new_tokens=16)
+    for engine in engines:
+      got = engine.generate(ps, max_new_tokens=16)
+      near_ties.assert_greedy_match(target, ps, want.tokens, got.tokens)

@@ -82,6 +82,7 @@ SMALL = {
     num_experts_per_tok=2,
     moe_intermediate_size=32,
     add_swa_attention_sink_bias=True,
+    num_nextn_predict_layers=2,
   ),
   "minimax_m2": dict(
     _BASE,

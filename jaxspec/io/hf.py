@@ -132,8 +132,8 @@ def _indexer_entries() -> list[Entry]:
   ]
 
 
-# MTP layers some published checkpoints carry that jaxspec does not build (transformers skips
-# them too): their tensors are left out with a warning.
+# Where MTP layers live that transformers does not build (it skips them): left out with a
+# warning when the config asks for none.
 UNBUILT_MTP = {"MiMoV2FlashForCausalLM": "model.mtp."}
 # Where an architecture's checkpoints keep the attention sinks (gpt-oss: `sinks`).
 SINK_NAMES = {"MiMoV2FlashForCausalLM": "attention_sink_bias"}
@@ -229,10 +229,15 @@ def _minimax_moe_entries(config: ModelConfig) -> list[Entry]:
   return e
 
 
+MIMO_MTP_RENAMES = {"post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
+
+
 def _mtp_entries(config: ModelConfig) -> list[Entry]:
   """An MTP layer's tensors, relative to `mtp_prefix`."""
   if config.is_hybrid:  # Qwen3.5 / Qwen3-Next: mtp.{fc, pre_fc_norm_*, norm, layers.0.*}
     names, block = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"), "layers.0."
+  elif config.mtp_sliding:  # MiMo-V2-Flash: model.mtp.layers.{k}.{enorm, ..., pre_mlp_layernorm}
+    names, block = ("enorm", "hnorm", "eh_proj", "final_layernorm"), ""
   else:
     names, block = ("enorm", "hnorm", "eh_proj", "shared_head.norm"), ""
   e: list[Entry] = [
@@ -241,10 +246,12 @@ def _mtp_entries(config: ModelConfig) -> list[Entry]:
     (f"{names[2]}.weight", ("eh_proj", "kernel"), "linear"),
     (f"{names[3]}.weight", ("post_norm", "scale"), "same"),
   ]
-  return e + [
-    (block + hf, ("block", *path), kind)
-    for hf, path, kind in _layer_entries(config, config.mtp_is_moe, indexer=config.is_dsa)
-  ]
+  layer = _layer_entries(
+    config, config.mtp_is_moe, indexer=config.is_dsa, sliding=config.mtp_sliding
+  )
+  if config.mtp_sliding:  # MiMo's checkpoints name the MLP's norm for what it precedes
+    layer = [(MIMO_MTP_RENAMES.get(hf, hf), path, kind) for hf, path, kind in layer]
+  return e + [(block + hf, ("block", *path), kind) for hf, path, kind in layer]
 
 
 def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, str]]:
@@ -269,6 +276,8 @@ def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, st
 def mtp_prefix(config: ModelConfig, k: int) -> str:
   """Where MTP layer k's tensors live: after the main layers (DeepSeek-V3, GLM) or in the
   `mtp.` module (Qwen3.5 / Qwen3-Next)."""
+  if config.mtp_sliding:
+    return f"model.mtp.layers.{k}."
   return "mtp." if config.is_hybrid else f"model.layers.{config.num_layers + k}."
 
 
@@ -562,8 +571,9 @@ def load_params(
       return True
     if config.is_hybrid and not config.num_mtp_layers and name.startswith("mtp."):
       return True  # an MTP module the config leaves out (num_mtp_layers=0): transformers' skip
-    if config.architecture in UNBUILT_MTP and name.startswith(UNBUILT_MTP[config.architecture]):
-      return True  # MTP layers jaxspec does not build for this family (transformers neither)
+    unbuilt = UNBUILT_MTP.get(config.architecture)
+    if unbuilt and not config.num_mtp_layers and name.startswith(unbuilt):
+      return True  # MTP layers the config leaves out (num_mtp_layers=0): transformers' skip
     i = _layer_index(name)
     return extra_layers_ok and i is not None and i >= depth
 

@@ -246,7 +246,7 @@ class MTPLayer(nn.Module):
       (c.hidden_size,), ("mlp", "embed"), dtype=c.dtype, param_dtype=c.param_dtype
     )
     # Full attention, also in hybrid targets; in DSA targets with its own indexer.
-    self.block = DecoderLayer(c, c.mtp_is_moe, indexer=c.is_dsa)
+    self.block = DecoderLayer(c, c.mtp_is_moe, indexer=c.is_dsa, sliding=c.mtp_sliding)
     self.post_norm = norm()
 
   def __call__(
@@ -258,11 +258,16 @@ class MTPLayer(nn.Module):
     sin: jax.Array,
     start: jax.Array,
     block_mask: jax.Array | None,
+    positions: jax.Array | None = None,
   ):
+    c = self.config
     x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(prev_hidden)], axis=-1))
     x = sharding.constrain_activation(x, "embed")
-    carry = (x, kv, jnp.int32(0), *no_selection(self.config, x.shape[0], x.shape[1], kv))
-    (h, kv, *_), _ = self.block(carry, cos, sin, start, block_mask)
+    carry = (x, kv, jnp.int32(0), *no_selection(c, x.shape[0], x.shape[1], kv))
+    windows = None  # MiMo: the sliding layers' window
+    if c.mtp_sliding and c.sliding_window:
+      windows = jnp.asarray([c.sliding_window], jnp.int32)
+    (h, kv, *_), _ = self.block(carry, cos, sin, start, block_mask, positions, windows)
     return h, self.post_norm(h), kv
 
 
@@ -420,10 +425,11 @@ class Decoder(nn.Module):
       start = jnp.zeros((b,), jnp.int32)
     if positions is None:
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    cos, sin = self._rope(positions)
+    c = self.config
+    cos, sin = self._rope(positions, (c.sliding_rope_theta or None) if c.mtp_sliding else None)
     kv = None if state is None else state.segments[0]
     h, normed, kv = self.mtp[k](
-      self.embed_tokens(tokens), prev_hidden, kv, cos, sin, start, block_mask
+      self.embed_tokens(tokens), prev_hidden, kv, cos, sin, start, block_mask, positions
     )
     if state is not None:
       state = state.replace(segments=(kv,))

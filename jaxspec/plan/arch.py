@@ -571,7 +571,8 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
       w.add(f"{p}/{norm}/scale", (h,), ("embed",))
     block = _Weights(param_dtype)
     mixer = "dsa" if arch in DSA_ARCHITECTURES else "full"
-    _layer(block, f"{p}/block", 1, d, r, arch, mixer, d["experts"] > 0)
+    mimo = arch == "MiMoV2FlashForCausalLM"  # a sliding block with a dense MLP
+    _layer(block, f"{p}/block", 1, d, r, arch, mixer, d["experts"] > 0 and not mimo, mimo)
     w.items += [  # one layer, no leading `layers` axis
       Tensor(t.path, t.shape[1:], t.dtype, t.axes[1:]) for t in block.items
     ]

@@ -229,6 +229,13 @@ class KVGeometry(NamedTuple):
 def kv_geometry(config, first: int | None) -> Any:
   """The K/V geometry of the run starting at layer `first` (None: a standalone layer, which
   has the config's own); drafter configs, without per-layer fields, are their own."""
+  if first is None and getattr(config, "mtp_sliding", False):  # MiMo's MTP: a sliding layer
+    return KVGeometry(
+      config.sliding_num_kv_heads or config.num_kv_heads,
+      config.head_dim,
+      config.value_head_dim,
+      config.dtype,
+    )
   if first is None or not hasattr(config, "layer_kv_heads"):
     return config
   return KVGeometry(

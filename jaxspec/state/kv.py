@@ -137,7 +137,10 @@ class _QuantizedKV(FullLengthKV):
     (qk, sk), (qv, sv) = self.encode(k), self.encode(v)
     put = lambda x, block: x.at[layer, rows, slots].set(block.astype(x.dtype), mode="drop")
     entry = self.replace(
-      k=put(self.k, qk), v=put(self.v, qv), k_scale=put(self.k_scale, sk), v_scale=put(self.v_scale, sv)
+      k=put(self.k, qk),
+      v=put(self.v, qv),
+      k_scale=put(self.k_scale, sk),
+      v_scale=put(self.v_scale, sv),
     )
     return entry, self.decode(qk, sk, self.dtype), self.decode(qv, sv, self.dtype)
 

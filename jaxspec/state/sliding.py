@@ -9,7 +9,7 @@ them), records the position each slot holds, and is read by stored position, so 
 the engine and the drafters use it as they use any kind (jaxspec/state/__init__.py).
 
 Why W + slack: a speculative block of T ≤ slack tokens writes positions start..start+T−1,
-displacing the slots of positions start+j−C ≤ start−W−1 − (slack − T): none of them inside
+displacing the slots of positions start+j−C ≤ start−W−1−(slack−T): none of them inside
 any later query's window, so a block that is rejected in part never overwrites a position a
 query still needs (rejected positions sit at or past the committed length, invisible, until a
 later block rewrites them). The engine sets slack to its widest speculative block.

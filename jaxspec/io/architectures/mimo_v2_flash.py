@@ -15,8 +15,9 @@ Two spellings of the config reach jaxspec, and both are read:
 
 Where both state a fact they must agree. `config_to_hf` writes transformers' keys and the
 hub's sliding-layer ones (which transformers ignores), so either reader gets the same model.
-The MTP layers (`model.mtp.*`) are not built here: the loader skips their tensors with a
-warning, as transformers does.
+MTP layers (`num_nextn_predict_layers` of them, under `model.mtp.layers.{k}.*`) are built when
+the config states them: a sliding-window block with a dense MLP (models/decoder.py, MTPLayer);
+a config stating none skips those tensors with a warning, as transformers does.
 """
 
 from __future__ import annotations
@@ -174,8 +175,6 @@ def _read(r: HFConfigReader, kw: dict[str, Any]) -> dict[str, Any]:
     sliding_attention_sinks=swa_sinks and not full_sinks,
     sliding_num_kv_heads=r.integer("swa_num_key_value_heads", 2 * kv_heads),
     sliding_rope_theta=float(r.hf["_sliding_rope_theta"]),
-    # MTP layers live under model.mtp.* (not built: the loader skips them, as transformers does).
-    num_mtp_layers=0,
   )
 
 
