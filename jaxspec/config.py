@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
   "DeepseekV3ForCausalLM",
   "DeepseekV32ForCausalLM",
   "GlmMoeDsaForCausalLM",
+  "MiniMaxM2ForCausalLM",
   # (issue #34: "MiMoV2FlashForCausalLM", "MiniMaxM2ForCausalLM" join here with their mappings)
 )
 # Architectures with sliding-window layers and attention sinks (gpt-oss; MiMo-V2-Flash's SWA

@@ -68,6 +68,17 @@ SMALL = {
     use_qk_norm=True,
     attention_bias=True,
   ),
+  "minimax_m2": dict(
+    _BASE,
+    architectures=["MiniMaxM2ForCausalLM"],
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rotary_dim=8,
+    use_qk_norm=True,
+    qk_norm_type="per_layer",
+    scoring_func="sigmoid",
+    use_routing_bias=True,
+  ),
 }
 
 

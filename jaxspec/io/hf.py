@@ -145,9 +145,11 @@ def _attention_entries(config: ModelConfig) -> list[Entry]:
   if config.attention_out_bias:
     e.append(("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "same"))
   if config.qk_norm:
+    # per_layer (MiniMax-M2): HF [heads*D] ↔ jaxspec [heads, D]
+    norm_kind = "bias_heads" if config.qk_norm_type == "per_layer" else "same"
     e += [
-      ("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "same"),
-      ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "same"),
+      ("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), norm_kind),
+      ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), norm_kind),
     ]
   if config.attention_sinks:
     e.append(("self_attn.sinks", ("self_attn", "sinks"), "same"))
@@ -171,6 +173,8 @@ def _ffn_entries(config: ModelConfig, moe: bool) -> list[Entry]:
       for p in ("gate_proj", "up_proj", "down_proj")
     ]
     return e
+  if config.architecture == "MiniMaxM2ForCausalLM":
+    return _minimax_moe_entries(config)
   e.append(("mlp.gate.weight", ("mlp", "router"), "linear"))
   if config.router == "sigmoid":
     e.append(("mlp.gate.e_score_correction_bias", ("mlp", "e_score_correction_bias"), "same"))
@@ -190,6 +194,26 @@ def _ffn_entries(config: ModelConfig, moe: bool) -> list[Entry]:
       for p in ("gate_proj", "up_proj", "down_proj")
     ]
     e.append(("mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), "linear"))
+  return e
+
+
+# MiniMax-M2's expert projections under their Mixtral-style names (w1 gate, w3 up, w2 down).
+MINIMAX_EXPERT_NAMES = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+
+
+def _minimax_moe_entries(config: ModelConfig) -> list[Entry]:
+  """A MiniMax-M2 MoE layer's tensors as published (and as transformers saves them):
+  `block_sparse_moe.{gate.weight, e_score_correction_bias, experts.{e}.w{1,2,3}.weight}`."""
+  moe = "block_sparse_moe"
+  e: list[Entry] = [
+    (f"{moe}.gate.weight", ("mlp", "router"), "linear"),
+    (f"{moe}.e_score_correction_bias", ("mlp", "e_score_correction_bias"), "same"),
+  ]
+  for x in range(config.num_experts):
+    e += [
+      (f"{moe}.experts.{x}.{w}.weight", ("mlp", p, f"#{x}"), "linear")
+      for w, p in MINIMAX_EXPERT_NAMES
+    ]
   return e
 
 

@@ -89,6 +89,33 @@ class RMSNorm(nn.Module):
     return ((w.astype(jnp.float32) + self.offset) * xf).astype(x.dtype)
 
 
+class HeadsRMSNorm(nn.Module):
+  """RMSNorm over the last two axes [heads, head_dim] together, one weight per feature.
+
+  MiniMax-M2 normalises the whole q (k) projection, num_heads × head_dim wide, before it is
+  split into heads; keeping the weight as [heads, head_dim] lets it shard with the heads.
+  """
+
+  shape: tuple[int, int]
+  axes: tuple[str, str]
+  eps: float
+  param_dtype: str = "float32"
+  offset: float = 0.0
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    init = nn.initializers.zeros if self.offset else nn.initializers.ones
+    w = self.param(
+      "scale",
+      nn.with_logical_partitioning(init, tuple(self.axes)),
+      tuple(self.shape),
+      dtype_of(self.param_dtype),
+    )
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=(-2, -1), keepdims=True) + self.eps)
+    return ((w.astype(jnp.float32) + self.offset) * xf).astype(x.dtype)
+
+
 class Dense(nn.Module):
   """x @ W (+ b) with W of shape [in, *out_shape] and logical axes (in_axis, *out_axes).
 
@@ -277,7 +304,12 @@ class Attention(nn.Module):
       name="v_proj",
       **dense,
     )(x)
-    if c.qk_norm:
+    if c.qk_norm and c.qk_norm_type == "per_layer":  # MiniMax-M2: over all heads at once
+      norm = dict(eps=c.rms_norm_eps, param_dtype=c.param_dtype, offset=c.norm_offset)
+      q_axes, k_axes = ("heads", "head_dim"), ("kv_heads", "head_dim")
+      q = HeadsRMSNorm((c.num_heads, c.head_dim), q_axes, name="q_norm", **norm)(q)
+      k = HeadsRMSNorm((c.num_kv_heads, c.head_dim), k_axes, name="k_norm", **norm)(k)
+    elif c.qk_norm:
       norm = dict(offset=c.norm_offset)
       q = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="q_norm", **norm)(q)
       k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm", **norm)(k)

@@ -283,12 +283,16 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
   r.require("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
   hidden, layers = r.integer("hidden_size"), r.integer("num_hidden_layers")
   heads = r.integer("num_attention_heads")
-  kv_heads = r.integer("num_key_value_heads", heads)
-  head_dim = r.integer("head_dim", hidden // heads)
+  minimax = arch == "MiniMaxM2ForCausalLM"  # MiniMaxM2Config's defaults: 8 KV heads of 128
+  kv_heads = r.integer("num_key_value_heads", 8 if minimax else heads)
+  head_dim = r.integer("head_dim", 128 if minimax else hidden // heads)
   experts = r.first_integer(("n_routed_experts", "num_experts", "num_local_experts"), 0)
+  if minimax:
+    experts = r.integer("num_local_experts", 256)
   moe_inter = r.integer("moe_intermediate_size", 0)
-  if arch == "GptOssForCausalLM":
+  if arch in ("GptOssForCausalLM", "MiniMaxM2ForCausalLM"):  # intermediate_size: the experts'
     moe_inter = r.integer("intermediate_size")
+  top_k = r.first_integer(("num_experts_per_tok", "experts_per_token"), 8 if minimax else 0)
   d: dict[str, Any] = dict(
     hidden=hidden,
     vocab=r.integer("vocab_size"),
@@ -299,7 +303,7 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
     q_width=heads * head_dim,
     intermediate=r.integer("intermediate_size", 0),
     experts=experts,
-    top_k=r.first_integer(("num_experts_per_tok", "experts_per_token"), 0) if experts else 0,
+    top_k=top_k if experts else 0,
     moe_intermediate=moe_inter,
     shared_intermediate=0,
     moe_layers=0,
@@ -396,7 +400,10 @@ def _gqa_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfi
     if arch != "Glm4MoeForCausalLM":
       w.stack(p, n, "self_attn/o_proj/bias", (h,), ("embed",))
   qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or arch in HYBRID_ARCHITECTURES
-  if qk_norm or (arch == "Glm4MoeForCausalLM" and r.flag("use_qk_norm", False)):
+  if arch == "MiniMaxM2ForCausalLM":  # per layer: over the whole q (k) projection
+    w.stack(p, n, "self_attn/q_norm/scale", (q, hd), ("heads", "head_dim"))
+    w.stack(p, n, "self_attn/k_norm/scale", (kv, hd), ("kv_heads", "head_dim"))
+  elif qk_norm or (arch == "Glm4MoeForCausalLM" and r.flag("use_qk_norm", False)):
     w.stack(p, n, "self_attn/q_norm/scale", (hd,), ("head_dim",))
     w.stack(p, n, "self_attn/k_norm/scale", (hd,), ("head_dim",))
   if arch == "GptOssForCausalLM":
@@ -482,7 +489,7 @@ def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], arch: str):
     w.stack(p, n, "mlp/down_proj", (e, inter, h), ("expert", "mlp", "embed"))
     w.stack(p, n, "mlp/down_bias", (e, h), ("expert", "embed"))
     return
-  if arch == "Glm4MoeForCausalLM" or arch in MLA_ARCHITECTURES:
+  if arch in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM") or arch in MLA_ARCHITECTURES:
     w.stack(p, n, "mlp/e_score_correction_bias", (e,), (None,), "float32")
   w.stack(p, n, "mlp/gate_proj", (e, h, inter), ("expert", "embed", "mlp"))
   w.stack(p, n, "mlp/up_proj", (e, h, inter), ("expert", "embed", "mlp"))

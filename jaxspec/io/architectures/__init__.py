@@ -16,7 +16,7 @@ from jaxspec import config as config_lib
 from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxspec.errors import ConfigError, show
 from jaxspec.options import option_names
-from jaxspec.io.architectures import deepseek_v3, glm4_moe, gpt_oss, qwen3, qwen3_next
+from jaxspec.io.architectures import deepseek_v3, glm4_moe, gpt_oss, minimax_m2, qwen3, qwen3_next
 from jaxspec.io.architectures.base import Architecture, read_shared, write_shared
 from jaxspec.io.architectures.reader import HFConfigReader
 
@@ -42,6 +42,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     deepseek_v3.DEEPSEEK_V3,
     deepseek_v3.DEEPSEEK_V32,
     deepseek_v3.GLM_MOE_DSA,
+    minimax_m2.MINIMAX_M2,
   )
 }
 # A multimodal checkpoint's architecture -> the text model's, read from its `text_config`.
