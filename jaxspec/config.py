@@ -29,7 +29,7 @@ SUPPORTED_ARCHITECTURES = (
   "DeepseekV32ForCausalLM",
   "GlmMoeDsaForCausalLM",
   "MiniMaxM2ForCausalLM",
-  # (issue #34: "MiMoV2FlashForCausalLM", "MiniMaxM2ForCausalLM" join here with their mappings)
+  "MiMoV2FlashForCausalLM",
 )
 # Architectures with sliding-window layers and attention sinks (gpt-oss; MiMo-V2-Flash's SWA
 # layers, which also differ from its full layers in KV heads and RoPE base).

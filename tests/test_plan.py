@@ -68,6 +68,21 @@ SMALL = {
     use_qk_norm=True,
     attention_bias=True,
   ),
+  "mimo_v2_flash": dict(
+    _BASE,
+    architectures=["MiMoV2FlashForCausalLM"],
+    num_hidden_layers=4,
+    hybrid_layer_pattern=[0, 1, 1, 0],
+    moe_layer_freq=[0, 1, 1, 1],
+    sliding_window_size=8,
+    swa_num_key_value_heads=4,
+    head_dim=24,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    add_swa_attention_sink_bias=True,
+  ),
   "minimax_m2": dict(
     _BASE,
     architectures=["MiniMaxM2ForCausalLM"],
@@ -138,6 +153,7 @@ def _main(spec) -> int:
     ("kimi_k2.json", lambda s: s.num_params, 1e12, 0.03),
     ("qwen3_235b_a22b.json", lambda s: s.num_params, 235e9, 0.005),
     ("gpt_oss_120b.json", lambda s: s.num_params, 116.8e9, 0.005),
+    ("mimo_v2_flash.json", lambda s: s.num_params, 309e9, 0.01),  # without its MTP layers
     ("qwen3_5_397b_a17b.json", lambda s: s.num_params, 397e9, 0.005),
   ],  # Qwen3.5: text model only (no vision tower, no MTP)
 )

@@ -75,7 +75,11 @@ def _linear_attn_entries(config: ModelConfig) -> list[Entry]:
 
 
 def _layer_entries(
-  config: ModelConfig, moe: bool, linear: bool = False, indexer: bool = False
+  config: ModelConfig,
+  moe: bool,
+  linear: bool = False,
+  indexer: bool = False,
+  sliding: bool = False,
 ) -> list[Entry]:
   e: list[Entry] = [
     ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
@@ -84,7 +88,7 @@ def _layer_entries(
   if linear:
     e += _linear_attn_entries(config)
   else:
-    e += _attention_entries(config)
+    e += _attention_entries(config, sliding)
   if indexer:
     e += _indexer_entries()
   return e + _ffn_entries(config, moe)
@@ -128,7 +132,14 @@ def _indexer_entries() -> list[Entry]:
   ]
 
 
-def _attention_entries(config: ModelConfig) -> list[Entry]:
+# MTP layers some published checkpoints carry that jaxspec does not build (transformers skips
+# them too): their tensors are left out with a warning.
+UNBUILT_MTP = {"MiMoV2FlashForCausalLM": "model.mtp."}
+# Where an architecture's checkpoints keep the attention sinks (gpt-oss: `sinks`).
+SINK_NAMES = {"MiMoV2FlashForCausalLM": "attention_sink_bias"}
+
+
+def _attention_entries(config: ModelConfig, sliding: bool = False) -> list[Entry]:
   if config.is_mla:
     return _mla_entries(config)
   e: list[Entry] = [
@@ -151,8 +162,9 @@ def _attention_entries(config: ModelConfig) -> list[Entry]:
       ("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), norm_kind),
       ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), norm_kind),
     ]
-  if config.attention_sinks:
-    e.append(("self_attn.sinks", ("self_attn", "sinks"), "same"))
+  if config.attention_sinks or (config.sliding_attention_sinks and sliding):
+    name = SINK_NAMES.get(config.architecture, "sinks")
+    e.append((f"self_attn.{name}", ("self_attn", "sinks"), "same"))
   return e
 
 
@@ -243,7 +255,9 @@ def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, st
     yield "lm_head.weight", ("lm_head", "kernel"), None, "linear"
   for s, (first, n, moe) in enumerate(config.segments()):
     indexer = config.is_dsa and config.is_full_indexer(first)
-    entries = _layer_entries(config, moe, config.is_linear(first), indexer)
+    entries = _layer_entries(
+      config, moe, config.is_linear(first), indexer, config.is_sliding(first)
+    )
     for j in range(n):
       for hf, path, kind in entries:
         yield f"model.layers.{first + j}.{hf}", (f"layers_{s}", *path), j, kind
@@ -548,6 +562,8 @@ def load_params(
       return True
     if config.is_hybrid and not config.num_mtp_layers and name.startswith("mtp."):
       return True  # an MTP module the config leaves out (num_mtp_layers=0): transformers' skip
+    if config.architecture in UNBUILT_MTP and name.startswith(UNBUILT_MTP[config.architecture]):
+      return True  # MTP layers jaxspec does not build for this family (transformers neither)
     i = _layer_index(name)
     return extra_layers_ok and i is not None and i >= depth
 

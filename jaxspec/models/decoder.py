@@ -71,6 +71,7 @@ class DecoderLayer(nn.Module):
   moe: bool
   linear: bool = False
   indexer: bool = False  # DSA: runs its own lightning indexer (else reuses the carried choice)
+  sliding: bool = False  # a sliding-window attention layer (MiMo's differ in shape)
 
   @nn.compact
   def __call__(
@@ -102,7 +103,7 @@ class DecoderLayer(nn.Module):
         select = [chosen]
     else:
       window = None if windows is None else attention_lib.Window(windows[layer], positions)
-      attn_out, kv = Attention(c, name="self_attn")(
+      attn_out, kv = Attention(c, self.sliding, name="self_attn")(
         norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, window
       )
     h = h + attn_out
@@ -126,6 +127,7 @@ class LayerRun(nn.Module):
   length: int
   linear: bool = False
   indexer: bool = False
+  sliding: bool = False
 
   @nn.compact
   def __call__(
@@ -133,7 +135,10 @@ class LayerRun(nn.Module):
   ):
     outs = []
     for j in range(self.length):
-      carry, h = DecoderLayer(self.config, self.moe, self.linear, self.indexer, name=str(j))(
+      layer = DecoderLayer(
+        self.config, self.moe, self.linear, self.indexer, self.sliding, name=str(j)
+      )
+      carry, h = layer(
         carry, cos, sin, start, block_mask, positions, windows, valid
       )
       outs.append(h)
@@ -200,10 +205,16 @@ def layer_windows(config: ModelConfig, first: int, n: int) -> jax.Array | None:
 
 
 def _stack(
-  config: ModelConfig, moe: bool, length: int, name: str, linear: bool, indexer: bool = False
+  config: ModelConfig,
+  moe: bool,
+  length: int,
+  name: str,
+  linear: bool,
+  indexer: bool = False,
+  sliding: bool = False,
 ) -> nn.Module:
   if not config.options.scan_layers:
-    return LayerRun(config, moe, length, linear, indexer, name=name)
+    return LayerRun(config, moe, length, linear, indexer, sliding, name=name)
   scanned = nn.scan(
     DecoderLayer,
     variable_axes={"params": 0, "intermediates": 0},
@@ -212,7 +223,7 @@ def _stack(
     length=length,
     metadata_params={nn.PARTITION_NAME: "layers"},
   )
-  return scanned(config, moe, linear, indexer, name=name)
+  return scanned(config, moe, linear, indexer, sliding, name=name)
 
 
 class MTPLayer(nn.Module):
@@ -269,7 +280,15 @@ class Decoder(nn.Module):
       dtype_of(c.param_dtype),
     )
     self.stacks = [
-      _stack(c, moe, n, f"layers_{i}", c.is_linear(first), c.is_dsa and c.is_full_indexer(first))
+      _stack(
+        c,
+        moe,
+        n,
+        f"layers_{i}",
+        c.is_linear(first),
+        c.is_dsa and c.is_full_indexer(first),
+        c.is_sliding(first),
+      )
       for i, (first, n, moe) in enumerate(c.segments())
     ]
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset)
@@ -298,9 +317,11 @@ class Decoder(nn.Module):
       logits = self.lm_head(h).astype(jnp.float32)
     return unfused_logits(sharding.constrain_activation(logits, "vocab"))
 
-  def _rope(self, positions: jax.Array):
+  def _rope(self, positions: jax.Array, theta: float | None = None):
+    """cos/sin tables at `positions` with RoPE base `theta` (default: the config's)."""
     c = self.config
-    return rope_tables(positions, c.rotary_dim, c.rope_theta, c.rope_scaling)
+    theta = c.rope_theta if theta is None else theta
+    return rope_tables(positions, c.rotary_dim, theta, c.rope_scaling)
 
   # -- forwards ------------------------------------------------------------------------------------
 
@@ -332,7 +353,7 @@ class Decoder(nn.Module):
       start = jnp.zeros((b,), jnp.int32)
     if positions is None:
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    cos, sin = self._rope(positions)
+    tables = {self.config.rope_theta: self._rope(positions)}  # MiMo: a base per layer type
     h = self.embed_tokens(tokens)
     per_layer, entries = [], []
     first_kv = None if state is None else state.segments[0]
@@ -342,6 +363,10 @@ class Decoder(nn.Module):
       if kv is not None:  # a short unpadded block may be accepted in part: keep every prefix
         kv = kv.begin_block(start, t, valid is None and t <= self.config.options.linear_snapshots)
         kv = kv.with_bounds(limit=write_limit(start, valid))  # rings: no padding written
+      theta = self.config.layer_rope_theta(first)
+      if theta not in tables:
+        tables[theta] = self._rope(positions, theta)
+      cos, sin = tables[theta]
       (h, kv, _, *select), hs = stack(
         (h, kv, jnp.int32(0), *select),
         cos,

@@ -259,11 +259,15 @@ class Attention(nn.Module):
 
   `kv` is this layer segment's state entry (jaxspec/state.py) or None (no cache: the block
   attends to itself only); `layer` indexes the segment's stacked layers; `window` is this
-  layer's sliding window, if any. gpt-oss adds learned per-head sink logits (`sinks`).
+  layer's sliding window, if any. gpt-oss adds learned per-head sink logits (`sinks`);
+  MiMo-V2-Flash's `sliding` layers have their own KV head count and sinks
+  (`ModelConfig.layer_kv_heads`, `has_sinks`), its values are narrower than its keys
+  (`value_head_dim`) and scaled before they are stored (`attention_value_scale`).
   Returns (out, kv).
   """
 
   config: ModelConfig
+  sliding: bool = False  # a sliding-window layer (its shape may differ: MiMo)
 
   @nn.compact
   def __call__(
@@ -290,20 +294,23 @@ class Attention(nn.Module):
     gate = None
     if gated:
       q, gate = q[..., : c.head_dim], q[..., c.head_dim :]
+    kv_heads = (self.sliding and c.sliding_num_kv_heads) or c.num_kv_heads
     k = Dense(
-      (c.num_kv_heads, c.head_dim),
+      (kv_heads, c.head_dim),
       ("embed", "kv_heads", "head_dim"),
       c.attention_bias,
       name="k_proj",
       **dense,
     )(x)
     v = Dense(
-      (c.num_kv_heads, c.head_dim),
+      (kv_heads, c.value_head_dim),
       ("embed", "kv_heads", "head_dim"),
       c.attention_bias,
       name="v_proj",
       **dense,
     )(x)
+    if c.attention_value_scale != 1.0:  # MiMo: values scaled before they are stored
+      v = (v.astype(jnp.float32) * c.attention_value_scale).astype(v.dtype)
     if c.qk_norm and c.qk_norm_type == "per_layer":  # MiniMax-M2: over all heads at once
       norm = dict(eps=c.rms_norm_eps, param_dtype=c.param_dtype, offset=c.norm_offset)
       q_axes, k_axes = ("heads", "head_dim"), ("kv_heads", "head_dim")
@@ -318,7 +325,7 @@ class Attention(nn.Module):
     k = sharding.constrain_activation(apply_rope(k, cos, sin), "kv_heads", "head_dim")
     v = sharding.constrain_activation(v, "kv_heads", "head_dim")
     sinks = None
-    if c.attention_sinks:
+    if c.attention_sinks or (c.sliding_attention_sinks and self.sliding):
       sinks = self.param(
         "sinks",
         nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)),

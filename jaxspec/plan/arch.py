@@ -380,8 +380,16 @@ class _Weights:
     self.add(f"{prefix}/{name}", (n, *shape), ("layers", *axes), dtype)
 
 
-def _gqa_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader, arch):
+def _gqa_attention(
+  w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader, arch, sliding=False
+):
   h, q, kv, hd = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"]
+  vd = hd
+  mimo = arch == "MiMoV2FlashForCausalLM"
+  if mimo:  # sliding layers: their own KV heads (transformers: twice) and sinks; narrow values
+    vd = r.integer("v_head_dim", hd)
+    if sliding:
+      kv = r.integer("swa_num_key_value_heads", 2 * kv)
   gated = arch in HYBRID_ARCHITECTURES and r.flag("attn_output_gate", True)
   w.stack(
     p,
@@ -391,8 +399,8 @@ def _gqa_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfi
     ("embed", "heads", "head_dim"),
   )
   w.stack(p, n, "self_attn/k_proj/kernel", (h, kv, hd), ("embed", "kv_heads", "head_dim"))
-  w.stack(p, n, "self_attn/v_proj/kernel", (h, kv, hd), ("embed", "kv_heads", "head_dim"))
-  w.stack(p, n, "self_attn/o_proj/kernel", (q, hd, h), ("heads", "head_dim", "embed"))
+  w.stack(p, n, "self_attn/v_proj/kernel", (h, kv, vd), ("embed", "kv_heads", "head_dim"))
+  w.stack(p, n, "self_attn/o_proj/kernel", (q, vd, h), ("heads", "head_dim", "embed"))
   if r.flag("attention_bias", arch == "GptOssForCausalLM"):
     w.stack(p, n, "self_attn/q_proj/bias", (q, hd), ("heads", "head_dim"))
     w.stack(p, n, "self_attn/k_proj/bias", (kv, hd), ("kv_heads", "head_dim"))
@@ -406,7 +414,10 @@ def _gqa_attention(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfi
   elif qk_norm or (arch == "Glm4MoeForCausalLM" and r.flag("use_qk_norm", False)):
     w.stack(p, n, "self_attn/q_norm/scale", (hd,), ("head_dim",))
     w.stack(p, n, "self_attn/k_norm/scale", (hd,), ("head_dim",))
-  if arch == "GptOssForCausalLM":
+  sinks = r.flag("add_full_attention_sink_bias", False) or (
+    sliding and r.flag("add_swa_attention_sink_bias", True)
+  )
+  if arch == "GptOssForCausalLM" or (mimo and sinks):
     w.stack(p, n, "self_attn/sinks", (q,), ("heads",))
 
 
@@ -489,7 +500,8 @@ def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], arch: str):
     w.stack(p, n, "mlp/down_proj", (e, inter, h), ("expert", "mlp", "embed"))
     w.stack(p, n, "mlp/down_bias", (e, h), ("expert", "embed"))
     return
-  if arch in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM") or arch in MLA_ARCHITECTURES:
+  biased = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "MiMoV2FlashForCausalLM")
+  if arch in biased or arch in MLA_ARCHITECTURES:
     w.stack(p, n, "mlp/e_score_correction_bias", (e,), (None,), "float32")
   w.stack(p, n, "mlp/gate_proj", (e, h, inter), ("expert", "embed", "mlp"))
   w.stack(p, n, "mlp/up_proj", (e, h, inter), ("expert", "embed", "mlp"))
@@ -549,9 +561,9 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
       runs[-1][1] += 1
     else:
       runs.append([kind, 1])
-  for s, ((mixer, moe, _), n) in enumerate(runs):
+  for s, ((mixer, moe, window), n) in enumerate(runs):
     p = f"layers_{s}"
-    _layer(w, p, n, d, r, arch, mixer, moe)
+    _layer(w, p, n, d, r, arch, mixer, moe, sliding=window > 0)
   for m in range(d["mtp_layers"]):
     p = f"mtp_{m}"
     w.add(f"{p}/eh_proj/kernel", (2 * h, h), ("mlp", "embed"))
@@ -569,7 +581,9 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
   return tuple(w.items)
 
 
-def _layer(w: _Weights, p: str, n: int, d, r, arch: str, mixer: str, moe: bool) -> None:
+def _layer(
+  w: _Weights, p: str, n: int, d, r, arch: str, mixer: str, moe: bool, sliding: bool = False
+) -> None:
   h = d["hidden"]
   w.stack(p, n, "input_layernorm/scale", (h,), ("embed",))
   w.stack(p, n, "post_attention_layernorm/scale", (h,), ("embed",))
@@ -580,7 +594,7 @@ def _layer(w: _Weights, p: str, n: int, d, r, arch: str, mixer: str, moe: bool) 
     if mixer == "dsa":
       _indexer(w, p, n, d, r)
   else:
-    _gqa_attention(w, p, n, d, r, arch)
+    _gqa_attention(w, p, n, d, r, arch, sliding)
   if moe:
     _moe(w, p, n, d, arch)
   else:

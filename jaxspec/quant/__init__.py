@@ -13,6 +13,7 @@ from jaxspec.quant.formats import (
 )
 from jaxspec.quant.policy import (
   DEFAULT_POLICY,
+  default_policy,
   ROLES,
   QuantReport,
   bytes_by_format,
@@ -25,6 +26,7 @@ from jaxspec.quant.policy import (
 
 __all__ = [
   "DEFAULT_POLICY",
+  "default_policy",
   "FORMATS",
   "QTensor",
   "QuantReport",

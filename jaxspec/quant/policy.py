@@ -18,7 +18,8 @@ it is. Roles, from the parameter tree:
 A pattern "role@N" matches that role in layer N only (per-layer policies, as the sensitivity
 profiler writes them; they need the per-layer layout, `scan_layers=False`). A path pattern is
 an fnmatch pattern over "/"-joined parameter paths, e.g. "layers_1/*/mlp/gate_proj". The default policy is MiMo-V2.5-Pro × TileRT's: experts MXFP4,
-attention and router FP8, everything else unquantized.
+attention and router FP8, everything else unquantized (the router stays float for targets whose
+published checkpoints keep it so: `default_policy`).
 
 A policy is a plain tuple of (pattern, format) pairs, or an ml_collections ConfigDict with a
 `rules` field holding them (`policy_from_config`), so launch scripts can take it from a config
@@ -52,6 +53,10 @@ ROLES = (
 )
 NEVER = ("embed", "norm", "bias")
 DEFAULT_POLICY = (("experts", "mxfp4"), ("attention", "fp8"), ("router", "fp8"))
+# Architectures whose published checkpoints keep the router in float (MiMo-V2-Flash: transformers'
+# `_keep_in_fp32_modules_strict`; MiniMax-M2: the FP8 release's `modules_to_not_convert`): their
+# default policy leaves it so (`default_policy`); an explicit policy may still quantize it.
+FLOAT_ROUTER_ARCHITECTURES = ("MiMoV2FlashForCausalLM", "MiniMaxM2ForCausalLM")
 _LINEAR = ("experts", "shared_experts", "mlp", "attention", "router", "lm_head", "mtp")
 # Policies by name (`load_policy`): "fp8" and "mxfp4" put every linear layer in that format
 # (llama.cpp's whole-model Q8_0 / Q4_0 counterparts, as the llama.cpp race compares them).
@@ -88,14 +93,14 @@ def role_of(path: str) -> str:
     return "mtp"
   if parts[0] == "lm_head":
     return "lm_head"
+  if leaf == "sinks":
+    return "bias"  # one logit per head (gpt-oss, MiMo), not an attention projection
   if "self_attn" in parts:
     return "attention"
   if "shared_experts" in parts:
     return "shared_experts"
   if leaf == "router":
     return "router"
-  if leaf == "sinks":
-    return "bias"  # one logit per head
   if leaf in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") and "mlp" in parts:
     return "experts"
   return "mlp"
@@ -257,13 +262,21 @@ def quantize_params(
   return out, QuantReport(formats, before, after, rules)
 
 
+def default_policy(config: Any = None) -> tuple[tuple[str, str], ...]:
+  """The policy `quantize` applies when given none: DEFAULT_POLICY, without the router rule
+  for the architectures whose published checkpoints keep the router float."""
+  if getattr(config, "architecture", None) in FLOAT_ROUTER_ARCHITECTURES:
+    return tuple(rule for rule in DEFAULT_POLICY if rule[0] != "router")
+  return DEFAULT_POLICY
+
+
 def quantize(target: Any, policy: Optional[Iterable] = None) -> Any:
-  """`target` with its weights quantized by `policy` (default: DEFAULT_POLICY).
+  """`target` with its weights quantized by `policy` (default: `default_policy(config)`).
 
   The returned model keeps its weights in their formats (no dequantized copy); every forward
   dequantizes what it reads. Its `quant_report` says what was quantized and the bytes saved.
   """
-  policy = DEFAULT_POLICY if policy is None else policy
+  policy = default_policy(target.config) if policy is None else policy
   axes = target.logical_axes()
   params, report = quantize_params(target.params, axes, policy, target.config)
   return dataclasses.replace(target, params=params, quant_report=report)

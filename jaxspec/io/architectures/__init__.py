@@ -16,7 +16,15 @@ from jaxspec import config as config_lib
 from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxspec.errors import ConfigError, show
 from jaxspec.options import option_names
-from jaxspec.io.architectures import deepseek_v3, glm4_moe, gpt_oss, minimax_m2, qwen3, qwen3_next
+from jaxspec.io.architectures import (
+  deepseek_v3,
+  glm4_moe,
+  gpt_oss,
+  mimo_v2_flash,
+  minimax_m2,
+  qwen3,
+  qwen3_next,
+)
 from jaxspec.io.architectures.base import Architecture, read_shared, write_shared
 from jaxspec.io.architectures.reader import HFConfigReader
 
@@ -42,7 +50,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     deepseek_v3.DEEPSEEK_V3,
     deepseek_v3.DEEPSEEK_V32,
     deepseek_v3.GLM_MOE_DSA,
+    mimo_v2_flash.MIMO_V2_FLASH,
     minimax_m2.MINIMAX_M2,
+    mimo_v2_flash.MIMO_V2_FLASH,
   )
 }
 # A multimodal checkpoint's architecture -> the text model's, read from its `text_config`.
@@ -93,6 +103,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     raise ConfigError(
       f"{arch.name}: unknown ModelConfig field(s) {', '.join(unknown)} in overrides"
     )
+  if arch.prepare is not None:
+    hf = arch.prepare(hf)
   r, kw = read_shared(HFConfigReader(hf, arch.name), arch)
   kw.update(arch.read(r, kw))
   kw.update(overrides)

@@ -43,6 +43,8 @@ class Architecture:
     mtp_key: the config.json key that states the number of MTP layers, when there are any.
     attention_layer_types: the `layer_types` entries that mean (non-sliding) attention layers
       of this family (DSA targets write "indexed_attention").
+    prepare: config.json → the dict the shared and family readers read, for families whose
+      published configs spell shared facts their own way (MiMo's per-type RoPE, hub keys).
   """
 
   name: str
@@ -59,6 +61,7 @@ class Architecture:
   attention_bias: bool = False
   mtp_key: str = "num_nextn_predict_layers"
   attention_layer_types: tuple[str, ...] = ("full_attention",)
+  prepare: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
 
 def read_shared(r: HFConfigReader, arch: Architecture) -> tuple[HFConfigReader, dict[str, Any]]:
