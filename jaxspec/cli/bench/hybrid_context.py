@@ -7,10 +7,17 @@ decode seconds / (tokens − 1), after a warm-up call of the same shapes. Models
 * `hybrid`: the bundled hybrid target (jaxspec/assets/hybrid: 3 linear : 1 full attention);
 * `attention`: the bundled GLM target (4 full-attention layers, the same width and experts);
 * `linear`: the hybrid's architecture with every layer a Gated DeltaNet layer (random weights;
-  cost does not depend on the weights' values): the linear layers alone.
+  cost does not depend on the weights' values): the linear layers alone;
+* `mimo`: a MiMo-V2-Flash-shaped random model (12 layers, full attention at layers 0, 5, 11 and
+  sliding windows of 128 elsewhere, sliding layers with twice the KV heads and sinks, qk head
+  192-style 96 wide with values of 64, a dense first layer then 8-expert MoE layers), whose
+  sliding layers keep rings of window + 1 slots (jaxspec/state/sliding.py);
+* `mimo-swa`: the same with every layer sliding: the sliding layers alone;
+* `mimo-full`: the same with every layer full attention.
 
-A layer of linear attention reads a fixed-size state per step, so its cost must not grow with
-the context; full attention reads the whole KV cache. Also printed: the decoding state's bytes
+A layer of linear attention reads a fixed-size state per step, and a sliding layer a ring of
+its window, so their cost must not grow with the context; full attention reads the whole KV
+cache. Also printed: the decoding state's bytes
 per sequence (jaxspec.plan.decoding_state_bytes). Prompts are random token ids (timing only).
 
   python launch/bench.py hybrid-context --contexts=1024,32768
@@ -29,6 +36,7 @@ import jaxspec
 from jaxspec import plan
 from jaxspec.cli import common_flags
 from jaxspec.drafters import registry
+from jaxspec.io.architectures import config_from_hf
 
 
 def define_flags() -> None:
@@ -43,9 +51,45 @@ def define_flags() -> None:
 FLAGS = flags.FLAGS
 
 
+def mimo_shaped(kinds: str = "hybrid") -> dict:
+  """A small MiMo-V2-Flash-shaped config.json (transformers' own keys): "hybrid" (its 5 : 1
+  pattern), "swa" (every layer sliding) or "full" (none)."""
+  layers = 12
+  pattern = {
+    "hybrid": ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+               for i in range(layers)],
+    "swa": ["sliding_attention"] * layers,
+    "full": ["full_attention"] * layers,
+  }[kinds]
+  rope = lambda theta: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1 / 3}
+  return {
+    "architectures": ["MiMoV2FlashForCausalLM"],
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": layers,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 96,
+    "v_head_dim": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "sliding_window": 129,  # 128 earlier keys and the query's own
+    "layer_types": pattern,
+    "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+    "rope_parameters": {"full_attention": rope(5e6), "sliding_attention": rope(1e4)},
+    "max_position_embeddings": 65536,
+  }
+
+
 @functools.lru_cache(maxsize=None)
 def _model(name: str) -> jaxspec.TargetModel:
   """The model `name`, loaded once for all its contexts."""
+  if name.startswith("mimo"):
+    kinds = {"mimo": "hybrid", "mimo-swa": "swa", "mimo-full": "full"}[name]
+    config = config_from_hf(mimo_shaped(kinds))
+    return jaxspec.TargetModel.random(config.with_options(scan_layers=False), seed=0)
   if name == "attention":
     return jaxspec.load_model(registry.bundled_dir("target"))
   hybrid = jaxspec.load_model(registry.bundled_dir("hybrid"))
@@ -74,7 +118,7 @@ def measure(name: str, context: int) -> dict:
     "model": name,
     "context": context,
     "step_ms": 1e3 * best,
-    "state_bytes": plan.decoding_state_bytes(model.config, 1, max_len),
+    "state_bytes": plan.decoding_state_bytes(model.config, 1, max_len, slack=engine.slack),
   }
 
 
