@@ -40,7 +40,7 @@ PATHS = np.array([[0, 1], [0, 2]], np.int32)  # the rows accept different branch
 @pytest.fixture(scope="module")
 def target():
   hf = {**hf_models.CONFIGS["gptoss_sliding_sinks"][2], "architectures": ["GptOssForCausalLM"]}
-  hf.update(sliding_window=WINDOW, hidden_size=32)
+  hf.update(sliding_window=WINDOW, hidden_size=32, head_dim=32)  # Q4_0: blocks of 32 values
   config = config_from_hf(hf).with_options(dtype="float32", param_dtype="float32")
   model = target_lib.TargetModel.random(config, seed=0)
   params = jax.tree_util.tree_map(lambda x: x * 3.0, model.params)  # sharper: fewer ties
@@ -86,10 +86,6 @@ def _run(config, params, state, rounds: int = 9, seed: int = 0):
 @pytest.mark.parametrize("fmt", ["float", "fp8", "q4_0"])
 def test_ring_equals_full_length_kv(target, fmt):
   config, params = target
-  if fmt == "q4_0":  # Q4_0 blocks of 32 values along head_dim
-    config = config.replace(head_dim=32)
-    params = target_lib.init_params(config, seed=1)
-    params = jax.tree_util.tree_map(lambda x: x * 3.0, params)
   ring = DecodingState.create(config, B, MAX_LEN, fmt, slack=WIDTH)
   kinds = [type(s).__name__ for s in ring.segments]
   assert kinds.count("SlidingKV") == 2  # layers 0 and 2; layer 1 keeps every position
