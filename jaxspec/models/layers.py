@@ -65,6 +65,22 @@ def normal_init(stddev: float = 0.02):
   return nn.initializers.normal(stddev)
 
 
+def _scaled_rms(
+  module: nn.Module, x: jax.Array, shape: tuple, axes: tuple, eps: float, param_dtype: str,
+  offset: float,
+) -> jax.Array:
+  """(offset + w) · x / sqrt(mean(x²) + eps) over x's last len(shape) axes, in float32, with
+  `module`'s "scale" parameter w of `shape` and logical `axes` (RMSNorm, HeadsRMSNorm)."""
+  init = nn.initializers.zeros if offset else nn.initializers.ones
+  w = module.param(
+    "scale", nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype_of(param_dtype)
+  )
+  xf = x.astype(jnp.float32)
+  reduce = tuple(range(-len(shape), 0))
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=reduce, keepdims=True) + eps)
+  return ((w.astype(jnp.float32) + offset) * xf).astype(x.dtype)
+
+
 class RMSNorm(nn.Module):
   """y = (offset + w) · x / sqrt(mean(x²) + eps), computed in float32 (HF Qwen3/GLM semantics
   with offset 0; Qwen3-Next / Qwen3.5's zero-centred norm, weights stored as w, with offset 1)."""
@@ -77,16 +93,8 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    init = nn.initializers.zeros if self.offset else nn.initializers.ones
-    w = self.param(
-      "scale",
-      nn.with_logical_partitioning(init, (self.axis_name,)),
-      (self.dim,),
-      dtype_of(self.param_dtype),
-    )
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return ((w.astype(jnp.float32) + self.offset) * xf).astype(x.dtype)
+    shape, axes = (self.dim,), (self.axis_name,)
+    return _scaled_rms(self, x, shape, axes, self.eps, self.param_dtype, self.offset)
 
 
 class HeadsRMSNorm(nn.Module):
@@ -104,16 +112,7 @@ class HeadsRMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    init = nn.initializers.zeros if self.offset else nn.initializers.ones
-    w = self.param(
-      "scale",
-      nn.with_logical_partitioning(init, tuple(self.axes)),
-      tuple(self.shape),
-      dtype_of(self.param_dtype),
-    )
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=(-2, -1), keepdims=True) + self.eps)
-    return ((w.astype(jnp.float32) + self.offset) * xf).astype(x.dtype)
+    return _scaled_rms(self, x, self.shape, self.axes, self.eps, self.param_dtype, self.offset)
 
 
 class Dense(nn.Module):

@@ -29,17 +29,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec.state.base import NO_LIMIT, POS_AXES, RING_EMPTY, ROW_AXES, KVChunk, Kind
-from jaxspec.state.ring import _ring_path, _ring_slots
-
-
-def _move(x: jax.Array, rows: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-  """Slot dst ← slot src in every layer of x [L, B, C, ...] (dst = C: dropped)."""
-  return x.at[:, rows, dst].set(x[:, rows, src], mode="drop")
+from jaxspec.state.base import NO_LIMIT, POS_AXES, RING_EMPTY, ROW_AXES, KVChunk
+from jaxspec.state.ring import _Ring, _ring_move, _ring_path, _ring_slots
 
 
 @flax.struct.dataclass
-class SlidingKV(Kind):
+class SlidingKV(_Ring):
   """K/V of a sliding-window layer run: `store` is a full-length kind (float, FP8 or Q4_0)
   of C = window + slack slots per layer, pos [L, B, C] the position each slot holds (−1 =
   empty) and limit [B] the first position a write may not store (prompt padding).
@@ -57,7 +52,6 @@ class SlidingKV(Kind):
   window: int = flax.struct.field(pytree_node=False, default=0)
 
   AXES: ClassVar[dict] = {"pos": POS_AXES, "limit": ROW_AXES}  # the store names its own
-  holds_every_position: ClassVar[bool] = False
 
   @classmethod
   def create(
@@ -101,13 +95,6 @@ class SlidingKV(Kind):
     cannot displace a key inside its own queries' windows."""
     return t <= self.slack
 
-  def read_range(self, start: jax.Array, lowest: jax.Array | None = None):
-    """(lo, hi): every slot once any row has wrapped; before that slot = position, so the
-    window's lowest position bounds lo."""
-    cap, top = self.max_len, jnp.max(start)
-    lo = 0 if lowest is None else jnp.where(top <= cap, jnp.clip(lowest, 0, cap), 0)
-    return lo, jnp.minimum(top, cap)
-
   def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array):
     """The block's K/V into its ring slots (only positions < limit, the last C of them);
     returns (entry, k, v as stored)."""
@@ -128,7 +115,7 @@ class SlidingKV(Kind):
     rows, from_pos, src, to_pos, dst = _ring_path(start, path, self.max_len, self.limit)
     held = self.pos[:, rows, src] == from_pos[None]  # [L, B, n]
     pos = jnp.where(held, to_pos[None], RING_EMPTY)
-    store = jax.tree_util.tree_map(lambda x: _move(x, rows, src, dst), self.store)
+    store = jax.tree_util.tree_map(lambda x: _ring_move(x, rows, src, dst), self.store)
     return self.replace(store=store, pos=self.pos.at[:, rows, dst].set(pos, mode="drop"))
 
   def kernel_operands(self) -> None:
