@@ -30,10 +30,17 @@ SUPPORTED_ARCHITECTURES = (
   "GlmMoeDsaForCausalLM",
   "MiniMaxM2ForCausalLM",
   "MiMoV2FlashForCausalLM",
+  "Gemma4ForCausalLM",
 )
 # Architectures with sliding-window layers and attention sinks (gpt-oss; MiMo-V2-Flash's SWA
-# layers, which also differ from its full layers in KV heads and RoPE base).
-WINDOWED_ARCHITECTURES = ("GptOssForCausalLM", "MiMoV2FlashForCausalLM")
+# layers, which also differ from its full layers in KV heads and RoPE base; Gemma 4's, whose
+# full layers differ in head width, KV heads and RoPE).
+WINDOWED_ARCHITECTURES = ("GptOssForCausalLM", "MiMoV2FlashForCausalLM", "Gemma4ForCausalLM")
+# Gemma 4's text model: sandwich norms, scaled embeddings, q/k/v norms with unit attention
+# scale, per-layer input embeddings, KV-shared layers, logit soft-capping (models/decoder.py).
+GEMMA4_ARCHITECTURES = ("Gemma4ForCausalLM",)
+# Activations of the dense MLP: SwiGLU's silu, or GeGLU's tanh-approximated GELU (Gemma).
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 QK_NORM_TYPES = ("per_head", "per_layer")
 # Hybrid targets: Gated DeltaNet (linear-attention) layers beside gated full-attention layers,
 # zero-centred RMSNorms ((1 + w) · x) and a sigmoid-gated shared expert (models/gated_deltanet.py).
@@ -92,6 +99,9 @@ def gpt_oss_windows(num_layers: int, window: int) -> tuple[int, ...]:
 
 # RoPE variants jaxspec computes (layers.rope_frequencies).
 ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
+# Gemma 4's full layers: "proportional" RoPE turns the first partial_rotary_factor of each
+# head's frequency pairs (exponents over the whole head width) and leaves the rest unturned.
+GEMMA4_ROPE_TYPES = ("proportional",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +201,22 @@ class ModelConfig:
   index_topk: int = 0
   indexer_types: tuple[str, ...] = ()
   indexer_rope_interleave: bool = False  # GLM-5: interleaved; DeepSeek-V3.2: half-split
+  # Gemma 4 (GEMMA4_ARCHITECTURES). Full-attention layers' own head width and KV heads (0:
+  # head_dim / num_kv_heads), and values equal to keys there (attention_k_eq_v: no v_proj);
+  # the last num_kv_shared_layers layers compute no K/V and read those of the last earlier
+  # layer of their type; per-layer input embeddings of hidden_size_per_layer_input values per
+  # layer from a vocab_size_per_layer_input table (0: none); tanh soft-capping of the logits
+  # (0: none); MLPs twice as wide in KV-shared layers (use_double_wide_mlp).
+  global_head_dim: int = 0
+  global_num_kv_heads: int = 0
+  attention_k_eq_v: bool = False
+  num_kv_shared_layers: int = 0
+  hidden_size_per_layer_input: int = 0
+  vocab_size_per_layer_input: int = 0
+  final_logit_softcapping: float = 0.0
+  use_double_wide_mlp: bool = False
+  # The dense MLP's activation (HIDDEN_ACTS).
+  hidden_act: str = "silu"
   # Special tokens.
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -312,10 +338,75 @@ class ModelConfig:
     return self.layer_windows[layer] > 0
 
   def layer_kv_heads(self, layer: int) -> int:
-    """KV heads of attention layer `layer` (MiMo's sliding layers have their own count)."""
-    if self.is_sliding(layer) and self.sliding_num_kv_heads:
+    """KV heads of attention layer `layer` (MiMo's sliding layers, Gemma 4's full layers have
+    their own count)."""
+    return self.attention_kv_heads(self.is_sliding(layer))
+
+  def attention_kv_heads(self, sliding: bool) -> int:
+    """KV heads of the sliding (or full) attention layers."""
+    if sliding and self.sliding_num_kv_heads:
       return self.sliding_num_kv_heads
+    if not sliding and self.global_num_kv_heads:
+      return self.global_num_kv_heads
     return self.num_kv_heads
+
+  def attention_head_dim(self, sliding: bool) -> int:
+    """Query/key width of the sliding (or full) attention layers (Gemma 4's full layers are
+    `global_head_dim` wide)."""
+    return self.global_head_dim if not sliding and self.global_head_dim else self.head_dim
+
+  def attention_value_dim(self, sliding: bool) -> int:
+    """Value width of the sliding (or full) attention layers."""
+    return self.v_head_dim or self.attention_head_dim(sliding)
+
+  def layer_head_dim(self, layer: int) -> int:
+    return self.attention_head_dim(self.is_sliding(layer))
+
+  def layer_value_head_dim(self, layer: int) -> int:
+    return self.attention_value_dim(self.is_sliding(layer))
+
+  @property
+  def is_gemma4(self) -> bool:
+    return self.architecture in GEMMA4_ARCHITECTURES
+
+  def is_kv_shared(self, layer: int) -> bool:
+    """Whether layer `layer` reads another layer's K/V instead of computing its own (Gemma 4's
+    last `num_kv_shared_layers`)."""
+    return layer >= self.num_layers - self.num_kv_shared_layers
+
+  def kv_source(self, layer: int) -> int:
+    """The layer whose K/V a KV-shared layer reads: the last layer of its type (sliding or
+    full) before the shared ones."""
+    first_shared = self.num_layers - self.num_kv_shared_layers
+    sliding = self.is_sliding(layer)
+    for i in range(first_shared - 1, -1, -1):
+      if self.is_sliding(i) == sliding:
+        return i
+    raise ConfigError(
+      f"{self.architecture}: layer {layer} shares K/V but no earlier layer of its type has any"
+    )
+
+  def segment_of(self, layer: int) -> int:
+    """The index of the run (`segments()`) that holds layer `layer`."""
+    for i, (first, n, _) in enumerate(self.segments()):
+      if first <= layer < first + n:
+        return i
+    raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+
+  def layer_mlp_width(self, layer: int) -> int:
+    """The dense MLP's width in layer `layer` (Gemma 4: doubled in KV-shared layers)."""
+    double = self.use_double_wide_mlp and self.is_kv_shared(layer)
+    return self.intermediate_size * (2 if double else 1)
+
+  def layer_rope(self, layer: int) -> tuple[int, float, tuple]:
+    """(rotary dim, RoPE base, rope_scaling) of layer `layer`: the config's own, MiMo's
+    sliding base; Gemma 4's sliding layers turn whole heads with their base and no scaling,
+    its full layers are turned over `global_head_dim` by `rope_scaling` (proportional)."""
+    if self.is_gemma4:
+      if self.is_sliding(layer):
+        return self.head_dim, self.sliding_rope_theta or self.rope_theta, ()
+      return self.layer_head_dim(layer), self.rope_theta, self.rope_scaling
+    return self.rotary_dim, self.layer_rope_theta(layer), self.rope_scaling
 
   def layer_rope_theta(self, layer: int) -> float:
     """The RoPE base of layer `layer` (MiMo's sliding layers have their own)."""
@@ -335,7 +426,10 @@ class ModelConfig:
   @property
   def attention_scale(self) -> float:
     """The softmax scale: head_dim^-0.5, times mscale(factor, mscale_all_dim)² under DeepSeek's
-    YaRN (MLA targets; transformers' `yarn_apply_mscale`)."""
+    YaRN (MLA targets; transformers' `yarn_apply_mscale`); 1 for Gemma 4, whose q/k norms
+    set the scale."""
+    if self.is_gemma4:
+      return 1.0
     scale = self.head_dim**-0.5
     s = dict(self.rope_scaling)
     if self.is_mla and s.get("rope_type", "default") != "default" and s.get("mscale_all_dim"):
@@ -370,7 +464,8 @@ class ModelConfig:
     A run's layers share the FFN kind, the token mixer (`is_linear(first_layer)`), the
     sliding window (a sliding layer's decoding state is a ring of its window, a full layer's
     holds every position; MiMo's sliding layers also differ in shape) and, in DSA targets,
-    whether they run their own indexer (`is_full_indexer(first_layer)`)."""
+    whether they run their own indexer (`is_full_indexer(first_layer)`) and, in Gemma 4,
+    whether they read another layer's K/V (`is_kv_shared(first_layer)`)."""
     runs: list[tuple[int, int, bool]] = []
     for i, moe in enumerate(self.layer_is_moe):
       if (
@@ -379,6 +474,7 @@ class ModelConfig:
         and self.is_linear(runs[-1][0]) == self.is_linear(i)
         and self.layer_windows[runs[-1][0]] == self.layer_windows[i]
         and self._indexer_kind(runs[-1][0]) == self._indexer_kind(i)
+        and self.is_kv_shared(runs[-1][0]) == self.is_kv_shared(i)
       ):
         start, n, _ = runs[-1]
         runs[-1] = (start, n + 1, moe)
@@ -507,6 +603,11 @@ class ModelConfig:
     "index_head_dim",
     "index_topk",
     "sliding_num_kv_heads",
+    "global_head_dim",
+    "global_num_kv_heads",
+    "num_kv_shared_layers",
+    "hidden_size_per_layer_input",
+    "vocab_size_per_layer_input",
   )
   _POSITIVE_FLOATS = (
     "swiglu_alpha",
@@ -527,6 +628,8 @@ class ModelConfig:
     "rope_interleave",
     "indexer_rope_interleave",
     "sliding_attention_sinks",
+    "attention_k_eq_v",
+    "use_double_wide_mlp",
   )
 
   def _need(self, cond: bool, msg: str) -> None:
@@ -709,10 +812,12 @@ class ModelConfig:
       or not (self.attention_sinks or self.sliding_attention_sinks or self.sliding_window),
       "the Pallas attention kernel has no sinks or sliding windows; use attention_impl='xla'",
     )
+    self._validate_gemma4()
     scaling = dict(self.rope_scaling) if isinstance(self.rope_scaling, tuple) else {}
+    rope_types = ROPE_TYPES[1:] + (GEMMA4_ROPE_TYPES if self.is_gemma4 else ())
     need(
       isinstance(self.rope_scaling, tuple)
-      and (not self.rope_scaling or scaling.get("rope_type") in ROPE_TYPES[1:]),
+      and (not self.rope_scaling or scaling.get("rope_type") in rope_types),
       f"rope_scaling must be () or normalized (name, value) pairs of a {ROPE_TYPES[1:]} "
       f"scaling, got {show(self.rope_scaling)}",
     )
@@ -732,6 +837,57 @@ class ModelConfig:
         )
     else:
       need(not any(self.layer_is_moe), "layer_is_moe set on a model without experts")
+
+  def _validate_gemma4(self) -> None:
+    """Gemma 4's fields: only in Gemma 4, and consistent."""
+    need = self._need
+    need(
+      self.hidden_act in HIDDEN_ACTS,
+      f"hidden_act must be one of {HIDDEN_ACTS}, got {show(self.hidden_act)}",
+    )
+    need(
+      is_real(self.final_logit_softcapping) and self.final_logit_softcapping >= 0,
+      f"final_logit_softcapping must be ≥ 0 (0: none), got {show(self.final_logit_softcapping)}",
+    )
+    gemma_only = (
+      self.global_head_dim,
+      self.global_num_kv_heads,
+      self.attention_k_eq_v,
+      self.num_kv_shared_layers,
+      self.hidden_size_per_layer_input,
+      self.final_logit_softcapping,
+      self.use_double_wide_mlp,
+    )
+    need(
+      self.is_gemma4 or not any(gemma_only),
+      "global head widths, KV-shared layers, per-layer inputs and logit soft-capping are "
+      f"features of {', '.join(GEMMA4_ARCHITECTURES)}",
+    )
+    if not self.is_gemma4:
+      return
+    need(not self.is_moe, "the Gemma 4 MoE block (enable_moe_block) is not supported")
+    need(
+      self.num_kv_shared_layers < self.num_layers,
+      f"num_kv_shared_layers ({self.num_kv_shared_layers}) must leave a layer that computes "
+      f"K/V (num_hidden_layers {self.num_layers})",
+    )
+    if self.num_kv_shared_layers:
+      first = self.num_layers - self.num_kv_shared_layers
+      kinds = {self.is_sliding(i) for i in range(first)}
+      shared = {self.is_sliding(i) for i in range(first, self.num_layers)}
+      need(
+        shared <= kinds,
+        "KV-shared layers of a type (sliding or full) no earlier layer has: nothing to share",
+      )
+    need(
+      self.num_heads % self.attention_kv_heads(False) == 0,
+      f"num_attention_heads ({self.num_heads}) must be a multiple of the full layers' KV "
+      f"heads ({self.attention_kv_heads(False)})",
+    )
+    need(
+      not self.hidden_size_per_layer_input or self.vocab_size_per_layer_input > 0,
+      "per-layer inputs need vocab_size_per_layer_input > 0",
+    )
 
   def _validate_mla(self) -> None:
     """MLA and DSA fields: present exactly where the architecture has them, and consistent."""

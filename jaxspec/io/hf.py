@@ -74,12 +74,23 @@ def _linear_attn_entries(config: ModelConfig) -> list[Entry]:
   ]
 
 
+# Gemma 4's layer tensors beyond a pre-norm layer's: its sandwich norms, per-layer input and
+# output scalar.
+GEMMA4_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+GEMMA4_PER_LAYER_INPUT: list[Entry] = [
+  ("per_layer_input_gate.weight", ("per_layer_input_gate", "kernel"), "linear"),
+  ("per_layer_projection.weight", ("per_layer_projection", "kernel"), "linear"),
+  ("post_per_layer_input_norm.weight", ("post_per_layer_input_norm", "scale"), "same"),
+]
+
+
 def _layer_entries(
   config: ModelConfig,
   moe: bool,
   linear: bool = False,
   indexer: bool = False,
   sliding: bool = False,
+  kv_shared: bool = False,
 ) -> list[Entry]:
   e: list[Entry] = [
     ("input_layernorm.weight", ("input_layernorm", "scale"), "same"),
@@ -88,10 +99,27 @@ def _layer_entries(
   if linear:
     e += _linear_attn_entries(config)
   else:
-    e += _attention_entries(config, sliding)
+    e += _attention_entries(config, sliding, kv_shared)
   if indexer:
     e += _indexer_entries()
+  if config.is_gemma4:
+    e += [(f"{n}.weight", (n, "scale"), "same") for n in GEMMA4_NORMS]
+    e.append(("layer_scalar", ("layer_scalar",), "same"))
+    if config.hidden_size_per_layer_input:
+      e += GEMMA4_PER_LAYER_INPUT
   return e + _ffn_entries(config, moe)
+
+
+def kv_shared_ignorable(config: ModelConfig) -> Callable[[str], bool]:
+  """Gemma 4: the K/V tensors checkpoints may still hold for KV-shared layers, which never
+  read them (transformers skips them on load too)."""
+  names = {
+    f"model.layers.{i}.self_attn.{p}.weight"
+    for i in range(config.num_layers)
+    if config.num_kv_shared_layers and config.is_kv_shared(i)
+    for p in ("k_proj", "v_proj", "k_norm", "v_norm")
+  }
+  return lambda name: (text_name(name) or name) in names
 
 
 def _mla_entries(config: ModelConfig) -> list[Entry]:
@@ -139,19 +167,22 @@ UNBUILT_MTP = {"MiMoV2FlashForCausalLM": "model.mtp."}
 SINK_NAMES = {"MiMoV2FlashForCausalLM": "attention_sink_bias"}
 
 
-def _attention_entries(config: ModelConfig, sliding: bool = False) -> list[Entry]:
+def _attention_entries(
+  config: ModelConfig, sliding: bool = False, kv_shared: bool = False
+) -> list[Entry]:
   if config.is_mla:
     return _mla_entries(config)
+  # Gemma 4: KV-shared layers have no K/V projections, full layers none for V where k_eq_v.
+  projections = ("q_proj",) if kv_shared else ("q_proj", "k_proj", "v_proj")
+  if config.attention_k_eq_v and not sliding:
+    projections = tuple(p for p in projections if p != "v_proj")
   e: list[Entry] = [
-    ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "in_heads"),
-    ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "in_heads"),
-    ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "in_heads"),
-    ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "out_heads"),
+    (f"self_attn.{p}.weight", ("self_attn", p, "kernel"), "in_heads") for p in projections
   ]
+  e.append(("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "out_heads"))
   if config.attention_bias:
     e += [
-      (f"self_attn.{p}.bias", ("self_attn", p, "bias"), "bias_heads")
-      for p in ("q_proj", "k_proj", "v_proj")
+      (f"self_attn.{p}.bias", ("self_attn", p, "bias"), "bias_heads") for p in projections
     ]
   if config.attention_out_bias:
     e.append(("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "same"))
@@ -159,8 +190,8 @@ def _attention_entries(config: ModelConfig, sliding: bool = False) -> list[Entry
     # per_layer (MiniMax-M2): HF [heads*D] ↔ jaxspec [heads, D]
     norm_kind = "bias_heads" if config.qk_norm_type == "per_layer" else "same"
     e += [
-      ("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), norm_kind),
-      ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), norm_kind),
+      (f"self_attn.{n}.weight", ("self_attn", n, "scale"), norm_kind)
+      for n in (("q_norm",) if kv_shared else ("q_norm", "k_norm"))
     ]
   if config.attention_sinks or (config.sliding_attention_sinks and sliding):
     name = SINK_NAMES.get(config.architecture, "sinks")
@@ -260,10 +291,21 @@ def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, st
   yield "model.norm.weight", ("norm", "scale"), None, "same"
   if not config.tie_word_embeddings:
     yield "lm_head.weight", ("lm_head", "kernel"), None, "linear"
+  if config.hidden_size_per_layer_input:  # Gemma 4
+    yield "model.embed_tokens_per_layer.weight", ("embed_per_layer",), None, "same"
+    projection = ("per_layer_model_projection", "kernel")
+    yield "model.per_layer_model_projection.weight", projection, None, "linear"
+    norm = ("per_layer_projection_norm", "scale")
+    yield "model.per_layer_projection_norm.weight", norm, None, "same"
   for s, (first, n, moe) in enumerate(config.segments()):
     indexer = config.is_dsa and config.is_full_indexer(first)
     entries = _layer_entries(
-      config, moe, config.is_linear(first), indexer, config.is_sliding(first)
+      config,
+      moe,
+      config.is_linear(first),
+      indexer,
+      config.is_sliding(first),
+      config.is_kv_shared(first),
     )
     for j in range(n):
       for hf, path, kind in entries:
@@ -404,6 +446,9 @@ TEXT_PREFIXES = (
 VISION_PREFIXES = (
   "model.visual.",
   "model.vision_tower.",
+  "model.audio_tower.",  # Gemma 4's audio encoder and both embedders
+  "model.embed_vision.",
+  "model.embed_audio.",
   "model.mm_projector.",
   "vision_tower.",
   "mm_projector.",
@@ -574,8 +619,12 @@ def load_params(
     unbuilt = UNBUILT_MTP.get(config.architecture)
     if unbuilt and not config.num_mtp_layers and name.startswith(unbuilt):
       return True  # MTP layers the config leaves out (num_mtp_layers=0): transformers' skip
+    if shared_kv(name):
+      return True  # Gemma 4: K/V of KV-shared layers, which read another layer's
     i = _layer_index(name)
     return extra_layers_ok and i is not None and i >= depth
+
+  shared_kv = kv_shared_ignorable(config)
 
   src = _TensorSource(model_dir)
   stacked = config.with_options(scan_layers=True)  # read stacked

@@ -238,6 +238,70 @@ def attend_pallas(
   return kernel_or_reference(kernel, lambda: reference().astype(q.dtype))
 
 
+class SharedSource(NamedTuple):
+  """What a KV-shared layer (Gemma 4) attends to: its source layer's state entry before and
+  after that layer wrote the block (None without a state), the source's index in the entry,
+  and the block's K/V as the source stored them [B, T, K, D]."""
+
+  before: Any
+  after: Any
+  layer: jax.Array
+  k: jax.Array
+  v: jax.Array
+
+
+def attention_block(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  kv: Any,
+  layer: jax.Array,
+  start: jax.Array,
+  block_mask: jax.Array | None,
+  scale: float,
+  impl: str = "auto",
+  chunk: int = 256,
+  window: Window | None = None,
+  sinks: jax.Array | None = None,
+  select: Selection | None = None,
+) -> tuple[jax.Array, Any, SharedSource]:
+  """`attention`, also returning what a KV-shared layer reading this one needs (the entry
+  before and after the write and the block's K/V as stored): (out, kv, source)."""
+  extras = dict(window=window, sinks=sinks, select=select)
+  if kv is None:
+    out = attend_xla(q, k, v, None, layer, start, block_mask, scale, chunk, **extras)
+    return out, None, SharedSource(None, None, layer, k, v)
+  before = kv
+  kv, k_block, v_block = kv.write(layer, start, k, v)
+  source = SharedSource(before, kv, layer, k_block, v_block)
+  if resolve_impl(impl) == "pallas":
+    if window is not None or sinks is not None or select is not None:
+      raise ConfigError("the Pallas attention kernel has no sinks, sliding windows or DSA")
+    xla = lambda: attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk)
+    return attend_pallas(q, kv, layer, start, block_mask, scale, reference=xla), kv, source
+  out = attend_shared(q, source, start, block_mask, scale, chunk, **extras)
+  return out, kv, source
+
+
+def attend_shared(
+  q: jax.Array,
+  source: SharedSource,
+  start: jax.Array,
+  block_mask: jax.Array | None,
+  scale: float,
+  chunk: int = 256,
+  **extras: Any,
+) -> jax.Array:
+  """q attends to a block already written into `source.after` (XLA path): the prefix is read
+  from the written entry (no copy of it kept), unless the block is wide enough to displace keys
+  of its own window in a sliding ring (state/sliding.py), which is then read as it was."""
+  before, after = source.before, source.after
+  read = after if before is None or before.reads_after_write(q.shape[1]) else before
+  return attend_xla(
+    q, source.k, source.v, read, source.layer, start, block_mask, scale, chunk, **extras
+  )
+
+
 def attention(
   q: jax.Array,
   k: jax.Array,
@@ -256,18 +320,7 @@ def attention(
   """Writes the block's k/v [B,T,K,D] into `kv` (if any) and attends; returns (out, kv).
 
   A latent entry (MLA, state/latent.py) takes the block's vectors as k and no v."""
-  extras = dict(window=window, sinks=sinks, select=select)
-  if kv is None:
-    return attend_xla(q, k, v, None, layer, start, block_mask, scale, chunk, **extras), None
-  before = kv
-  kv, k_block, v_block = kv.write(layer, start, k, v)
-  if resolve_impl(impl) == "pallas":
-    if window is not None or sinks is not None or select is not None:
-      raise ConfigError("the Pallas attention kernel has no sinks, sliding windows or DSA")
-    xla = lambda: attend_xla(q, k_block, v_block, kv, layer, start, block_mask, scale, chunk)
-    return attend_pallas(q, kv, layer, start, block_mask, scale, reference=xla), kv
-  # The prefix is read from the written entry (no copy of it kept), unless the block is wide
-  # enough to displace keys of its own window in a sliding ring (state/sliding.py).
-  read = kv if before.reads_after_write(q.shape[1]) else before
-  out = attend_xla(q, k_block, v_block, read, layer, start, block_mask, scale, chunk, **extras)
+  out, kv, _ = attention_block(
+    q, k, v, kv, layer, start, block_mask, scale, impl, chunk, window, sinks, select
+  )
   return out, kv

@@ -36,6 +36,7 @@ from jaxspec.models.layers import (
   Attention,
   Dense,
   RMSNorm,
+  activation,
   dtype_of,
   normal_init,
   rope_tables,
@@ -65,13 +66,20 @@ class DecoderOutput(NamedTuple):
 class DecoderLayer(nn.Module):
   """Pre-norm block: x + mix(norm(x)); x + ffn(norm(x)). The token mixer is attention (MLA in
   MLA targets, models/mla.py) or, with `linear`, a Gated DeltaNet (models/gated_deltanet.py);
-  the FFN is dense or MoE."""
+  the FFN is dense or MoE.
+
+  Gemma 4 (`config.is_gemma4`) norms each sublayer's output too (sandwich norms), adds its
+  per-layer input (`per_layer` [B, T, P]) through a gated projection, and scales the layer's
+  output by a learned `layer_scalar`. In targets with KV-shared layers the carry holds the
+  block K/V of the run's last layer (`extra`), which the shared layers of its type read
+  (`shared`), and `kv_shared` layers compute no K/V."""
 
   config: ModelConfig
   moe: bool
   linear: bool = False
   indexer: bool = False  # DSA: runs its own lightning indexer (else reuses the carried choice)
-  sliding: bool = False  # a sliding-window attention layer (MiMo's differ in shape)
+  sliding: bool = False  # a sliding-window attention layer (MiMo's, Gemma 4's differ in shape)
+  kv_shared: bool = False  # Gemma 4: attends to its source layer's K/V (`shared`)
 
   @nn.compact
   def __call__(
@@ -84,9 +92,12 @@ class DecoderLayer(nn.Module):
     positions: jax.Array | None = None,
     windows: jax.Array | None = None,
     valid: jax.Array | None = None,
+    per_layer: jax.Array | None = None,
+    shared: attention_lib.SharedSource | None = None,
   ):
-    # (h, kv, layer), and in DSA targets the last indexer's choice (attention.Selection).
-    h, kv, layer, *select = carry
+    # (h, kv, layer), and in DSA targets the last indexer's choice (attention.Selection), in
+    # targets with KV-shared layers the run's last block K/V.
+    h, kv, layer, *extra = carry
     c = self.config
     norm = lambda name: RMSNorm(
       c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset, name=name
@@ -97,20 +108,48 @@ class DecoderLayer(nn.Module):
       )
     elif c.is_mla:
       attn_out, kv, chosen = MLAttention(c, self.indexer, name="self_attn")(
-        norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, *select
+        norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, *extra
       )
-      if select:
-        select = [chosen]
+      if extra:
+        extra = [chosen]
     else:
       window = None if windows is None else attention_lib.Window(windows[layer], positions)
-      attn_out, kv = Attention(c, self.sliding, name="self_attn")(
-        norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, window
+      attention = Attention(c, self.sliding, self.kv_shared, name="self_attn")
+      attn_out, kv, source = attention(
+        norm("input_layernorm")(h), kv, layer, start, cos, sin, block_mask, window, shared
       )
-    h = h + attn_out
-    x = norm("post_attention_layernorm")(h)
-    ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
-    h = sharding.constrain_activation(h + ffn(x), "embed")
-    return (h, kv, layer + 1, *select), h
+      if extra and source is not None:  # the block K/V this run's last layer leaves
+        extra = [source.k.astype(extra[0].dtype), source.v.astype(extra[1].dtype)]
+    if c.is_gemma4:
+      h = h + norm("post_attention_layernorm")(attn_out)
+      x = norm("pre_feedforward_layernorm")(h)
+      width = c.intermediate_size * (2 if c.use_double_wide_mlp and self.kv_shared else 1)
+      h = h + norm("post_feedforward_layernorm")(MLP(c, width, name="mlp")(x))
+      if c.hidden_size_per_layer_input:
+        h = h + self._per_layer_input(h, per_layer, norm)
+      scalar = self.param(
+        "layer_scalar", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (1,),
+        dtype_of(c.param_dtype),
+      )
+      h = (h * scalar.astype(h.dtype)).astype(h.dtype)
+    else:
+      h = h + attn_out
+      x = norm("post_attention_layernorm")(h)
+      ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
+      h = h + ffn(x)
+    h = sharding.constrain_activation(h, "embed")
+    return (h, kv, layer + 1, *extra), h
+
+  @nn.nowrap
+  def _per_layer_input(self, h: jax.Array, per_layer: jax.Array, norm) -> jax.Array:
+    """Gemma 4's per-layer input: norm(proj(act(gate(h)) · per_layer))."""
+    c = self.config
+    dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
+    width = c.hidden_size_per_layer_input
+    gate = Dense((width,), ("embed", "mlp"), name="per_layer_input_gate", **dense)(h)
+    x = activation(c.hidden_act)(gate) * per_layer.astype(gate.dtype)
+    x = Dense((c.hidden_size,), ("mlp", "embed"), name="per_layer_projection", **dense)(x)
+    return norm("post_per_layer_input_norm")(x)
 
 
 class LayerRun(nn.Module):
@@ -128,18 +167,44 @@ class LayerRun(nn.Module):
   linear: bool = False
   indexer: bool = False
   sliding: bool = False
+  kv_shared: bool = False
 
   @nn.compact
   def __call__(
-    self, carry: tuple, cos, sin, start, block_mask, positions=None, windows=None, valid=None
+    self,
+    carry: tuple,
+    cos,
+    sin,
+    start,
+    block_mask,
+    positions=None,
+    windows=None,
+    valid=None,
+    per_layer=None,
+    shared=None,
   ):
     outs = []
     for j in range(self.length):
       layer = DecoderLayer(
-        self.config, self.moe, self.linear, self.indexer, self.sliding, name=str(j)
+        self.config,
+        self.moe,
+        self.linear,
+        self.indexer,
+        self.sliding,
+        self.kv_shared,
+        name=str(j),
       )
       carry, h = layer(
-        carry, cos, sin, start, block_mask, positions, windows, valid
+        carry,
+        cos,
+        sin,
+        start,
+        block_mask,
+        positions,
+        windows,
+        valid,
+        None if per_layer is None else per_layer[j],
+        shared,
       )
       outs.append(h)
     return carry, jnp.stack(outs)
@@ -212,18 +277,20 @@ def _stack(
   linear: bool,
   indexer: bool = False,
   sliding: bool = False,
+  kv_shared: bool = False,
 ) -> nn.Module:
   if not config.options.scan_layers:
-    return LayerRun(config, moe, length, linear, indexer, sliding, name=name)
+    return LayerRun(config, moe, length, linear, indexer, sliding, kv_shared, name=name)
   scanned = nn.scan(
     DecoderLayer,
     variable_axes={"params": 0, "intermediates": 0},
     split_rngs={"params": True},
-    in_axes=(nn.broadcast,) * 7,
+    # per-layer inputs are scanned over; everything else is the same for every layer
+    in_axes=(nn.broadcast,) * 7 + (0, nn.broadcast),
     length=length,
     metadata_params={nn.PARTITION_NAME: "layers"},
   )
-  return scanned(config, moe, linear, indexer, sliding, name=name)
+  return scanned(config, moe, linear, indexer, sliding, kv_shared, name=name)
 
 
 class MTPLayer(nn.Module):
@@ -293,10 +360,25 @@ class Decoder(nn.Module):
         c.is_linear(first),
         c.is_dsa and c.is_full_indexer(first),
         c.is_sliding(first),
+        c.is_kv_shared(first),
       )
       for i, (first, n, moe) in enumerate(c.segments())
     ]
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, c.norm_offset)
+    if c.hidden_size_per_layer_input:  # Gemma 4's per-layer inputs
+      width = c.num_layers * c.hidden_size_per_layer_input
+      self.embed_per_layer = self.param(
+        "embed_per_layer",
+        nn.with_logical_partitioning(normal_init(), ("vocab", "mlp")),
+        (c.vocab_size_per_layer_input, width),
+        dtype_of(c.param_dtype),
+      )
+      self.per_layer_model_projection = Dense(
+        (width,), ("embed", "mlp"), dtype=c.dtype, param_dtype=c.param_dtype
+      )
+      self.per_layer_projection_norm = RMSNorm(
+        c.hidden_size_per_layer_input, c.rms_norm_eps, "mlp", c.param_dtype
+      )
     if not c.tie_word_embeddings:
       self.lm_head = Dense(
         (c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, param_dtype=c.param_dtype
@@ -306,8 +388,29 @@ class Decoder(nn.Module):
   # -- pieces shared by the main stack and the MTP layers ------------------------------------------
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-    h = jnp.take(self.embed, tokens, axis=0).astype(dtype_of(self.config.dtype))
-    return sharding.constrain_activation(h, "embed")
+    """Token embeddings [B, T, H] (Gemma 4 scales them by sqrt(hidden_size), in the weights'
+    dtype as transformers does)."""
+    c = self.config
+    h = jnp.take(self.embed, tokens, axis=0)
+    if c.is_gemma4:
+      h = h * jnp.asarray(c.hidden_size**0.5, h.dtype)
+    return sharding.constrain_activation(h.astype(dtype_of(c.dtype)), "embed")
+
+  def per_layer_inputs(self, tokens: jax.Array, h: jax.Array) -> jax.Array | None:
+    """Gemma 4's per-layer inputs [L, B, T, P]: (norm(proj(embedding) / sqrt(H)) + the
+    token's per-layer embedding · sqrt(P)) / sqrt(2); None for other models."""
+    c = self.config
+    width = c.hidden_size_per_layer_input
+    if not width:
+      return None
+    b, t = tokens.shape
+    dt = dtype_of(c.dtype)
+    table = jnp.take(self.embed_per_layer, tokens, axis=0)
+    table = (table * jnp.asarray(width**0.5, table.dtype)).astype(dt)
+    proj = self.per_layer_model_projection(h) * jnp.asarray(c.hidden_size**-0.5, dt)
+    proj = self.per_layer_projection_norm(proj.reshape(b, t, c.num_layers, width))
+    out = (proj + table.reshape(b, t, c.num_layers, width)) * jnp.asarray(2.0**-0.5, dt)
+    return jnp.moveaxis(out.astype(dt), 2, 0)
 
   def head(self, h: jax.Array) -> jax.Array:
     """Final-normed hidden → float32 logits [B, T, V] with the (tied or untied) LM head, split
@@ -320,6 +423,9 @@ class Decoder(nn.Module):
       )
     else:
       logits = self.lm_head(h).astype(jnp.float32)
+    if c.final_logit_softcapping:  # Gemma 4: cap · tanh(logits / cap)
+      cap = c.final_logit_softcapping
+      logits = jnp.tanh(logits / cap) * cap
     return unfused_logits(sharding.constrain_activation(logits, "vocab"))
 
   def _rope(self, positions: jax.Array, theta: float | None = None):
@@ -327,6 +433,13 @@ class Decoder(nn.Module):
     c = self.config
     theta = c.rope_theta if theta is None else theta
     return rope_tables(positions, c.rotary_dim, theta, c.rope_scaling)
+
+  def rope_for(self, layer: int, positions: jax.Array, tables: dict) -> tuple:
+    """Layer `layer`'s cos/sin at `positions`, made once per RoPE setting in `tables`."""
+    spec = self.config.layer_rope(layer)
+    if spec not in tables:
+      tables[spec] = rope_tables(positions, *spec)
+    return tables[spec]
 
   # -- forwards ------------------------------------------------------------------------------------
 
@@ -358,30 +471,48 @@ class Decoder(nn.Module):
       start = jnp.zeros((b,), jnp.int32)
     if positions is None:
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    tables = {self.config.rope_theta: self._rope(positions)}  # MiMo: a base per layer type
+    c = self.config
+    tables: dict = {}  # cos/sin per RoPE setting (MiMo, Gemma 4: one per layer type)
     h = self.embed_tokens(tokens)
+    inputs = self.per_layer_inputs(tokens, h)  # Gemma 4: [L, B, T, P]
     per_layer, entries = [], []
     first_kv = None if state is None else state.segments[0]
-    select = no_selection(self.config, b, t, first_kv)  # DSA: the indexer's choice, carried
-    for i, (stack, (first, n, _)) in enumerate(zip(self.stacks, self.config.segments())):
+    select = no_selection(c, b, t, first_kv)  # DSA: the indexer's choice, carried
+    sources = {}  # Gemma 4: by layer type, what its KV-shared layers read
+    for i, (stack, (first, n, _)) in enumerate(zip(self.stacks, c.segments())):
       kv = None if state is None else state.segments[i]
       if kv is not None:  # a short unpadded block may be accepted in part: keep every prefix
-        kv = kv.begin_block(start, t, valid is None and t <= self.config.options.linear_snapshots)
+        kv = kv.begin_block(start, t, valid is None and t <= c.options.linear_snapshots)
         kv = kv.with_bounds(limit=write_limit(start, valid))  # rings: no padding written
-      theta = self.config.layer_rope_theta(first)
-      if theta not in tables:
-        tables[theta] = self._rope(positions, theta)
-      cos, sin = tables[theta]
-      (h, kv, _, *select), hs = stack(
-        (h, kv, jnp.int32(0), *select),
+      cos, sin = self.rope_for(first, positions, tables)
+      shared, carried = None, list(select)
+      if c.num_kv_shared_layers:
+        if c.is_kv_shared(first):
+          shared, kv = sources[c.is_sliding(first)], None
+        else:  # this run's last block K/V, carried out for the shared layers
+          heads, dim = c.layer_kv_heads(first), c.layer_head_dim(first)
+          zeros = jnp.zeros((b, t, heads, dim), dtype_of(c.dtype))
+          carried = [zeros, jnp.zeros((b, t, heads, c.layer_value_head_dim(first)), zeros.dtype)]
+      kv_in = kv
+      (h, kv, _, *carried), hs = stack(
+        (h, kv, jnp.int32(0), *carried),
         cos,
         sin,
         start,
         block_mask,
         positions,
-        layer_windows(self.config, first, n),
+        layer_windows(c, first, n),
         valid,
+        None if inputs is None else inputs[first : first + n],
+        shared,
       )
+      if shared is not None:
+        kv = state.segments[i] if state is not None else None
+      elif c.num_kv_shared_layers:
+        source = attention_lib.SharedSource(kv_in, kv, jnp.int32(n - 1), *carried)
+        sources[c.is_sliding(first)] = source
+      else:
+        select = carried
       per_layer.append(hs)
       entries.append(kv)
     if state is not None:

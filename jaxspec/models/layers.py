@@ -160,7 +160,9 @@ class Dense(nn.Module):
 def rope_frequencies(rotary_dim: int, theta: float, scaling: tuple = ()) -> tuple[jax.Array, float]:
   """(inverse frequencies [rotary_dim / 2] float32, cos/sin factor) of HF's RoPE variants.
 
-  `scaling` is ModelConfig.rope_scaling: () for the default RoPE; "linear" divides every
+  `scaling` is ModelConfig.rope_scaling: () for the default RoPE; "proportional" (Gemma 4)
+  keeps the default frequencies of the first partial_rotary_factor · rotary_dim / 2 pairs and
+  zeroes the rest (unturned features; exponents stay over the whole width); "linear" divides every
   frequency by `factor`; "yarn" blends interpolated (÷ factor) and original frequencies with a
   linear ramp between the dimensions that turn `beta_fast` and `beta_slow` times over
   `original_max_position_embeddings`, and scales cos/sin by the attention factor
@@ -181,6 +183,10 @@ def rope_frequencies(rotary_dim: int, theta: float, scaling: tuple = ()) -> tupl
   base = theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
   if kind in ("default", "dynamic"):
     return 1.0 / base, 1.0
+  if kind == "proportional":  # Gemma 4: the first pairs turn, the rest keep frequency 0
+    turned = int(s.get("partial_rotary_factor", 1.0) * rotary_dim // 2)
+    inv = jnp.where(jnp.arange(rotary_dim // 2) < turned, 1.0 / base, 0.0)
+    return inv / s.get("factor", 1.0), 1.0
   factor = s["factor"]
   if kind == "linear":
     return (1.0 / base) / factor, 1.0
@@ -253,6 +259,20 @@ def apply_rope(
 # --------------------------------------------------------------------------------------------------
 
 
+def activation(name: str):
+  """The dense MLP's gate activation (ModelConfig.hidden_act): silu, or tanh-approximated GELU."""
+  if name == "gelu_pytorch_tanh":
+    return lambda x: jax.nn.gelu(x, approximate=True)
+  return jax.nn.silu
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+  """x / sqrt(mean(x²) + eps) over the last axis in float32, without a learned scale (Gemma 4's
+  value norm)."""
+  xf = x.astype(jnp.float32)
+  return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 class Attention(nn.Module):
   """GQA self-attention of a block over [committed prefix in the decoding state; the block].
 
@@ -261,12 +281,16 @@ class Attention(nn.Module):
   layer's sliding window, if any. gpt-oss adds learned per-head sink logits (`sinks`);
   MiMo-V2-Flash's `sliding` layers have their own KV head count and sinks
   (`ModelConfig.layer_kv_heads`, `has_sinks`), its values are narrower than its keys
-  (`value_head_dim`) and scaled before they are stored (`attention_value_scale`).
-  Returns (out, kv).
+  (`value_head_dim`) and scaled before they are stored (`attention_value_scale`). Gemma 4's
+  full layers have their own head width and KV heads (`attention_head_dim`), values equal to
+  the keys' projection where `attention_k_eq_v`, RMS-normed values and a unit softmax scale;
+  its `kv_shared` layers compute queries only and attend to `shared` (their source layer's
+  K/V). Returns (out, kv, source): `source` is what a KV-shared layer reading this one needs.
   """
 
   config: ModelConfig
-  sliding: bool = False  # a sliding-window layer (its shape may differ: MiMo)
+  sliding: bool = False  # a sliding-window layer (its shape may differ: MiMo, Gemma 4)
+  kv_shared: bool = False  # reads another layer's K/V (Gemma 4)
 
   @nn.compact
   def __call__(
@@ -279,12 +303,14 @@ class Attention(nn.Module):
     sin: jax.Array,
     block_mask: jax.Array | None,
     window: attention_lib.Window | None = None,
-  ) -> tuple[jax.Array, Any]:
+    shared: attention_lib.SharedSource | None = None,
+  ) -> tuple[jax.Array, Any, attention_lib.SharedSource | None]:
     c = self.config
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
+    head_dim = c.attention_head_dim(self.sliding)
     gated = c.attention_output_gate  # q_proj yields [query; gate] per head
     q = Dense(
-      (c.num_heads, 2 * c.head_dim if gated else c.head_dim),
+      (c.num_heads, 2 * head_dim if gated else head_dim),
       ("embed", "heads", "head_dim"),
       c.attention_bias,
       name="q_proj",
@@ -292,37 +318,15 @@ class Attention(nn.Module):
     )(x)
     gate = None
     if gated:
-      q, gate = q[..., : c.head_dim], q[..., c.head_dim :]
-    kv_heads = (self.sliding and c.sliding_num_kv_heads) or c.num_kv_heads
-    k = Dense(
-      (kv_heads, c.head_dim),
-      ("embed", "kv_heads", "head_dim"),
-      c.attention_bias,
-      name="k_proj",
-      **dense,
-    )(x)
-    v = Dense(
-      (kv_heads, c.value_head_dim),
-      ("embed", "kv_heads", "head_dim"),
-      c.attention_bias,
-      name="v_proj",
-      **dense,
-    )(x)
-    if c.attention_value_scale != 1.0:  # MiMo: values scaled before they are stored
-      v = (v.astype(jnp.float32) * c.attention_value_scale).astype(v.dtype)
-    if c.qk_norm and c.qk_norm_type == "per_layer":  # MiniMax-M2: over all heads at once
-      norm = dict(eps=c.rms_norm_eps, param_dtype=c.param_dtype, offset=c.norm_offset)
-      q_axes, k_axes = ("heads", "head_dim"), ("kv_heads", "head_dim")
-      q = HeadsRMSNorm((c.num_heads, c.head_dim), q_axes, name="q_norm", **norm)(q)
-      k = HeadsRMSNorm((c.num_kv_heads, c.head_dim), k_axes, name="k_norm", **norm)(k)
+      q, gate = q[..., :head_dim], q[..., head_dim:]
+    per_layer_norm = c.qk_norm and c.qk_norm_type == "per_layer"
+    norm = dict(eps=c.rms_norm_eps, param_dtype=c.param_dtype, offset=c.norm_offset)
+    if per_layer_norm:  # MiniMax-M2: over all heads at once
+      q_axes = ("heads", "head_dim")
+      q = HeadsRMSNorm((c.num_heads, head_dim), q_axes, name="q_norm", **norm)(q)
     elif c.qk_norm:
-      norm = dict(offset=c.norm_offset)
-      q = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="q_norm", **norm)(q)
-      k = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.param_dtype, name="k_norm", **norm)(k)
-    # Heads split over the mesh as the KV cache is (kv_heads), the batch as the state.
+      q = RMSNorm(head_dim, axis_name="head_dim", name="q_norm", **norm)(q)
     q = sharding.constrain_activation(apply_rope(q, cos, sin), "heads", "head_dim")
-    k = sharding.constrain_activation(apply_rope(k, cos, sin), "kv_heads", "head_dim")
-    v = sharding.constrain_activation(v, "kv_heads", "head_dim")
     sinks = None
     if c.attention_sinks or (c.sliding_attention_sinks and self.sliding):
       sinks = self.param(
@@ -331,20 +335,56 @@ class Attention(nn.Module):
         (c.num_heads,),
         dtype_of(c.param_dtype),
       )
-    out, kv = attention_lib.attention(
-      q,
-      k,
-      v,
-      kv,
-      layer,
-      start,
-      block_mask,
-      c.head_dim**-0.5,
-      c.options.attention_impl,
-      c.options.attention_chunk,
-      window=window,
-      sinks=sinks,
-    )
+    options = dict(chunk=c.options.attention_chunk, window=window, sinks=sinks)
+    source = None
+    if self.kv_shared:
+      if shared is None:
+        raise ValueError("a KV-shared attention layer needs its source layer's K/V (shared=)")
+      impl = attention_lib.resolve_impl(c.options.attention_impl)
+      if impl == "pallas" and shared.after is not None and window is None and sinks is None:
+        scale = c.attention_scale
+        xla = lambda: attention_lib.attend_shared(q, shared, start, block_mask, scale, **options)
+        out = attention_lib.attend_pallas(
+          q, shared.after, shared.layer, start, block_mask, scale, reference=xla
+        )
+      else:
+        out = attention_lib.attend_shared(
+          q, shared, start, block_mask, c.attention_scale, **options
+        )
+    else:
+      kv_heads = c.attention_kv_heads(self.sliding)
+      k = Dense(
+        (kv_heads, head_dim),
+        ("embed", "kv_heads", "head_dim"),
+        c.attention_bias,
+        name="k_proj",
+        **dense,
+      )(x)
+      if c.attention_k_eq_v and not self.sliding:  # Gemma 4's full layers: v = k's projection
+        v = k
+      else:
+        v = Dense(
+          (kv_heads, c.attention_value_dim(self.sliding)),
+          ("embed", "kv_heads", "head_dim"),
+          c.attention_bias,
+          name="v_proj",
+          **dense,
+        )(x)
+      if c.attention_value_scale != 1.0:  # MiMo: values scaled before they are stored
+        v = (v.astype(jnp.float32) * c.attention_value_scale).astype(v.dtype)
+      if per_layer_norm:
+        k_axes = ("kv_heads", "head_dim")
+        k = HeadsRMSNorm((kv_heads, head_dim), k_axes, name="k_norm", **norm)(k)
+      elif c.qk_norm:
+        k = RMSNorm(head_dim, axis_name="head_dim", name="k_norm", **norm)(k)
+      if c.is_gemma4:  # values RMS-normed, without a scale
+        v = rms_normalize(v, c.rms_norm_eps)
+      k = sharding.constrain_activation(apply_rope(k, cos, sin), "kv_heads", "head_dim")
+      v = sharding.constrain_activation(v, "kv_heads", "head_dim")
+      out, kv, source = attention_lib.attention_block(
+        q, k, v, kv, layer, start, block_mask, c.attention_scale, c.options.attention_impl,
+        **options,
+      )
     if gate is not None:
       out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
     out = Dense(
@@ -355,11 +395,11 @@ class Attention(nn.Module):
       in_dims=2,
       **dense,
     )(out)
-    return sharding.constrain_activation(out, "embed"), kv
+    return sharding.constrain_activation(out, "embed"), kv, source
 
 
 class MLP(nn.Module):
-  """SwiGLU feed-forward: down(silu(gate(x)) · up(x))."""
+  """Gated feed-forward: down(act(gate(x)) · up(x)), act = silu (SwiGLU) or GELU (Gemma)."""
 
   config: ModelConfig
   intermediate_size: int
@@ -370,6 +410,6 @@ class MLP(nn.Module):
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
     gate = Dense((self.intermediate_size,), ("embed", "mlp"), name="gate_proj", **dense)(x)
     up = Dense((self.intermediate_size,), ("embed", "mlp"), name="up_proj", **dense)(x)
-    hidden = sharding.constrain_activation(jax.nn.silu(gate) * up, "mlp")
+    hidden = sharding.constrain_activation(activation(c.hidden_act)(gate) * up, "mlp")
     out = Dense((c.hidden_size,), ("mlp", "embed"), name="down_proj", **dense)(hidden)
     return sharding.constrain_activation(out, "embed")

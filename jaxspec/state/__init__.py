@@ -56,6 +56,8 @@ Kinds here:
   ContextRing            float K/V per layer of context positions, one position per slot
                          shared by the layers, written by its owner for all layers at once
                          (DFlash's target-feature store, injected into every drafter layer)
+  SharedKV               a run of Gemma 4's KV-shared layers: nothing stored, its layers read
+                         the K/V of the run `source` names (state/shared.py)
   LinearState            the fixed-size recurrent state of Gated DeltaNet layers, read by its
                          mixer (`initial`), with per-prefix snapshots while a block is pending
   LatentKV, LatentFP8,   MLA's cache (state/latent.py): one vector per token and layer, the
@@ -105,6 +107,7 @@ from jaxspec.state.kv import FP8KV, KV_FORMATS, FloatKV, Q4KV
 from jaxspec.state.latent import LATENT_FORMATS, LatentFP8, LatentKV, LatentQ4, SparseLatent
 from jaxspec.state.linear import LINEAR_STATE_AXES, LinearState
 from jaxspec.state.ring import ContextRing, RingKV
+from jaxspec.state.shared import SharedKV
 from jaxspec.state.sliding import SlidingKV
 
 # Ring slots past the window a sliding-window entry keeps when its creator does not say: covers
@@ -134,6 +137,7 @@ __all__ = [
   "LinearState",
   "Q4KV",
   "RingKV",
+  "SharedKV",
   "SlidingKV",
   "SparseLatent",
   "DEFAULT_SLACK",
@@ -239,7 +243,10 @@ def kv_geometry(config, first: int | None) -> Any:
   if first is None or not hasattr(config, "layer_kv_heads"):
     return config
   return KVGeometry(
-    config.layer_kv_heads(first), config.head_dim, config.value_head_dim, config.dtype
+    config.layer_kv_heads(first),
+    config.layer_head_dim(first),
+    config.layer_value_head_dim(first),
+    config.dtype,
   )
 
 
@@ -252,6 +259,9 @@ def _entry(
   whose window + slack is below max_len; else K/V in `kv_format`."""
   if first is not None and config.is_linear(first):
     return LinearState.create(config, n, batch, max_len)
+  if first is not None and getattr(config, "num_kv_shared_layers", 0):
+    if config.is_kv_shared(first):  # Gemma 4: the run reads its source run's entry
+      return SharedKV(config.segment_of(config.kv_source(first)))
   if not getattr(config, "is_mla", False):  # (drafter configs have no MLA fields)
     geometry = kv_geometry(config, first)
     window = config.layer_windows[first] if first is not None else 0

@@ -18,6 +18,7 @@ from jaxspec.errors import ConfigError, show
 from jaxspec.options import option_names
 from jaxspec.io.architectures import (
   deepseek_v3,
+  gemma4,
   glm4_moe,
   gpt_oss,
   mimo_v2_flash,
@@ -52,11 +53,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     deepseek_v3.GLM_MOE_DSA,
     mimo_v2_flash.MIMO_V2_FLASH,
     minimax_m2.MINIMAX_M2,
-    mimo_v2_flash.MIMO_V2_FLASH,
+    gemma4.GEMMA4,
   )
 }
 # A multimodal checkpoint's architecture -> the text model's, read from its `text_config`.
-MULTIMODAL_TEXT_ARCHITECTURES = {**qwen3_next.MULTIMODAL_TEXT, **deepseek_v3.MULTIMODAL_TEXT}
+MULTIMODAL_TEXT_ARCHITECTURES = {
+  **qwen3_next.MULTIMODAL_TEXT,
+  **deepseek_v3.MULTIMODAL_TEXT,
+  **gemma4.MULTIMODAL_TEXT,
+}
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES), "a built architecture lacks a mapping"
 
 
