@@ -10,6 +10,8 @@ to it explicitly; its caches live in a `state` pytree that the engine threads th
                                target has prefilled it; called once per chunk, in order
   propose(params, state, ctx)  → (Proposal, state): γ chain tokens with their draft
                                probabilities, or per-position log-probs for the tree builder
+                               (ctx also carries the target's decoding state, for drafters
+                               that read its K/V)
   commit(params, state, ctx)   absorb what the target accepted this step
   for_tree()                   the drafter configured for tree verification: its proposals
                                carry per-position `logprobs` (default: itself)
@@ -102,12 +104,17 @@ class PrefillContext:
 
 @flax.struct.dataclass
 class ProposeContext:
-  """Before a verify pass. seq_len[b] counts tokens including the root (tokens[seq_len-1])."""
+  """Before a verify pass. seq_len[b] counts tokens including the root (tokens[seq_len-1]).
+
+  target_state: the target's decoding state, holding every position before the root (read by
+  drafters that attend to the target's K/V: the Gemma 4 assistant), or None.
+  """
 
   tokens: jax.Array
   seq_len: jax.Array
   sampling: SamplingParams
   key: jax.Array
+  target_state: Any = None
 
 
 @flax.struct.dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from jaxspec.drafters import dflash, eagle3
+from jaxspec.drafters import dflash, eagle3, gemma4_assistant
 from jaxspec.drafters.base import Drafter
 from jaxspec.errors import ConfigError
 from jaxspec.drafters.draft_model import DraftModelDrafter
@@ -18,7 +18,9 @@ from jaxspec.models.target import InputError, TargetModel
 # Drafts per step of the chain drafters when none is given.
 DEFAULT_GAMMA = 4
 
-METHODS = ("plain", "draft_model", "ngram", "mtp", "dflash", "eagle3")
+METHODS = ("plain", "draft_model", "ngram", "mtp", "dflash", "eagle3", "gemma4_assistant")
+# Methods whose drafter is read from a checkpoint directory, and take drafter options.
+CHECKPOINT_METHODS = ("draft_model", "dflash", "eagle3", "gemma4_assistant")
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 
 
@@ -29,7 +31,8 @@ def bundled_dir(name: str) -> Optional[str]:
 
 
 def checkpoint_kind(path: str) -> str:
-  """'dflash', 'eagle3' or 'draft_model' for a drafter checkpoint directory."""
+  """'dflash', 'eagle3', 'gemma4_assistant' or 'draft_model' for a drafter checkpoint
+  directory."""
   if not os.path.isdir(path):
     raise hf_io.CheckpointError(f"drafter directory {path!r} does not exist")
   kind = drafter_ckpt.detect_kind(hf_io.read_config(path))
@@ -41,8 +44,9 @@ def load_drafter(
 ) -> Drafter:
   """Loads the drafter stored in `path` for `target`, whichever layout config.json names.
 
-  DFlash (`DFlashDraftModel`) and EAGLE-3 (`LlamaForCausalLMEagle3`) checkpoints load in their
-  published layouts; anything else must be an HF causal LM (a draft model). `gamma` is the
+  DFlash (`DFlashDraftModel`), EAGLE-3 (`LlamaForCausalLMEagle3`) and Gemma 4 assistant
+  (`Gemma4AssistantForCausalLM`) checkpoints load in their published layouts; anything else
+  must be an HF causal LM (a draft model). `gamma` is the
   number of draft tokens per step (None: 4 for chains, block_size − 1 for DFlash, which
   refuses more); `kwargs` go to the drafter (e.g. sample_drafts, context_window).
   """
@@ -52,6 +56,8 @@ def load_drafter(
   chain_gamma = DEFAULT_GAMMA if gamma is None else gamma
   if kind == "eagle3":
     return eagle3.load_eagle3(path, target, gamma=chain_gamma, **kwargs)
+  if kind == "gemma4_assistant":
+    return gemma4_assistant.load_assistant(path, target, gamma=chain_gamma, **kwargs)
   model = hf_io.load_model(path, scan_layers=False)  # a draft model decodes
   if model.config.vocab_size != target.config.vocab_size:
     raise InputError(
@@ -93,7 +99,7 @@ def make_drafter(
   block length γ + 1, an alternative to `gamma`. `options` go to a checkpoint drafter (DFlash,
   EAGLE-3: e.g. context_window, sample_drafts).
   """
-  if options and method not in ("dflash", "eagle3"):
+  if options and method not in ("dflash", "eagle3", "gemma4_assistant"):
     raise ConfigError(f"method {method!r} takes no drafter options, got {sorted(options)}")
   if block_size is not None:
     if method != "dflash":
@@ -112,7 +118,7 @@ def make_drafter(
     return NgramDrafter(gamma=chain_gamma, n=ngram_n)
   if method == "mtp":
     return MTPDrafter.from_target(target, gamma=chain_gamma)
-  if method in ("draft_model", "dflash", "eagle3"):
+  if method in CHECKPOINT_METHODS:
     if not draft_dir:
       raise ConfigError(f"method {method!r} needs a drafter checkpoint directory")
     kind = checkpoint_kind(draft_dir)

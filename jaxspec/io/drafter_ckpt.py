@@ -54,6 +54,7 @@ from jaxspec.io.hf import (
 )
 
 DFLASH_ARCH = "DFlashDraftModel"
+GEMMA4_ASSISTANT_ARCH = "Gemma4AssistantForCausalLM"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 # Tapped layers: layer outputs under eagle_config (SpecForge, SGLang), layer inputs at the top
 # level (vLLM); see _eagle3_layer_ids.
@@ -210,10 +211,12 @@ def write_checkpoint(out_dir: str, hf_config: dict, tensors: dict[str, np.ndarra
 
 
 def detect_kind(hf: dict) -> str:
-  """'dflash', 'eagle3' or 'causal_lm' from a config.json dict."""
+  """'dflash', 'eagle3', 'gemma4_assistant' or 'causal_lm' from a config.json dict."""
   archs = HFConfigReader(hf, "drafter checkpoint").strings("architectures", ())
   if DFLASH_ARCH in archs or "dflash_config" in hf:
     return "dflash"
+  if GEMMA4_ASSISTANT_ARCH in archs or hf.get("model_type") == "gemma4_assistant":
+    return "gemma4_assistant"
   if any("eagle3" in a.lower() for a in archs) or "draft_vocab_size" in hf:
     return "eagle3"
   return "causal_lm"

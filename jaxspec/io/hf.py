@@ -84,7 +84,7 @@ GEMMA4_PER_LAYER_INPUT: list[Entry] = [
 ]
 
 
-def _layer_entries(
+def layer_entries(
   config: ModelConfig,
   moe: bool,
   linear: bool = False,
@@ -277,7 +277,7 @@ def _mtp_entries(config: ModelConfig) -> list[Entry]:
     (f"{names[2]}.weight", ("eh_proj", "kernel"), "linear"),
     (f"{names[3]}.weight", ("post_norm", "scale"), "same"),
   ]
-  layer = _layer_entries(
+  layer = layer_entries(
     config, config.mtp_is_moe, indexer=config.is_dsa, sliding=config.mtp_sliding
   )
   if config.mtp_sliding:  # MiMo's checkpoints name the MLP's norm for what it precedes
@@ -299,7 +299,7 @@ def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, st
     yield "model.per_layer_projection_norm.weight", norm, None, "same"
   for s, (first, n, moe) in enumerate(config.segments()):
     indexer = config.is_dsa and config.is_full_indexer(first)
-    entries = _layer_entries(
+    entries = layer_entries(
       config,
       moe,
       config.is_linear(first),

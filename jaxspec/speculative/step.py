@@ -269,7 +269,7 @@ def step(
     proposal, drafter_state = drafter.propose(
       drafter_params,
       state.drafter_state,
-      ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft),
+      ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft, state.target_state),
     )
   # Verify: one target pass over the block.
   block = verifier.block(root, proposal)
