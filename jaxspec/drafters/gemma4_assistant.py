@@ -134,17 +134,18 @@ class AssistantModel(nn.Module):
     hidden: jax.Array,
     sources: dict,
     positions: jax.Array,
+    end: jax.Array,
   ) -> tuple[jax.Array, jax.Array]:
     """emb, hidden [B, 1, Hb] (the token's target embedding, the previous hidden state);
     sources: layer type (True: sliding) → SharedSource over the target's state; positions
-    [B, 1] the root's slot. Returns (logits [B, 1, V] float32, next hidden [B, 1, Hb])."""
+    [B, 1] the root's slot; end [B] the first slot not read (the root's). Returns (logits
+    [B, 1, V] float32, next hidden [B, 1, Hb])."""
     a = self.config
     c = a.text
     dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
     x = Dense((c.hidden_size,), ("mlp", "embed"), name="pre_projection", **dense)(
       jnp.concatenate([emb, hidden], axis=-1)
     )
-    start = positions[:, 0]
     nothing = jnp.zeros((1, 1), bool)  # the step's own (zero) key is never seen
     tables: dict = {}
     for i in range(c.num_layers):
@@ -158,7 +159,7 @@ class AssistantModel(nn.Module):
       windows = jnp.asarray([c.layer_windows[i] + 2], jnp.int32) if sliding else None
       layer = DecoderLayer(c, False, sliding=sliding, kv_shared=True, name=f"layers_{i}")
       (x, _, _), _ = layer(
-        (x, None, jnp.int32(0)), cos, sin, start, nothing, positions, windows, None, None,
+        (x, None, jnp.int32(0)), cos, sin, end, nothing, positions, windows, None, None,
         sources[sliding],
       )
     x = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype, name="norm")(x)
@@ -250,6 +251,11 @@ class Gemma4AssistantDrafter(Drafter):
     h = h * jnp.asarray(self.target.hidden_size**0.5, h.dtype)
     return h.astype(jnp.dtype(self.target.dtype))[:, None]
 
+  def kv_end(self, slot: jax.Array) -> jax.Array:
+    """The first slot of the target's state the assistant does not read: the root's own (its
+    K/V are not computed until the next verify pass)."""
+    return slot
+
   def sources(self, target_state: Any, batch: int) -> dict:
     """Layer type → what the assistant's layers of that type attend to: the target's entry
     of that type's K/V-computing layer (its block part empty)."""
@@ -279,6 +285,7 @@ class Gemma4AssistantDrafter(Drafter):
     root = ctx.tokens[rows, slot]
     sources = self.sources(ctx.target_state, b)
     positions = slot[:, None].astype(jnp.int32)
+    end = self.kv_end(slot).astype(jnp.int32)
     model = AssistantModel(self.config)
     keys = sampling.split_key(ctx.key, self.gamma)
 
@@ -290,6 +297,7 @@ class Gemma4AssistantDrafter(Drafter):
         hidden[:, None],
         sources,
         positions,
+        end,
       )
       logits = logits[:, 0]
       draft, q = feature_chain.draw(key, logits, ctx.sampling, self.sample_drafts)
@@ -411,7 +419,12 @@ def param_shapes(config: AssistantConfig, target: ModelConfig) -> Any:
     for s in kv_stores(target)
   }
   init = lambda key: AssistantModel(config).init(
-    key, jnp.zeros((b, 1, hb), dt), jnp.zeros((b, 1, hb), dt), sources, jnp.zeros((b, 1), jnp.int32)
+    key,
+    jnp.zeros((b, 1, hb), dt),
+    jnp.zeros((b, 1, hb), dt),
+    sources,
+    jnp.zeros((b, 1), jnp.int32),
+    jnp.zeros((b,), jnp.int32),
   )
   return nn.meta.unbox(jax.eval_shape(init, jax.random.PRNGKey(0))["params"])
 
