@@ -369,6 +369,12 @@ class ModelConfig:
   def is_gemma4(self) -> bool:
     return self.architecture in GEMMA4_ARCHITECTURES
 
+  @property
+  def embedding_scale(self) -> float:
+    """The factor on token embeddings as they enter the model (Gemma: sqrt(hidden_size));
+    drafters that embed tokens with the target's table apply it too."""
+    return self.hidden_size**0.5 if self.is_gemma4 else 1.0
+
   def is_kv_shared(self, layer: int) -> bool:
     """Whether layer `layer` reads another layer's K/V instead of computing its own (Gemma 4's
     last `num_kv_shared_layers`)."""

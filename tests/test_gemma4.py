@@ -360,13 +360,17 @@ def test_ordered_head_keeps_the_chosen_clusters_and_fills_the_rest():
 
 
 def test_speculative_decoding_is_lossless(pair):
-  """Greedy speculation equals plain decoding past the window, batch 1 and 4, chain and tree."""
+  """Greedy speculation equals plain decoding past the window, batch 1 and 4: the assistant,
+  chain and tree, and a DFlash drafter tapping the target (a sliding and a KV-shared layer)."""
   target, drafter = pair
   cfg = EngineConfig(max_len=48, batch_size=4, use_eos=False)
   plain = SpecEngine(target, None, cfg)
+  dflash = drafter_models.small_dflash(target, target_layer_ids=(1, 4))
+  assert dflash.config.embed_scale == target.config.hidden_size**0.5
   engines = [
     SpecEngine(target, drafter, cfg),
     SpecEngine(target, drafter, dataclasses.replace(cfg, verify="tree", tree_budget=6)),
+    SpecEngine(target, dflash, cfg),
   ]
   for batch in (1, 4):
     ps = drafter_models.prompts(batch, VOCAB)
@@ -466,3 +470,18 @@ def test_sampled_sequences_follow_the_target_distribution(small_vocab):
   fields = {f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)}
   bad = SpecEngine(target, _ArgmaxButReportsQ(**fields), cfg)
   assert drafter_models.sampled_pvalue(bad, prompt, length, 12, outcomes, probs) < 1e-6
+
+
+def test_the_planner_traces_gemma4(saved):
+  """The planner counts exactly the parameters the model loads, and no state for the KV-shared
+  layers."""
+  from jaxspec.plan import arch  # pylint: disable=import-outside-toplevel
+
+  _, d = saved["shared"]
+  with open(os.path.join(d, "config.json")) as f:
+    spec = arch.model_spec(json.load(f), param_dtype="float32")
+  model = jaxspec.load_model(d, scan_layers=True)
+  assert spec.num_params == sum(np.size(x) for x in jax.tree_util.tree_leaves(model.params))
+  paths = [t.path for t in spec.state(1, 64)]
+  assert paths[:6] == [f"state.segments[{s}].{a}" for s in range(3) for a in "kv"]
+  assert not any("segments[3]" in p or "segments[4]" in p for p in paths)

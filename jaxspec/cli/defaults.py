@@ -46,8 +46,8 @@ def define_model_flags() -> None:
   flags.DEFINE_string(
     "draft_model",
     None,
-    "Drafter checkpoint directory: a draft model, DFlash or EAGLE-3 (default: the bundled one "
-    "of the method).",
+    "Drafter checkpoint directory: a draft model, DFlash, EAGLE-3 or a Gemma 4 assistant "
+    "(default: the bundled one of the method).",
   )
   flags.DEFINE_enum("verify", "auto", ("auto", "chain", "tree"), "Chain or DDTree verification.")
   flags.DEFINE_integer("tree_budget", 0, "Draft nodes per tree (0 = the measured default).")
@@ -116,7 +116,8 @@ def choose_method(
   """(method, drafter dir, verify, tree budget) from the scripts' flags.
 
   auto: on the bundled target, the fastest measured method (BUNDLED_BEST); on another model its
-  own MTP layers when it has them, else a given draft model, else prompt lookup.
+  own MTP layers when it has them, else the given drafter checkpoint's kind, else prompt
+  lookup.
   """
   budget = tree_budget
   if method == "auto":
@@ -128,8 +129,8 @@ def choose_method(
       budget = budget or best_budget
     elif target.config.num_mtp_layers > 0:
       method = "mtp"
-    else:
-      method = "draft_model" if draft_model else "ngram"
+    else:  # a given drafter checkpoint's own kind (draft model, DFlash, EAGLE-3, assistant)
+      method = registry.checkpoint_kind(draft_model) if draft_model else "ngram"
   draft_dir = draft_model
   if draft_dir is None and not model_dir_given and method in ("draft_model", "dflash", "eagle3"):
     draft_dir = registry.bundled_dir("draft" if method == "draft_model" else method)

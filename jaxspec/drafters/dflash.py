@@ -106,6 +106,9 @@ class DFlashConfig:
   layer_windows: tuple[int, ...] = ()
   dtype: str = "float32"
   param_dtype: str = "float32"
+  # The target's embedding scale (ModelConfig.embedding_scale: Gemma's sqrt(hidden)), set
+  # from the target with dtype; not part of the checkpoint.
+  embed_scale: float = 1.0
 
   def __post_init__(self):
     object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -529,6 +532,7 @@ class DFlashDrafter(Drafter):
       vocab_size=target.config.vocab_size,
       num_target_layers=target.config.num_layers,
       dtype=target.config.dtype,
+      embed_scale=target.config.embedding_scale,
     )
     params = {"draft": draft_params, **shared_target_params(target)}
     return cls(params=params, config=config, **kwargs)
@@ -627,7 +631,7 @@ class DFlashDrafter(Drafter):
     the stored context before `start` (read in chunks of `context_chunk` live slots)."""
     c = self.config
     t = block.shape[1]
-    x = embed_tokens(params, block, c.dtype)[:, None]
+    x = embed_tokens(params, block, c.dtype, c.embed_scale)[:, None]
     q_pos = (start[:, None] + jnp.arange(t, dtype=jnp.int32)[None])[:, None]
     h = DFlashModel(c).apply(
       {"params": params["draft"]},
@@ -701,7 +705,7 @@ class DFlashDrafter(Drafter):
     block = jnp.concatenate(
       [first[..., None], jnp.full((b, n, bs - 1), c.mask_token_id, jnp.int32)], axis=-1
     )
-    x = embed_tokens(params, block, c.dtype)
+    x = embed_tokens(params, block, c.dtype, c.embed_scale)
     q_pos = anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)
     return model.apply(
       {"params": params["draft"]}, x, q_pos, k, v, pos, anchors, self.context_window

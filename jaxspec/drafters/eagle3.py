@@ -82,6 +82,9 @@ class Eagle3Config:
   has_embedding: bool = False
   dtype: str = "float32"
   param_dtype: str = "float32"
+  # The target's embedding scale (ModelConfig.embedding_scale), applied to rows of the
+  # target's table; set from the target with dtype, not part of the checkpoint.
+  embed_scale: float = 1.0
 
   def __post_init__(self):
     object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -370,7 +373,7 @@ class Eagle3Drafter(Drafter):
       tap_ids=config.target_layer_ids,
       what="EAGLE-3",
     )
-    config = config.replace(dtype=target.config.dtype)
+    config = config.replace(dtype=target.config.dtype, embed_scale=target.config.embedding_scale)
     params: dict = {"draft": draft_params}
     if not config.has_embedding:
       params["embed"] = features.shared_target_params(target)["embed"]
@@ -442,8 +445,9 @@ class Eagle3Drafter(Drafter):
     return Eagle3Model(self.config)
 
   def _embed(self, params: Any, tokens: jax.Array) -> jax.Array:
-    table = params["draft"]["embed"] if self.config.has_embedding else params["embed"]
-    return jnp.take(table, tokens, axis=0).astype(dtype_of(self.config.dtype))
+    if self.config.has_embedding:
+      return jnp.take(params["draft"]["embed"], tokens, axis=0).astype(dtype_of(self.config.dtype))
+    return features.embed_tokens(params, tokens, self.config.dtype, self.config.embed_scale)
 
   def to_target_ids(self, params: Any, draft_ids: jax.Array) -> jax.Array:
     if not self.config.reduced_vocab:

@@ -19,7 +19,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.options import RunOptions
 from jaxspec.models import matmul
-from jaxspec.models.layers import dtype_of, unfused_logits
+from jaxspec.models.layers import dtype_of, scaled_rows, unfused_logits
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.quant.formats import is_quantized, materialize
 
@@ -46,9 +46,10 @@ def shared_target_params(target: TargetModel) -> dict:
   return out
 
 
-def embed_tokens(shared: dict, tokens: jax.Array, dtype: str) -> jax.Array:
-  """Rows of the shared embedding `shared["embed"]` for `tokens`, in `dtype`."""
-  return jnp.take(shared["embed"], tokens, axis=0).astype(dtype_of(dtype))
+def embed_tokens(shared: dict, tokens: jax.Array, dtype: str, scale: float = 1.0) -> jax.Array:
+  """Rows of the shared embedding `shared["embed"]` for `tokens`, times the target's
+  embedding scale (`ModelConfig.embedding_scale`), in `dtype`."""
+  return scaled_rows(shared["embed"], tokens, scale).astype(dtype_of(dtype))
 
 
 def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:

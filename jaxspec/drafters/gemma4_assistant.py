@@ -47,7 +47,7 @@ from jaxspec.io.architectures import config_from_hf as text_config_from_hf
 from jaxspec.io.architectures.reader import HFConfigReader
 from jaxspec.models import attention as attention_lib
 from jaxspec.models.decoder import DecoderLayer
-from jaxspec.models.layers import Dense, RMSNorm, dtype_of, normal_init, rope_tables
+from jaxspec.models.layers import Dense, RMSNorm, dtype_of, normal_init, rope_tables, scaled_rows
 from jaxspec.models.target import InputError, TargetModel
 
 ARCHITECTURE = "Gemma4AssistantForCausalLM"
@@ -247,8 +247,7 @@ class Gemma4AssistantDrafter(Drafter):
 
   def _embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
     """The target's (scaled) embedding of tokens [B] → [B, 1, Hb]."""
-    h = jnp.take(table, tokens, axis=0)
-    h = h * jnp.asarray(self.target.hidden_size**0.5, h.dtype)
+    h = scaled_rows(table, tokens, self.target.embedding_scale)
     return h.astype(jnp.dtype(self.target.dtype))[:, None]
 
   def kv_end(self, slot: jax.Array) -> jax.Array:

@@ -40,6 +40,7 @@ from jaxspec.models.layers import (
   dtype_of,
   normal_init,
   rope_tables,
+  scaled_rows,
   unfused_logits,
 )
 from jaxspec.models.moe import MoE
@@ -391,9 +392,7 @@ class Decoder(nn.Module):
     """Token embeddings [B, T, H] (Gemma 4 scales them by sqrt(hidden_size), in the weights'
     dtype as transformers does)."""
     c = self.config
-    h = jnp.take(self.embed, tokens, axis=0)
-    if c.is_gemma4:
-      h = h * jnp.asarray(c.hidden_size**0.5, h.dtype)
+    h = scaled_rows(self.embed, tokens, c.embedding_scale)
     return sharding.constrain_activation(h.astype(dtype_of(c.dtype)), "embed")
 
   def per_layer_inputs(self, tokens: jax.Array, h: jax.Array) -> jax.Array | None:
@@ -405,8 +404,7 @@ class Decoder(nn.Module):
       return None
     b, t = tokens.shape
     dt = dtype_of(c.dtype)
-    table = jnp.take(self.embed_per_layer, tokens, axis=0)
-    table = (table * jnp.asarray(width**0.5, table.dtype)).astype(dt)
+    table = scaled_rows(self.embed_per_layer, tokens, width**0.5).astype(dt)
     proj = self.per_layer_model_projection(h) * jnp.asarray(c.hidden_size**-0.5, dt)
     proj = self.per_layer_projection_norm(proj.reshape(b, t, c.num_layers, width))
     out = (proj + table.reshape(b, t, c.num_layers, width)) * jnp.asarray(2.0**-0.5, dt)

@@ -61,6 +61,13 @@ def weight(module: nn.Module, name: str, init: Any, shape: tuple, dtype: Any) ->
   return module.param(name, init, shape, dtype)
 
 
+def scaled_rows(table: jax.Array, tokens: jax.Array, scale: float = 1.0) -> jax.Array:
+  """Embedding rows of `tokens`, times `scale` in the table's dtype (transformers' scaled
+  embeddings: Gemma's sqrt(hidden_size))."""
+  rows = jnp.take(table, tokens, axis=0)
+  return rows if scale == 1.0 else rows * jnp.asarray(scale, rows.dtype)
+
+
 def normal_init(stddev: float = 0.02):
   return nn.initializers.normal(stddev)
 

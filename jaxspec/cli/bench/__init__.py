@@ -121,6 +121,12 @@ SUBCOMMANDS = {
       "tools/bench_hybrid_tree.py",
     ),
     Subcommand(
+      "ordered-head",
+      "ordered_head",
+      "the Gemma 4 assistant's ordered-embedding head against the full head (262K vocabulary)",
+      "no earlier script",
+    ),
+    Subcommand(
       "llamacpp",
       "llamacpp",
       "jaxspec against llama.cpp on the same weights (GGUF F32/Q8_0/Q4_0), plain and n-gram",
