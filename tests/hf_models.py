@@ -271,8 +271,14 @@ def build_hf_model_from(
   """As build_hf_model, for a configuration given inline (class names and kwargs)."""
   config = getattr(transformers, config_cls)(**kwargs)
   torch.manual_seed(seed)
-  model = getattr(transformers, model_cls)(config).float().eval()
-  gen = torch.Generator().manual_seed(seed + 1)
+  return perturbed(getattr(transformers, model_cls)(config), seed + 1)
+
+
+def perturbed(model: transformers.PreTrainedModel, seed: int) -> transformers.PreTrainedModel:
+  """`model` in float32 eval mode with random weights away from HF's initialisation: norm
+  weights 1 ± 0.2, matrices N(0, 0.15²), correction biases N(0, 0.1²)."""
+  model = model.float().eval()
+  gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for pname, p in model.named_parameters():
       if pname.endswith("norm.weight") or "layernorm" in pname:

@@ -122,14 +122,7 @@ def _build_assistant(seed: int = 3, text_changes=None, **changes):
   text = transformers.Gemma4TextConfig(**{**ASSISTANT_TEXT, **(text_changes or {})})
   config = transformers.Gemma4AssistantConfig(text_config=text, **{**ASSISTANT, **changes})
   torch.manual_seed(seed)
-  model = transformers.Gemma4AssistantForCausalLM(config).float().eval()
-  gen = torch.Generator().manual_seed(seed + 1)
-  with torch.no_grad():
-    for pname, p in model.named_parameters():
-      if pname.endswith("norm.weight") or "layernorm" in pname:
-        p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-      else:
-        p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+  model = hf_models.perturbed(transformers.Gemma4AssistantForCausalLM(config), seed + 1)
   _perturb_buffers(model, seed + 2)
   return model
 
