@@ -36,6 +36,7 @@ OWN_FLAG = {
   "gdn": "--traceback",
   "hybrid-tree": "--traceback",
   "llamacpp": "--llama_formats",
+  "ordered-head": "--centroids",
 }
 
 

@@ -352,18 +352,31 @@ def test_ordered_head_keeps_the_chosen_clusters_and_fills_the_rest():
     np.testing.assert_allclose(got[b, 0, rest], full[b, 0, kept].min() - 1.0, rtol=1e-5)
 
 
+def test_taps_are_transformers_hidden_states(saved, pair):
+  """DFlash / EAGLE-3 taps of a sliding, a full and a KV-shared layer are transformers'
+  hidden_states[i + 1]; a drafter bound to the target embeds with its scale."""
+  hf, _ = saved["shared"]
+  target, _ = pair
+  ids = _ids((1, 9), seed=6)
+  taps = (1, 2, 4)
+  out = target_lib.forward(target.config, target.params, jnp.asarray(ids), taps=taps)
+  with torch.no_grad():
+    want = hf(torch.as_tensor(ids), output_hidden_states=True).hidden_states
+  for got, i in zip(np.asarray(out.taps), taps):
+    np.testing.assert_allclose(got, want[i + 1].numpy(), atol=1e-4, rtol=1e-4)
+  dflash = drafter_models.small_dflash(target, target_layer_ids=(1, 4))
+  assert dflash.config.embed_scale == target.config.hidden_size**0.5
+
+
 def test_speculative_decoding_is_lossless(pair):
-  """Greedy speculation equals plain decoding past the window, batch 1 and 4: the assistant,
-  chain and tree, and a DFlash drafter tapping the target (a sliding and a KV-shared layer)."""
+  """Greedy speculation with the assistant equals plain decoding past the window, batch 1 and
+  4, chain and tree."""
   target, drafter = pair
   cfg = EngineConfig(max_len=48, batch_size=4, use_eos=False)
   plain = SpecEngine(target, None, cfg)
-  dflash = drafter_models.small_dflash(target, target_layer_ids=(1, 4))
-  assert dflash.config.embed_scale == target.config.hidden_size**0.5
   engines = [
     SpecEngine(target, drafter, cfg),
     SpecEngine(target, drafter, dataclasses.replace(cfg, verify="tree", tree_budget=6)),
-    SpecEngine(target, dflash, cfg),
   ]
   for batch in (1, 4):
     ps = drafter_models.prompts(batch, VOCAB)
@@ -478,3 +491,20 @@ def test_the_planner_traces_gemma4(saved):
   paths = [t.path for t in spec.state(1, 64)]
   assert paths[:6] == [f"state.segments[{s}].{a}" for s in range(3) for a in "kv"]
   assert not any("segments[3]" in p or "segments[4]" in p for p in paths)
+
+
+def test_the_assistant_is_found_by_method_name_and_by_kind(saved, pair):
+  from jaxspec.cli import defaults  # pylint: disable=import-outside-toplevel
+  from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
+
+  target, _ = pair
+  _, assistant_dir = saved["assistant"]
+  drafter = registry.make_drafter("gemma4_assistant", target, gamma=2, draft_dir=assistant_dir)
+  assert isinstance(drafter, ga.Gemma4AssistantDrafter) and drafter.gamma == 2
+  method, draft_dir, _, _ = defaults.choose_method(target, True, draft_model=assistant_dir)
+  assert (method, draft_dir) == ("gemma4_assistant", assistant_dir)
+  with pytest.raises(jaxspec.errors.InputError, match="gemma4_assistant"):
+    registry.make_drafter("dflash", target, draft_dir=assistant_dir)
+  other = jaxspec.load_model(saved["plain"][1])  # full layers 16 wide with 2 KV heads, not 1
+  with pytest.raises(ConfigError, match="full layers read"):
+    jaxspec.load_drafter(assistant_dir, other)
