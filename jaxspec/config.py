@@ -145,8 +145,10 @@ class ModelConfig:
   num_experts: int = 0
   num_experts_per_tok: int = 0
   moe_intermediate_size: int = 0
-  # "softmax" (Qwen3-MoE), "sigmoid" (GLM/DeepSeek: grouped, bias-corrected choice) or
-  # "topk_softmax" (gpt-oss: biased logits, top-k, softmax over the k chosen).
+  # "softmax" (Qwen3-MoE), "sigmoid" (GLM/DeepSeek: grouped, bias-corrected choice),
+  # "topk_softmax" (gpt-oss: biased logits, top-k, softmax over the k chosen) or "gemma4"
+  # (Gemma 4: softmax over the logits of the RMS-normed, scaled layer input; the renormalised
+  # top-k weights times a learned per-expert scale).
   router: str = "softmax"
   norm_topk_prob: bool = False
   n_group: int = 1
@@ -284,8 +286,9 @@ class ModelConfig:
 
   @property
   def fused_gate_up(self) -> bool:
-    """Experts hold gate and up as one interleaved [E, H, 2I] weight (gpt-oss's layout)."""
-    return self.architecture == "GptOssForCausalLM"
+    """Experts hold gate and up as one [E, H, 2I] weight: interleaved (gpt-oss), or gate then
+    up (Gemma 4)."""
+    return self.architecture == "GptOssForCausalLM" or self.is_gemma4
 
   @property
   def is_hybrid(self) -> bool:
@@ -833,7 +836,13 @@ class ModelConfig:
         f"num_experts_per_tok must be in [1, num_experts={self.num_experts}]",
       )
       need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive")
-      need(self.router in ("softmax", "sigmoid", "topk_softmax"), f"unknown router {self.router!r}")
+      routers = ("softmax", "sigmoid", "topk_softmax", "gemma4")
+      need(self.router in routers, f"unknown router {self.router!r}")
+      need(
+        (self.router == "gemma4") == self.is_gemma4,
+        "the gemma4 router (scaled RMS-normed input, per-expert scales) is Gemma 4's, and "
+        "Gemma 4's MoE block uses it",
+      )
       need(self.num_experts % self.n_group == 0, "n_routed_experts must divide into n_group groups")
       need(1 <= self.topk_group <= self.n_group, "topk_group must be in [1, n_group]")
       if self.router == "sigmoid" and self.n_group > 1:
@@ -871,7 +880,10 @@ class ModelConfig:
     )
     if not self.is_gemma4:
       return
-    need(not self.is_moe, "the Gemma 4 MoE block (enable_moe_block) is not supported")
+    need(
+      all(self.layer_is_moe) or not any(self.layer_is_moe),
+      "the Gemma 4 MoE block is in every layer or in none (enable_moe_block)",
+    )
     need(
       self.num_kv_shared_layers < self.num_layers,
       f"num_kv_shared_layers ({self.num_kv_shared_layers}) must leave a layer that computes "

@@ -74,6 +74,16 @@ CONFIGS = {
       FULL: {"rope_type": "default", "rope_theta": 1e3},
     },
   ),
+  "moe": dict(
+    _BASE,
+    num_hidden_layers=3,
+    layer_types=[SLIDING, SLIDING, FULL],
+    hidden_size_per_layer_input=0,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+  ),
 }
 ASSISTANT = dict(
   backbone_hidden_size=32,
@@ -101,9 +111,13 @@ ASSISTANT_TEXT = dict(
 
 
 def _perturb_buffers(model: torch.nn.Module, seed: int) -> None:
-  """Layer scalars ≠ 1 and a random token ordering: an ignored buffer changes the output."""
+  """Layer scalars ≠ 1, a random token ordering and router scales around 1: an ignored buffer
+  or scale changes the output."""
   gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith(("router.scale", "router.per_expert_scale")):
+        p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
     for name, b in model.named_buffers():
       if name.endswith("layer_scalar"):
         b.copy_(0.5 + torch.rand(b.shape, generator=gen))
@@ -190,7 +204,7 @@ def test_config_reads_transformers_and_hub_keys_and_round_trips(saved):
 @pytest.mark.parametrize(
   "change, match",
   [
-    (dict(enable_moe_block=True), "enable_moe_block"),
+    (dict(num_experts=None, enable_moe_block=True), "num_experts"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     (dict(hidden_activation="relu"), "hidden_activation"),
     (dict(per_layer_config={"0": {"head_dim": 16}}), "per_layer_config"),
@@ -219,6 +233,31 @@ def test_the_logits_depend_on_the_gemma_pieces(saved):
   assert np.abs(np.asarray(wrong_rope.logits(ids)) - want).max() > 1e-3
   no_cap = model.with_config(final_logit_softcapping=0.0)
   assert np.abs(np.asarray(no_cap.logits(ids)) - want).max() > 1e-3
+
+
+def test_moe_block_round_trips_quantizes_and_depends_on_its_scales(saved, tmp_path):
+  """The MoE block beside the MLP: exported in transformers' fused expert layout and read back
+  by transformers; the default policy quantizes its experts (its scales stay float); a model
+  ignoring the per-expert scales is off."""
+  hf, d = saved["moe"]
+  model = jaxspec.load_model(d, scan_layers=True)
+  ids = _ids(seed=8)
+  want = hf_models.hf_logits(hf, ids)
+  out = str(tmp_path / "moe")
+  jaxspec.save_hf(model, out)
+  back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+  np.testing.assert_allclose(hf_models.hf_logits(back, ids), want, atol=1e-5)
+  moe = model.params["layers_0"]["moe"]
+  unscaled = jax.tree_util.tree_map(lambda x: x, model.params)
+  unscaled["layers_0"]["moe"] = {**moe, "per_expert_scale": jnp.ones_like(moe["per_expert_scale"])}
+  off = np.asarray(target_lib.TargetModel(model.config, unscaled).logits(ids))
+  assert np.abs(off - want).max() > 1e-3
+  q = jaxspec.quantize(model)
+  qmoe = q.params["layers_0"]["moe"]
+  assert qmoe["gate_up_proj"].format == "mxfp4" and qmoe["down_proj"].format == "mxfp4"
+  for name in ("router_scale", "per_expert_scale"):
+    assert not isinstance(qmoe[name], jaxspec.quant.QTensor), name
+  assert np.isfinite(np.asarray(q.logits(ids))).all()
 
 
 def test_checkpoint_round_trip_and_multimodal_layout(saved, tmp_path):
@@ -485,7 +524,10 @@ def test_the_planner_traces_gemma4(saved):
 
   _, d = saved["shared"]
   with open(os.path.join(d, "config.json")) as f:
-    spec = arch.model_spec(json.load(f), param_dtype="float32")
+    text = json.load(f)
+  spec = arch.model_spec(text, param_dtype="float32")
+  wrapped = {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": text}
+  assert arch.model_spec(wrapped, param_dtype="float32").num_params == spec.num_params
   model = jaxspec.load_model(d, scan_layers=True)
   assert spec.num_params == sum(np.size(x) for x in jax.tree_util.tree_leaves(model.params))
   paths = [t.path for t in spec.state(1, 64)]

@@ -199,8 +199,25 @@ def _attention_entries(
   return e
 
 
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+# Gemma 4's MoE block (beside the dense MLP): its router, stacked experts and norms.
+GEMMA4_MOE: list[Entry] = [
+  ("router.proj.weight", ("moe", "router"), "linear"),
+  ("router.scale", ("moe", "router_scale"), "same"),
+  ("router.per_expert_scale", ("moe", "per_expert_scale"), "same"),
+  ("experts.gate_up_proj", ("moe", "gate_up_proj"), "experts_linear"),
+  ("experts.down_proj", ("moe", "down_proj"), "experts_linear"),
+] + [
+  (f"{n}.weight", (n, "scale"), "same")
+  for n in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
+]
+
+
 def _ffn_entries(config: ModelConfig, moe: bool) -> list[Entry]:
   e: list[Entry] = []
+  if config.is_gemma4:  # the dense MLP in every layer, the MoE block beside it
+    dense = [(f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear") for p in MLP_NAMES]
+    return dense + (GEMMA4_MOE if moe else [])
   if config.fused_gate_up:  # gpt-oss: stacked experts in jaxspec's own [E, in, out] layout
     return e + [
       ("mlp.router.weight", ("mlp", "router"), "linear"),
@@ -211,10 +228,7 @@ def _ffn_entries(config: ModelConfig, moe: bool) -> list[Entry]:
       ("mlp.experts.down_proj_bias", ("mlp", "down_bias"), "same"),
     ]
   if not moe:
-    e += [
-      (f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear")
-      for p in ("gate_proj", "up_proj", "down_proj")
-    ]
+    e += [(f"mlp.{p}.weight", ("mlp", p, "kernel"), "linear") for p in MLP_NAMES]
     return e
   if config.architecture == "MiniMaxM2ForCausalLM":
     return _minimax_moe_entries(config)

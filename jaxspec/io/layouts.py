@@ -5,7 +5,8 @@ Each tensor entry of a layout table names a *kind*:
 * same: identical; linear: HF [out, in] <-> [in, out];
 * in_heads: HF [heads*D, in] <-> [in, heads, D]; out_heads: HF [H, heads*D] <-> [heads, D, H];
 * bias_heads: HF [heads*D] <-> [heads, D];
-* conv: HF depthwise Conv1d [C, 1, K] <-> [K, C].
+* conv: HF depthwise Conv1d [C, 1, K] <-> [K, C];
+* experts_linear: HF stacked experts [E, out, in] <-> [E, in, out] (Gemma 4).
 
 Targets (`jaxspec.io.hf`), quantized tensors (`jaxspec.io.quantized`) and drafters
 (`jaxspec.io.drafter_ckpt`) share these conversions.
@@ -30,6 +31,8 @@ def to_jax_layout(w: np.ndarray, kind: str, target_shape: tuple[int, ...]) -> np
     return w.reshape(target_shape)
   if kind == "conv":  # HF depthwise Conv1d [C, 1, K] ↔ jaxspec [K, C]
     return w[:, 0, :].T
+  if kind == "experts_linear":
+    return np.swapaxes(w, -1, -2)
   raise AssertionError(kind)
 
 
@@ -47,6 +50,8 @@ def to_hf_layout(w: np.ndarray, kind: str) -> np.ndarray:
     return w.reshape(-1)
   if kind == "conv":
     return w.T[:, None, :]
+  if kind == "experts_linear":
+    return np.swapaxes(w, -1, -2)
   raise AssertionError(kind)
 
 

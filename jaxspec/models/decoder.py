@@ -69,9 +69,9 @@ class DecoderLayer(nn.Module):
   MLA targets, models/mla.py) or, with `linear`, a Gated DeltaNet (models/gated_deltanet.py);
   the FFN is dense or MoE.
 
-  Gemma 4 (`config.is_gemma4`) norms each sublayer's output too (sandwich norms), adds its
-  per-layer input (`per_layer` [B, T, P]) through a gated projection, and scales the layer's
-  output by a learned `layer_scalar`. In targets with KV-shared layers the carry holds the
+  Gemma 4 (`config.is_gemma4`) norms each sublayer's output too (sandwich norms), runs its MoE
+  block beside the MLP where `moe`, adds its per-layer input (`per_layer` [B, T, P]) through a
+  gated projection, and scales the layer's output by a learned `layer_scalar`. In targets with KV-shared layers the carry holds the
   block K/V of the run's last layer (`extra`), which the shared layers of its type read
   (`shared`), and `kv_shared` layers compute no K/V."""
 
@@ -125,7 +125,13 @@ class DecoderLayer(nn.Module):
       h = h + norm("post_attention_layernorm")(attn_out)
       x = norm("pre_feedforward_layernorm")(h)
       width = c.intermediate_size * (2 if c.use_double_wide_mlp and self.kv_shared else 1)
-      h = h + norm("post_feedforward_layernorm")(MLP(c, width, name="mlp")(x))
+      ffn = MLP(c, width, name="mlp")(x)
+      if self.moe:  # the MoE block beside the MLP: routed on the residual, its own norms
+        experts = MoE(c, name="moe")(norm("pre_feedforward_layernorm_2")(h), router_input=h)
+        ffn = norm("post_feedforward_layernorm_1")(ffn) + norm("post_feedforward_layernorm_2")(
+          experts
+        )
+      h = h + norm("post_feedforward_layernorm")(ffn)
       if c.hidden_size_per_layer_input:
         h = h + self._per_layer_input(h, per_layer, norm)
       scalar = self.param(

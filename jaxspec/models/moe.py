@@ -2,6 +2,8 @@
 
 Routers:
   * softmax (Qwen3-MoE): softmax over expert logits, top-k, optional renormalisation.
+  * gemma4 (Gemma 4): softmax over the logits of the RMS-normed layer input times a learned
+    scale / sqrt(H), top-k renormalised, each weight times its expert's learned scale.
   * sigmoid (GLM-4.5 / DeepSeek-V3): sigmoid scores; the choice uses scores + a correction bias,
     restricted to the `topk_group` best of `n_group` groups (a group scores the sum of its top-2);
     weights are the unbiased scores, optionally renormalised, times `routed_scaling_factor`.
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import expert_parallel as ep
-from jaxspec.models.layers import MLP, Dense, dtype_of, normal_init, weight
+from jaxspec.models.layers import MLP, Dense, dtype_of, normal_init, rms_normalize, weight
 from jaxspec.models.platform import kernel_or_reference
 from jaxspec.quant.formats import is_quantized, materialize, take
 
@@ -49,7 +51,7 @@ def route(
   if config.router == "topk_softmax":
     top, ids = jax.lax.top_k(logits, k)
     return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
-  if config.router == "softmax":
+  if config.router in ("softmax", "gemma4"):  # gemma4: the caller scales the weights
     probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = jax.lax.top_k(probs, k)
     if config.norm_topk_prob:
@@ -101,6 +103,13 @@ def clamped_swiglu(gate_up: jax.Array, limit: float, alpha: float) -> jax.Array:
   gate = jnp.minimum(gate_up[..., 0::2], limit)
   up = jnp.clip(gate_up[..., 1::2], -limit, limit)
   return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def split_geglu(gate_up: jax.Array) -> jax.Array:
+  """Gemma 4's activation over the fused gate/up output [..., 2I] (gate first, then up):
+  GELU-tanh(gate) · up."""
+  gate, up = jnp.split(gate_up, 2, axis=-1)
+  return jax.nn.gelu(gate, approximate=True) * up
 
 
 def _biases(w: Experts) -> tuple:
@@ -317,6 +326,8 @@ class MoE(nn.Module):
     if c.fused_gate_up:
       ins = (self._expert_param("gate_up_proj", ep.INS_AXES, (e, h, 2 * i), pdt),)
       act = functools.partial(clamped_swiglu, limit=c.swiglu_limit, alpha=c.swiglu_alpha)
+      if c.is_gemma4:
+        act = split_geglu
     else:
       ins = tuple(
         self._expert_param(name, ep.INS_AXES, (e, h, i), pdt)
@@ -333,7 +344,9 @@ class MoE(nn.Module):
     return Experts(ins, in_biases, down, down_bias, act)
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, router_input: jax.Array | None = None) -> jax.Array:
+    """x [..., H] → [..., H]. The router reads `router_input` where given (Gemma 4 routes on
+    the layer's un-normed residual while its experts read their own norm's output)."""
     c = self.config
     e, h = c.num_experts, c.hidden_size
     router = weight(
@@ -362,11 +375,24 @@ class MoE(nn.Module):
 
     lead = x.shape[:-1]
     xf = x.reshape(-1, h)
+    r = xf if router_input is None else router_input.reshape(-1, h)
+    if c.router == "gemma4":  # RMS-normed without a scale, then a learned scale / sqrt(H)
+      scale = self.param(
+        "router_scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (h,),
+        jnp.float32,
+      )
+      r = rms_normalize(r, c.rms_norm_eps).astype(jnp.float32) * scale * h**-0.5
     # The router runs in float32 (HF keeps gate.weight and the bias in fp32 too).
-    logits = xf.astype(jnp.float32) @ materialize(router, jnp.float32)
+    logits = r.astype(jnp.float32) @ materialize(router, jnp.float32)
     if c.router == "topk_softmax":
       logits = logits + bias
     weights, ids = route(c, logits, bias)
+    if c.router == "gemma4":
+      per_expert = self.param(
+        "per_expert_scale", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (e,),
+        jnp.float32,
+      )
+      weights = weights * per_expert[ids]
     # Routing statistics (no-ops unless 'intermediates' is mutable): the raw router logits
     # [N, E] (routing margins for parity checks, router sensitivity for quantization), the
     # fraction of routed slots per expert and the mean normalised router score (load balancing).

@@ -38,7 +38,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from jaxspec.io.architectures import HFConfigReader, config_from_hf
+from jaxspec.io.architectures import (
+  MULTIMODAL_TEXT_ARCHITECTURES,
+  HFConfigReader,
+  config_from_hf,
+  text_config,
+)
 from jaxspec.options import RunOptions
 from jaxspec.errors import ConfigError
 from jaxspec.state import DEFAULT_SLACK, KV_FORMATS, DecodingState, logical_axes
@@ -150,7 +155,11 @@ def model_spec(
       whenever jaxspec can build the architecture).
   """
   if isinstance(hf.get("text_config"), Mapping):
-    hf = {**hf["text_config"], "architectures": hf.get("architectures")}
+    outer = (hf.get("architectures") or [None])[0]
+    if outer in MULTIMODAL_TEXT_ARCHITECTURES:  # a wrapper jaxspec reads the text model of
+      hf = text_config(hf)
+    else:
+      hf = {**hf["text_config"], "architectures": hf.get("architectures")}
   arch = architecture_of(hf)
   buildable = arch in SUPPORTED_ARCHITECTURES
   if source not in ("auto", "traced", "formula"):
@@ -292,7 +301,9 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
   moe_inter = r.integer("moe_intermediate_size", 0)
   if arch in ("GptOssForCausalLM", "MiniMaxM2ForCausalLM"):  # intermediate_size: the experts'
     moe_inter = r.integer("intermediate_size")
-  top_k = r.first_integer(("num_experts_per_tok", "experts_per_token"), 8 if minimax else 0)
+  top_k = r.first_integer(
+    ("num_experts_per_tok", "experts_per_token", "top_k_experts"), 8 if minimax else 0
+  )
   d: dict[str, Any] = dict(
     hidden=hidden,
     vocab=r.integer("vocab_size"),
@@ -527,7 +538,11 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
   sharding rule, so those small low-rank projections stay replicated.
   """
   if isinstance(hf.get("text_config"), Mapping):
-    hf = {**hf["text_config"], "architectures": hf.get("architectures")}
+    outer = (hf.get("architectures") or [None])[0]
+    if outer in MULTIMODAL_TEXT_ARCHITECTURES:  # a wrapper jaxspec reads the text model of
+      hf = text_config(hf)
+    else:
+      hf = {**hf["text_config"], "architectures": hf.get("architectures")}
   arch = architecture_of(hf)
   r = HFConfigReader(hf, arch)
   d = _dims(hf, arch)

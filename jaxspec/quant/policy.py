@@ -87,8 +87,8 @@ def role_of(path: str) -> str:
     return "bias"
   if leaf == "scale":
     return "norm"
-  if parts[0] == "embed" or leaf == "embed":
-    return "embed"
+  if parts[0] in ("embed", "embed_per_layer") or leaf == "embed":
+    return "embed"  # (Gemma 4's per-layer input table is an embedding too)
   if parts[0].startswith("mtp_"):
     return "mtp"
   if parts[0] == "lm_head":
@@ -99,9 +99,12 @@ def role_of(path: str) -> str:
     return "attention"
   if "shared_experts" in parts:
     return "shared_experts"
+  if leaf in ("router_scale", "per_expert_scale", "layer_scalar"):
+    return "norm"  # learned scales (Gemma 4), never quantized
   if leaf == "router":
     return "router"
-  if leaf in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") and "mlp" in parts:
+  experts = "mlp" in parts or "moe" in parts  # (Gemma 4's experts sit beside its MLP, in "moe")
+  if leaf in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") and experts:
     return "experts"
   return "mlp"
 

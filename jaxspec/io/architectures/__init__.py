@@ -31,6 +31,7 @@ from jaxspec.io.architectures.reader import HFConfigReader
 
 __all__ = [
   "ARCHITECTURES",
+  "MULTIMODAL_TEXT_ARCHITECTURES",
   "Architecture",
   "HFConfigReader",
   "config_from_hf",

@@ -9,10 +9,12 @@ or transformers' `per_layer_config` overrides); values equal to the keys' projec
 layers (`attention_k_eq_v`); the last `num_kv_shared_layers` layers reading the K/V of the last
 earlier layer of their type; per-layer input embeddings (`hidden_size_per_layer_input`,
 `vocab_size_per_layer_input`); tanh soft-capping of the logits; MLPs twice as wide in KV-shared
-layers (`use_double_wide_mlp`); GELU-tanh (`hidden_activation`); tied embeddings.
+layers (`use_double_wide_mlp`); GELU-tanh (`hidden_activation`); tied embeddings; the MoE block
+beside every layer's MLP (`enable_moe_block`: `num_experts`, `top_k_experts`,
+`moe_intermediate_size`; experts stored fused as `experts.gate_up_proj` [E, 2I, H]).
 
-Refused by name: the MoE block (`enable_moe_block`), bidirectional attention, other RoPE types,
-per-layer overrides other than the full layers' head width and KV heads.
+Refused by name: bidirectional attention, other RoPE types, per-layer overrides other than the
+full layers' head width and KV heads.
 """
 
 from __future__ import annotations
@@ -151,8 +153,17 @@ def _read(r: HFConfigReader, kw: dict[str, Any]) -> dict[str, Any]:
       f"use_bidirectional_attention={show(r.hf['use_bidirectional_attention'])} is not "
       "supported (causal text decoding only)"
     )
-  if r.flag("enable_moe_block", False):
-    raise r.error("enable_moe_block (the Gemma 4 MoE block) is not supported")
+  moe = r.flag("enable_moe_block", False)
+  experts = dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+  if moe:
+    experts = dict(
+      num_experts=r.integer("num_experts"),
+      num_experts_per_tok=r.integer("top_k_experts"),
+      moe_intermediate_size=r.integer("moe_intermediate_size"),
+      router="gemma4",
+      norm_topk_prob=True,
+      layer_is_moe=(True,) * n,
+    )
   act = r.hf["_hidden_act"]
   if act not in ("gelu_pytorch_tanh", "silu"):
     raise r.error(f"hidden_activation {show(act)} is not supported ('gelu_pytorch_tanh')")
@@ -184,6 +195,7 @@ def _read(r: HFConfigReader, kw: dict[str, Any]) -> dict[str, Any]:
     else 0,
     final_logit_softcapping=0.0 if cap is None else r.number("final_logit_softcapping"),
     use_double_wide_mlp=r.flag("use_double_wide_mlp", False),
+    **experts,
   )
 
 
@@ -217,7 +229,10 @@ def _write(c: ModelConfig) -> dict[str, Any]:
     vocab_size_per_layer_input=c.vocab_size_per_layer_input,
     final_logit_softcapping=c.final_logit_softcapping or None,
     use_double_wide_mlp=c.use_double_wide_mlp,
-    enable_moe_block=False,
+    enable_moe_block=c.is_moe,
+    num_experts=c.num_experts or None,
+    top_k_experts=c.num_experts_per_tok or None,
+    moe_intermediate_size=c.moe_intermediate_size or None,
   )
 
 
