@@ -407,20 +407,26 @@ def test_taps_are_transformers_hidden_states(saved, pair):
   assert dflash.config.embed_scale == target.config.hidden_size**0.5
 
 
-def test_speculative_decoding_is_lossless(pair):
-  """Greedy speculation with the assistant equals plain decoding past the window, batch 1 and
-  4, chain and tree."""
+@pytest.fixture(scope="module")
+def engines(pair):
+  """Plain, assistant chain and assistant tree (budget 6) engines of 4 slots, compiled once."""
   target, drafter = pair
   cfg = EngineConfig(max_len=48, batch_size=4, use_eos=False)
-  plain = SpecEngine(target, None, cfg)
-  engines = [
-    SpecEngine(target, drafter, cfg),
-    SpecEngine(target, drafter, dataclasses.replace(cfg, verify="tree", tree_budget=6)),
-  ]
+  return dict(
+    plain=SpecEngine(target, None, cfg),
+    chain=SpecEngine(target, drafter, cfg),
+    tree=SpecEngine(target, drafter, dataclasses.replace(cfg, verify="tree", tree_budget=6)),
+  )
+
+
+def test_speculative_decoding_is_lossless(pair, engines):
+  """Greedy speculation with the assistant equals plain decoding past the window, batch 1 and
+  4, chain and tree."""
+  target, _ = pair
   for batch in (1, 4):
     ps = drafter_models.prompts(batch, VOCAB)
-    want = plain.generate(ps, max_new_tokens=12)
-    for engine in engines:
+    want = engines["plain"].generate(ps, max_new_tokens=12)
+    for engine in (engines["chain"], engines["tree"]):
       got = engine.generate(ps, max_new_tokens=12)
       near_ties.assert_greedy_match(target, ps, want.tokens, got.tokens)
       assert all(len(t) == 12 for t in got.tokens)
@@ -550,3 +556,30 @@ def test_the_assistant_is_found_by_method_name_and_by_kind(saved, pair):
   other = jaxspec.load_model(saved["plain"][1])  # full layers 16 wide with 2 KV heads, not 1
   with pytest.raises(ConfigError, match="full layers read"):
     jaxspec.load_drafter(assistant_dir, other)
+
+
+def test_assistant_reads_committed_positions_mid_generation(saved, pair, engines):
+  """After speculative steps (verify blocks written, some drafts rejected, the sliding runs
+  rings of window + verify width that have wrapped), the assistant's next draft steps equal
+  transformers' assistant over the committed text alone."""
+  hf, _ = saved["shared"]
+  assistant, _ = saved["assistant"]
+  _, drafter = pair
+  engine = engines["chain"]
+  prompt = _ids((1, 6), seed=9)[0].tolist()
+  state = engine.run(engine.init_state([prompt], max_new_tokens=30, temperature=0.0), 8)
+  assert any(isinstance(s, SlidingKV) for s in state.target_state.segments)
+  n = int(state.seq_len[0])  # committed tokens, the root last
+  assert n >= 6 + 1 + 8  # past the rings' 4 + 4 slots
+  tokens = np.asarray(state.tokens[0, :n])
+  want = np.stack(_hf_draft_logprobs(hf, assistant, tokens[None, :-1], int(tokens[-1]), 3))
+  ctx = ProposeContext(
+    state.tokens,
+    state.seq_len,
+    sampling.make_sampling_params(4, temperature=1.0),
+    jax.random.PRNGKey(0),
+    state.target_state,
+  )
+  tree = drafter.for_tree()
+  proposal, _ = tree.propose(tree.params, state.drafter_state, ctx)
+  np.testing.assert_allclose(np.asarray(proposal.logprobs[0]), want, atol=1e-4)
