@@ -267,7 +267,8 @@ def test_checkpoint_round_trip_and_multimodal_layout(saved, tmp_path):
   jaxspec.save_hf(model, out)
   back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
   ids = _ids(seed=5)
-  np.testing.assert_allclose(hf_models.hf_logits(back, ids), hf_models.hf_logits(hf, ids), atol=1e-5)
+  want = hf_models.hf_logits(hf, ids)
+  np.testing.assert_allclose(hf_models.hf_logits(back, ids), want, atol=1e-5)
   # The text model of a Gemma4ForConditionalGeneration checkpoint: model.language_model.*,
   # beside towers that are left out with a warning.
   wrapped = tmp_path / "wrapped"

@@ -209,7 +209,11 @@ GEMMA4_MOE: list[Entry] = [
   ("experts.down_proj", ("moe", "down_proj"), "experts_linear"),
 ] + [
   (f"{n}.weight", (n, "scale"), "same")
-  for n in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
+  for n in (
+    "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm_1",
+    "post_feedforward_layernorm_2",
+  )
 ]
 
 

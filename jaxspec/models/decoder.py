@@ -71,9 +71,9 @@ class DecoderLayer(nn.Module):
 
   Gemma 4 (`config.is_gemma4`) norms each sublayer's output too (sandwich norms), runs its MoE
   block beside the MLP where `moe`, adds its per-layer input (`per_layer` [B, T, P]) through a
-  gated projection, and scales the layer's output by a learned `layer_scalar`. In targets with KV-shared layers the carry holds the
-  block K/V of the run's last layer (`extra`), which the shared layers of its type read
-  (`shared`), and `kv_shared` layers compute no K/V."""
+  gated projection, and scales the layer's output by a learned `layer_scalar`. In targets with
+  KV-shared layers the carry holds the block K/V of the run's last layer (`extra`), which the
+  shared layers of its type read (`shared`), and `kv_shared` layers compute no K/V."""
 
   config: ModelConfig
   moe: bool

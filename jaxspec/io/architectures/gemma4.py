@@ -50,7 +50,9 @@ def _prepare(hf: Mapping[str, Any]) -> dict[str, Any]:
   per_type = r.mapping("rope_parameters")
   nested = {k: v for k, v in per_type.items() if isinstance(v, Mapping)}
   if per_type and len(nested) != len(per_type):
-    raise r.error("rope_parameters must be nested per layer type (sliding_attention, full_attention)")
+    raise r.error(
+      "rope_parameters must be nested per layer type (sliding_attention, full_attention)"
+    )
   extra = sorted(set(nested) - {SLIDING, FULL})
   if extra:
     raise r.error(f"rope_parameters names unknown layer types {extra}")
