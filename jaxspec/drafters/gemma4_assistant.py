@@ -99,6 +99,24 @@ def kv_stores(config: ModelConfig) -> dict[bool, tuple[int, int]]:
   return out
 
 
+def shared_sources(target: ModelConfig, target_state: Any, batch: int) -> dict:
+  """Layer type (True: sliding) → the SharedSource the assistant's layers of that type attend
+  to: the target state's entry of that type's K/V-computing layer (None: no state, as for
+  initialising), with an empty block part."""
+  out = {}
+  dt = jnp.dtype(target.dtype)
+  for sliding, (run, index) in kv_stores(target).items():
+    heads = target.attention_kv_heads(sliding)
+    out[sliding] = attention_lib.SharedSource(
+      None,
+      None if target_state is None else target_state.segments[run],
+      jnp.int32(index),
+      jnp.zeros((batch, 1, heads, target.attention_head_dim(sliding)), dt),
+      jnp.zeros((batch, 1, heads, target.attention_value_dim(sliding)), dt),
+    )
+  return out
+
+
 def ordered_logits(
   h: jax.Array, centroids: jax.Array, ordering: jax.Array, table: jax.Array, top_k: int
 ) -> jax.Array:
@@ -256,24 +274,10 @@ class Gemma4AssistantDrafter(Drafter):
     return slot
 
   def sources(self, target_state: Any, batch: int) -> dict:
-    """Layer type → what the assistant's layers of that type attend to: the target's entry
-    of that type's K/V-computing layer (its block part empty)."""
+    """Layer type → what the assistant's layers of that type attend to (`shared_sources`)."""
     if target_state is None:
       raise ValueError("the Gemma 4 assistant reads the target's decoding state: none given")
-    out = {}
-    for sliding, (run, index) in kv_stores(self.target).items():
-      heads = self.target.attention_kv_heads(sliding)
-      dim = self.target.attention_head_dim(sliding)
-      dv = self.target.attention_value_dim(sliding)
-      dt = jnp.dtype(self.target.dtype)
-      out[sliding] = attention_lib.SharedSource(
-        None,
-        target_state.segments[run],
-        jnp.int32(index),
-        jnp.zeros((batch, 1, heads, dim), dt),
-        jnp.zeros((batch, 1, heads, dv), dt),
-      )
-    return out
+    return shared_sources(self.target, target_state, batch)
 
   def propose(
     self, params: Any, state: AssistantState, ctx: ProposeContext
@@ -407,16 +411,7 @@ def param_shapes(config: AssistantConfig, target: ModelConfig) -> Any:
   b = 1
   hb = config.backbone_hidden_size
   dt = jnp.dtype(target.dtype)
-  sources = {
-    s: attention_lib.SharedSource(
-      None,
-      None,
-      jnp.int32(0),
-      jnp.zeros((b, 1, target.attention_kv_heads(s), target.attention_head_dim(s)), dt),
-      jnp.zeros((b, 1, target.attention_kv_heads(s), target.attention_value_dim(s)), dt),
-    )
-    for s in kv_stores(target)
-  }
+  sources = shared_sources(target, None, b)
   init = lambda key: AssistantModel(config).init(
     key,
     jnp.zeros((b, 1, hb), dt),
