@@ -2,8 +2,9 @@
 make. The statistical tests run them through the same goodness-of-fit checks as the exact rules
 and require them to fail, which shows that the checks have power.
 
-Chain rules subclass `verify.ChainRule` and tree rules `tree_verify.DDTreeRule` or
-`tree_verify.Eagle2Rule` (the exact rules), each overriding one decision.
+Chain rules subclass `verify.ChainRule` and tree rules `tree_verify.DDTreeRule`,
+`tree_verify.Eagle2Rule` or `tree_verify.RecursiveRule` (the exact rules), each overriding one
+decision.
 """
 
 from __future__ import annotations
@@ -134,10 +135,33 @@ class Eagle2ResidualP(tree_verify.Eagle2Rule):
     return p
 
 
+@dataclasses.dataclass(frozen=True)
+class RecursiveNoResidual(tree_verify.RecursiveRule):
+  """After a rejected child the next sibling is tested against p itself, not the residual
+  max(0, p − q): the rejected mass is counted twice."""
+
+  def residual(self, p, q, mp, mq):
+    del q, mq
+    return p / mp
+
+
+@dataclasses.dataclass(frozen=True)
+class RecursiveWithReplacement(tree_verify.RecursiveRule):
+  """The next sibling is tested against q itself, as if the children were drawn with
+  replacement (SpecInfer's i.i.d. rule), although they are distinct draws without replacement:
+  a later child's q is understated, so it is accepted too often."""
+
+  def exclude(self, q, x):
+    del x
+    return q
+
+
 TREE = {
   "no_parent_check": NoParentCheck(),
   "eagle2_no_renorm": Eagle2NoRenorm(),
   "eagle2_residual_p": Eagle2ResidualP(),
+  "recursive_no_residual": RecursiveNoResidual(),
+  "recursive_with_replacement": RecursiveWithReplacement(),
 }
 
 

@@ -242,8 +242,9 @@ def test_greedy_walk_by_hand(argmaxes, want_path, want_next):
   tree = _hand_tree()
   logits = jax.nn.one_hot(jnp.array([argmaxes]), 10) * 5.0
   params = sampling.make_sampling_params(1)
+  q = jnp.full((1, 3, 10), 0.1)  # the recursive rule's draft distributions (unused when greedy)
   for rule in tree_verify.RULES:
-    path, n, nxt = tree_verify.verify_tree(jax.random.PRNGKey(0), tree, logits, params, 3, rule)
+    path, n, nxt = tree_verify.verify_tree(jax.random.PRNGKey(0), tree, logits, params, 3, rule, q)
     n_want = sum(1 for p in want_path[1:] if p)
     assert np.asarray(path[0]).tolist() == want_path
     assert (int(n[0]), int(nxt[0])) == (n_want, want_next)
@@ -329,6 +330,10 @@ def _seq_pvalue(seqs, warped, start=0):
       prev = t
     probs[idx] = p
   counts = np.bincount(codes, minlength=probs.size)
+  impossible = probs == 0  # top-k / top-p cut these: a single hit fails the test
+  if counts[impossible].any():
+    return 0.0
+  counts, probs = counts[~impossible], probs[~impossible]
   expected = probs * counts.sum()
   small = expected < 5  # pooled into one cell (the chi-square approximation needs ≥ 5)
   obs, exp = counts[~small], expected[~small]
@@ -340,7 +345,7 @@ def _seq_pvalue(seqs, warped, start=0):
 N_SAMPLES = 60_000
 
 
-@pytest.mark.parametrize("rule", tree_verify.RULES)
+@pytest.mark.parametrize("rule", ["ddtree", "eagle2"])  # over top-k trees; "recursive" below
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_sampled_walk_is_exact(rule, temperature):
   depth = 3
@@ -358,3 +363,124 @@ def test_broken_walks_fail_the_same_test(rule, variant):
   table, tree, logits = _bigram_case(0, N_SAMPLES, depth=depth)
   seqs, warped = _sequences(table, tree, logits, 1.0, rule, variant, depth, seed=3)
   assert _seq_pvalue(seqs, warped) < FAIL_P
+
+
+# The recursive rule over children sampled without replacement ----------------------------------
+
+
+def _sampled_case(seed, batch, params, vocab=4, depth=3, budget=6, topk=2, candidates="sampled"):
+  """A bigram target and per-row draft trees whose children are drawn from the warped q.
+
+  candidates: "sampled" (`sample_candidates`), "sampled_first" (the first draw given, as a
+  drafter's own sampled chain) or "top_k" (the naive tree: q's top-k verified as if drawn).
+  Returns (warped target table [V, V], tree, target logits [B, N+1, V], q [B, D, V]).
+  """
+  rng = np.random.default_rng(seed)
+  table = rng.dirichlet(np.full(vocab, 2.0), size=vocab)
+  base = rng.normal(size=(1, depth, vocab)) * 1.5
+  draft_logits = jnp.asarray(base + rng.normal(size=(batch, depth, vocab)) * 0.5, jnp.float32)
+  q = sampling.warped_probs(draft_logits, params)
+  key_first, key_rest = jax.random.split(jax.random.PRNGKey(seed + 7))
+  first = None
+  if candidates == "sampled_first":
+    first = sampling.sample_from_probs(key_first, q)
+  if candidates == "top_k":
+    drawn = jax.lax.top_k(q, topk)[1]
+  else:
+    drawn = tree_lib.sample_candidates(key_rest, q, topk, first)
+  tree = build_tree(jnp.zeros((batch,), jnp.int32), jnp.log(q), budget, topk, False, drawn)
+  logits = jnp.log(jnp.asarray(table, jnp.float32))[tree.tokens]
+  row_params = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], (vocab,)), params)
+  warped = np.asarray(sampling.warped_probs(jnp.log(jnp.asarray(table, jnp.float32)), row_params))
+  warped = warped.astype(np.float64)
+  return warped / warped.sum(axis=1, keepdims=True), tree, logits, q
+
+
+def _recursive_sequences(warped, tree, logits, q, params, rule, depth, seed):
+  """One recursive-rule tree step per row, extended with exact samples to depth + 1 tokens."""
+  batch = tree.tokens.shape[0]
+  fn = jax.jit(tree_verify.verify_tree, static_argnums=(4, 5))
+  path, n, nxt = fn(jax.random.PRNGKey(seed), tree, logits, params, depth, rule, q)
+  toks = np.asarray(tree_verify.path_tokens(tree, path))
+  n, nxt = np.asarray(n), np.asarray(nxt)
+  rng = np.random.default_rng(seed + 1)
+  seqs = np.concatenate([toks, np.zeros((batch, 1), toks.dtype)], axis=1).astype(np.int64)
+  seqs[np.arange(batch), n] = nxt
+  cdf = np.cumsum(warped, axis=1)
+  for k in range(1, depth + 1):
+    drawn = np.minimum((rng.random(batch)[:, None] > cdf[seqs[:, k - 1]]).sum(axis=1), 3)
+    seqs[:, k] = np.where(k > n, drawn, seqs[:, k])
+  return seqs, n
+
+
+RECURSIVE_SETTINGS = {  # temperature, top_k, top_p
+  "t1_topp": (1.0, 0, 0.85),
+  "t0.6_topk": (0.6, 3, 1.0),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(RECURSIVE_SETTINGS))
+@pytest.mark.parametrize("candidates", ["sampled", "sampled_first"])
+def test_recursive_walk_is_exact(setting, candidates):
+  """The recursive rule over sampled children is exact with temperature, top-k and top-p
+  applied to both sides, whether or not the first child is the drafter's own draw."""
+  depth = 3
+  params = sampling.make_sampling_params(N_SAMPLES, *RECURSIVE_SETTINGS[setting])
+  warped, tree, logits, q = _sampled_case(0, N_SAMPLES, params, candidates=candidates)
+  assert int(jnp.sum(tree.valid)) > 4 * N_SAMPLES  # branching trees, not chains
+  seqs, n = _recursive_sequences(warped, tree, logits, q, params, "recursive", depth, seed=3)
+  assert _seq_pvalue(seqs, warped) > PASS_P
+  assert np.mean(n) > 0.5  # drafts do get accepted
+
+
+@pytest.mark.parametrize(
+  "variant, candidates",
+  [
+    ("recursive_no_residual", "sampled"),
+    ("recursive_with_replacement", "sampled"),
+    ("exact", "top_k"),  # min(1, p/q) over q's top-k, as if they had been drawn
+  ],
+)
+def test_broken_recursive_walks_fail(variant, candidates):
+  depth = 3
+  params = sampling.make_sampling_params(N_SAMPLES, 1.0, 0, 0.85)
+  warped, tree, logits, q = _sampled_case(0, N_SAMPLES, params, candidates=candidates)
+  rule = tree_verify.RecursiveRule() if variant == "exact" else broken_rules.TREE[variant]
+  seqs, _ = _recursive_sequences(warped, tree, logits, q, params, rule, depth, seed=3)
+  assert _seq_pvalue(seqs, warped) < FAIL_P
+
+
+@pytest.mark.parametrize("with_first", [False, True])
+def test_sample_candidates_draw_without_replacement(with_first):
+  """The first two draws follow q(a) · q(b) / (1 − q(a)); a given first draw (itself drawn from
+  q) keeps that law. Distinct tokens, tokens with q = 0 last."""
+  n, vocab = 40_000, 5
+  q = jnp.asarray([0.4, 0.3, 0.2, 0.1, 0.0], jnp.float32)
+  probs = jnp.broadcast_to(q, (n, 1, vocab))
+  key_first, key = jax.random.split(jax.random.PRNGKey(5))
+  first = sampling.sample_from_probs(key_first, probs) if with_first else None
+  ids = np.asarray(tree_lib.sample_candidates(key, probs, 4, first))[:, 0]
+  assert np.all(np.sort(ids, axis=1) == np.arange(4)) and np.all(ids[:, :4] != 4)
+  if with_first:
+    assert np.all(ids[:, 0] == np.asarray(first)[:, 0])
+  qn = np.asarray(q, np.float64)
+  pairs = [(a, b) for a in range(4) for b in range(4) if a != b]
+  expected = np.array([qn[a] * qn[b] / (1 - qn[a]) for a, b in pairs])
+  expected *= n / expected.sum()  # 1 up to q's float32 rounding
+  counts = np.array([np.sum((ids[:, 0] == a) & (ids[:, 1] == b)) for a, b in pairs])
+  assert scipy.stats.chisquare(counts, expected).pvalue > PASS_P
+
+
+def test_sampled_tree_shape_depends_on_q_only():
+  """Two different candidate draws give the same parents, depths and validity: the shape is
+  built from q's sorted probabilities, never from which tokens were drawn."""
+  rng = np.random.default_rng(2)
+  q = jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 4, 12)) * 2, jnp.float32))
+  trees = [
+    build_tree(jnp.zeros((3,), jnp.int32), jnp.log(q), 9, 3, False,
+               tree_lib.sample_candidates(jax.random.PRNGKey(s), q, 3))
+    for s in (0, 1)
+  ]
+  for field in ("parents", "depths", "valid", "mask"):
+    assert np.array_equal(getattr(trees[0], field), getattr(trees[1], field))
+  assert not np.array_equal(trees[0].tokens, trees[1].tokens)

@@ -1,14 +1,14 @@
 """Tree verification in the engine (EngineConfig(verify="tree")): losslessness and bookkeeping.
 
 - Greedy tree speculation equals plain greedy decoding token for token (batch 1 and 4, with and
-  without the seeded chain, both walk rules, per-sequence budgets); budget 1 too.
+  without the seeded chain, every walk rule, per-sequence budgets); budget 1 too.
 - Step by step: the target cache equals a fresh prefill of the committed tokens after every step
   (tree nodes never leak), the draft model's cache is valid up to its tracked length, the
   features handed to the drafter equal the target's features of the committed tokens, and with
   the chain seeded the tree never accepts fewer tokens than chain verification from the same
   state.
 - Sampled: whole sequences from exact bigram models follow the target distribution (chi-square),
-  for both walk rules and two temperatures.
+  for the three walk rules (the recursive one over sampled children) and three temperatures.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def _prompts(batch, vocab=96, seed=0):
 
 
 @pytest.mark.parametrize(
-  "batch, budget, seed, rule", [(1, 8, False, "ddtree"), (4, 12, True, "eagle2")]
+  "batch, budget, seed, rule",
+  [(1, 8, False, "ddtree"), (4, 12, True, "eagle2"), (1, 8, True, "recursive")],
 )
 def test_greedy_tree_speculation_equals_plain(models, batch, budget, seed, rule):
   target, draft = models
@@ -87,6 +88,21 @@ def test_greedy_tree_speculation_equals_plain(models, batch, budget, seed, rule)
   assert [len(t) for t in spec.tokens] == budgets
   assert spec.stats.acceptance_length > 1.1  # the tree does accept drafts
   assert len(spec.stats.summary["accept_hist"]) == 4 + 1  # histogram over depths 0..γ
+
+
+def test_mixed_batch_greedy_rows_equal_plain(models):
+  """Under the recursive rule a greedy row sharing its batch with sampled rows (whose trees
+  draw their children) still decodes exactly as plain greedy decoding."""
+  target, draft = models
+  cfg = EngineConfig(max_len=80, batch_size=2, use_eos=False)
+  prompts = _prompts(2)
+  plain = SpecEngine(target, None, cfg).generate(prompts, max_new_tokens=30)
+  tree_cfg = dataclasses.replace(cfg, verify="tree", tree_budget=8, tree_rule="recursive")
+  spec = SpecEngine(target, DraftModelDrafter.from_model(draft, gamma=4), tree_cfg).generate(
+    prompts, max_new_tokens=30, temperature=[0.0, 1.0], seed=3
+  )
+  near_ties.assert_greedy_match(target, prompts[:1], plain.tokens[:1], spec.tokens[:1])
+  assert len(spec.tokens[1]) == 30 and spec.tokens[1] != plain.tokens[1]
 
 
 def test_budget_one_reproduces_plain_decoding(models):
@@ -149,8 +165,8 @@ class FeatureRecorder(Drafter):
   def taps(self):
     return self.tap_ids
 
-  def for_tree(self):
-    return dataclasses.replace(self, inner=self.inner.for_tree())
+  def for_tree(self, sampled_chain=False):
+    return dataclasses.replace(self, inner=self.inner.for_tree(sampled_chain))
 
   def init_state(self, params, batch, max_len):
     h = self.feature_size
@@ -300,7 +316,8 @@ def _chi2_pvalue(counts, outcomes, probs):
 
 
 @pytest.mark.parametrize(
-  "rule, chain_seed, temperature", [("ddtree", False, 1.0), ("eagle2", True, 0.7)]
+  "rule, chain_seed, temperature",
+  [("ddtree", False, 1.0), ("eagle2", True, 0.7), ("recursive", True, 0.6)],
 )
 def test_sampled_tree_sequences_follow_the_target_distribution(rule, chain_seed, temperature):
   rng = np.random.default_rng(4)

@@ -13,8 +13,10 @@ to it explicitly; its caches live in a `state` pytree that the engine threads th
                                (ctx also carries the target's decoding state, for drafters
                                that read its K/V)
   commit(params, state, ctx)   absorb what the target accepted this step
-  for_tree()                   the drafter configured for tree verification: its proposals
-                               carry per-position `logprobs` (default: itself)
+  for_tree(sampled_chain)      the drafter configured for tree verification: its proposals
+                               carry per-position `logprobs` (default: itself); with
+                               sampled_chain, a chain drafter samples its chain at T > 0 (and
+                               returns its q) instead of following the argmax
   param_axes()                 logical axes of `params`, for placing them on a device mesh
                                (default None: replicated); its state's arrays are named by
                                `AXES` tables on the state structs (jaxspec/state.py)
@@ -174,13 +176,20 @@ class Drafter:
     """Vocabulary the drafter proposes in (None = any, e.g. n-grams)."""
     return None
 
-  def for_tree(self) -> "Drafter":
+  def for_tree(self, sampled_chain: bool = False) -> "Drafter":
     """This drafter set up for tree verification (`EngineConfig(verify="tree")`).
 
     Tree verification builds its tree from `Proposal.logprobs`; a drafter that fills them only
     on request (a draft model following its argmax chain) returns a reconfigured copy here.
     Afterwards its commit receives the accepted path, which may leave its own chain.
+
+    sampled_chain: the tree's children are sampled (the "recursive" rule): a drafter whose
+    depth-i distribution depends on its own earlier drafts should sample its chain from q at
+    T > 0 rows and return q in `Proposal.probs` (greedy rows still follow the argmax), so that
+    each depth's q is conditioned on the tree's first branch. Without it the chain follows the
+    argmax, the branch a top-k tree is built around.
     """
+    del sampled_chain
     return self
 
   def param_axes(self) -> Any:

@@ -5,7 +5,8 @@ verification it samples every draft token from its warped distribution q (same
 temperature/top-k/top-p as the target) and returns q for lossless verification. For tree
 verification (`tree=True`, what `for_tree()` returns) it follows its own argmax chain and returns
 the per-step log-probabilities along it (`Proposal.logprobs`, temperature-scaled, no top-k/top-p)
-from which the engine's tree builder expands the top-K tokens of every step.
+from which the engine's tree builder expands the top-K tokens of every step; for sampled trees
+(`for_tree(sampled_chain=True)`) the chain is sampled at T > 0 as in chain mode, with its q.
 
 Cache bookkeeping: the state is the draft model's decoding state, whose `lengths` count the
 slots whose draft KV is known to belong to the committed text, plus the chain fed during the last propose. A
@@ -52,6 +53,7 @@ class DraftModelDrafter(Drafter):
   config: ModelConfig = None  # type: ignore[assignment]
   gamma: int = 4
   tree: bool = False
+  sampled_tree: bool = False  # tree mode: sample the chain at T > 0 (see Drafter.for_tree)
 
   def __post_init__(self):
     if self.config is None:
@@ -71,8 +73,8 @@ class DraftModelDrafter(Drafter):
   def param_axes(self) -> Any:
     return target_lib.logical_axes(self.config)
 
-  def for_tree(self) -> "DraftModelDrafter":
-    return dataclasses.replace(self, tree=True)
+  def for_tree(self, sampled_chain: bool = False) -> "DraftModelDrafter":
+    return dataclasses.replace(self, tree=True, sampled_tree=sampled_chain)
 
   @property
   def vocab_size(self) -> int:
@@ -121,23 +123,25 @@ class DraftModelDrafter(Drafter):
     keys = sampling.split_key(ctx.key, self.gamma)
 
     def draw(logits, key):
-      if self.tree:  # argmax chain; per-step log-probs for the tree builder
-        return sampling.argmax(logits), tree_logprobs(logits, ctx.sampling)
+      """(token, q or None, tree log-probs or None) for one step."""
+      lp = tree_logprobs(logits, ctx.sampling) if self.tree else None
+      if self.tree and not self.sampled_tree:  # argmax chain for a top-k tree
+        return sampling.argmax(logits), None, lp
       q = sampling.warped_probs(logits, ctx.sampling)
-      return sampling.sample_from_probs(key, q), q
+      return sampling.sample_from_probs(key, q), q, lp
 
-    tok, q = draw(first_logits, keys[0])
+    first = draw(first_logits, keys[0])
 
     def step(carry, key):
       cache, prev, pos = carry
       o = target_lib.apply_decoder(self.config, params, prev[:, None], pos, cache)
-      nxt, qn = draw(o.logits[:, 0], key)
-      return (o.state, nxt, pos + 1), (nxt, qn)
+      drawn = draw(o.logits[:, 0], key)
+      return (o.state, drawn[0], pos + 1), drawn
 
-    (cache, _, _), (toks, qs) = jax.lax.scan(step, (out.state, tok, ctx.seq_len), keys[1:])
-    tokens = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
-    dists = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-    proposal = Proposal(tokens, logprobs=dists) if self.tree else Proposal(tokens, dists)
+    (cache, _, _), rest = jax.lax.scan(step, (out.state, first[0], ctx.seq_len), keys[1:])
+    stack = lambda a, b: jnp.concatenate([a[:, None], jnp.moveaxis(b, 0, 1)], axis=1)
+    tokens, probs, logprobs = jax.tree.map(stack, first, rest)
+    proposal = Proposal(tokens, probs, logprobs)
     # Valid now: everything up to the root; the chain slots are judged at commit.
     return proposal, DraftModelState(cache.with_lengths(ctx.seq_len), tokens)
 

@@ -436,10 +436,10 @@ class Eagle3Drafter(Drafter):
       axes["d2t"] = PartitionSpec(None)
     return axes
 
-  def for_tree(self) -> "Eagle3Drafter":
-    """Tree verification: the chain follows the argmax, so each depth's log-probs are
-    conditioned on the tree's top-1 branch."""
-    return dataclasses.replace(self, sample_drafts=False)
+  def for_tree(self, sampled_chain: bool = False) -> "Eagle3Drafter":
+    """Tree verification: the chain follows the argmax (or, for sampled trees, is sampled at
+    T > 0), so each depth's log-probs are conditioned on the tree's first branch."""
+    return dataclasses.replace(self, sample_drafts=sampled_chain)
 
   def _model(self) -> Eagle3Model:
     return Eagle3Model(self.config)

@@ -251,8 +251,8 @@ class Gemma4AssistantDrafter(Drafter):
   def vocab_size(self) -> int:
     return self.target.vocab_size
 
-  def for_tree(self) -> "Gemma4AssistantDrafter":
-    return dataclasses.replace(self, sample_drafts=False)
+  def for_tree(self, sampled_chain: bool = False) -> "Gemma4AssistantDrafter":
+    return dataclasses.replace(self, sample_drafts=sampled_chain)
 
   def init_state(self, params: Any, batch: int, max_len: int) -> AssistantState:
     del params, max_len

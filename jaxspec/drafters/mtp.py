@@ -100,8 +100,8 @@ class MTPDrafter(Drafter):
     axes = target_lib.logical_axes(self.config)
     return {k: axes[k] for k in self.params}
 
-  def for_tree(self) -> "MTPDrafter":
-    return dataclasses.replace(self, sample_drafts=False)
+  def for_tree(self, sampled_chain: bool = False) -> "MTPDrafter":
+    return dataclasses.replace(self, sample_drafts=sampled_chain)
 
   def _block(self, params: Any) -> feature_chain.Block:
     """The MTP layer as the chain's block: (cache, tokens, hidden, start) → (h, logits, cache)."""

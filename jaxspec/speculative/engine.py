@@ -79,8 +79,14 @@ class EngineConfig:
   tree_budget: draft nodes per tree, the root excluded (the target verifies budget + 1 tokens).
   tree_topk: tokens kept per draft position when building the tree; 0 = min(budget, 8).
   tree_chain_seed: insert the drafter's full top-1 chain before best-first expansion.
-  tree_rule: "ddtree" (sample the target at each node, follow the match) or "eagle2" (the
-    deterministic-top-k residual rule); both are lossless.
+  tree_rule: how a tree is verified, all lossless (docs/tree.md): "recursive" (default; at
+    T > 0 the children are drawn from the drafter's q without replacement and accepted by
+    recursive rejection sampling; greedy rows as "ddtree"), "ddtree" (top-k children; sample
+    the target at each node, follow the match) or "eagle2" (top-k children, accepted by the
+    deterministic-top-k residual rule).
+  tree_draft_temperature: "recursive" only: the children are drawn from the drafter's q at
+    T × this (1 = the drafter's q; exact for any positive value; < 1 and > 1 measured worse
+    on the bundled pair, docs/benchmarks.md).
   """
 
   method: str = "auto"
@@ -100,7 +106,8 @@ class EngineConfig:
   tree_budget: int = 8
   tree_topk: int = 0
   tree_chain_seed: bool = False
-  tree_rule: str = "ddtree"
+  tree_rule: str = "recursive"
+  tree_draft_temperature: float = 1.0
 
   def __post_init__(self):
     def need(ok: bool, msg: str) -> None:
@@ -141,12 +148,23 @@ class EngineConfig:
         self.tree_rule in tree_verify.RULES,
         f"tree_rule={self.tree_rule!r}; expected one of {tree_verify.RULES}",
       )
+      t = self.tree_draft_temperature
+      need(
+        isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf"),
+        f"tree_draft_temperature must be a positive number, got {t!r}",
+      )
 
   @property
   def tree_options(self) -> Optional["TreeOptions"]:
     if self.verify != "tree":
       return None
-    return TreeOptions(self.tree_budget, self.tree_topk, self.tree_chain_seed, self.tree_rule)
+    return TreeOptions(
+      self.tree_budget,
+      self.tree_topk,
+      self.tree_chain_seed,
+      self.tree_rule,
+      float(self.tree_draft_temperature),
+    )
 
 
 class GenerateOutput(NamedTuple):
@@ -202,7 +220,7 @@ class SpecEngine:
     self.config = config
     self.tree = config.tree_options
     if self.tree is not None and drafter is not None:
-      drafter = drafter.for_tree()
+      drafter = drafter.for_tree(self.tree.rule in tree_verify.SAMPLED_CANDIDATE_RULES)
     # How a step verifies (plain, chain or tree): chosen once, compiled into the step.
     self.verifier = verifiers.make(drafter, self.tree)
     if drafter is not None and drafter.vocab_size not in (None, target.config.vocab_size):

@@ -272,7 +272,7 @@ def step(
       ProposeContext(state.tokens, state.seq_len, state.sampling, k_draft, state.target_state),
     )
   # Verify: one target pass over the block.
-  block = verifier.block(root, proposal)
+  block = verifier.block(k_verify, root, proposal, state.sampling)
   out = target_lib.apply_decoder(
     config,
     target_params,

@@ -29,6 +29,11 @@ Option `chain_seed` (Lucebox): the drafter's full top-1 chain is inserted first 
 1..N when the budget is shorter), then best-first continues from the frontier those pops left
 (the rank-1 sibling at every chain depth, the first child of the last chain node). The tree then
 contains the chain, so (greedy) it never accepts fewer tokens than chain verification would.
+
+Sampled trees (`candidates`, from `sample_candidates`): the shape is built as above from the
+sorted log-probs of the warped draft distribution q, but the token at rank r of position d is
+the r-th draw of a sample without replacement from q_d, so every node's children are the first
+draws of such a sample: what the recursive rule (tree_verify.RecursiveRule) verifies exactly.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from typing import NamedTuple, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from jaxspec import sampling
 
 NEG_INF = float("-inf")
 DEFAULT_MAX_TOPK = 8
@@ -156,7 +163,13 @@ def _build_one(
 
 
 def build_tree(
-  root: jax.Array, logprobs: jax.Array, budget: int, topk: int = 0, chain_seed: bool = False
+  root: jax.Array,
+  logprobs: jax.Array,
+  budget: int,
+  topk: int = 0,
+  chain_seed: bool = False,
+  candidates: Optional[jax.Array] = None,
+  use_candidates: Optional[jax.Array] = None,
 ) -> Tree:
   """Builds the best-first draft tree for every sequence (jit-able; budget/topk static).
 
@@ -167,6 +180,12 @@ def build_tree(
     budget: N, the number of draft nodes (the root excluded); ≥ 1.
     topk: tokens kept per position; 0 means `default_topk` (min(budget, 8)).
     chain_seed: insert the top-1 chain first (see the module docstring).
+    candidates: [B, D, ≥K] int token ids in rank order per position (`sample_candidates`:
+      drawn without replacement, for sampled verification), or None for the top-K tokens of
+      `logprobs`. The tree's shape is the same either way: it is built from the sorted top-K
+      log-probs alone, so which tokens were drawn never decides how many siblings they get.
+    use_candidates: [B] bool rows that take `candidates` (None: all); the others keep the
+      top-K tokens of `logprobs`.
 
   Returns:
     A `Tree` of N+1 slots per sequence.
@@ -181,8 +200,40 @@ def build_tree(
   # vocabulary sort (measured 20 ms vs 0.3 ms per tree at D=15, V=8192).
   top_lp, top_ids = jax.lax.top_k(logprobs.astype(jnp.float32).reshape(b * d, v), k)
   top_lp, top_ids = top_lp.reshape(b, d, k), top_ids.reshape(b, d, k)
+  if candidates is not None:
+    if candidates.shape[:2] != (b, d) or candidates.shape[2] < k:
+      raise ValueError(
+        f"candidates must be [B, D, ≥{k}] = [{b}, {d}, ≥{k}], got {candidates.shape}"
+      )
+    use = True if use_candidates is None else use_candidates[:, None, None]
+    top_ids = jnp.where(use, candidates[:, :, :k], top_ids)
   build = lambda r, lp, ids: _build_one(r, lp, ids, budget, chain_seed)
   return jax.vmap(build)(root, top_lp, top_ids.astype(jnp.int32))
+
+
+def sample_candidates(
+  key: jax.Array, probs: jax.Array, k: int, first: Optional[jax.Array] = None
+) -> jax.Array:
+  """[B, D, k] int32: per draft position, k tokens drawn from probs [B, D, V] without
+  replacement, in draw order (the Gumbel-top-k trick, as an exponential race).
+
+  Sampled tree verification (`tree_verify.RecursiveRule`) needs each node's children to be the
+  first draws of such a sample from the q it verifies against. `first` [B, D] fixes the first
+  draw to a token already sampled from the same q (the drafter's own sampled chain): the rest
+  are then a sample without replacement from q without it, which is the same joint law. Tokens
+  with q = 0 come last (their rank is never a node: `build_tree` drops ranks beyond q's
+  support). `key` is one key or row keys [B, 2] (`sampling.uniform`).
+  """
+  b, d, v = probs.shape
+  # The exponential race (Gumbel-top-k without the logarithm of q): the k largest q / E for
+  # E ~ Exp(1) are the first k draws without replacement. One logarithm per entry.
+  race = -jnp.log1p(-sampling.uniform(key, (b, d, v)))
+  scores = probs.astype(jnp.float32) / jnp.maximum(race, jnp.finfo(jnp.float32).tiny)
+  if first is not None:
+    iota = jax.lax.broadcasted_iota(jnp.int32, (b, d, v), 2)
+    scores = jnp.where(iota == first[..., None], jnp.inf, scores)
+  _, ids = jax.lax.top_k(scores.reshape(b * d, v), k)  # 2-D: see build_tree
+  return ids.reshape(b, d, k).astype(jnp.int32)
 
 
 def ancestor_mask(parents: jax.Array, valid: Optional[jax.Array] = None) -> jax.Array:

@@ -20,6 +20,16 @@ Rules (all return the same triple, see `verify_tree`):
     root from the final p̃ (p without the children). P(x_j) = Π_{i<j}(1 − p̃_i)·p̃_j = p(x_j), so
     it is exact too. Greedy rows use the argmax walk.
 
+  "recursive" (recursive rejection sampling, `RecursiveRule`; the rule for T > 0). The
+    children of every node are the first draws of a sample without replacement from the
+    drafter's warped q (`tree.sample_candidates`), not its top-k. At each node: accept child
+    c_j with probability min(1, p_j(c_j) / q_j(c_j)); after a rejection the target becomes
+    the residual normalise(max(0, p_j − q_j)) and the proposal q without c_j. A node whose
+    children are all rejected draws the next root from the last residual. Exact at every
+    temperature; at T > 0 a node accepts at least what a sampled chain's single draft would
+    (its first child is that draft), and the siblings take what is left. Greedy rows use the
+    argmax walk over a top-k tree, as "ddtree".
+
 Siblings must carry distinct tokens (top-k ranks of one position do). The walk is a
 `lax.fori_loop` over the static maximum depth D; nothing leaves the device.
 """
@@ -27,7 +37,7 @@ Siblings must carry distinct tokens (top-k ranks of one position do). The walk i
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +46,8 @@ from jaxspec import sampling
 from jaxspec.sampling import SamplingParams
 from jaxspec.speculative.tree import Tree
 
-RULES = ("ddtree", "eagle2")
+RULES = ("ddtree", "eagle2", "recursive")
+SAMPLED_CANDIDATE_RULES = ("recursive",)  # rules whose trees draw their children from q
 
 
 def _children(tree: Tree, cur: jax.Array) -> jax.Array:
@@ -78,7 +89,8 @@ class DDTreeRule:
     """(path [B, D+1], num_accepted [B]) from per-node target samples post [B, N+1]."""
     return walk_samples(tree, post, max_depth)
 
-  def verify(self, key, tree, logits, params, max_depth):
+  def verify(self, key, tree, logits, params, max_depth, draft_probs=None):
+    del draft_probs  # the target's samples alone decide
     post = sampling.sample(key, logits, params)  # [B, N+1]; argmax on greedy rows
     path, n = self.walk(tree, post, max_depth)
     last = jnp.take_along_axis(path, n[:, None], axis=1)[:, 0]
@@ -106,7 +118,8 @@ class Eagle2Rule:
     res = p * keep
     return jnp.where(jnp.sum(res, axis=1, keepdims=True) > 0, res, p)
 
-  def verify(self, key, tree, logits, params, max_depth):
+  def verify(self, key, tree, logits, params, max_depth, draft_probs=None):
+    del draft_probs  # q = δ at the deterministic children
     batch, n_slots, _ = logits.shape
     rows = jnp.arange(batch)
     probs = sampling.warped_probs(logits, params)  # [B, N+1, V]
@@ -152,7 +165,111 @@ class Eagle2Rule:
     )
 
 
-RULE_OBJECTS = {"ddtree": DDTreeRule(), "eagle2": Eagle2Rule()}
+@dataclasses.dataclass(frozen=True)
+class RecursiveRule:
+  """Recursive rejection sampling over children drawn without replacement (SpecInfer's
+  multi-step speculative sampling, in the without-replacement form of recursive speculative
+  decoding), for trees built by `TreeVerifier` from `tree.sample_candidates`.
+
+  At a node with warped target distribution p and children c_1..c_m (the first m draws
+  without replacement from the drafter's warped q at that depth): accept c_j with probability
+  min(1, p_j(c_j) / q_j(c_j)); on rejection p_{j+1} = normalise(max(0, p_j − q_j)) and
+  q_{j+1} = q_j without c_j, renormalised. If every child is rejected the next root is drawn
+  from p_{m+1}. Each step is one speculative-sampling step (exact for any target and any
+  proposal), and what follows a rejection is exact for its residual whatever was drawn, so the
+  node's output is p exactly; the walk then repeats at the accepted child. The number of
+  children may depend on q but not on which tokens were drawn (the builder's shape comes from
+  q's sorted probabilities alone). Greedy rows walk the argmax (`DDTreeRule`).
+
+  The three decisions are methods so the statistical tests can break each one.
+  """
+
+  def accept(self, u: jax.Array, px: jax.Array, qx: jax.Array, mp: jax.Array, mq: jax.Array):
+    """Accept x with probability min(1, (p(x)/mp) / (q(x)/mq)) for unnormalised p, q."""
+    return u * qx * mp < px * mq
+
+  def residual(self, p: jax.Array, q: jax.Array, mp: jax.Array, mq: jax.Array) -> jax.Array:
+    """The target after a rejection: max(0, p/mp − q/mq) (unnormalised)."""
+    return jnp.maximum(p / mp - q / mq, 0.0)
+
+  def exclude(self, q: jax.Array, x: jax.Array) -> jax.Array:
+    """The proposal of the next sibling: q without the rejected x (unnormalised)."""
+    return q.at[jnp.arange(q.shape[0]), x].set(0.0)
+
+  def verify(self, key, tree, logits, params, max_depth, draft_probs=None):
+    if draft_probs is None:
+      raise ValueError("the recursive rule needs the drafter's warped probabilities per depth")
+    greedy = sampling.is_greedy(params)
+    g = lambda: DDTreeRule().verify(key, tree, logits, params, max_depth)
+
+    def sampled():
+      path, n, nxt = self._walk(key, tree, logits, params, max_depth, draft_probs)
+      g_path, g_n, g_next = g()
+      return (
+        jnp.where(greedy[:, None], g_path, path),
+        jnp.where(greedy, g_n, n),
+        jnp.where(greedy, g_next, nxt),
+      )
+
+    return jax.lax.cond(jnp.all(greedy), g, sampled)
+
+  def _walk(self, key, tree, logits, params, max_depth, draft_probs):
+    batch, n_slots, _ = logits.shape
+    rows = jnp.arange(batch)
+    probs = sampling.warped_probs(logits, params)  # [B, N+1, V]
+    q_all = draft_probs.astype(jnp.float32)  # [B, D, V]
+    key_u, key_res = sampling.split_key(key)
+    u_all = sampling.uniform(key_u, (batch, max_depth, n_slots - 1))
+
+    def child_body(d, kid, order):
+      def body(j, c):
+        p, q, found, nxt = c
+        is_j = kid & (order == j)  # children in slot order are in rank order (the builder
+        has = jnp.any(is_j, axis=1) & ~found  # pops siblings by rank)
+        slot = jnp.argmax(is_j, axis=1).astype(jnp.int32)
+        x = tree.tokens[rows, slot]
+        mp, mq = jnp.sum(p, axis=1), jnp.sum(q, axis=1)
+        px, qx = p[rows, x], q[rows, x]
+        ok = has & self.accept(u_all[rows, d, j], px, qx, mp, mq)
+        rej = (has & ~ok)[:, None]
+        p = jnp.where(rej, self.residual(p, q, mp[:, None], mq[:, None]), p)
+        q = jnp.where(rej, self.exclude(q, x), q)
+        return p, q, found | ok, jnp.where(ok, slot, nxt)
+
+      return body
+
+    def depth_body(carry):
+      d, cur, stopped, path, final = carry
+      kid = _children(tree, cur) & ~stopped[:, None]
+      order = jnp.cumsum(kid, axis=1) - 1  # each child's rank among its siblings
+      p0 = probs[rows, cur]
+      init = (p0, q_all[rows, jnp.minimum(d, max_depth - 1)], jnp.zeros((batch,), bool), cur)
+      n_kids = jnp.max(jnp.sum(kid, axis=1))
+      p, _, found, nxt = jax.lax.fori_loop(0, n_kids, child_body(d, kid, order), init)
+      # A row that stops here draws the next root from its residual (p0 if no mass is left,
+      # which only rounding can cause); one that reached depth D, from p0 after the loop.
+      p = jnp.where(jnp.sum(p, axis=1, keepdims=True) > 0, p, p0)
+      final = jnp.where((~stopped & ~found)[:, None], p, final)
+      cur = jnp.where(found, nxt, cur)
+      path = path.at[:, d + 1].set(jnp.where(found, nxt, 0))
+      return d + 1, cur, stopped | ~found, path, final
+
+    init = (
+      jnp.int32(0),
+      jnp.zeros((batch,), jnp.int32),
+      jnp.zeros((batch,), bool),
+      jnp.zeros((batch, max_depth + 1), jnp.int32),
+      jnp.zeros(probs.shape[::2], jnp.float32),
+    )
+    # Most sampled walks stop within a few levels: loop only while some row is still walking.
+    go_on = lambda c: (c[0] < max_depth) & ~jnp.all(c[2])
+    _, cur, stopped, path, final = jax.lax.while_loop(go_on, depth_body, init)
+    final = jnp.where(stopped[:, None], final, probs[rows, cur])
+    next_tok = sampling.sample_from_probs(key_res, final)
+    return path, jnp.take_along_axis(tree.depths, cur[:, None], axis=1)[:, 0], next_tok
+
+
+RULE_OBJECTS = {"ddtree": DDTreeRule(), "eagle2": Eagle2Rule(), "recursive": RecursiveRule()}
 
 
 def verify_tree(
@@ -161,7 +278,8 @@ def verify_tree(
   target_logits: jax.Array,
   params: SamplingParams,
   max_depth: int,
-  rule: Union[str, DDTreeRule, Eagle2Rule] = "ddtree",
+  rule: Union[str, DDTreeRule, Eagle2Rule, RecursiveRule] = "ddtree",
+  draft_probs: Optional[jax.Array] = None,
 ) -> Tuple[jax.Array, jax.Array, jax.Array]:
   """Lossless verification of a draft tree from one target pass.
 
@@ -171,8 +289,10 @@ def verify_tree(
     target_logits: [B, N+1, V] raw target logits at every slot (warped here with `params`).
     params: per-sequence sampling parameters; temperature-0 rows walk the argmax.
     max_depth: D, the tree's static maximum depth (the drafter's γ).
-    rule: "ddtree" or "eagle2" (see the module docstring; both exact), or a rule object
-      (`DDTreeRule`, `Eagle2Rule` or a subclass: the tests' deliberately broken variants).
+    rule: "ddtree", "eagle2" or "recursive" (see the module docstring; all exact), or a rule
+      object (one of theirs or a subclass: the tests' deliberately broken variants).
+    draft_probs: [B, D, V] the drafter's warped q per depth that the children were drawn from
+      without replacement (`tree.sample_candidates`); needed by "recursive" only.
 
   Returns:
     path: [B, D+1] int32 slot indices of the accepted path, root first; entries past
@@ -188,7 +308,8 @@ def verify_tree(
     raise ValueError(
       f"target_logits must be [B, N+1, V] = {tree.tokens.shape + ('V',)}, got {target_logits.shape}"
     )
-  return rule.verify(key, tree, target_logits.astype(jnp.float32), params, max_depth)
+  logits = target_logits.astype(jnp.float32)
+  return rule.verify(key, tree, logits, params, max_depth, draft_probs=draft_probs)
 
 
 def path_tokens(tree: Tree, path: jax.Array) -> jax.Array:

@@ -5,7 +5,8 @@ branch on the method:
 
   width, max_commit, lookahead: static sizes (tokens the target runs per step, the most tokens
     a step commits, the slots past the root a step may write);
-  block(root, proposal): the tokens the target verifies, with their positions and mask;
+  block(key, root, proposal, params): the tokens the target verifies, with their positions and
+    mask (a sampled tree draws its children with `key`);
   accept(key, block, logits, proposal, params): what the target accepts (`Accepted`);
   commit(target_state, accepted): the target's decoding state holding only committed tokens;
   features(taps, hidden, accepted): the target's features of the committed tokens, in order,
@@ -14,7 +15,9 @@ branch on the method:
 `PlainVerifier` is plain decoding (no drafter: the root alone, one token per pass);
 `ChainVerifier` checks γ drafts in order under the causal mask (jaxspec/speculative/verify.py);
 `TreeVerifier` builds a DDTree from the drafter's per-position distributions and verifies it
-under the ancestor mask (tree.py, tree_verify.py). `make` picks one from the engine's options.
+under the ancestor mask (tree.py, tree_verify.py); under the "recursive" rule the children of
+sampled rows are drawn from the drafter's warped q without replacement. `make` picks one from
+the engine's options.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class TreeOptions:
   budget: int = 8
   topk: int = 0
   chain_seed: bool = False
-  rule: str = "ddtree"
+  rule: str = "recursive"
+  draft_temperature: float = 1.0  # sampled trees: children drawn from q at T × this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Block:
 
   tokens: jax.Array
   tree: Optional[tree_lib.Tree] = None
+  draft_probs: Optional[jax.Array] = None  # [B, D, V] the q a sampled tree's children came from
 
   def positions(self, start: jax.Array) -> Optional[jax.Array]:
     """[B, T] RoPE positions (None: start, start + 1, ...)."""
@@ -88,7 +93,13 @@ class Verifier:
     """What a step drafts, for error messages."""
     raise NotImplementedError
 
-  def block(self, root: jax.Array, proposal: Optional[Proposal]) -> Block:
+  def block(
+    self,
+    key: jax.Array,
+    root: jax.Array,
+    proposal: Optional[Proposal],
+    params: sampling.SamplingParams,
+  ) -> Block:
     """The verify block for each row's root [B] and the drafter's proposal."""
     raise NotImplementedError
 
@@ -127,8 +138,8 @@ class PlainVerifier(Verifier):
   def describe(self) -> str:
     return "no draft tokens"
 
-  def block(self, root, proposal) -> Block:
-    del proposal
+  def block(self, key, root, proposal, params) -> Block:
+    del key, proposal, params
     return Block(root[:, None])
 
   def accept(self, key, block, logits, proposal, params) -> Accepted:
@@ -159,7 +170,8 @@ class ChainVerifier(Verifier):
   def describe(self) -> str:
     return f"{self.gamma} draft tokens"
 
-  def block(self, root: jax.Array, proposal: Proposal) -> Block:
+  def block(self, key, root, proposal, params) -> Block:
+    del key, params
     return Block(jnp.concatenate([root[:, None], proposal.tokens.astype(jnp.int32)], axis=1))
 
   def accept(self, key, block, logits, proposal, params) -> Accepted:
@@ -196,7 +208,7 @@ class TreeVerifier(Verifier):
   def describe(self) -> str:
     return f"a tree of {self.options.budget} draft nodes (depth ≤ {self.gamma})"
 
-  def block(self, root: jax.Array, proposal: Proposal) -> Block:
+  def block(self, key, root, proposal, params) -> Block:
     if proposal.logprobs is None:
       raise ConfigError(
         f"{self.drafter_name} gives no per-position distributions (Proposal.logprobs); "
@@ -208,13 +220,49 @@ class TreeVerifier(Verifier):
         f"expected γ={self.gamma}"
       )
     o = self.options
-    built = tree_lib.build_tree(root, proposal.logprobs, o.budget, o.topk, o.chain_seed)
-    return Block(built.tokens, built)
+    if o.rule not in tree_verify.SAMPLED_CANDIDATE_RULES:
+      built = tree_lib.build_tree(root, proposal.logprobs, o.budget, o.topk, o.chain_seed)
+      return Block(built.tokens, built)
+    greedy = sampling.is_greedy(params)
+
+    def top_k_tree():
+      built = tree_lib.build_tree(root, proposal.logprobs, o.budget, o.topk, o.chain_seed)
+      return built, jnp.zeros(proposal.logprobs.shape, jnp.float32)
+
+    def sampled_tree():
+      q, first = self.draft_distribution(proposal, params)
+      k = tree_lib.default_topk(o.budget, q.shape[-1], o.topk)
+      # `key` is also the accept key, which splits it: fold in a constant for these draws.
+      drawn = tree_lib.sample_candidates(sampling.fold_in(key, 1), q, k, first)
+      # Shape from q (sampled rows) or the drafter's log-probs (greedy rows, whose children
+      # stay its top-k), never from which tokens were drawn.
+      shape_lp = jnp.where(greedy[:, None, None], proposal.logprobs, jnp.log(q))
+      built = tree_lib.build_tree(
+        root, shape_lp, o.budget, o.topk, o.chain_seed, drawn, use_candidates=~greedy
+      )
+      return built, q
+
+    built, q = jax.lax.cond(jnp.all(greedy), top_k_tree, sampled_tree)
+    return Block(built.tokens, built, q)
+
+  def draft_distribution(
+    self, proposal: Proposal, params: sampling.SamplingParams
+  ) -> tuple[jax.Array, Optional[jax.Array]]:
+    """(q [B, D, V], first [B, D] or None): the warped draft distribution per depth, and the
+    drafter's own tokens when it sampled them from that q (they become every depth's first
+    candidate, so the tree holds the sampled chain). Drafters that give only log-probs
+    (log_softmax(logits / T)) are warped here with the same top-k / top-p as the target."""
+    scale = self.options.draft_temperature
+    if proposal.probs is not None and scale == 1.0:
+      return proposal.probs.astype(jnp.float32), proposal.tokens.astype(jnp.int32)
+    # logprobs are log_softmax(logits / T): at temperature `scale` they give q at T × scale.
+    unit = params.replace(temperature=jnp.where(sampling.is_greedy(params), 0.0, scale))
+    return sampling.warped_probs(proposal.logprobs, unit), None
 
   def accept(self, key, block, logits, proposal, params) -> Accepted:
     del proposal
     path, num_accepted, next_token = tree_verify.verify_tree(
-      key, block.tree, logits, params, self.gamma, self.options.rule
+      key, block.tree, logits, params, self.gamma, self.options.rule, block.draft_probs
     )
     return Accepted(tree_verify.path_tokens(block.tree, path), num_accepted, next_token, path)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from absl import flags
 import jax
@@ -97,11 +97,13 @@ def measure_acceptance(num_prompts: int, max_new_tokens: int = 96) -> dict[str, 
   return taus
 
 
-def data_prompts(n: int, seed: int = 0) -> list[str]:
-  """n function openings from the validation split (the bench's default prompts)."""
+def data_prompts(n: int, seed: int = 0, root: Optional[str] = None) -> list[str]:
+  """n function openings from the validation split (the bench's default prompts) of the
+  standard library, or of the Python sources under `root` (e.g. a third-party package the
+  target never saw)."""
   from jaxspec.train import data  # pylint: disable=import-outside-toplevel
 
-  return data.function_prompts(split="validation", n=n, seed=seed)
+  return data.function_prompts(split="validation", n=n, seed=seed, root=root)
 
 
 def run_cost_curves(

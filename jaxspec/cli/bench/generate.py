@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 import time
 from typing import Any, Optional, Sequence
@@ -65,8 +66,21 @@ def define_flags() -> None:
     "drafter of each --tree_methods entry).",
   )
   flags.DEFINE_list("tree_methods", ["dflash"], "Drafters verified as trees in the budget sweep.")
+  flags.DEFINE_list(
+    "tree_rules",
+    [],
+    "Tree verification rules to sweep (ddtree, eagle2, recursive; default: the engine's); "
+    "a rule other than the default is named in the runner, e.g. 'dflash+tree22[ddtree]'.",
+  )
   flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0 = greedy).")
   flags.DEFINE_integer("num_prompts", 8, "Prompts from the validation split.")
+  flags.DEFINE_string(
+    "prompt_root",
+    None,
+    "Draw the prompts from the Python sources under this folder (its validation split) instead "
+    "of the standard library's: e.g. an installed third-party package, text the target was "
+    "not trained on.",
+  )
   flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS does not stop).")
   flags.DEFINE_integer("gamma", 4, "Draft tokens per step (jaxspec and transformers alike).")
   flags.DEFINE_integer("ngram_n", 3, "Longest n-gram matched by prompt lookup.")
@@ -130,6 +144,8 @@ class BenchConfig:
   eagle3: Optional[str] = None
   tree_budgets: Sequence[int] = ()
   tree_methods: Sequence[str] = ("dflash",)
+  tree_rules: Sequence[str] = ()
+  prompt_root: Optional[str] = None
   kv_format: str = "float"
 
   def drafter_dir(self, method: str) -> Optional[str]:
@@ -151,7 +167,7 @@ def _log(cfg: BenchConfig, msg: str) -> None:
 def load_prompts(cfg: BenchConfig) -> list[str]:
   if cfg.prompts is not None:
     return list(cfg.prompts)[: cfg.num_prompts]
-  return cost_curve.data_prompts(cfg.num_prompts, cfg.seed)
+  return cost_curve.data_prompts(cfg.num_prompts, cfg.seed, cfg.prompt_root)
 
 
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
@@ -225,12 +241,13 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
       runners_lib.JaxspecRunner(m, target, drafters[m], max_len, kv_format=cfg.kv_format)
     )
   for m in cfg.tree_methods if cfg.tree_budgets else ():
-    for n in cfg.tree_budgets:
-      runners.append(
-        runners_lib.JaxspecRunner(
-          m, target, drafters[m], max_len, tree_budget=int(n), kv_format=cfg.kv_format
+    for rule in cfg.tree_rules or [runners_lib.DEFAULT_TREE_RULE]:
+      for n in cfg.tree_budgets:
+        runners.append(
+          runners_lib.JaxspecRunner(
+            m, target, drafters[m], max_len, int(n), cfg.kv_format, tree_rule=rule
+          )
         )
-      )
   if hf_models is not None:
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     for m in methods:
@@ -327,6 +344,9 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   return report
 
 
+TREE_RUNNER = re.compile(r"\+tree(\d+)(?:\[(\w+)\])?$")  # budget, and a non-default rule
+
+
 def plot_report(report: dict[str, Any], path: str) -> Optional[str]:
   """Acceptance rate by draft position (one panel per temperature) and, with a DDTree budget
   sweep, acceptance length and speedup against the budget; a PNG at `path`, or None without
@@ -339,14 +359,14 @@ def plot_report(report: dict[str, Any], path: str) -> Optional[str]:
   except ImportError:
     return None
   temps = list(report["results"])
-  sweep = {
-    t: sorted(
-      (int(n.rsplit("tree", 1)[1]), s)
-      for n, s in report["results"][t]["runners"].items()
-      if "+tree" in n
-    )
-    for t in temps
-  }
+  sweep: dict[str, list] = {}  # "T=<t>" or "T=<t> <rule>" → [(budget, summary)]
+  for t in temps:
+    for n, s in report["results"][t]["runners"].items():
+      tree = TREE_RUNNER.search(n)
+      if tree:
+        label = f"T={t}" + (f" {tree.group(2)}" if tree.group(2) else "")
+        sweep.setdefault(label, []).append((int(tree.group(1)), s))
+  sweep = {label: sorted(points, key=lambda p: p[0]) for label, points in sweep.items()}
   has_sweep = any(sweep.values())
   fig, axes = plt.subplots(
     1, len(temps) + has_sweep, figsize=(5 * (len(temps) + has_sweep), 4), squeeze=False
@@ -354,7 +374,7 @@ def plot_report(report: dict[str, Any], path: str) -> Optional[str]:
   for ax, t in zip(axes[0], temps):
     for name, s in report["results"][t]["runners"].items():
       rates = s.get("acceptance_rate_per_position") or []
-      if len(rates) and "+tree" not in name:
+      if len(rates):  # trees: P(depth i reached | depth i − 1 reached)
         ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name.split("/", 1)[1])
     ax.set_title(f"P(draft i accepted | reached), T={t}")
     ax.set_xlabel("draft position i")
@@ -370,14 +390,14 @@ def plot_report(report: dict[str, Any], path: str) -> Optional[str]:
           budgets,
           [s["acceptance_length"] for _, s in points],
           marker="o",
-          label=f"acceptance length, T={t}",
+          label=f"acceptance length, {t}",
         )
         ax.plot(
           budgets,
           [s.get("speedup_vs_plain", float("nan")) for _, s in points],
           marker="s",
           ls="--",
-          label=f"speedup vs plain, T={t}",
+          label=f"speedup vs plain, {t}",
         )
     ax.set_title("DDTree budget sweep")
     ax.set_xlabel("tree budget (draft nodes)")
@@ -514,6 +534,8 @@ def _main(model: Optional[str], draft: Optional[str]) -> None:
     dflash=FLAGS.dflash or _bundled_drafter("dflash"),
     eagle3=FLAGS.eagle3 or _bundled_drafter("eagle3"),
     tree_budgets=tuple(int(n) for n in FLAGS.tree_budgets),
+    tree_rules=tuple(FLAGS.tree_rules),
+    prompt_root=FLAGS.prompt_root,
     tree_methods=tuple(FLAGS.tree_methods),
     seed=FLAGS.seed,
     repeats=FLAGS.repeats,

@@ -209,9 +209,13 @@ class Run:
   decode_s: float = float("nan")
 
 
+DEFAULT_TREE_RULE = jaxspec.EngineConfig.tree_rule
+
+
 class JaxspecRunner:
   """A jaxspec engine for one method, run one prompt at a time (tree_budget > 0: DDTree
-  verification of that many draft nodes; the runner is named '<method>+tree<N>')."""
+  verification of that many draft nodes; the runner is named '<method>+tree<N>', with
+  '[<rule>]' after it for a tree rule other than the engine's default)."""
 
   def __init__(
     self,
@@ -221,10 +225,15 @@ class JaxspecRunner:
     max_len: int,
     tree_budget: int = 0,
     kv_format: str = "float",
+    tree_rule: Optional[str] = None,
   ):
     label = f"{method}+tree{tree_budget}" if tree_budget else method
+    if tree_budget and tree_rule and tree_rule != DEFAULT_TREE_RULE:
+      label += f"[{tree_rule}]"
     self.name, self.method = f"jaxspec/{label}", method
     tree = dict(verify="tree", tree_budget=tree_budget) if tree_budget else {}
+    if tree_budget and tree_rule:
+      tree["tree_rule"] = tree_rule
     self.engine = jaxspec.SpecEngine(
       target,
       drafter,
