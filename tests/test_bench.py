@@ -33,6 +33,7 @@ OWN_FLAG = {
   "device": "--sections",
   "hybrid-context": "--contexts",
   "latent": "--kv_lora_rank",
+  "tree-calibrate": "--calibrate_temperatures",
   "gdn": "--traceback",
   "hybrid-tree": "--traceback",
   "llamacpp": "--llama_formats",

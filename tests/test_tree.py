@@ -373,7 +373,8 @@ def _sampled_case(seed, batch, params, vocab=4, depth=3, budget=6, topk=2, candi
 
   candidates: "sampled" (`sample_candidates`), "sampled_first" (the first draw given, as a
   drafter's own sampled chain) or "top_k" (the naive tree: q's top-k verified as if drawn).
-  Returns (warped target table [V, V], tree, target logits [B, N+1, V], q [B, D, V]).
+  Returns (warped target table [V, V], tree, target logits [B, N+1, V], q [B, D, V], the raw
+  log table [V, V]).
   """
   rng = np.random.default_rng(seed)
   table = rng.dirichlet(np.full(vocab, 2.0), size=vocab)
@@ -393,7 +394,7 @@ def _sampled_case(seed, batch, params, vocab=4, depth=3, budget=6, topk=2, candi
   row_params = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], (vocab,)), params)
   warped = np.asarray(sampling.warped_probs(jnp.log(jnp.asarray(table, jnp.float32)), row_params))
   warped = warped.astype(np.float64)
-  return warped / warped.sum(axis=1, keepdims=True), tree, logits, q
+  return warped / warped.sum(axis=1, keepdims=True), tree, logits, q, jnp.log(table)
 
 
 def _recursive_sequences(warped, tree, logits, q, params, rule, depth, seed):
@@ -426,7 +427,7 @@ def test_recursive_walk_is_exact(setting, candidates):
   applied to both sides, whether or not the first child is the drafter's own draw."""
   depth = 3
   params = sampling.make_sampling_params(N_SAMPLES, *RECURSIVE_SETTINGS[setting])
-  warped, tree, logits, q = _sampled_case(0, N_SAMPLES, params, candidates=candidates)
+  warped, tree, logits, q, _ = _sampled_case(0, N_SAMPLES, params, candidates=candidates)
   assert int(jnp.sum(tree.valid)) > 4 * N_SAMPLES  # branching trees, not chains
   seqs, n = _recursive_sequences(warped, tree, logits, q, params, "recursive", depth, seed=3)
   assert _seq_pvalue(seqs, warped) > PASS_P
@@ -444,7 +445,7 @@ def test_recursive_walk_is_exact(setting, candidates):
 def test_broken_recursive_walks_fail(variant, candidates):
   depth = 3
   params = sampling.make_sampling_params(N_SAMPLES, 1.0, 0, 0.85)
-  warped, tree, logits, q = _sampled_case(0, N_SAMPLES, params, candidates=candidates)
+  warped, tree, logits, q, _ = _sampled_case(0, N_SAMPLES, params, candidates=candidates)
   rule = tree_verify.RecursiveRule() if variant == "exact" else broken_rules.TREE[variant]
   seqs, _ = _recursive_sequences(warped, tree, logits, q, params, rule, depth, seed=3)
   assert _seq_pvalue(seqs, warped) < FAIL_P
@@ -484,3 +485,61 @@ def test_sampled_tree_shape_depends_on_q_only():
   for field in ("parents", "depths", "valid", "mask"):
     assert np.array_equal(getattr(trees[0], field), getattr(trees[1], field))
   assert not np.array_equal(trees[0].tokens, trees[1].tokens)
+
+
+# What a walk tried and accepted, by depth and sibling rank --------------------------------------
+
+
+def test_rank_outcomes_by_hand():
+  """root → a, b; a → c, f; c → e. Path root→a→f (f is a's second child): depth 1 tried rank 0
+  and accepted it; depth 2 tried ranks 0, 1 and accepted rank 1; depth 3: f has no children.
+  Path root→b: depth 1 tried 0 (rejected) and 1 (accepted); depth 2 tried b's one child."""
+  tree = _hand_tree()
+  np.testing.assert_array_equal(tree_verify.sibling_ranks(tree)[0], [0, 0, 1, 0, 0, 0, 1])
+  tree2 = jax.tree.map(lambda x: jnp.concatenate([x, x]), tree)
+  path = jnp.array([[0, 1, 6, 0], [0, 2, 0, 0]])
+  out = np.asarray(tree_verify.rank_outcomes(tree2, path, jnp.array([2, 1]), 3))
+  tried, accepted = out[..., 0], out[..., 1]
+  np.testing.assert_array_equal(tried[0], [[1, 0, 0], [1, 1, 0], [0, 0, 0]])
+  np.testing.assert_array_equal(accepted[0], [[1, 0, 0], [0, 1, 0], [0, 0, 0]])
+  np.testing.assert_array_equal(tried[1], [[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+  np.testing.assert_array_equal(accepted[1], [[0, 1, 0], [0, 0, 0], [0, 0, 0]])
+
+
+def test_calibrated_shape_stays_exact():
+  """A shape from a measured acceptance table (any fixed table) keeps the recursive walk exact:
+  it depends on the table and q, not on which children were drawn."""
+  depth = 3
+  params = sampling.make_sampling_params(N_SAMPLES, 1.0, 0, 0.85)
+  warped, tree, _, q, log_table = _sampled_case(0, N_SAMPLES, params)
+  table = np.array([[0.9, 0.1], [0.2, 0.7], [0.5, 0.5]])
+  survive = np.concatenate([np.ones((depth, 1)), 1 - table[:, :-1]], 1)
+  scores = jnp.broadcast_to(jnp.log(jnp.asarray(survive * table, jnp.float32)), (N_SAMPLES, 3, 2))
+  drawn = tree_lib.sample_candidates(jax.random.PRNGKey(11), q, 2)
+  root = jnp.zeros((N_SAMPLES,), jnp.int32)
+  calibrated = build_tree(root, jnp.log(q), 6, 2, False, drawn, shape_scores=scores)
+  assert not np.array_equal(calibrated.parents, tree.parents)  # another shape
+  logits = jnp.asarray(log_table, jnp.float32)[calibrated.tokens]
+  seqs, _ = _recursive_sequences(warped, calibrated, logits, q, params, "recursive", depth, 3)
+  assert _seq_pvalue(seqs, warped) > PASS_P
+
+
+def test_acceptance_tables_round_trip_and_fill(tmp_path):
+  from jaxspec.errors import ConfigError
+  from jaxspec.io import tree_acceptance
+  from jaxspec.speculative import verifiers
+
+  acc = np.array([[0.6, np.nan], [0.4, 0.2]])
+  tree_acceptance.write(str(tmp_path), [(1.0, acc, [[50, 3], [30, 25]])], target="t")
+  (t, table), = tree_acceptance.read(str(tmp_path))
+  assert t == 1.0 and table[0][0] == 0.6 and np.isnan(table[0][1])
+  # Unmeasured entries come from the depth above (0.5 on the first), missing depths and ranks
+  # repeat the last ones, and everything lies strictly inside (0, 1).
+  np.testing.assert_allclose(
+    verifiers.fit_table(table, 3, 3), [[0.6, 0.5, 0.5], [0.4, 0.2, 0.2], [0.4, 0.2, 0.2]]
+  )
+  assert verifiers.fit_table([[0.0, 1.0]], 1, 2).tolist() == [[1e-3, 1 - 1e-3]]
+  assert tree_acceptance.read(str(tmp_path / "none")) is None
+  (tmp_path / tree_acceptance.FILENAME).write_text('{"format": "x"}')
+  with pytest.raises(ConfigError, match="format"):
+    tree_acceptance.read(str(tmp_path))

@@ -103,6 +103,14 @@ def test_mixed_batch_greedy_rows_equal_plain(models):
   )
   near_ties.assert_greedy_match(target, prompts[:1], plain.tokens[:1], spec.tokens[:1])
   assert len(spec.tokens[1]) == 30 and spec.tokens[1] != plain.tokens[1]
+  # The walk's rank counts agree with the acceptance histogram: depth d + 1 was accepted in
+  # every pass that accepted more than d drafts, and tried in every pass that reached it.
+  summary = spec.stats.summary
+  accepted = np.asarray(summary["tree_rank_accepted"]).sum(axis=1)
+  at_least = np.cumsum(np.asarray(summary["accept_hist"])[::-1])[::-1]
+  np.testing.assert_array_equal(accepted, at_least[1:])
+  tried_first = np.asarray(summary["tree_rank_tried"])[:, 0]
+  assert np.all(tried_first <= at_least[:-1]) and tried_first[0] > 0
 
 
 def test_budget_one_reproduces_plain_decoding(models):

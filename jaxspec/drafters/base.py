@@ -162,6 +162,9 @@ class Drafter:
 
   gamma: int
   params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+  # Sampled trees' acceptance model measured for this drafter and its target
+  # (`verifiers.TreeOptions.acceptance`; `tree_acceptance.json` beside its checkpoint).
+  tree_acceptance: Optional[tuple] = dataclasses.field(default=None, repr=False)
 
   @property
   def taps(self) -> tuple[int, ...]:

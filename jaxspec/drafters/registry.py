@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -12,7 +13,7 @@ from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.io import drafter_ckpt
-from jaxspec.io import hf as hf_io
+from jaxspec.io import hf as hf_io, tree_acceptance
 from jaxspec.models.target import InputError, TargetModel
 
 # Drafts per step of the chain drafters when none is given.
@@ -48,8 +49,14 @@ def load_drafter(
   (`Gemma4AssistantForCausalLM`) checkpoints load in their published layouts; anything else
   must be an HF causal LM (a draft model). `gamma` is the
   number of draft tokens per step (None: 4 for chains, block_size − 1 for DFlash, which
-  refuses more); `kwargs` go to the drafter (e.g. sample_drafts, context_window).
+  refuses more); `kwargs` go to the drafter (e.g. sample_drafts, context_window). A measured
+  tree acceptance model beside the checkpoint (`tree_acceptance.json`) comes with it.
   """
+  drafter = _load(path, target, gamma, **kwargs)
+  return dataclasses.replace(drafter, tree_acceptance=tree_acceptance.read(path))
+
+
+def _load(path: str, target: TargetModel, gamma: Optional[int], **kwargs: Any) -> Drafter:
   kind = checkpoint_kind(path)
   if kind == "dflash":
     return dflash.load_dflash(path, target, gamma=gamma, **kwargs)

@@ -261,7 +261,14 @@ class SpecEngine:
     axes = self._state_axes = None if mesh is None else self.state_axes()
     self._prefill = self._on_mesh(
       jax.jit(
-        functools.partial(step_lib.prefill, cfg, dr, state_axes=axes, slack=self.slack),
+        functools.partial(
+          step_lib.prefill,
+          cfg,
+          dr,
+          state_axes=axes,
+          slack=self.slack,
+          tree_ranks=self.verifier.rank_width,
+        ),
         static_argnames=("chunk", "kv_format"),
         donate_argnames=("tokens",),
       )
@@ -614,6 +621,7 @@ class SpecEngine:
       chunk=chunk,
       kv_format=cfg.kv_format,
       slack=self.slack,
+      tree_ranks=self.verifier.rank_width,
     )
     return jax.eval_shape(
       run,

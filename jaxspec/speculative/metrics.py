@@ -24,23 +24,29 @@ class SpecStats:
     target_passes: [B] verify passes of the target in which the sequence was active.
     tokens_committed: [B] tokens committed by those passes (accepted drafts + 1).
     accept_hist: [B, γ+1] how many passes accepted exactly k drafts, k = 0..γ.
+    tree_ranks: [B, γ, K, 2] under tree verification (else None): at depth d + 1, how often
+      the walk tried the child of sibling rank r, and how often it accepted it
+      (`tree_verify.rank_outcomes`); what `launch/bench.py tree-calibrate` measures.
   """
 
   target_passes: jax.Array
   tokens_committed: jax.Array
   accept_hist: jax.Array
+  tree_ranks: Optional[jax.Array] = None
 
   @property
   def gamma(self) -> int:
     return self.accept_hist.shape[-1] - 1
 
 
-def init_stats(batch: int, gamma: int) -> SpecStats:
-  """Zeroed statistics for ``batch`` sequences and chains of ``gamma`` drafts."""
+def init_stats(batch: int, gamma: int, tree_ranks: int = 0) -> SpecStats:
+  """Zeroed statistics for ``batch`` sequences and chains of ``gamma`` drafts (and, with
+  ``tree_ranks`` = K > 0, trees of up to K siblings)."""
   return SpecStats(
     target_passes=jnp.zeros((batch,), jnp.int32),
     tokens_committed=jnp.zeros((batch,), jnp.int32),
     accept_hist=jnp.zeros((batch, gamma + 1), jnp.int32),
+    tree_ranks=jnp.zeros((batch, gamma, tree_ranks, 2), jnp.int32) if tree_ranks else None,
   )
 
 
@@ -49,6 +55,7 @@ def update_stats(
   num_accepted: jax.Array,
   active: jax.Array,
   num_committed: Optional[jax.Array] = None,
+  ranks: Optional[jax.Array] = None,
 ) -> SpecStats:
   """Records one verify pass (jit-able).
 
@@ -59,6 +66,7 @@ def update_stats(
     num_committed: optional [B] tokens actually committed when fewer than
       ``num_accepted + 1`` are kept (a stop token or max length cut the chain);
       defaults to ``num_accepted + 1``.
+    ranks: optional [B, γ, K, 2] this pass's tree walk outcomes (`tree_verify.rank_outcomes`).
 
   Returns:
     Updated statistics.
@@ -72,6 +80,9 @@ def update_stats(
     target_passes=stats.target_passes + act,
     tokens_committed=stats.tokens_committed + act * num_committed.astype(jnp.int32),
     accept_hist=stats.accept_hist + act[:, None] * one_hot,
+    tree_ranks=None
+    if stats.tree_ranks is None or ranks is None
+    else stats.tree_ranks + act[:, None, None, None] * ranks.astype(jnp.int32),
   )
 
 
@@ -90,7 +101,9 @@ def summarize(stats: SpecStats, elapsed_s: float, ttft_s: Optional[float] = None
     (for draft position i, the fraction of passes that reached position i in which
     it was accepted: P(n > i | n >= i)), ``accepted_at_least`` (P(n > i)),
     ``accept_hist`` (counts of n = 0..γ over the batch), ``target_passes``,
-    ``tokens_committed``, ``tokens_per_second``, ``elapsed_s``, ``ttft_s``.
+    ``tokens_committed``, ``tokens_per_second``, ``elapsed_s``, ``ttft_s``; under tree
+    verification also ``tree_rank_tried`` and ``tree_rank_accepted`` ([γ][K] counts summed
+    over the batch).
   """
   passes = np.asarray(jax.device_get(stats.target_passes), np.int64)
   committed = np.asarray(jax.device_get(stats.tokens_committed), np.int64)
@@ -107,7 +120,12 @@ def summarize(stats: SpecStats, elapsed_s: float, ttft_s: Optional[float] = None
     rate = np.where(reached > 0, passed / np.maximum(reached, 1), np.nan)
     per_seq = np.where(passes > 0, committed / np.maximum(passes, 1), np.nan)
   denom = max(total_passes, 1)
+  ranks = {}
+  if stats.tree_ranks is not None:
+    counts = np.asarray(jax.device_get(stats.tree_ranks), np.int64).sum(axis=0)
+    ranks = {"tree_rank_tried": counts[..., 0].tolist(), "tree_rank_accepted": counts[..., 1].tolist()}
   return {
+    **ranks,
     "acceptance_length": total_committed / total_passes if total_passes else float("nan"),
     "acceptance_length_per_seq": per_seq.tolist(),
     "acceptance_rate_per_position": rate.tolist(),

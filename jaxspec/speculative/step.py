@@ -167,6 +167,7 @@ def prefill(
   kv_format: str = "float",
   state_axes: Optional[SpecState] = None,
   slack: int = DEFAULT_SLACK,
+  tree_ranks: int = 0,
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step.
 
@@ -231,7 +232,7 @@ def prefill(
     done=done,
     sampling=params,
     stop_ids=stop_ids,
-    stats=metrics.init_stats(batch, gamma),
+    stats=metrics.init_stats(batch, gamma, tree_ranks),
     logprobs=logprobs,
   )
   return lay(None, state)
@@ -288,7 +289,9 @@ def step(
   # Commit: tokens and log-probs, the decoding state, statistics, the drafter.
   tokens, logprobs, seq_len, done, count = _commit_tokens(state, accepted, out.logits)
   target_state = verifier.commit(out.state, accepted).with_lengths(seq_len - 1)
-  stats = metrics.update_stats(state.stats, accepted.num_accepted, ~state.done, count)
+  stats = metrics.update_stats(
+    state.stats, accepted.num_accepted, ~state.done, count, accepted.ranks
+  )
   if drafter is not None:
     taps, hidden = verifier.features(out.taps, out.hidden, accepted)
     drafter_state = drafter.commit(

@@ -170,6 +170,7 @@ def build_tree(
   chain_seed: bool = False,
   candidates: Optional[jax.Array] = None,
   use_candidates: Optional[jax.Array] = None,
+  shape_scores: Optional[jax.Array] = None,
 ) -> Tree:
   """Builds the best-first draft tree for every sequence (jit-able; budget/topk static).
 
@@ -186,6 +187,9 @@ def build_tree(
       log-probs alone, so which tokens were drawn never decides how many siblings they get.
     use_candidates: [B] bool rows that take `candidates` (None: all); the others keep the
       top-K tokens of `logprobs`.
+    shape_scores: [B, D, K] log-scores of rank r at position d that replace the sorted top-K
+      log-probs in the best-first search (a calibrated acceptance model); ranks beyond the
+      support of `logprobs` stay out of the tree.
 
   Returns:
     A `Tree` of N+1 slots per sequence.
@@ -207,6 +211,10 @@ def build_tree(
       )
     use = True if use_candidates is None else use_candidates[:, None, None]
     top_ids = jnp.where(use, candidates[:, :, :k], top_ids)
+  if shape_scores is not None:
+    if shape_scores.shape != (b, d, k):
+      raise ValueError(f"shape_scores must be [B, D, K] = [{b}, {d}, {k}], got {shape_scores.shape}")
+    top_lp = jnp.where(top_lp > NEG_INF, shape_scores.astype(jnp.float32), NEG_INF)
   build = lambda r, lp, ids: _build_one(r, lp, ids, budget, chain_seed)
   return jax.vmap(build)(root, top_lp, top_ids.astype(jnp.int32))
 

@@ -312,6 +312,40 @@ def verify_tree(
   return rule.verify(key, tree, logits, params, max_depth, draft_probs=draft_probs)
 
 
+def sibling_ranks(tree: Tree) -> jax.Array:
+  """[B, N+1] each node's rank among its siblings (children of one node, in slot order)."""
+  n = tree.parents.shape[1]
+  earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # [i, j]: j before i
+  same = (tree.parents[:, :, None] == tree.parents[:, None, :]) & tree.valid[:, None, :]
+  return jnp.sum(same & earlier[None], axis=2).astype(jnp.int32)
+
+
+def rank_outcomes(tree: Tree, path: jax.Array, num_accepted: jax.Array, ranks: int) -> jax.Array:
+  """[B, D, K=ranks, 2] int32 what one walk tried and accepted, by depth and sibling rank.
+
+  At depth i + 1 ≤ n (n = num_accepted) the walk tried the children of ranks 0..r and accepted
+  rank r, the path's node there; at depth n + 1 it tried all m children of the path's last
+  node and accepted none. [..., 0] counts tries, [..., 1] acceptances: summed over steps,
+  accepted / tried estimates P(rank r accepted | depth reached, ranks < r rejected), the
+  acceptance model a calibrated tree shape is built from (`TreeOptions.acceptance`). Exact
+  for the recursive and EAGLE-2 rules, which try siblings in rank order.
+  """
+  batch, width = path.shape
+  depth = width - 1
+  rows = jnp.arange(batch)[:, None]
+  rank = sibling_ranks(tree)
+  path_rank = rank[rows, path[:, 1:]]  # [B, D] the accepted node's rank at each depth
+  last = jnp.take_along_axis(path, num_accepted[:, None], axis=1)[:, 0]
+  kids = jnp.sum(tree.valid & (tree.parents == last[:, None]), axis=1)  # m
+  d = jnp.arange(depth)[None, :, None]
+  r = jnp.arange(ranks)[None, None, :]
+  n = num_accepted[:, None, None]
+  on_path = d < n
+  tried = (on_path & (r <= path_rank[:, :, None])) | ((d == n) & (r < kids[:, None, None]))
+  accepted = on_path & (r == path_rank[:, :, None])
+  return jnp.stack([tried, accepted], axis=-1).astype(jnp.int32)
+
+
 def path_tokens(tree: Tree, path: jax.Array) -> jax.Array:
   """[B, D] the tokens of the path's nodes at depths 1..D (scratch past num_accepted)."""
   return jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)

@@ -27,12 +27,28 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec import sampling
 from jaxspec.drafters.base import Drafter, Proposal
 from jaxspec.errors import ConfigError
 from jaxspec.speculative import tree as tree_lib, tree_verify, verify
 from jaxspec.state import DecodingState
+
+
+def fit_table(table: Any, depth: int, ranks: int) -> np.ndarray:
+  """A measured acceptance table a[d][r] (`TreeOptions.acceptance`) as a [depth, ranks] array in
+  (0, 1): depths and ranks it lacks repeat its last row and column, and entries it could not
+  measure (NaN) take the entry of the depth above, or 0.5 on the first."""
+  a = np.asarray(table, np.float64)
+  if a.ndim != 2 or not a.size:
+    raise ConfigError(f"a tree acceptance table is [depth][rank], got shape {a.shape}")
+  a = a[:depth, :ranks]
+  a = np.concatenate([a, np.repeat(a[-1:], depth - a.shape[0], 0)], 0)
+  a = np.concatenate([a, np.repeat(a[:, -1:], ranks - a.shape[1], 1)], 1)
+  for d in range(depth):
+    a[d] = np.where(np.isnan(a[d]), a[d - 1] if d else 0.5, a[d])
+  return np.clip(a, 1e-3, 1 - 1e-3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +60,11 @@ class TreeOptions:
   chain_seed: bool = False
   rule: str = "recursive"
   draft_temperature: float = 1.0  # sampled trees: children drawn from q at T × this
+  # Sampled trees: the acceptance model the shape is built from, ((temperature, a), ...) with
+  # a[d][r] = P(rank r accepted | depth d + 1 reached, ranks < r rejected) measured by
+  # `launch/bench.py tree-calibrate`; each row takes the nearest temperature's. None: q's
+  # sorted probabilities (the sample-and-match model).
+  acceptance: Optional[tuple] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +95,15 @@ class Accepted:
   next_token: [B] int32 the target's token after them (correction or bonus).
   source: [B, D+1] where in the verify block new token j's distribution sits: j for a chain,
     the accepted path's node j for a tree (root first).
+  ranks: [B, D, K, 2] a tree walk's tries and acceptances by depth and sibling rank (None for
+    chains; `tree_verify.rank_outcomes`).
   """
 
   drafts: jax.Array
   num_accepted: jax.Array
   next_token: jax.Array
   source: jax.Array
+  ranks: Optional[jax.Array] = None
 
 
 class Verifier:
@@ -88,6 +112,7 @@ class Verifier:
   width: int  # tokens the target verifies per pass
   max_commit: int  # the most tokens one pass commits per row
   lookahead: int  # slots past the root a pass may write
+  rank_width: int = 0  # K of `Accepted.ranks` (0: none)
 
   def describe(self) -> str:
     """What a step drafts, for error messages."""
@@ -205,6 +230,11 @@ class TreeVerifier(Verifier):
   def lookahead(self) -> int:
     return max(self.gamma, self.options.budget)
 
+  @property
+  def rank_width(self) -> int:
+    o = self.options
+    return o.topk if o.topk > 0 else min(o.budget, tree_lib.DEFAULT_MAX_TOPK)
+
   def describe(self) -> str:
     return f"a tree of {self.options.budget} draft nodes (depth ≤ {self.gamma})"
 
@@ -238,12 +268,40 @@ class TreeVerifier(Verifier):
       # stay its top-k), never from which tokens were drawn.
       shape_lp = jnp.where(greedy[:, None, None], proposal.logprobs, jnp.log(q))
       built = tree_lib.build_tree(
-        root, shape_lp, o.budget, o.topk, o.chain_seed, drawn, use_candidates=~greedy
+        root,
+        shape_lp,
+        o.budget,
+        o.topk,
+        o.chain_seed,
+        drawn,
+        use_candidates=~greedy,
+        shape_scores=self.calibrated_scores(params, k, proposal.logprobs, q),
       )
       return built, q
 
     built, q = jax.lax.cond(jnp.all(greedy), top_k_tree, sampled_tree)
     return Block(built.tokens, built, q)
+
+  def calibrated_scores(
+    self, params: sampling.SamplingParams, k: int, logprobs: jax.Array, q: jax.Array
+  ) -> Optional[jax.Array]:
+    """[B, D, K] the shape's log-scores of rank r at depth d + 1 with a calibrated acceptance
+    model (None without one): the mean of log Π_{j<r}(1 − a_j) · a_r, the measured chance
+    that the walk accepts rank r once its parent is reached (the nearest calibrated
+    temperature's table), and log q_(r), this step's sorted draft probability. The table
+    knows how often each rank is accepted on average, q how sure the drafter is this time;
+    each alone measured worse (docs/tree.md). Greedy rows keep the drafter's log-probs."""
+    if self.options.acceptance is None:
+      return None
+    temps = jnp.asarray([t for t, _ in self.options.acceptance], jnp.float32)
+    tables = np.asarray([fit_table(a, self.gamma, k) for _, a in self.options.acceptance])
+    nearest = jnp.argmin(jnp.abs(params.temperature[:, None] - temps[None]), axis=1)
+    a = jnp.asarray(tables, jnp.float32)[nearest]  # [B, D, K]
+    survive = jnp.cumprod(jnp.concatenate([jnp.ones_like(a[..., :1]), 1 - a[..., :-1]], -1), -1)
+    sorted_q = jax.lax.top_k(jnp.log(q).reshape(-1, q.shape[-1]), k)[0].reshape(a.shape)
+    scores = 0.5 * (jnp.log(survive * a) + sorted_q)
+    sorted_lp = jax.lax.top_k(logprobs.reshape(-1, logprobs.shape[-1]), k)[0].reshape(a.shape)
+    return jnp.where(sampling.is_greedy(params)[:, None, None], sorted_lp, scores)
 
   def draft_distribution(
     self, proposal: Proposal, params: sampling.SamplingParams
@@ -264,7 +322,9 @@ class TreeVerifier(Verifier):
     path, num_accepted, next_token = tree_verify.verify_tree(
       key, block.tree, logits, params, self.gamma, self.options.rule, block.draft_probs
     )
-    return Accepted(tree_verify.path_tokens(block.tree, path), num_accepted, next_token, path)
+    ranks = tree_verify.rank_outcomes(block.tree, path, num_accepted, self.rank_width)
+    drafts = tree_verify.path_tokens(block.tree, path)
+    return Accepted(drafts, num_accepted, next_token, path, ranks)
 
   def commit(self, target_state: DecodingState, accepted: Accepted) -> DecodingState:
     return target_state.commit_path(accepted.source)
@@ -276,11 +336,14 @@ class TreeVerifier(Verifier):
 
 
 def make(drafter: Optional[Drafter], tree: Optional[TreeOptions] = None) -> Verifier:
-  """The verifier for a drafter (None: plain decoding) and tree options (None: a chain)."""
+  """The verifier for a drafter (None: plain decoding) and tree options (None: a chain); a
+  tree without an acceptance model takes the drafter's (`Drafter.tree_acceptance`)."""
   if drafter is None:
     if tree is not None:
       raise ConfigError("verify='tree' needs a drafter that gives per-position distributions")
     return PlainVerifier()
   if tree is None:
     return ChainVerifier(drafter.gamma)
+  if tree.acceptance is None and drafter.tree_acceptance is not None:
+    tree = dataclasses.replace(tree, acceptance=drafter.tree_acceptance)
   return TreeVerifier(drafter.gamma, tree, drafter.name)

@@ -127,6 +127,12 @@ SUBCOMMANDS = {
       "no earlier script",
     ),
     Subcommand(
+      "tree-calibrate",
+      "tree_calibrate",
+      "a drafter's sampled-tree acceptance by depth and rank; writes tree_acceptance.json",
+      "no earlier script",
+    ),
+    Subcommand(
       "llamacpp",
       "llamacpp",
       "jaxspec against llama.cpp on the same weights (GGUF F32/Q8_0/Q4_0), plain and n-gram",
