@@ -529,17 +529,26 @@ def test_acceptance_tables_round_trip_and_fill(tmp_path):
   from jaxspec.io import tree_acceptance
   from jaxspec.speculative import verifiers
 
-  acc = np.array([[0.6, np.nan], [0.4, 0.2]])
-  tree_acceptance.write(str(tmp_path), [(1.0, acc, [[50, 3], [30, 25]])], target="t")
-  (t, table), = tree_acceptance.read(str(tmp_path))
-  assert t == 1.0 and table[0][0] == 0.6 and np.isnan(table[0][1])
-  # Unmeasured entries come from the depth above (0.5 on the first), missing depths and ranks
-  # repeat the last ones, and everything lies strictly inside (0, 1).
-  np.testing.assert_allclose(
-    verifiers.fit_table(table, 3, 3), [[0.6, 0.5, 0.5], [0.4, 0.2, 0.2], [0.4, 0.2, 0.2]]
-  )
-  assert verifiers.fit_table([[0.0, 1.0]], 1, 2).tolist() == [[1e-3, 1 - 1e-3]]
+  nb = tree_verify.Q_BUCKETS
+  acc = np.full((2, 2, nb), np.nan)
+  acc[0, 0, 0], acc[1, 1, 3] = 0.6, 0.2
+  tree_acceptance.write(str(tmp_path), [(1.0, acc, np.zeros((2, 2, nb)))], target="t")
+  ((t, table),) = tree_acceptance.read(str(tmp_path))
+  assert t == 1.0 and table[0][0][0] == 0.6 and np.isnan(table[0][1][0])
+  # Missing depths and ranks repeat the last ones, unmeasured entries read 0.5, and everything
+  # lies strictly inside (0, 1).
+  fitted = verifiers.fit_table(table, 3, 3)
+  assert fitted.shape == (3, 3, nb) and fitted[0, 0, 0] == 0.6 and fitted[0, 1, 0] == 0.5
+  assert fitted[2, 2, 3] == 0.2 and fitted[2, 1, 3] == 0.2
+  assert verifiers.fit_table(np.zeros((1, 1, nb)), 1, 1).min() == 1e-3
+  with pytest.raises(ConfigError, match="q buckets"):
+    verifiers.fit_table([[0.5, 0.5]], 1, 2)
   assert tree_acceptance.read(str(tmp_path / "none")) is None
   (tmp_path / tree_acceptance.FILENAME).write_text('{"format": "x"}')
   with pytest.raises(ConfigError, match="format"):
     tree_acceptance.read(str(tmp_path))
+
+
+def test_q_buckets_halve():
+  q = jnp.asarray([1.0, 0.6, 0.5, 0.3, 0.2, 1e-3, 0.0])
+  assert tree_verify.q_buckets(q).tolist() == [0, 0, 1, 1, 2, 9, tree_verify.Q_BUCKETS - 1]

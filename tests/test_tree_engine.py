@@ -29,7 +29,7 @@ from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
-from jaxspec.speculative import step as step_lib, verifiers
+from jaxspec.speculative import step as step_lib, tree_verify, verifiers
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 from jaxspec.state import DecodingState
 
@@ -106,10 +106,10 @@ def test_mixed_batch_greedy_rows_equal_plain(models):
   # The walk's rank counts agree with the acceptance histogram: depth d + 1 was accepted in
   # every pass that accepted more than d drafts, and tried in every pass that reached it.
   summary = spec.stats.summary
-  accepted = np.asarray(summary["tree_rank_accepted"]).sum(axis=1)
+  accepted = np.asarray(summary["tree_rank_accepted"]).sum(axis=(1, 2))  # over ranks, buckets
   at_least = np.cumsum(np.asarray(summary["accept_hist"])[::-1])[::-1]
   np.testing.assert_array_equal(accepted, at_least[1:])
-  tried_first = np.asarray(summary["tree_rank_tried"])[:, 0]
+  tried_first = np.asarray(summary["tree_rank_tried"])[:, 0].sum(axis=-1)
   assert np.all(tried_first <= at_least[:-1]) and tried_first[0] > 0
 
 
@@ -324,17 +324,28 @@ def _chi2_pvalue(counts, outcomes, probs):
 
 
 @pytest.mark.parametrize(
-  "rule, chain_seed, temperature",
-  [("ddtree", False, 1.0), ("eagle2", True, 0.7), ("recursive", True, 0.6)],
+  "rule, chain_seed, temperature, calibrated",
+  [
+    ("ddtree", False, 1.0, False),
+    ("eagle2", True, 0.7, False),
+    ("recursive", True, 0.6, False),
+    ("recursive", False, 1.0, True),  # shaped by a measured acceptance table
+  ],
 )
-def test_sampled_tree_sequences_follow_the_target_distribution(rule, chain_seed, temperature):
+def test_sampled_tree_sequences_follow_the_target_distribution(
+  rule, chain_seed, temperature, calibrated
+):
   rng = np.random.default_rng(4)
   p_table, q_table = _random_table(rng, 3), _random_table(rng, 3)
   target, draft = engine_models.bigram_model(p_table), engine_models.bigram_model(q_table)
   batch = 512
+  drafter = DraftModelDrafter.from_model(draft, gamma=3)
+  if calibrated:
+    table = rng.uniform(0.05, 0.95, (3, 2, tree_verify.Q_BUCKETS))
+    drafter = dataclasses.replace(drafter, tree_acceptance=((1.0, table.tolist()),))
   eng = SpecEngine(
     target,
-    DraftModelDrafter.from_model(draft, gamma=3),
+    drafter,
     EngineConfig(
       max_len=16,
       batch_size=batch,

@@ -267,7 +267,7 @@ class SpecEngine:
           dr,
           state_axes=axes,
           slack=self.slack,
-          tree_ranks=self.verifier.rank_width,
+          tree_ranks=self.verifier.rank_shape,
         ),
         static_argnames=("chunk", "kv_format"),
         donate_argnames=("tokens",),
@@ -621,7 +621,7 @@ class SpecEngine:
       chunk=chunk,
       kv_format=cfg.kv_format,
       slack=self.slack,
-      tree_ranks=self.verifier.rank_width,
+      tree_ranks=self.verifier.rank_shape,
     )
     return jax.eval_shape(
       run,

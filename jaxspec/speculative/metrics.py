@@ -24,8 +24,9 @@ class SpecStats:
     target_passes: [B] verify passes of the target in which the sequence was active.
     tokens_committed: [B] tokens committed by those passes (accepted drafts + 1).
     accept_hist: [B, γ+1] how many passes accepted exactly k drafts, k = 0..γ.
-    tree_ranks: [B, γ, K, 2] under tree verification (else None): at depth d + 1, how often
-      the walk tried the child of sibling rank r, and how often it accepted it
+    tree_ranks: [B, γ, K, NB, 2] under tree verification (else None): at depth d + 1, how
+      often the walk tried the child of sibling rank r whose sorted draft probability fell in
+      bucket b (`tree_verify.q_buckets`), and how often it accepted it
       (`tree_verify.rank_outcomes`); what `launch/bench.py tree-calibrate` measures.
   """
 
@@ -39,14 +40,14 @@ class SpecStats:
     return self.accept_hist.shape[-1] - 1
 
 
-def init_stats(batch: int, gamma: int, tree_ranks: int = 0) -> SpecStats:
+def init_stats(batch: int, gamma: int, tree_ranks: tuple[int, ...] = ()) -> SpecStats:
   """Zeroed statistics for ``batch`` sequences and chains of ``gamma`` drafts (and, with
-  ``tree_ranks`` = K > 0, trees of up to K siblings)."""
+  ``tree_ranks`` = (K, NB), trees of up to K siblings)."""
   return SpecStats(
     target_passes=jnp.zeros((batch,), jnp.int32),
     tokens_committed=jnp.zeros((batch,), jnp.int32),
     accept_hist=jnp.zeros((batch, gamma + 1), jnp.int32),
-    tree_ranks=jnp.zeros((batch, gamma, tree_ranks, 2), jnp.int32) if tree_ranks else None,
+    tree_ranks=jnp.zeros((batch, gamma, *tree_ranks, 2), jnp.int32) if tree_ranks else None,
   )
 
 
@@ -66,7 +67,7 @@ def update_stats(
     num_committed: optional [B] tokens actually committed when fewer than
       ``num_accepted + 1`` are kept (a stop token or max length cut the chain);
       defaults to ``num_accepted + 1``.
-    ranks: optional [B, γ, K, 2] this pass's tree walk outcomes (`tree_verify.rank_outcomes`).
+    ranks: optional [B, γ, K, NB, 2] this pass's tree walk outcomes (`Accepted.ranks`).
 
   Returns:
     Updated statistics.
@@ -82,7 +83,7 @@ def update_stats(
     accept_hist=stats.accept_hist + act[:, None] * one_hot,
     tree_ranks=None
     if stats.tree_ranks is None or ranks is None
-    else stats.tree_ranks + act[:, None, None, None] * ranks.astype(jnp.int32),
+    else stats.tree_ranks + act.reshape((-1,) + (1,) * (ranks.ndim - 1)) * ranks.astype(jnp.int32),
   )
 
 
@@ -102,8 +103,8 @@ def summarize(stats: SpecStats, elapsed_s: float, ttft_s: Optional[float] = None
     it was accepted: P(n > i | n >= i)), ``accepted_at_least`` (P(n > i)),
     ``accept_hist`` (counts of n = 0..γ over the batch), ``target_passes``,
     ``tokens_committed``, ``tokens_per_second``, ``elapsed_s``, ``ttft_s``; under tree
-    verification also ``tree_rank_tried`` and ``tree_rank_accepted`` ([γ][K] counts summed
-    over the batch).
+    verification also ``tree_rank_tried`` and ``tree_rank_accepted`` ([γ][K][NB] counts
+    summed over the batch).
   """
   passes = np.asarray(jax.device_get(stats.target_passes), np.int64)
   committed = np.asarray(jax.device_get(stats.tokens_committed), np.int64)

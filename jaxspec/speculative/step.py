@@ -167,7 +167,7 @@ def prefill(
   kv_format: str = "float",
   state_axes: Optional[SpecState] = None,
   slack: int = DEFAULT_SLACK,
-  tree_ranks: int = 0,
+  tree_ranks: tuple[int, ...] = (),
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step.
 

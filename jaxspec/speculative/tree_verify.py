@@ -320,6 +320,15 @@ def sibling_ranks(tree: Tree) -> jax.Array:
   return jnp.sum(same & earlier[None], axis=2).astype(jnp.int32)
 
 
+Q_BUCKETS = 12  # bucket b holds sorted draft probabilities in (2^-(b+1), 2^-b]; the last, the rest
+
+
+def q_buckets(sorted_q: jax.Array) -> jax.Array:
+  """int32 bucket of each sorted draft probability (`Q_BUCKETS` halvings below 1)."""
+  halvings = jnp.floor(-jnp.log2(jnp.maximum(sorted_q.astype(jnp.float32), 1e-30)))
+  return jnp.clip(halvings, 0, Q_BUCKETS - 1).astype(jnp.int32)
+
+
 def rank_outcomes(tree: Tree, path: jax.Array, num_accepted: jax.Array, ranks: int) -> jax.Array:
   """[B, D, K=ranks, 2] int32 what one walk tried and accepted, by depth and sibling rank.
 

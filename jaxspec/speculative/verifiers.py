@@ -37,18 +37,19 @@ from jaxspec.state import DecodingState
 
 
 def fit_table(table: Any, depth: int, ranks: int) -> np.ndarray:
-  """A measured acceptance table a[d][r] (`TreeOptions.acceptance`) as a [depth, ranks] array in
-  (0, 1): depths and ranks it lacks repeat its last row and column, and entries it could not
-  measure (NaN) take the entry of the depth above, or 0.5 on the first."""
+  """A measured acceptance table a[d][r][b] (`TreeOptions.acceptance`; b a q bucket,
+  `tree_verify.q_buckets`) as a [depth, ranks, NB] array in (0, 1): depths and ranks it lacks
+  repeat its last ones, and unmeasured entries (NaN) read 0.5."""
   a = np.asarray(table, np.float64)
-  if a.ndim != 2 or not a.size:
-    raise ConfigError(f"a tree acceptance table is [depth][rank], got shape {a.shape}")
+  if a.ndim != 3 or not a.size or a.shape[2] != tree_verify.Q_BUCKETS:
+    raise ConfigError(
+      f"a tree acceptance table is [depth][rank][{tree_verify.Q_BUCKETS} q buckets], got "
+      f"shape {a.shape}"
+    )
   a = a[:depth, :ranks]
   a = np.concatenate([a, np.repeat(a[-1:], depth - a.shape[0], 0)], 0)
   a = np.concatenate([a, np.repeat(a[:, -1:], ranks - a.shape[1], 1)], 1)
-  for d in range(depth):
-    a[d] = np.where(np.isnan(a[d]), a[d - 1] if d else 0.5, a[d])
-  return np.clip(a, 1e-3, 1 - 1e-3)
+  return np.clip(np.where(np.isnan(a), 0.5, a), 1e-3, 1 - 1e-3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +62,9 @@ class TreeOptions:
   rule: str = "recursive"
   draft_temperature: float = 1.0  # sampled trees: children drawn from q at T × this
   # Sampled trees: the acceptance model the shape is built from, ((temperature, a), ...) with
-  # a[d][r] = P(rank r accepted | depth d + 1 reached, ranks < r rejected) measured by
-  # `launch/bench.py tree-calibrate`; each row takes the nearest temperature's. None: q's
-  # sorted probabilities (the sample-and-match model).
+  # a[d][r][b] = P(rank r accepted | depth d + 1 reached, ranks < r rejected, its sorted draft
+  # probability in q bucket b) measured by `launch/bench.py tree-calibrate`; each row takes
+  # the nearest temperature's. None: q's sorted probabilities (the sample-and-match model).
   acceptance: Optional[tuple] = None
 
 
@@ -95,8 +96,8 @@ class Accepted:
   next_token: [B] int32 the target's token after them (correction or bonus).
   source: [B, D+1] where in the verify block new token j's distribution sits: j for a chain,
     the accepted path's node j for a tree (root first).
-  ranks: [B, D, K, 2] a tree walk's tries and acceptances by depth and sibling rank (None for
-    chains; `tree_verify.rank_outcomes`).
+  ranks: [B, D, K, NB, 2] a tree walk's tries and acceptances by depth, sibling rank and the
+    bucket of the rank's draft probability (None for chains; `tree_verify.rank_outcomes`).
   """
 
   drafts: jax.Array
@@ -112,7 +113,7 @@ class Verifier:
   width: int  # tokens the target verifies per pass
   max_commit: int  # the most tokens one pass commits per row
   lookahead: int  # slots past the root a pass may write
-  rank_width: int = 0  # K of `Accepted.ranks` (0: none)
+  rank_shape: tuple[int, ...] = ()  # (K, NB) of `Accepted.ranks` (none: ())
 
   def describe(self) -> str:
     """What a step drafts, for error messages."""
@@ -232,8 +233,13 @@ class TreeVerifier(Verifier):
 
   @property
   def rank_width(self) -> int:
+    """K: the most children a node may have (the tree's sibling ranks)."""
     o = self.options
     return o.topk if o.topk > 0 else min(o.budget, tree_lib.DEFAULT_MAX_TOPK)
+
+  @property
+  def rank_shape(self) -> tuple[int, ...]:
+    return (self.rank_width, tree_verify.Q_BUCKETS)
 
   def describe(self) -> str:
     return f"a tree of {self.options.budget} draft nodes (depth ≤ {self.gamma})"
@@ -282,26 +288,36 @@ class TreeVerifier(Verifier):
     built, q = jax.lax.cond(jnp.all(greedy), top_k_tree, sampled_tree)
     return Block(built.tokens, built, q)
 
+  def sorted_q_buckets(self, q: jax.Array) -> jax.Array:
+    """[B, D, K] the bucket (`tree_verify.q_buckets`) of each depth's K largest q."""
+    k, v = self.rank_width, q.shape[-1]
+    top = jax.lax.top_k(q.reshape(-1, v), min(k, v))[0].reshape(q.shape[:2] + (-1,))
+    top = jnp.pad(top, ((0, 0), (0, 0), (0, k - top.shape[-1])))
+    return tree_verify.q_buckets(top)
+
   def calibrated_scores(
     self, params: sampling.SamplingParams, k: int, logprobs: jax.Array, q: jax.Array
   ) -> Optional[jax.Array]:
-    """[B, D, K] the shape's log-scores of rank r at depth d + 1 with a calibrated acceptance
+    """[B, D, K] the shape's log-scores of rank r at depth d + 1 under a calibrated acceptance
     model (None without one): the mean of log Π_{j<r}(1 − a_j) · a_r, the measured chance
-    that the walk accepts rank r once its parent is reached (the nearest calibrated
-    temperature's table), and log q_(r), this step's sorted draft probability. The table
-    knows how often each rank is accepted on average, q how sure the drafter is this time;
-    each alone measured worse (docs/tree.md). Greedy rows keep the drafter's log-probs."""
+    that the walk accepts rank r once its parent is reached (a_j: the acceptance of rank j at
+    that depth given the bucket of its sorted draft probability this step, from the nearest
+    calibrated temperature's table), and log q_(r), the drafter's own sorted probability. The
+    mean measured above either alone at T = 0.6 and 1 (docs/tree.md). Greedy rows keep the
+    drafter's log-probs."""
     if self.options.acceptance is None:
       return None
     temps = jnp.asarray([t for t, _ in self.options.acceptance], jnp.float32)
     tables = np.asarray([fit_table(a, self.gamma, k) for _, a in self.options.acceptance])
     nearest = jnp.argmin(jnp.abs(params.temperature[:, None] - temps[None]), axis=1)
-    a = jnp.asarray(tables, jnp.float32)[nearest]  # [B, D, K]
+    table = jnp.asarray(tables, jnp.float32)[nearest]  # [B, D, K, NB]
+    bucket = self.sorted_q_buckets(q)[..., :k]
+    a = jnp.take_along_axis(table, bucket[..., None], axis=-1)[..., 0]  # [B, D, K]
     survive = jnp.cumprod(jnp.concatenate([jnp.ones_like(a[..., :1]), 1 - a[..., :-1]], -1), -1)
-    sorted_q = jax.lax.top_k(jnp.log(q).reshape(-1, q.shape[-1]), k)[0].reshape(a.shape)
-    scores = 0.5 * (jnp.log(survive * a) + sorted_q)
     sorted_lp = jax.lax.top_k(logprobs.reshape(-1, logprobs.shape[-1]), k)[0].reshape(a.shape)
-    return jnp.where(sampling.is_greedy(params)[:, None, None], sorted_lp, scores)
+    greedy = sampling.is_greedy(params)[:, None, None]
+    sorted_q = jax.lax.top_k(jnp.log(q).reshape(-1, q.shape[-1]), k)[0].reshape(a.shape)
+    return jnp.where(greedy, sorted_lp, 0.5 * (jnp.log(survive * a) + sorted_q))
 
   def draft_distribution(
     self, proposal: Proposal, params: sampling.SamplingParams
@@ -318,11 +334,13 @@ class TreeVerifier(Verifier):
     return sampling.warped_probs(proposal.logprobs, unit), None
 
   def accept(self, key, block, logits, proposal, params) -> Accepted:
-    del proposal
     path, num_accepted, next_token = tree_verify.verify_tree(
       key, block.tree, logits, params, self.gamma, self.options.rule, block.draft_probs
     )
-    ranks = tree_verify.rank_outcomes(block.tree, path, num_accepted, self.rank_width)
+    outcomes = tree_verify.rank_outcomes(block.tree, path, num_accepted, self.rank_width)
+    q = jnp.exp(proposal.logprobs) if block.draft_probs is None else block.draft_probs
+    buckets = jax.nn.one_hot(self.sorted_q_buckets(q), tree_verify.Q_BUCKETS)
+    ranks = outcomes[..., None, :] * buckets.astype(jnp.int32)[..., None]  # [B, D, K, NB, 2]
     drafts = tree_verify.path_tokens(block.tree, path)
     return Accepted(drafts, num_accepted, next_token, path, ranks)
 
@@ -335,6 +353,13 @@ class TreeVerifier(Verifier):
     return (None if taps is None else taps[:, rows, path]), hidden[rows, path]
 
 
+def _nested_tuple(x: Any) -> Any:
+  """Nested lists or arrays as nested tuples of floats (hashable, for static options)."""
+  if hasattr(x, "tolist"):
+    x = x.tolist()
+  return tuple(_nested_tuple(v) for v in x) if isinstance(x, (list, tuple)) else float(x)
+
+
 def make(drafter: Optional[Drafter], tree: Optional[TreeOptions] = None) -> Verifier:
   """The verifier for a drafter (None: plain decoding) and tree options (None: a chain); a
   tree without an acceptance model takes the drafter's (`Drafter.tree_acceptance`)."""
@@ -345,5 +370,6 @@ def make(drafter: Optional[Drafter], tree: Optional[TreeOptions] = None) -> Veri
   if tree is None:
     return ChainVerifier(drafter.gamma)
   if tree.acceptance is None and drafter.tree_acceptance is not None:
-    tree = dataclasses.replace(tree, acceptance=drafter.tree_acceptance)
+    frozen = tuple((float(t), _nested_tuple(a)) for t, a in drafter.tree_acceptance)
+    tree = dataclasses.replace(tree, acceptance=frozen)
   return TreeVerifier(drafter.gamma, tree, drafter.name)

@@ -2,12 +2,13 @@
 
 For each temperature, generates from training-split prompts (never the validation prompts the
 generate bench reports on) with wide sampled trees (`tree_rule="recursive"`, --budget nodes,
-the shape from the drafter's own q) and counts, per depth d and sibling rank r, how often the
-walk tried that child and how often it accepted it (`SpecStats.tree_ranks`). a[d][r] =
-accepted / tried where at least --min_tried tries were seen (null elsewhere) is the
-probability that rank r is accepted once its depth is reached and the ranks before it were
-rejected; `tree_acceptance.json` (`jaxspec.io.tree_acceptance`) in --out_dir holds one table
-per temperature, and `jaxspec.load_drafter` hands it to the tree builder. Usage:
+the shape from the drafter's own q) and counts, per depth d, sibling rank r and bucket b of the
+rank's sorted draft probability, how often the walk tried that child and how often it accepted
+it (`SpecStats.tree_ranks`). a[d][r][b] = accepted / tried is the probability that rank r is
+accepted once its depth is reached and the ranks before it were rejected; where fewer than
+--min_tried tries were seen it is pooled over depths, then over ranks too (null if still
+short). `tree_acceptance.json` (`jaxspec.io.tree_acceptance`) in --out_dir holds one table per
+temperature, and `jaxspec.load_drafter` hands it to the tree builder. Usage:
 python launch/bench.py tree-calibrate [--method=dflash] [--drafter=DIR] [--out_dir=DIR]
 """
 
@@ -52,6 +53,22 @@ def measure(engine: jaxspec.SpecEngine, prompts, temperature: float, new: int, s
   return tried, accepted
 
 
+def pooled_rates(tried: np.ndarray, accepted: np.ndarray, min_tried: int) -> np.ndarray:
+  """[D, K, NB] accepted / tried, pooled over depths where an entry has fewer than
+  `min_tried` tries, then over depths and ranks; NaN where even that is short."""
+  levels = [
+    (tried, accepted),
+    (np.broadcast_to(tried.sum(0, keepdims=True), tried.shape),
+     np.broadcast_to(accepted.sum(0, keepdims=True), tried.shape)),
+    (np.broadcast_to(tried.sum((0, 1), keepdims=True), tried.shape),
+     np.broadcast_to(accepted.sum((0, 1), keepdims=True), tried.shape)),
+  ]
+  rate = np.full(tried.shape, np.nan)
+  for n, a in reversed(levels):  # finer levels overwrite coarser ones where they have data
+    rate = np.where(n >= min_tried, a / np.maximum(n, 1), rate)
+  return rate
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
   model_dir = FLAGS.model or registry.bundled_dir("target")
@@ -76,13 +93,16 @@ def main(argv: Sequence[str]) -> None:
   for t in map(float, FLAGS.calibrate_temperatures):
     t0 = time.perf_counter()
     tried, accepted = measure(engine, prompts, t, FLAGS.max_new_tokens, FLAGS.seed)
-    with np.errstate(divide="ignore", invalid="ignore"):
-      rate = np.where(tried >= FLAGS.min_tried, accepted / np.maximum(tried, 1), np.nan)
+    rate = pooled_rates(tried, accepted, FLAGS.min_tried)
     tables.append((t, rate, tried))
-    print(f"T={t:g} ({time.perf_counter() - t0:.0f}s, {len(prompts)} prompts): a[depth][rank]")
-    for d, row in enumerate(rate):
-      cells = ("  -  " if np.isnan(a) else f"{a:.3f}" for a in row)
-      print(f"  depth {d + 1:2d}: " + " ".join(cells))
+    print(f"T={t:g} ({time.perf_counter() - t0:.0f}s, {len(prompts)} prompts): a[depth][rank] "
+          "over q buckets with tries (pooled where short)")
+    for d in range(rate.shape[0]):
+      for r in range(rate.shape[1]):
+        seen = tried[d, r] > 0
+        if seen.any():
+          cells = " ".join(f"b{b}:{rate[d, r, b]:.2f}" for b in np.flatnonzero(seen))
+          print(f"  depth {d + 1:2d} rank {r}: {cells}")
   path = tree_acceptance.write(
     FLAGS.out_dir or drafter_dir,
     tables,
