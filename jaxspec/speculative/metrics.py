@@ -27,7 +27,8 @@ class SpecStats:
     tree_ranks: [B, γ, K, NB, 2] under tree verification (else None): at depth d + 1, how
       often the walk tried the child of sibling rank r whose sorted draft probability fell in
       bucket b (`tree_verify.q_buckets`), and how often it accepted it
-      (`tree_verify.rank_outcomes`); what `launch/bench.py tree-calibrate` measures.
+      (`tree_verify.rank_outcomes`); what `launch/bench.py tree-calibrate` measures. Passes of
+      all-greedy batches, which skip the draft distribution, count in the last bucket.
   """
 
   target_passes: jax.Array

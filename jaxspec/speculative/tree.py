@@ -185,8 +185,8 @@ def build_tree(
       drawn without replacement, for sampled verification), or None for the top-K tokens of
       `logprobs`. The tree's shape is the same either way: it is built from the sorted top-K
       log-probs alone, so which tokens were drawn never decides how many siblings they get.
-    use_candidates: [B] bool rows that take `candidates` (None: all); the others keep the
-      top-K tokens of `logprobs`.
+    use_candidates: [B] bool rows that take `candidates` and `shape_scores` (None: all); the
+      others keep the top-K tokens of `logprobs` and their log-probs.
     shape_scores: [B, D, K] log-scores of rank r at position d that replace the sorted top-K
       log-probs in the best-first search (a calibrated acceptance model); ranks beyond the
       support of `logprobs` stay out of the tree.
@@ -204,17 +204,18 @@ def build_tree(
   # vocabulary sort (measured 20 ms vs 0.3 ms per tree at D=15, V=8192).
   top_lp, top_ids = jax.lax.top_k(logprobs.astype(jnp.float32).reshape(b * d, v), k)
   top_lp, top_ids = top_lp.reshape(b, d, k), top_ids.reshape(b, d, k)
+  use = True if use_candidates is None else use_candidates[:, None, None]
   if candidates is not None:
     if candidates.shape[:2] != (b, d) or candidates.shape[2] < k:
       raise ValueError(
         f"candidates must be [B, D, ≥{k}] = [{b}, {d}, ≥{k}], got {candidates.shape}"
       )
-    use = True if use_candidates is None else use_candidates[:, None, None]
     top_ids = jnp.where(use, candidates[:, :, :k], top_ids)
   if shape_scores is not None:
     if shape_scores.shape != (b, d, k):
       raise ValueError(f"shape_scores must be [B, D, K] = [{b}, {d}, {k}], got {shape_scores.shape}")
-    top_lp = jnp.where(top_lp > NEG_INF, shape_scores.astype(jnp.float32), NEG_INF)
+    scores = jnp.where(top_lp > NEG_INF, shape_scores.astype(jnp.float32), NEG_INF)
+    top_lp = jnp.where(use, scores, top_lp)
   build = lambda r, lp, ids: _build_one(r, lp, ids, budget, chain_seed)
   return jax.vmap(build)(root, top_lp, top_ids.astype(jnp.int32))
 

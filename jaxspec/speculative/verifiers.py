@@ -76,6 +76,7 @@ class Block:
   tokens: jax.Array
   tree: Optional[tree_lib.Tree] = None
   draft_probs: Optional[jax.Array] = None  # [B, D, V] the q a sampled tree's children came from
+  draft_top: Optional[jax.Array] = None  # [B, D, K] its K largest probabilities per depth
 
   def positions(self, start: jax.Array) -> Optional[jax.Array]:
     """[B, T] RoPE positions (None: start, start + 1, ...)."""
@@ -261,13 +262,17 @@ class TreeVerifier(Verifier):
       return Block(built.tokens, built)
     greedy = sampling.is_greedy(params)
 
+    v = proposal.logprobs.shape[-1]
+    k = tree_lib.default_topk(o.budget, v, o.topk)
+
     def top_k_tree():
       built = tree_lib.build_tree(root, proposal.logprobs, o.budget, o.topk, o.chain_seed)
-      return built, jnp.zeros(proposal.logprobs.shape, jnp.float32)
+      b, d = proposal.logprobs.shape[:2]
+      return built, jnp.zeros((b, d, v), jnp.float32), jnp.zeros((b, d, k), jnp.float32)
 
     def sampled_tree():
       q, first = self.draft_distribution(proposal, params)
-      k = tree_lib.default_topk(o.budget, q.shape[-1], o.topk)
+      top_q = jax.lax.top_k(q.reshape(-1, v), k)[0].reshape(q.shape[:2] + (k,))
       # `key` is also the accept key, which splits it: fold in a constant for these draws.
       drawn = tree_lib.sample_candidates(sampling.fold_in(key, 1), q, k, first)
       # Shape from q (sampled rows) or the drafter's log-probs (greedy rows, whose children
@@ -281,43 +286,34 @@ class TreeVerifier(Verifier):
         o.chain_seed,
         drawn,
         use_candidates=~greedy,
-        shape_scores=self.calibrated_scores(params, k, proposal.logprobs, q),
+        shape_scores=self.calibrated_scores(params, top_q),
       )
-      return built, q
+      return built, q, top_q
 
-    built, q = jax.lax.cond(jnp.all(greedy), top_k_tree, sampled_tree)
-    return Block(built.tokens, built, q)
-
-  def sorted_q_buckets(self, q: jax.Array) -> jax.Array:
-    """[B, D, K] the bucket (`tree_verify.q_buckets`) of each depth's K largest q."""
-    k, v = self.rank_width, q.shape[-1]
-    top = jax.lax.top_k(q.reshape(-1, v), min(k, v))[0].reshape(q.shape[:2] + (-1,))
-    top = jnp.pad(top, ((0, 0), (0, 0), (0, k - top.shape[-1])))
-    return tree_verify.q_buckets(top)
+    built, q, top_q = jax.lax.cond(jnp.all(greedy), top_k_tree, sampled_tree)
+    return Block(built.tokens, built, q, top_q)
 
   def calibrated_scores(
-    self, params: sampling.SamplingParams, k: int, logprobs: jax.Array, q: jax.Array
+    self, params: sampling.SamplingParams, top_q: jax.Array
   ) -> Optional[jax.Array]:
     """[B, D, K] the shape's log-scores of rank r at depth d + 1 under a calibrated acceptance
     model (None without one): the mean of log Π_{j<r}(1 − a_j) · a_r, the measured chance
     that the walk accepts rank r once its parent is reached (a_j: the acceptance of rank j at
     that depth given the bucket of its sorted draft probability this step, from the nearest
-    calibrated temperature's table), and log q_(r), the drafter's own sorted probability. The
-    mean measured above either alone at T = 0.6 and 1 (docs/tree.md). Greedy rows keep the
-    drafter's log-probs."""
+    calibrated temperature's table), and log q_(r), the drafter's own sorted probability
+    (`top_q` [B, D, K]). The mean measured above either alone at T = 0.6 and 1 (docs/tree.md).
+    Only sampled rows use these (`build_tree(use_candidates=...)`)."""
     if self.options.acceptance is None:
       return None
     temps = jnp.asarray([t for t, _ in self.options.acceptance], jnp.float32)
+    k = top_q.shape[-1]
     tables = np.asarray([fit_table(a, self.gamma, k) for _, a in self.options.acceptance])
     nearest = jnp.argmin(jnp.abs(params.temperature[:, None] - temps[None]), axis=1)
     table = jnp.asarray(tables, jnp.float32)[nearest]  # [B, D, K, NB]
-    bucket = self.sorted_q_buckets(q)[..., :k]
+    bucket = tree_verify.q_buckets(top_q)
     a = jnp.take_along_axis(table, bucket[..., None], axis=-1)[..., 0]  # [B, D, K]
     survive = jnp.cumprod(jnp.concatenate([jnp.ones_like(a[..., :1]), 1 - a[..., :-1]], -1), -1)
-    sorted_lp = jax.lax.top_k(logprobs.reshape(-1, logprobs.shape[-1]), k)[0].reshape(a.shape)
-    greedy = sampling.is_greedy(params)[:, None, None]
-    sorted_q = jax.lax.top_k(jnp.log(q).reshape(-1, q.shape[-1]), k)[0].reshape(a.shape)
-    return jnp.where(greedy, sorted_lp, 0.5 * (jnp.log(survive * a) + sorted_q))
+    return 0.5 * (jnp.log(survive * a) + jnp.log(top_q))
 
   def draft_distribution(
     self, proposal: Proposal, params: sampling.SamplingParams
@@ -338,8 +334,14 @@ class TreeVerifier(Verifier):
       key, block.tree, logits, params, self.gamma, self.options.rule, block.draft_probs
     )
     outcomes = tree_verify.rank_outcomes(block.tree, path, num_accepted, self.rank_width)
-    q = jnp.exp(proposal.logprobs) if block.draft_probs is None else block.draft_probs
-    buckets = jax.nn.one_hot(self.sorted_q_buckets(q), tree_verify.Q_BUCKETS)
+    top_q = block.draft_top
+    if top_q is None:  # a top-k tree: bucket the drafter's own probabilities
+      lp = proposal.logprobs
+      width = min(self.rank_width, lp.shape[-1])
+      top_q = jnp.exp(jax.lax.top_k(lp.reshape(-1, lp.shape[-1]), width)[0])
+      top_q = top_q.reshape(lp.shape[:2] + (-1,))
+    top_q = jnp.pad(top_q, ((0, 0), (0, 0), (0, self.rank_width - top_q.shape[-1])))
+    buckets = jax.nn.one_hot(tree_verify.q_buckets(top_q), tree_verify.Q_BUCKETS)
     ranks = outcomes[..., None, :] * buckets.astype(jnp.int32)[..., None]  # [B, D, K, NB, 2]
     drafts = tree_verify.path_tokens(block.tree, path)
     return Accepted(drafts, num_accepted, next_token, path, ranks)
