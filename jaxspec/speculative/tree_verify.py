@@ -204,7 +204,11 @@ class RecursiveRule:
 
     def sampled():
       path, n, nxt = self._walk(key, tree, logits, params, max_depth, draft_probs)
-      g_path, g_n, g_next = g()
+      # Greedy rows of a mixed batch: the argmax walk, without warping every node.
+      top = sampling.argmax(logits)
+      g_path, g_n = walk_samples(tree, top, max_depth)
+      last = jnp.take_along_axis(g_path, g_n[:, None], axis=1)
+      g_next = jnp.take_along_axis(top, last, axis=1)[:, 0]
       return (
         jnp.where(greedy[:, None], g_path, path),
         jnp.where(greedy, g_n, n),
@@ -216,14 +220,15 @@ class RecursiveRule:
   def _walk(self, key, tree, logits, params, max_depth, draft_probs):
     batch, n_slots, _ = logits.shape
     rows = jnp.arange(batch)
-    probs = sampling.warped_probs(logits, params)  # [B, N+1, V]
+    # The walk warps only the nodes it visits (a sampled walk rarely goes deep).
+    warped_at = lambda cur: sampling.warped_probs(logits[rows, cur], params)  # [B, V]
     q_all = draft_probs.astype(jnp.float32)  # [B, D, V]
     key_u, key_res = sampling.split_key(key)
     u_all = sampling.uniform(key_u, (batch, max_depth, n_slots - 1))
 
     def child_body(d, kid, order):
-      def body(j, c):
-        p, q, found, nxt = c
+      def body(c):
+        j, p, q, found, nxt = c
         is_j = kid & (order == j)  # children in slot order are in rank order (the builder
         has = jnp.any(is_j, axis=1) & ~found  # pops siblings by rank)
         slot = jnp.argmax(is_j, axis=1).astype(jnp.int32)
@@ -234,7 +239,7 @@ class RecursiveRule:
         rej = (has & ~ok)[:, None]
         p = jnp.where(rej, self.residual(p, q, mp[:, None], mq[:, None]), p)
         q = jnp.where(rej, self.exclude(q, x), q)
-        return p, q, found | ok, jnp.where(ok, slot, nxt)
+        return j + 1, p, q, found | ok, jnp.where(ok, slot, nxt)
 
       return body
 
@@ -242,10 +247,13 @@ class RecursiveRule:
       d, cur, stopped, path, final = carry
       kid = _children(tree, cur) & ~stopped[:, None]
       order = jnp.cumsum(kid, axis=1) - 1  # each child's rank among its siblings
-      p0 = probs[rows, cur]
-      init = (p0, q_all[rows, jnp.minimum(d, max_depth - 1)], jnp.zeros((batch,), bool), cur)
-      n_kids = jnp.max(jnp.sum(kid, axis=1))
-      p, _, found, nxt = jax.lax.fori_loop(0, n_kids, child_body(d, kid, order), init)
+      p0 = warped_at(cur)
+      q0 = q_all[rows, jnp.minimum(d, max_depth - 1)]
+      n_kids = jnp.sum(kid, axis=1)
+      # Siblings in rank order until every row accepted one or ran out of them.
+      more = lambda c: jnp.any(~c[3] & (c[0] < n_kids))
+      init = (jnp.int32(0), p0, q0, jnp.zeros((batch,), bool), cur)
+      _, p, _, found, nxt = jax.lax.while_loop(more, child_body(d, kid, order), init)
       # A row that stops here draws the next root from its residual (p0 if no mass is left,
       # which only rounding can cause); one that reached depth D, from p0 after the loop.
       p = jnp.where(jnp.sum(p, axis=1, keepdims=True) > 0, p, p0)
@@ -259,12 +267,12 @@ class RecursiveRule:
       jnp.zeros((batch,), jnp.int32),
       jnp.zeros((batch,), bool),
       jnp.zeros((batch, max_depth + 1), jnp.int32),
-      jnp.zeros(probs.shape[::2], jnp.float32),
+      jnp.zeros((batch, logits.shape[-1]), jnp.float32),
     )
     # Most sampled walks stop within a few levels: loop only while some row is still walking.
     go_on = lambda c: (c[0] < max_depth) & ~jnp.all(c[2])
     _, cur, stopped, path, final = jax.lax.while_loop(go_on, depth_body, init)
-    final = jnp.where(stopped[:, None], final, probs[rows, cur])
+    final = jnp.where(stopped[:, None], final, warped_at(cur))
     next_tok = sampling.sample_from_probs(key_res, final)
     return path, jnp.take_along_axis(tree.depths, cur[:, None], axis=1)[:, 0], next_tok
 
