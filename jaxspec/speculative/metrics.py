@@ -24,7 +24,7 @@ class SpecStats:
     target_passes: [B] verify passes of the target in which the sequence was active.
     tokens_committed: [B] tokens committed by those passes (accepted drafts + 1).
     accept_hist: [B, γ+1] how many passes accepted exactly k drafts, k = 0..γ.
-    tree_ranks: [B, γ, K, NB, 2] under tree verification (else None): at depth d + 1, how
+    tree_ranks: [B, γ, K, NB, 2] under tree verification (else [B, 0]): at depth d + 1, how
       often the walk tried the child of sibling rank r whose sorted draft probability fell in
       bucket b (`tree_verify.q_buckets`), and how often it accepted it
       (`tree_verify.rank_outcomes`); what `launch/bench.py tree-calibrate` measures. Passes of
@@ -34,7 +34,7 @@ class SpecStats:
   target_passes: jax.Array
   tokens_committed: jax.Array
   accept_hist: jax.Array
-  tree_ranks: Optional[jax.Array] = None
+  tree_ranks: jax.Array
 
   @property
   def gamma(self) -> int:
@@ -48,7 +48,8 @@ def init_stats(batch: int, gamma: int, tree_ranks: tuple[int, ...] = ()) -> Spec
     target_passes=jnp.zeros((batch,), jnp.int32),
     tokens_committed=jnp.zeros((batch,), jnp.int32),
     accept_hist=jnp.zeros((batch, gamma + 1), jnp.int32),
-    tree_ranks=jnp.zeros((batch, gamma, *tree_ranks, 2), jnp.int32) if tree_ranks else None,
+    # Not None without a tree: a None leaf would still get a sharding on a mesh.
+    tree_ranks=jnp.zeros((batch, gamma, *tree_ranks, 2) if tree_ranks else (batch, 0), jnp.int32),
   )
 
 
@@ -82,8 +83,8 @@ def update_stats(
     target_passes=stats.target_passes + act,
     tokens_committed=stats.tokens_committed + act * num_committed.astype(jnp.int32),
     accept_hist=stats.accept_hist + act[:, None] * one_hot,
-    tree_ranks=None
-    if stats.tree_ranks is None or ranks is None
+    tree_ranks=stats.tree_ranks
+    if ranks is None
     else stats.tree_ranks + act.reshape((-1,) + (1,) * (ranks.ndim - 1)) * ranks.astype(jnp.int32),
   )
 
@@ -123,7 +124,7 @@ def summarize(stats: SpecStats, elapsed_s: float, ttft_s: Optional[float] = None
     per_seq = np.where(passes > 0, committed / np.maximum(passes, 1), np.nan)
   denom = max(total_passes, 1)
   ranks = {}
-  if stats.tree_ranks is not None:
+  if stats.tree_ranks.ndim > 2:
     counts = np.asarray(jax.device_get(stats.tree_ranks), np.int64).sum(axis=0)
     ranks = {"tree_rank_tried": counts[..., 0].tolist(), "tree_rank_accepted": counts[..., 1].tolist()}
   return {
