@@ -24,8 +24,8 @@ class SpecStats:
     target_passes: [B] verify passes of the target in which the sequence was active.
     tokens_committed: [B] tokens committed by those passes (accepted drafts + 1).
     accept_hist: [B, γ+1] how many passes accepted exactly k drafts, k = 0..γ.
-    tree_ranks: [B, γ, K, NB, 2] under tree verification (else [B, 0]): at depth d + 1, how
-      often the walk tried the child of sibling rank r whose sorted draft probability fell in
+    tree_ranks: [B, γ, K, NB, 2] under tree verification (else [B, 1] zeros): at depth d + 1,
+      how often the walk tried the child of sibling rank r whose sorted draft probability fell in
       bucket b (`tree_verify.q_buckets`), and how often it accepted it
       (`tree_verify.rank_outcomes`); what `launch/bench.py tree-calibrate` measures. Passes of
       all-greedy batches, which skip the draft distribution, count in the last bucket.
@@ -48,8 +48,9 @@ def init_stats(batch: int, gamma: int, tree_ranks: tuple[int, ...] = ()) -> Spec
     target_passes=jnp.zeros((batch,), jnp.int32),
     tokens_committed=jnp.zeros((batch,), jnp.int32),
     accept_hist=jnp.zeros((batch, gamma + 1), jnp.int32),
-    # Not None without a tree: a None leaf would still get a sharding on a mesh.
-    tree_ranks=jnp.zeros((batch, gamma, *tree_ranks, 2) if tree_ranks else (batch, 0), jnp.int32),
+    # Without a tree a [B, 1] placeholder: a None leaf would still get a sharding on a mesh,
+    # and a zero-size one is laid out unlike its sharding.
+    tree_ranks=jnp.zeros((batch, gamma, *tree_ranks, 2) if tree_ranks else (batch, 1), jnp.int32),
   )
 
 
