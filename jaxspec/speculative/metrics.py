@@ -127,7 +127,10 @@ def summarize(stats: SpecStats, elapsed_s: float, ttft_s: Optional[float] = None
   ranks = {}
   if stats.tree_ranks.ndim > 2:
     counts = np.asarray(jax.device_get(stats.tree_ranks), np.int64).sum(axis=0)
-    ranks = {"tree_rank_tried": counts[..., 0].tolist(), "tree_rank_accepted": counts[..., 1].tolist()}
+    ranks = {
+      "tree_rank_tried": counts[..., 0].tolist(),
+      "tree_rank_accepted": counts[..., 1].tolist(),
+    }
   return {
     **ranks,
     "acceptance_length": total_committed / total_passes if total_passes else float("nan"),

@@ -213,7 +213,9 @@ def build_tree(
     top_ids = jnp.where(use, candidates[:, :, :k], top_ids)
   if shape_scores is not None:
     if shape_scores.shape != (b, d, k):
-      raise ValueError(f"shape_scores must be [B, D, K] = [{b}, {d}, {k}], got {shape_scores.shape}")
+      raise ValueError(
+        f"shape_scores must be [B, D, K] = [{b}, {d}, {k}], got {shape_scores.shape}"
+      )
     scores = jnp.where(top_lp > NEG_INF, shape_scores.astype(jnp.float32), NEG_INF)
     top_lp = jnp.where(use, scores, top_lp)
   build = lambda r, lp, ids: _build_one(r, lp, ids, budget, chain_seed)
