@@ -64,6 +64,7 @@ MLP = "mlp"
 EXPERT = "expert"
 VOCAB = "vocab"
 LAYERS = "layers"
+PAGES = "pages"  # a paged KV pool's pages (state/paged.py): shared by the rows
 # MLA's low-rank widths (q_a_proj's output, the KV latent): small, never split.
 Q_LORA = "q_lora"
 KV_LORA = "kv_lora"
@@ -78,6 +79,7 @@ LOGICAL_AXES: tuple[str, ...] = (
   EXPERT,
   VOCAB,
   LAYERS,
+  PAGES,
   Q_LORA,
   KV_LORA,
 )
@@ -97,6 +99,7 @@ DEFAULT_RULES: Rules = (
   (VOCAB, TENSOR),
   (EMBED, None),
   (LAYERS, None),
+  (PAGES, None),
   (LENGTH, None),
   (HEAD_DIM, None),
   (Q_LORA, None),

@@ -42,6 +42,19 @@ flags.DEFINE_integer("batch_size", 4, "Slots: requests decoded together.", lower
 common_flags.define_max_len(2048, "Per slot.")
 common_flags.define_kv_format()
 flags.DEFINE_integer(
+  "page_size",
+  0,
+  "Paged K/V: positions per page of the full-attention K/V pool (0: every slot reserves "
+  "max_len positions); must divide --max_len.",
+  lower_bound=0,
+)
+flags.DEFINE_integer(
+  "kv_pages",
+  0,
+  "Paged K/V: pages in the pool (0: batch_size × max_len / page_size).",
+  lower_bound=0,
+)
+flags.DEFINE_integer(
   "steps_per_tick",
   None,
   "Compiled steps between admissions (default: the scheduler's).",
@@ -92,6 +105,8 @@ def main(argv):
     batch_size=FLAGS.batch_size,
     kv_format=FLAGS.kv_format,
     max_stop_ids=FLAGS.max_stop_ids,
+    page_size=FLAGS.page_size,
+    kv_pages=FLAGS.kv_pages,
   )
   if not distributed.is_leader():  # a follower: no HTTP, the leader's ticks until it stops
     print(f"process {joined.process_id}/{joined.num_processes}: following process 0", flush=True)
@@ -108,7 +123,12 @@ def main(argv):
   app = app_lib.create_app(
     scheduler, name, api_key=FLAGS.api_key or None, max_body_bytes=FLAGS.max_body_bytes
   )
-  print(f"target: {source}; method: {label}; {FLAGS.batch_size} slots of {FLAGS.max_len} tokens")
+  kv = ""
+  if FLAGS.page_size:
+    kv = f"; K/V in {engine.config.num_pages} pages of {FLAGS.page_size}"
+  print(
+    f"target: {source}; method: {label}; {FLAGS.batch_size} slots of {FLAGS.max_len} tokens{kv}"
+  )
   if not loopback and not FLAGS.api_key:
     print(f"warning: serving on {FLAGS.host} without an API key", file=sys.stderr)
   print("compiling and warming up ...", flush=True)

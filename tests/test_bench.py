@@ -38,6 +38,7 @@ OWN_FLAG = {
   "hybrid-tree": "--traceback",
   "llamacpp": "--llama_formats",
   "ordered-head": "--centroids",
+  "serve-pages": "--budget_rows",
 }
 
 

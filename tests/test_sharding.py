@@ -66,6 +66,7 @@ def test_default_rules_cover_logical_axes():
     "head_dim": None,
     "q_lora": None,  # MLA's low-rank widths stay whole
     "kv_lora": None,
+    "pages": None,  # a paged KV pool's pages: shared by the rows, kept whole
   }
   for _, axes in sh.DEFAULT_RULES:
     assert axes is None or axes in sh.MESH_AXES

@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxspec import distributed
 from jaxspec.errors import InputError, JaxspecError
+from jaxspec.serve.pages import PageAllocator
 from jaxspec.speculative.engine import SpecEngine
 from jaxspec.speculative.request import SamplingArgs
 from jaxspec.speculative.step import SpecState
@@ -101,6 +102,8 @@ class RequestHandle:
     self.seed = options.seed if options.seed is not None else secrets.randbits(63)
     self.finish_reason: Optional[str] = None
     self.submitted = time.perf_counter()
+    self.generated: list[int] = []  # tokens delivered so far (a preempted request resumes)
+    self.preemptions = 0
     self._scheduler = scheduler
     self._cancelled = threading.Event()
     try:
@@ -109,6 +112,21 @@ class RequestHandle:
     except RuntimeError:  # no event loop in this thread: a thread-safe queue
       self._loop = None
       self._queue = queue.Queue()
+
+  def row_prompt(self) -> list[int]:
+    """What a row prefills for this request: its prompt, then what it generated before it was
+    preempted (the server recomputes that text's K/V; serve/pages.py)."""
+    return self.prompt_ids + self.generated
+
+  def row_arguments(self) -> SamplingArgs:
+    """The engine's sampling arguments for the row: the tokens still owed, and after a
+    preemption a seed of its own (a resumed sampled request draws afresh from there on)."""
+    owed = self.options.max_tokens - len(self.generated)
+    options = dataclasses.replace(self.options, max_tokens=owed)
+    seed = self.seed
+    if self.preemptions:
+      seed = (seed + 0x9E3779B97F4A7C15 * self.preemptions) % 2**63
+    return options.sampling_args(seed)
 
   @property
   def cancelled(self) -> bool:
@@ -169,13 +187,15 @@ class RequestHandle:
 
 @dataclasses.dataclass(frozen=True)
 class Tick:
-  """One scheduler round's engine calls, all a follower process needs to replay it: prefill
-  and insert each admitted request, evict slots, run `steps` steps (0: none) and read back."""
+  """One scheduler round's engine calls, all a follower process needs to replay it: set the
+  page tables (paged K/V), prefill and insert each admitted request, evict slots, run `steps`
+  steps (0: none) and read back."""
 
   admit: list  # [slot, prompt token ids, SamplingArgs.to_json()] per admitted request
   evict: list[int]  # slots to free
   steps: int
   stop: bool = False  # the leader's last tick: followers return
+  pages: Optional[list] = None  # paged K/V: every row's page table, set first (None: unchanged)
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self))
@@ -195,7 +215,9 @@ def apply_tick(
 
 
 def admit_tick(engine: SpecEngine, state: SpecState, tick: Tick) -> SpecState:
-  """`apply_tick`'s first half: prefill + insert each admitted request, evict slots."""
+  """`apply_tick`'s first half: page tables, prefill + insert each admitted request, evict."""
+  if tick.pages is not None:
+    state = engine.set_page_table(state, np.asarray(tick.pages, np.int32))
   for slot, ids, arguments in tick.admit:
     state = engine.insert(state, slot, engine.prefill_row(ids, SamplingArgs(**arguments)))
   if tick.evict:
@@ -223,10 +245,14 @@ def read_back(engine: SpecEngine, state: SpecState, window: int) -> dict[str, np
 
 @dataclasses.dataclass
 class _Slot:
-  """A request in a row: how many of its tokens were delivered, its counters."""
+  """A request in a row: the row's prompt (the request's, plus what it generated before a
+  preemption), how many tokens this row delivered, its length and counters."""
 
   handle: RequestHandle
   sent: int
+  base: int = 0  # tokens of the row's prompt
+  seq_len: int = 0  # the row's length at the last read-back (prefill: base + 1)
+  admitted: int = 0  # admission order: the newest row is preempted first
   passes: int = 0
   committed: int = 0
 
@@ -273,6 +299,12 @@ class Scheduler:
     self.failure: Optional[str] = None  # set if the scheduler thread died of a bug
     self._counters = collections.Counter()
     self._step_seconds = 0.0
+    cfg = engine.config
+    # Paged K/V: rows hold pages, not max_len slots; admission and growth go by free pages.
+    self._pages = None
+    if cfg.page_size:
+      self._pages = PageAllocator(cfg.num_pages, cfg.page_size, self.slots, cfg.pages_per_row)
+    self._admissions = itertools.count()
 
   # -- lifecycle ------------------------------------------------------------------------------
 
@@ -349,6 +381,9 @@ class Scheduler:
       "step_seconds_avg": self._step_seconds / max(c.get("steps_total", 0), 1),
       "batch_occupancy": running / self.slots,
       "slots": self.slots,
+      "preemptions_total": c.get("preemptions_total", 0),
+      "kv_pages": self._pages.num_pages if self._pages else 0,
+      "kv_pages_used": self._pages.used if self._pages else 0,
     }
 
   # -- the scheduler thread -------------------------------------------------------------------
@@ -390,29 +425,36 @@ class Scheduler:
             s.handle.cancel()
       else:
         victims = []
-      free = [i for i, s in enumerate(self._active) if s is None]
-      admitted = []
-      while free and self._waiting:
-        admitted.append((free.pop(0), self._waiting.popleft()))
-      idle = not admitted and all(s is None for s in self._active)
     for h in victims:
       self._finish_waiting(h)
-    if idle:
+    cancelled = [i for i, s in enumerate(self._active) if s is not None and s.handle.cancelled]
+    preempted = self._grow(cancelled)
+    admitted = self._admit(set(cancelled + preempted))
+    live = [
+      i
+      for i, s in enumerate(self._active)
+      if s is not None and i not in cancelled and i not in preempted
+    ]
+    if not (admitted or live or cancelled or preempted):
       return not self._closing
 
     rows = []
     for slot, handle in admitted:
       if handle.cancelled:
         self._finish_waiting(handle)
+        if self._pages is not None:
+          self._pages.release(slot)
         continue
-      rows.append([slot, handle.prompt_ids, handle.options.sampling_args(handle.seed).to_json()])
+      prompt = handle.row_prompt()
+      rows.append([slot, prompt, handle.row_arguments().to_json()])
+      slot_state = _Slot(handle, 0, len(prompt), len(prompt) + 1, next(self._admissions))
       with self._lock:
-        self._active[slot] = _Slot(handle, 0)
-    cancelled = [i for i, s in enumerate(self._active) if s is not None and s.handle.cancelled]
-    live = any(s is not None and i not in cancelled for i, s in enumerate(self._active))
-    tick = Tick(rows, cancelled, self.steps_per_tick if live else 0)
-    if not (rows or cancelled or tick.steps):
+        self._active[slot] = slot_state
+    steps = self.steps_per_tick if (rows or live) else 0
+    if not (rows or cancelled or preempted or steps):
       return True  # every admitted request was cancelled while it waited
+    pages = None if self._pages is None else self._pages.table().tolist()
+    tick = Tick(rows, cancelled + preempted, steps, pages=pages)
     if self._channel is not None:  # the followers replay it (jaxspec/serve/multihost.py)
       self._channel.publish(tick)
     self._state = admit_tick(self.engine, self._state, tick)  # as apply_tick, timing the steps
@@ -420,12 +462,87 @@ class Scheduler:
     self._state, host = run_tick(self.engine, self._state, tick.steps)
     for i in cancelled:
       self._release(i, Delta([], None, "cancelled"))
+    self._requeue(preempted)
     if host is not None:
       self._deliver_tokens(host)
       self._step_seconds += time.perf_counter() - t0
       self._counters["ticks_total"] += 1
       self._counters["steps_total"] += tick.steps
     return True
+
+  def _reach(self, seq_len: int, handle: RequestHandle) -> int:
+    """The positions a row of length `seq_len` may write before the next read-back: a tick's
+    commits and one verify block past them, never past the request's own end (its prompt,
+    max_tokens and the drafter's lookahead, however often it was preempted)."""
+    verifier = self.engine.verifier
+    ahead = seq_len + self.steps_per_tick * verifier.max_commit + verifier.width
+    end = len(handle.prompt_ids) + handle.options.max_tokens + self.engine.lookahead + 1
+    return min(ahead, end, self.engine.config.max_len)
+
+  def _grow(self, cancelled: list[int]) -> list[int]:
+    """Paged K/V: frees the pages of cancelled rows and gives every other row the pages its
+    next tick may reach, oldest row first; where the pool runs out, preempts the newest rows
+    (frees their pages; they resume later from what they delivered). Returns the preempted."""
+    if self._pages is None:
+      return []
+    for i in cancelled:
+      self._pages.release(i)
+    running = sorted(
+      (s.admitted, i) for i, s in enumerate(self._active) if s is not None and i not in cancelled
+    )
+    preempted: list[int] = []
+    while running:
+      _, slot = running.pop(0)  # the oldest not yet grown
+      s = self._active[slot]
+      while not self._pages.grow(slot, self._reach(s.seq_len, s.handle)):
+        # The newest row gives way; if that is this one, older rows hold the pool (the oldest
+        # always fits: a request needs at most a row of pages, and the pool holds one).
+        newest = running.pop()[1] if running else slot
+        self._pages.release(newest)
+        preempted.append(newest)
+        if newest == slot:
+          break
+    return preempted
+
+  def _admit(self, leaving: set[int]) -> list[tuple[int, RequestHandle]]:
+    """Waiting requests into free rows, first come first served: while a row is free and (paged
+    K/V) the pool has the pages its prompt and first tick reach, beside what the running rows
+    (not those `leaving` this tick) will want the tick after."""
+    admitted = []
+    # Pages the running rows will want the tick after (kept free, so that admitting does not
+    # force a preemption at once).
+    reserve = 0
+    if self._pages is not None:
+      ahead = self.steps_per_tick * self.engine.verifier.max_commit
+      for i, s in enumerate(self._active):
+        if s is not None and i not in leaving:
+          reserve += self._pages.shortfall(i, self._reach(s.seq_len + ahead, s.handle))
+    with self._lock:
+      free = [i for i, s in enumerate(self._active) if s is None]
+      while free and self._waiting:
+        handle = self._waiting[0]
+        if self._pages is not None:
+          length = len(handle.prompt_ids) + len(handle.generated) + 1
+          reach = self._reach(length, handle)
+          busy = admitted or any(
+            s is not None and i not in leaving for i, s in enumerate(self._active)
+          )
+          if busy and self._pages.shortfall(free[0], reach) + reserve > self._pages.free:
+            break
+          if not self._pages.grow(free[0], reach):
+            break
+        admitted.append((free.pop(0), self._waiting.popleft()))
+    return admitted
+
+  def _requeue(self, preempted: list[int]) -> None:
+    """Preempted requests back at the head of the queue (the newest last), rows freed."""
+    with self._lock:
+      for slot in sorted(preempted, key=lambda i: self._active[i].admitted, reverse=True):
+        handle = self._active[slot].handle
+        handle.preemptions += 1
+        self._active[slot] = None
+        self._waiting.appendleft(handle)
+        self._counters["preemptions_total"] += 1
 
   def _finish_waiting(self, handle: RequestHandle) -> None:
     handle._deliver(Delta([], None, "cancelled"))  # pylint: disable=protected-access
@@ -434,6 +551,8 @@ class Scheduler:
 
   def _release(self, slot: int, last: Delta) -> None:
     s = self._active[slot]
+    if self._pages is not None:
+      self._pages.release(slot)
     s.handle._deliver(last)  # pylint: disable=protected-access
     with self._lock:
       self._active[slot] = None
@@ -451,12 +570,17 @@ class Scheduler:
       if s is None:
         continue
       first = int(seq_len[i]) - window  # the slot the window starts at
-      start = s.handle.prompt_tokens + s.sent - first
+      start = s.base + s.sent - first
+      s.seq_len = int(seq_len[i])
+      held = len(self._pages.pages(i)) * self._pages.page_size if self._pages else None
+      if held is not None and s.seq_len - 1 > held:
+        raise RuntimeError(f"row {i} committed positions its pages do not hold (a page-growth bug)")
       if start < 0:
         raise RuntimeError(f"row {i} committed more than the read-back window ({window})")
       new = tokens[i, start:].tolist()
       lps = logprobs[i, start:].tolist() if s.handle.options.logprobs else None
       s.sent += len(new)
+      s.handle.generated += new
       with self._lock:
         self._counters["target_passes_total"] += int(passes[i]) - s.passes
         self._counters["tokens_committed_total"] += int(committed[i]) - s.committed

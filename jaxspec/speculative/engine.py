@@ -50,7 +50,7 @@ from jaxspec.speculative import step as step_lib
 from jaxspec.speculative.request import Request, SamplingArgs, takes_sampling_args
 from jaxspec.speculative.step import SpecState
 from jaxspec.speculative.verifiers import TreeOptions
-from jaxspec.state import KV_FORMATS, logical_axes
+from jaxspec.state import KV_FORMATS, Paging, logical_axes
 
 MAX_STOP_IDS = 8  # EngineConfig.max_stop_ids' default
 _NO_STEP_LIMIT = 2**31 - 1
@@ -87,6 +87,12 @@ class EngineConfig:
   tree_draft_temperature: "recursive" only: the children are drawn from the drafter's q at
     T × this (1 = the drafter's q; exact for any positive value; < 1 and > 1 measured worse
     on the bundled pair, docs/benchmarks.md).
+  page_size: 0 (default): every row reserves max_len slots of every full-attention K/V layer.
+    Else those layers keep their K/V in pages of this many slots from one pool (state/paged.py),
+    each row holding a page table; it must divide max_len.
+  kv_pages: the pool's pages (0: batch_size × max_len / page_size, what contiguous rows would
+    hold). A smaller pool serves more rows than it could hold at max_len through the server's
+    page allocator (serve/pages.py); `generate` needs the full pool.
   """
 
   method: str = "auto"
@@ -108,6 +114,8 @@ class EngineConfig:
   tree_chain_seed: bool = False
   tree_rule: str = "recursive"
   tree_draft_temperature: float = 1.0
+  page_size: int = 0
+  kv_pages: int = 0
 
   def __post_init__(self):
     def need(ok: bool, msg: str) -> None:
@@ -141,6 +149,20 @@ class EngineConfig:
       self.kv_format in KV_FORMATS,
       f"kv_format={self.kv_format!r}; expected one of {tuple(KV_FORMATS)}",
     )
+    whole("page_size", 0)
+    whole("kv_pages", 0)
+    if self.page_size:
+      need(
+        self.max_len % self.page_size == 0,
+        f"page_size={self.page_size} must divide max_len={self.max_len}",
+      )
+      need(
+        self.kv_pages == 0 or self.kv_pages >= self.pages_per_row,
+        f"kv_pages={self.kv_pages} cannot hold one row of max_len={self.max_len} "
+        f"({self.pages_per_row} pages of {self.page_size})",
+      )
+    else:
+      need(self.kv_pages == 0, "kv_pages needs page_size > 0")
     if self.verify == "tree":
       whole("tree_budget", 1)
       whole("tree_topk", 0)
@@ -153,6 +175,24 @@ class EngineConfig:
         isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf"),
         f"tree_draft_temperature must be a positive number, got {t!r}",
       )
+
+  @property
+  def pages_per_row(self) -> int:
+    """Pages of a row's page table (0 without paging)."""
+    return self.max_len // self.page_size if self.page_size else 0
+
+  @property
+  def num_pages(self) -> int:
+    """The pool's pages (0 without paging)."""
+    return self.kv_pages or self.batch_size * self.pages_per_row
+
+  def paging(self, batch: int) -> Optional[Paging]:
+    """The paging of a `batch`-row state: the engine's pool for batch_size rows, a pool of
+    exactly its rows' pages for others (a one-row `prefill_row` state); None: contiguous."""
+    if not self.page_size:
+      return None
+    pages = self.num_pages if batch == self.batch_size else batch * self.pages_per_row
+    return Paging(self.page_size, pages)
 
   @property
   def tree_options(self) -> Optional["TreeOptions"]:
@@ -252,7 +292,13 @@ class SpecEngine:
     self.slack = self.verifier.width
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = memory.engine_plan(
-      self.target, drafter, config.batch_size, config.max_len, config.kv_format, self.slack
+      self.target,
+      drafter,
+      config.batch_size,
+      config.max_len,
+      config.kv_format,
+      self.slack,
+      config.paging(config.batch_size),
     )
     memory.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
     cfg, dr = target.config, drafter
@@ -269,7 +315,7 @@ class SpecEngine:
           slack=self.slack,
           tree_ranks=self.verifier.rank_shape,
         ),
-        static_argnames=("chunk", "kv_format"),
+        static_argnames=("chunk", "kv_format", "paging"),
         donate_argnames=("tokens",),
       )
     )
@@ -284,6 +330,9 @@ class SpecEngine:
       jax.jit(functools.partial(step_lib.evict_rows, state_axes=axes), donate_argnums=(0,))
     )
     self._recent = self._on_mesh(jax.jit(step_lib.recent, static_argnums=(1,)))
+    self._set_pages = self._on_mesh(
+      jax.jit(functools.partial(step_lib.set_page_table, state_axes=axes), donate_argnums=(0,))
+    )
 
   def _engine_stop_ids(self) -> tuple[int, ...]:
     """The config's stop ids and (use_eos) the target's eos ids, checked."""
@@ -382,9 +431,17 @@ class SpecEngine:
     drafter's lookahead past the last token and the root must fit in max_len (≤ 0: none)."""
     return self.config.max_len - prompt_len - self.lookahead - 1
 
-  def _start(self, request: Request, batch: Optional[int] = None) -> SpecState:
-    """Validates, pads to `batch` rows (default batch_size) and prefills."""
+  def _start(
+    self, request: Request, batch: Optional[int] = None, free: bool = False
+  ) -> SpecState:
+    """Validates, pads to `batch` rows (default batch_size) and prefills (`free`: rows about to
+    be evicted, which need no pages)."""
     b, cfg = batch or self.config.batch_size, self.config
+    if not free and cfg.num_pages < b * cfg.pages_per_row:
+      raise ConfigError(
+        f"kv_pages={cfg.kv_pages} holds fewer than batch_size × max_len positions: such a pool "
+        "serves rows through a page allocator (launch/serve.py, jaxspec.serve), not generate"
+      )
     ids, stop_ids = self._checked(request, b)
     longest = max(len(p) for p in ids)
     # Short prompts: one chunk of the prompt's bucket (one compilation per bucket); long ones:
@@ -414,6 +471,7 @@ class SpecEngine:
       jnp.int32(-(-longest // chunk)),
       chunk=chunk,
       kv_format=cfg.kv_format,
+      paging=cfg.paging(b),
     )
 
   def _to_device(self, host: Any, logical_axes: Any) -> Any:
@@ -514,7 +572,7 @@ class SpecEngine:
   def empty_state(self) -> SpecState:
     """A batch_size-row state with every row free (done): the start of a slot-served engine."""
     request = self._request([[0]] * self.config.batch_size, SamplingArgs(max_new_tokens=1))
-    state = self._start(request)
+    state = self._start(request, free=True)
     return self.evict(state, jnp.arange(self.config.batch_size))
 
   @takes_sampling_args
@@ -551,6 +609,24 @@ class SpecEngine:
       )
     return self._insert(state, jnp.int32(slot), row)
 
+  def set_page_table(self, state: SpecState, table: Any) -> SpecState:
+    """`state` with the page tables [batch_size, max_len / page_size] (int; pool page ids,
+    `num_pages` = none): which pool pages hold each row's positions (EngineConfig.page_size;
+    the server's page allocator, serve/pages.py, owns them). One compilation; donates `state`."""
+    cfg = self.config
+    table = np.asarray(table)
+    if not cfg.page_size:
+      raise ConfigError("set_page_table: this engine has no paged KV (EngineConfig.page_size)")
+    if table.shape != (cfg.batch_size, cfg.pages_per_row) or table.dtype.kind not in "iu":
+      raise InputError(
+        f"set_page_table: expected integer page ids of shape {(cfg.batch_size, cfg.pages_per_row)}"
+        f", got {table.dtype} {table.shape}"
+      )
+    if table.size and not 0 <= int(table.min()) <= int(table.max()) <= cfg.num_pages:
+      raise InputError(f"set_page_table: page ids must be in [0, {cfg.num_pages}]")
+    table = self._to_device(table.astype(np.int32), (sharding.BATCH, None))
+    return self._set_pages(state, table)
+
   def evict(self, state: SpecState, slot: Any) -> SpecState:
     """`state` with row(s) `slot` (an index or a sequence of them) marked done: they commit
     nothing more and their slots may be reused by `insert`. One compilation; donates `state`."""
@@ -564,6 +640,10 @@ class SpecEngine:
     compiles. Prompts longer than prefill_chunk share the last bucket's chunked program."""
     state = self.empty_state()
     cfg = self.config
+    if cfg.page_size:  # every page unmapped: the allocator maps them as rows arrive
+      state = self.set_page_table(
+        state, np.full((cfg.batch_size, cfg.pages_per_row), cfg.num_pages, np.int32)
+      )
     longest = cfg.max_len - self.lookahead - 2  # the longest prompt a request may have
     top = min(_bucket(longest, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk)
     size = cfg.min_prompt_bucket
@@ -599,6 +679,7 @@ class SpecEngine:
       "loop": self._loop._cache_size(),
       "insert": 0 if self._insert is None else self._insert._cache_size(),
       "evict": self._evict._cache_size(),
+      "set_page_table": self._set_pages._cache_size(),
     }
 
   def _abstract_state(self, batch: int) -> SpecState:
@@ -622,6 +703,9 @@ class SpecEngine:
       kv_format=cfg.kv_format,
       slack=self.slack,
       tree_ranks=self.verifier.rank_shape,
+      # A pool that does not grow with the rows, so that comparing 1- and 2-row states finds
+      # the rows' axes (the pool's size is not one; `state_axes`, `_batch_axes`).
+      paging=Paging(cfg.page_size, cfg.pages_per_row) if cfg.page_size else None,
     )
     return jax.eval_shape(
       run,

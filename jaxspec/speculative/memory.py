@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxspec.errors import ConfigError
-from jaxspec.state import DEFAULT_SLACK, DecodingState
+from jaxspec.state import DEFAULT_SLACK, DecodingState, Paging
 
 
 def tree_bytes(tree: Any) -> int:
@@ -44,12 +44,17 @@ def human_bytes(n: float) -> str:
 
 
 def decoding_state_bytes(
-  config: Any, batch: int, max_len: int, kv_format: str = "float", slack: int = DEFAULT_SLACK
+  config: Any,
+  batch: int,
+  max_len: int,
+  kv_format: str = "float",
+  slack: int = DEFAULT_SLACK,
+  paging: Optional[Paging] = None,
 ) -> int:
   """Bytes of the target's decoding state (`jaxspec.state.DecodingState`) for these shapes
-  (sliding-window rings of window + `slack` slots)."""
+  (sliding-window rings of window + `slack` slots; full-attention K/V in `paging`'s pool)."""
   shapes = jax.eval_shape(
-    lambda: DecodingState.create(config, batch, max_len, kv_format, slack=slack)
+    lambda: DecodingState.create(config, batch, max_len, kv_format, slack=slack, paging=paging)
   )
   return tree_bytes(shapes)
 
@@ -135,7 +140,13 @@ def _devices_of(tree: Any) -> list[jax.Device]:
 
 
 def engine_plan(
-  target: Any, drafter: Any, batch: int, max_len: int, kv_format: str, slack: int = DEFAULT_SLACK
+  target: Any,
+  drafter: Any,
+  batch: int,
+  max_len: int,
+  kv_format: str,
+  slack: int = DEFAULT_SLACK,
+  paging: Optional[Paging] = None,
 ) -> MemoryPlan:
   """The memory plan of a `SpecEngine` for `target` and `drafter` at these shapes.
 
@@ -143,7 +154,7 @@ def engine_plan(
   """
   return MemoryPlan(
     weights=tree_bytes(target.params) + (tree_bytes(drafter.params) if drafter else 0),
-    target_state=decoding_state_bytes(target.config, batch, max_len, kv_format, slack),
+    target_state=decoding_state_bytes(target.config, batch, max_len, kv_format, slack, paging),
     drafter_state=drafter_state_bytes(drafter, batch, max_len),
     buffers=batch * max_len * np.dtype(np.int32).itemsize,
     free=free_bytes(_devices_of(target.params)),

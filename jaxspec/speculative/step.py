@@ -35,7 +35,7 @@ from jaxspec.models import target as target_lib
 from jaxspec.speculative import metrics, verifiers
 from jaxspec.speculative.placement import laid_out
 from jaxspec.speculative.verifiers import Accepted, Verifier
-from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState
+from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState, Paging
 
 
 @flax.struct.dataclass
@@ -168,6 +168,7 @@ def prefill(
   state_axes: Optional[SpecState] = None,
   slack: int = DEFAULT_SLACK,
   tree_ranks: tuple[int, ...] = (),
+  paging: Optional[Paging] = None,
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step.
 
@@ -176,7 +177,8 @@ def prefill(
   chunk's target features go to the drafter before the next chunk runs, and a prompt's first
   token is sampled in the chunk that holds its last position. `state_axes` (the state's logical
   axes, `SpecEngine.state_axes`) lays the state out on the active mesh from its creation on;
-  `slack` is the widest block a step verifies (sliding-window rings keep window + slack).
+  `slack` is the widest block a step verifies (sliding-window rings keep window + slack);
+  `paging` pages the full-attention K/V (`DecodingState.create`).
   """
   lay = functools.partial(laid_out, state_axes)
   batch, max_len = tokens.shape
@@ -212,7 +214,7 @@ def prefill(
     return lay_carry(target_state, drafter_state, tokens, logprobs)
 
   init = lay_carry(
-    DecodingState.create(config, batch, max_len, kv_format, slack=slack),
+    DecodingState.create(config, batch, max_len, kv_format, slack=slack, paging=paging),
     drafter_state,
     tokens,
     jnp.zeros((batch, max_len), jnp.float32),
@@ -400,14 +402,20 @@ def insert_row(
   state_axes: Optional[SpecState] = None,
 ) -> SpecState:
   """Row `slot` of every batched leaf of `state` ← the one-row state `row` (`axes`: each leaf's
-  batch axis, None for shared leaves, which keep `state`'s); laid out by `state_axes`."""
+  batch axis, None for shared leaves, which keep `state`'s, after the target's paged K/V took
+  the row's pages: `DecodingState.adopt_row`); laid out by `state_axes`."""
 
   def put(ax, x, r):
     if ax is None:
       return x
     return jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=ax)
 
-  return laid_out(state_axes, None, jax.tree_util.tree_map(put, axes, state, row))
+  # What rows share (a paged pool) takes the row's content first; then the rows' leaves.
+  target_state, row_target = state.target_state.adopt_row(slot, row.target_state)
+  state, row = state.replace(target_state=target_state), row.replace(target_state=row_target)
+
+  spliced = jax.tree_util.tree_map(put, axes, state, row, is_leaf=lambda x: x is None)
+  return laid_out(state_axes, None, spliced)
 
 
 def evict_rows(
@@ -415,6 +423,14 @@ def evict_rows(
 ) -> SpecState:
   """The rows where `rows` [B] bool is set marked done: they commit nothing more."""
   return laid_out(state_axes, None, state.replace(done=state.done | rows))
+
+
+def set_page_table(
+  state: SpecState, table: jax.Array, state_axes: Optional[SpecState] = None
+) -> SpecState:
+  """The target's paged K/V with page tables [B, W] (the host's allocation, serve/pages.py)."""
+  target_state = state.target_state.with_page_table(table)
+  return laid_out(state_axes, None, state.replace(target_state=target_state))
 
 
 def recent(state: SpecState, window: int) -> dict[str, jax.Array]:

@@ -73,8 +73,13 @@ Kinds here:
                          position; `DecodingState.create` gives it to every sliding run whose
                          ring is smaller than max_len
 
-Kinds the next issues add fit as new classes, attention and engine unchanged: paged storage
-(`read_chunk` / `write` map slots through a page table; positions stay identity).
+  PagedKV                full-attention K/V in pages of one pool shared by the rows, each row
+                         with a page table (state/paged.py); `DecodingState.create(...,
+                         paging=Paging(page_size, num_pages))` gives it to every full-attention
+                         K/V run. Two more protocol answers serve it: `with_table(table)` (new
+                         page tables; other kinds: themselves) and `adopt_row(slot, row)` (a
+                         one-row entry's pages copied into the pool before the row is spliced
+                         in; other kinds: nothing to do)
 
 Logical axes: each kind's `AXES` table names the logical axis of every dimension of its arrays
 (`layers`, `batch`, `length`, `kv_heads`, `head_dim`); `logical_axes` reads those tables for a
@@ -106,6 +111,7 @@ from jaxspec.state.indexer import INDEXER_AXES, IndexerKeys
 from jaxspec.state.kv import FP8KV, KV_FORMATS, FloatKV, Q4KV
 from jaxspec.state.latent import LATENT_FORMATS, LatentFP8, LatentKV, LatentQ4, SparseLatent
 from jaxspec.state.linear import LINEAR_STATE_AXES, LinearState
+from jaxspec.state.paged import PagedKV
 from jaxspec.state.ring import ContextRing, RingKV
 from jaxspec.state.shared import SharedKV
 from jaxspec.state.sliding import SlidingKV
@@ -120,6 +126,8 @@ __all__ = [
   "KV_FORMATS",
   "LINEAR_STATE_AXES",
   "NO_LIMIT",
+  "PagedKV",
+  "Paging",
   "POS_AXES",
   "RING_EMPTY",
   "ROW_AXES",
@@ -146,6 +154,14 @@ __all__ = [
 ]
 
 
+class Paging(NamedTuple):
+  """Paged full-attention K/V (state/paged.py): pages of `page_size` slots from a pool of
+  `num_pages` (None: as many as the rows would hold contiguously)."""
+
+  page_size: int
+  num_pages: Optional[int] = None
+
+
 @flax.struct.dataclass
 class DecodingState:
   """The model's decoding state: one entry per layer segment plus committed lengths [B].
@@ -169,9 +185,14 @@ class DecodingState:
     kv_format: str = "float",
     segment_layers: tuple[int, ...] | None = None,
     slack: int = DEFAULT_SLACK,
+    paging: Optional[Paging] = None,
   ) -> "DecodingState":
     """A zero state for `config`'s main stack (or for runs of `segment_layers` layers, e.g.
     (1,) for one MTP or drafter layer).
+
+    With `paging`, full-attention K/V runs are `PagedKV` (one pool per run; a page id names the
+    same positions in every run's pool, so one page table serves them all); sliding rings,
+    latent (MLA) and recurrent entries stay per row.
 
     Sliding-window runs keep a ring of window + `slack` slots (`SlidingKV`) when that is fewer
     than max_len: `slack` must be at least the widest block that may be accepted only in part
@@ -182,12 +203,17 @@ class DecodingState:
       raise ConfigError(f"kv_format={kv_format!r}; expected one of {tuple(KV_FORMATS)}")
     if not (isinstance(slack, int) and slack >= 1):
       raise ConfigError(f"slack must be a positive integer, got {slack!r}")
+    page = None if paging is None else paging.page_size
+    if page is not None and not (isinstance(page, int) and page >= 1 and max_len % page == 0):
+      raise ConfigError(f"page_size must divide max_len={max_len}, got {paging.page_size!r}")
     if segment_layers is None:  # the main stack, run by run
       runs = [(first, n) for first, n, _ in config.segments()]
     else:  # standalone layers (MTP, drafters): full attention, their own indexer
       runs = [(None, n) for n in segment_layers]
     return cls(
-      tuple(_entry(config, kv_format, first, n, batch, max_len, slack) for first, n in runs),
+      tuple(
+        _entry(config, kv_format, first, n, batch, max_len, slack, paging) for first, n in runs
+      ),
       jnp.zeros((batch,), jnp.int32),
     )
 
@@ -202,6 +228,24 @@ class DecodingState:
   def kv_format(self) -> str:
     formats = [s.kv_format for s in self.segments if s.kv_format]
     return formats[0] if formats else "float"
+
+  @property
+  def paged(self) -> bool:
+    """Whether any entry stores its K/V in pages (`Paging`)."""
+    return any(isinstance(s, PagedKV) for s in self.segments)
+
+  def with_page_table(self, table: jax.Array) -> "DecodingState":
+    """Every paged entry with page tables [B, W] (one table: a page id names the same
+    positions in every run's pool)."""
+    return self.replace(segments=tuple(s.with_table(table) for s in self.segments))
+
+  def adopt_row(self, slot: jax.Array, row: "DecodingState"):
+    """`Kind.adopt_row` for every entry: (state, row as it will be spliced at `slot`)."""
+    pairs = [s.adopt_row(slot, r) for s, r in zip(self.segments, row.segments)]
+    return (
+      self.replace(segments=tuple(p[0] for p in pairs)),
+      row.replace(segments=tuple(p[1] for p in pairs)),
+    )
 
   def with_lengths(self, lengths: jax.Array) -> "DecodingState":
     """The state with `lengths` committed tokens per sequence: each entry decides what that
@@ -251,12 +295,19 @@ def kv_geometry(config, first: int | None) -> Any:
 
 
 def _entry(
-  config, kv_format: str, first: int | None, n: int, batch: int, max_len: int, slack: int
+  config,
+  kv_format: str,
+  first: int | None,
+  n: int,
+  batch: int,
+  max_len: int,
+  slack: int,
+  paging: Optional[Paging] = None,
 ):
   """The zero entry of a run of n layers from layer `first` (None: standalone layers): a
   LinearState for Gated DeltaNet runs; for MLA targets the latent cache (with the indexer's
   keys where the run has its own DSA indexer); a `SlidingKV` ring for sliding-window runs
-  whose window + slack is below max_len; else K/V in `kv_format`."""
+  whose window + slack is below max_len; else K/V in `kv_format`, paged with `paging`."""
   if first is not None and config.is_linear(first):
     return LinearState.create(config, n, batch, max_len)
   if first is not None and getattr(config, "num_kv_shared_layers", 0):
@@ -267,6 +318,9 @@ def _entry(
     window = config.layer_windows[first] if first is not None else 0
     if window and window + slack < max_len:
       return SlidingKV.create(KV_FORMATS[kv_format], geometry, n, batch, window, slack)
+    if paging is not None:
+      kind = KV_FORMATS[kv_format]
+      return PagedKV.create(kind, geometry, n, batch, max_len, *paging)
     return KV_FORMATS[kv_format].create(geometry, n, batch, max_len)
   latent = LATENT_FORMATS[kv_format].create(config, n, batch, max_len)
   if config.is_dsa and (first is None or config.is_full_indexer(first)):

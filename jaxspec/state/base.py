@@ -64,6 +64,17 @@ class Kind:
     del floor, limit
     return self
 
+  def with_table(self, table: jax.Array):
+    """The entry with new page tables [B, W] (paged kinds, state/paged.py; others: itself)."""
+    del table
+    return self
+
+  def adopt_row(self, slot: jax.Array, row):
+    """Before a one-row entry `row` is spliced into row `slot` (`SpecEngine.insert`): what
+    rows share (a paged kind's pool) takes the row's content → (entry, row as spliced)."""
+    del slot
+    return self, row
+
   def kernel_operands(self) -> dict | None:
     """The stored arrays the Pallas tree-attention kernel reads, or None (it cannot)."""
     return None

@@ -41,6 +41,11 @@ def _positions(offset: jax.Array, size: int, batch: int) -> jax.Array:
   return jnp.broadcast_to(offset + jnp.arange(size, dtype=jnp.int32)[None, :], (batch, size))
 
 
+def _take(x: jax.Array, layer: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+  """x[layer, rows, slots] for rows, slots [B, T] (out of range: zeros)."""
+  return x.at[layer, rows, slots].get(mode="fill", fill_value=0)
+
+
 class FullLengthKV(Kind):
   """A full-length cache: slot s holds position s, every position up to max_len."""
 
@@ -83,20 +88,26 @@ class FloatKV(FullLengthKV):
     self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array
   ) -> tuple["FloatKV", jax.Array, jax.Array]:
     k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
-    return FloatKV(write_block(self.k, layer, start, k), write_block(self.v, layer, start, v)), k, v
+    k_store, v_store = write_block(self.k, layer, start, k), write_block(self.v, layer, start, v)
+    return self.replace(k=k_store, v=v_store), k, v
 
   def put(self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array):
     """A block's k, v [B, T, ...] at explicit slots [B, T] of `layer` (slot S: dropped), for
     kinds that map positions to slots themselves (state/sliding.py); → (entry, k, v stored)."""
     k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
     put = lambda x, block: x.at[layer, rows, slots].set(block, mode="drop")
-    return FloatKV(put(self.k, k), put(self.v, v)), k, v
+    return self.replace(k=put(self.k, k), v=put(self.v, v)), k, v
+
+  def take(self, layer: jax.Array, rows: jax.Array, slots: jax.Array):
+    """Float K/V [B, T, ...] at explicit rows and slots [B, T] of `layer` (the inverse of
+    `put`; out of range: zeros)."""
+    return _take(self.k, layer, rows, slots), _take(self.v, layer, rows, slots)
 
   def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     return read_slots(self.k, layer, offset, size), read_slots(self.v, layer, offset, size)
 
   def commit_path(self, start: jax.Array, path: jax.Array) -> "FloatKV":
-    return FloatKV(move_path(self.k, start, path), move_path(self.v, start, path))
+    return self.replace(k=move_path(self.k, start, path), v=move_path(self.v, start, path))
 
   def kernel_operands(self) -> dict:
     return dict(k=self.k, v=self.v)
@@ -143,6 +154,13 @@ class _QuantizedKV(FullLengthKV):
       v_scale=put(self.v_scale, sv),
     )
     return entry, self.decode(qk, sk, self.dtype), self.decode(qv, sv, self.dtype)
+
+  def take(self, layer: jax.Array, rows: jax.Array, slots: jax.Array):
+    """As `FloatKV.take`: the values at explicit rows and slots, dequantized."""
+    piece = lambda x: _take(x, layer, rows, slots)
+    k = self.decode(piece(self.k), piece(self.k_scale), self.dtype)
+    v = self.decode(piece(self.v), piece(self.v_scale), self.dtype)
+    return k, v
 
   def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     piece = lambda x: read_slots(x, layer, offset, size)

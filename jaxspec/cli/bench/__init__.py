@@ -127,6 +127,12 @@ SUBCOMMANDS = {
       "no earlier script",
     ),
     Subcommand(
+      "serve-pages",
+      "serve_pages",
+      "paged against contiguous K/V at one KV memory budget: requests running at once, tokens/s",
+      "no earlier script",
+    ),
+    Subcommand(
       "tree-calibrate",
       "tree_calibrate",
       "a drafter's sampled-tree acceptance by depth and rank; writes tree_acceptance.json",

@@ -52,9 +52,12 @@ def define_flags() -> None:
   common_flags.define_out("/tmp/jaxspec_bench_serve.json", "results JSON (PNG beside it)")
 
 
-def build_engine(target: jaxspec.TargetModel, method: str, slots: int) -> jaxspec.SpecEngine:
-  """The engine of a method label with `slots` rows."""
+def build_engine(
+  target: jaxspec.TargetModel, method: str, slots: int, **config: Any
+) -> jaxspec.SpecEngine:
+  """The engine of a method label with `slots` rows (`config`: more EngineConfig fields)."""
   cfg = dict(max_len=FLAGS.max_len, batch_size=slots, stream_every=FLAGS.steps_per_tick)
+  cfg.update(config)
   if method == "plain":
     return jaxspec.SpecEngine(target, None, jaxspec.EngineConfig(**cfg))
   name = method.split("-")[0]

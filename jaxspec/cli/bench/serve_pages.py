@@ -1,0 +1,170 @@
+"""Paged against contiguous K/V at one KV memory budget: how many requests run at once.
+
+A contiguous engine reserves max_len positions of every full-attention layer per slot, so a
+budget of S × max_len positions serves S requests at a time whatever their lengths. A paged
+engine (`EngineConfig(page_size=..., kv_pages=S × max_len / page_size)`) holds the same pool of
+positions in pages and gives each row only the pages its text reaches, so more rows fit when
+requests are shorter than max_len. For each method, both engines serve the same burst of
+requests of mixed lengths (all submitted at once, greedy), and the run reports, from one run:
+
+* the target's K/V bytes of each engine (equal by construction) and the drafter's state bytes
+  (per row in both: drafter caches are not paged);
+* the most requests running at once, the wall time of the burst, tokens/s, the mean latency
+  and the preemptions (rows freed when the pool ran out, resumed later by recomputation);
+* the ratios paged / contiguous.
+
+  python launch/bench.py serve-pages                          # plain and EAGLE-3, ~5 min
+  python launch/bench.py serve-pages --methods=plain --requests=32
+
+A script, not a test: on this CPU a step over more rows costs more (compute-bound), so the
+throughput gain is smaller than the concurrency gain; on an accelerator a decode step's cost
+stays near flat in the rows until it is compute-bound.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Sequence
+
+from absl import flags
+import numpy as np
+
+import jaxspec
+from jaxspec.cli import common_flags
+from jaxspec.cli.bench.serve import build_engine
+from jaxspec.drafters import registry
+from jaxspec.serve import SamplingOptions, Scheduler
+from jaxspec.train import data as data_lib
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """This benchmark's flags (defined when it runs)."""
+  flags.DEFINE_list("methods", ["plain", "eagle3"], "plain, eagle3, dflash-ddtree.")
+  flags.DEFINE_integer("budget_rows", 4, "The KV budget, in contiguous rows of max_len.")
+  flags.DEFINE_integer("rows", 32, "The paged engine's rows (slots).")
+  flags.DEFINE_integer("page_size", 16, "Positions per page.")
+  flags.DEFINE_integer("requests", 64, "Requests in the burst.")
+  flags.DEFINE_integer("max_tokens", 64, "Tokens per request (greedy; EOS stops early).")
+  flags.DEFINE_integer("min_prompt", 16, "Shortest prompt, in tokens.")
+  flags.DEFINE_integer("max_prompt", 384, "Longest prompt, in tokens.")
+  flags.DEFINE_integer("tree_budget", 22, "DDTree draft nodes per step.")
+  flags.DEFINE_integer("steps_per_tick", 4, "Engine steps per scheduler round trip.")
+  common_flags.define_max_len(1024)
+  common_flags.define_out("/tmp/jaxspec_bench_serve_pages.json", "results JSON")
+
+
+def mixed_prompts(target: jaxspec.TargetModel, n: int, seed: int = 0) -> list[list[int]]:
+  """n prompts of lengths drawn uniformly from [min_prompt, max_prompt] tokens, cut from the
+  validation split's source files (long snippets, so that every length is real text)."""
+  rng = np.random.default_rng(seed)
+  texts = data_lib.function_prompts("validation", n=4 * n, max_lines=60, body_lines=40, seed=seed)
+  pieces = [target.tokenizer.encode(t) for t in texts]
+  stream = [t for ids in pieces for t in ids]
+  out = []
+  for _ in range(n):
+    size = int(rng.integers(FLAGS.min_prompt, FLAGS.max_prompt + 1))
+    at = int(rng.integers(0, max(len(stream) - size, 1)))
+    out.append(stream[at : at + size])
+  return out
+
+
+def serve_burst(scheduler: Scheduler, prompts: Sequence[list[int]]) -> dict[str, Any]:
+  """Every prompt submitted at once; watches how many run together until all finish."""
+  options = SamplingOptions(max_tokens=FLAGS.max_tokens, temperature=0.0, seed=0)
+  peak, stop = [0], threading.Event()
+
+  def watch() -> None:
+    while not stop.is_set():
+      peak[0] = max(peak[0], int(scheduler.metrics()["requests_running"]))
+      time.sleep(0.002)
+
+  watcher = threading.Thread(target=watch, daemon=True)
+  before = scheduler.metrics()
+  t0 = time.perf_counter()
+  watcher.start()
+  handles = [scheduler.submit(ids, options) for ids in prompts]
+  latencies, tokens = [], 0
+  for h in handles:
+    out, _, _ = h.result()
+    tokens += len(out)
+    latencies.append(time.perf_counter() - h.submitted)
+  wall = time.perf_counter() - t0
+  stop.set()
+  watcher.join()
+  after = scheduler.metrics()
+  return {
+    "requests": len(prompts),
+    "tokens": tokens,
+    "wall_s": wall,
+    "throughput_tok_s": tokens / wall,
+    "latency_mean_s": float(np.mean(latencies)),
+    "running_peak": peak[0],
+    "preemptions": after["preemptions_total"] - before["preemptions_total"],
+    "acceptance_length": after["acceptance_length"],
+  }
+
+
+def table(results: dict[str, dict[str, dict]]) -> list[str]:
+  lines = [
+    f"{'method':<14}{'kv':<12}{'rows':>5}{'KV MiB':>8}{'drafter MiB':>12}{'peak':>6}"
+    f"{'tok/s':>8}{'latency s':>11}{'preempt':>9}"
+  ]
+  for method, by_kind in results.items():
+    for kind, r in by_kind.items():
+      lines.append(
+        f"{method:<14}{kind:<12}{r['rows']:>5}{r['kv_bytes'] / 2**20:>8.1f}"
+        f"{r['drafter_bytes'] / 2**20:>12.1f}{r['running_peak']:>6}{r['throughput_tok_s']:>8.1f}"
+        f"{r['latency_mean_s']:>11.2f}{r['preemptions']:>9}"
+      )
+    c, p = by_kind["contiguous"], by_kind["paged"]
+    lines.append(
+      f"{method:<14}{'paged/contig':<12}{'':>5}{'':>8}{'':>12}"
+      f"{p['running_peak'] / max(c['running_peak'], 1):>5.1f}×"
+      f"{p['throughput_tok_s'] / c['throughput_tok_s']:>7.2f}×"
+      f"{p['latency_mean_s'] / c['latency_mean_s']:>10.2f}×"
+    )
+  return lines
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  if FLAGS.max_len % FLAGS.page_size:
+    raise SystemExit(f"--page_size={FLAGS.page_size} must divide --max_len={FLAGS.max_len}")
+  target = jaxspec.load_model(registry.bundled_dir("target"), scan_layers=False)
+  prompts = mixed_prompts(target, FLAGS.requests)
+  pool = FLAGS.budget_rows * FLAGS.max_len // FLAGS.page_size
+  print(
+    f"{len(prompts)} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
+    f"{FLAGS.max_tokens} new tokens each; KV budget {FLAGS.budget_rows} × {FLAGS.max_len} "
+    f"positions ({pool} pages of {FLAGS.page_size})",
+    flush=True,
+  )
+  results: dict[str, dict[str, dict]] = {}
+  for method in FLAGS.methods:
+    kinds = {
+      "contiguous": dict(batch_size=FLAGS.budget_rows),
+      "paged": dict(batch_size=FLAGS.rows, page_size=FLAGS.page_size, kv_pages=pool),
+    }
+    for kind, extra in kinds.items():
+      engine = build_engine(target, method, extra.pop("batch_size"), **extra)
+      scheduler = Scheduler(engine, max_queue=len(prompts), steps_per_tick=FLAGS.steps_per_tick)
+      scheduler.start()  # compiles (warm_up_slots) before the clock
+      try:
+        r = serve_burst(scheduler, prompts)
+      finally:
+        scheduler.shutdown(drain=False, timeout=600)
+      r.update(
+        rows=engine.config.batch_size,
+        kv_bytes=engine.memory.target_state,
+        drafter_bytes=engine.memory.drafter_state,
+      )
+      results.setdefault(method, {})[kind] = r
+      print(f"{method} {kind}: {json.dumps(r)}", flush=True)
+  print("\n".join(table(results)))
+  with open(FLAGS.out, "w") as f:
+    json.dump(results, f, indent=1)
+  print(f"saved {FLAGS.out}")

@@ -1,0 +1,157 @@
+"""The paged kind: full-attention K/V in fixed-size pages of one pool that every row shares.
+
+A contiguous cache (state/kv.py) reserves max_len slots per row whether the row holds 50
+positions or 50,000. `PagedKV` stores K/V in a pool of P pages of `page_size` slots, in the
+storage of any full-length kind (float, FP8, Q4_0: quantized exactly as those store them), and
+gives each row a page table [B, max_len / page_size]: logical slot s of row b lives in slot
+s mod page_size of pool page table[b, s // page_size]. Positions stay identity (slot s holds
+position s), so attention, verify blocks and tree commits use it as any full-length kind; only
+`write`, `read_chunk` and `commit_path` go through the table.
+
+Who owns which page is the host's business (serve/pages.py allocates them and sets the tables
+with `with_table`): a table entry equal to P (`unmapped`) names no page, so a write there is
+dropped and a read there gives zeros, and a row whose pages were freed cannot touch pages
+given to another. The engine's own `generate` gives row b pages b·W .. b·W + W − 1 (W pages per
+row), the same memory as a contiguous cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxspec.errors import ConfigError
+from jaxspec.state.base import KVChunk
+from jaxspec.state.kv import KV_FORMATS, FullLengthKV
+
+# Logical axes of a pool array [L, P, page, ...]: pages are shared by rows (no batch axis).
+PAGE_TABLE_AXES = ("batch", None)
+
+
+def _pool_axes(axes: dict) -> dict:
+  """A full-length kind's AXES with its batch axis read as pages and its length as a page."""
+  return {name: ("layers", "pages", None, *names[3:]) for name, names in axes.items()}
+
+
+def _pool_class(kind: type) -> type:
+  """`kind` (a KV_FORMATS class) whose [L, B, S, ...] arrays are read as [L, P, page, ...]."""
+  cls = type(f"Pooled{kind.__name__}", (kind,), {"AXES": _pool_axes(kind.AXES)})
+  cls.__module__ = __name__
+  return flax.struct.dataclass(cls)
+
+
+POOL_KINDS = {name: _pool_class(kind) for name, kind in KV_FORMATS.items()}
+
+
+def page_slots(table: jax.Array, slots: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+  """Logical slots [B, T] of the rows of `table` → (pool pages [B, T], slots in the page)."""
+  pages = jnp.take_along_axis(table, jnp.clip(slots // page_size, 0, table.shape[1] - 1), axis=1)
+  return pages, slots % page_size
+
+
+@flax.struct.dataclass
+class PagedKV(FullLengthKV):
+  """Full-attention K/V of one layer run in pages of a shared pool.
+
+  Attributes:
+    pool: a `POOL_KINDS` entry: its arrays are [L, P, page_size, ...] (P pages).
+    table: int32 [B, W]: the pool page of each row's W logical pages; P = unmapped.
+  """
+
+  pool: Any
+  table: jax.Array
+
+  AXES: ClassVar[dict] = {"table": PAGE_TABLE_AXES}  # the pool names its own
+
+  @classmethod
+  def create(
+    cls,
+    kind: type,
+    config: Any,
+    num_layers: int,
+    batch: int,
+    max_len: int,
+    page_size: int,
+    num_pages: int | None = None,
+  ) -> "PagedKV":
+    """A zero pool of `num_pages` pages (None: batch · max_len / page_size) of `kind`'s
+    storage; rows own consecutive pages while the pool has enough (else: unmapped)."""
+    if max_len % page_size:
+      raise ConfigError(f"max_len={max_len} is not a multiple of page_size={page_size}")
+    width = max_len // page_size
+    num_pages = batch * width if num_pages is None else num_pages
+    pool = POOL_KINDS[kind.format].create(config, num_layers, num_pages, page_size)
+    return cls(pool, identity_table(batch, width, num_pages))
+
+  @property
+  def format(self) -> str:
+    return f"paged {self.pool.format}"
+
+  @property
+  def kv_format(self) -> str:
+    return self.pool.format
+
+  @property
+  def page_size(self) -> int:
+    return self.pool.max_len
+
+  @property
+  def num_pages(self) -> int:
+    return self.pool.k.shape[1]
+
+  @property
+  def max_len(self) -> int:
+    return self.table.shape[1] * self.page_size
+
+  def with_table(self, table: jax.Array) -> "PagedKV":
+    """The entry with new page tables [B, W] (entries ≥ P: unmapped)."""
+    return self.replace(table=jnp.asarray(table, jnp.int32).reshape(self.table.shape))
+
+  def _locate(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return page_slots(self.table, slots, self.page_size)
+
+  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array):
+    slots = start[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+    pages, offsets = self._locate(slots)
+    pages = jnp.where(slots < self.max_len, pages, self.num_pages)  # past max_len: dropped
+    pool, k, v = self.pool.put(layer, pages, offsets, k, v)
+    return self.replace(pool=pool), k, v
+
+  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Float K/V of logical slots offset..offset+size−1 of every row (clamped to fit, as a
+    contiguous cache's `read` is); unmapped pages read as zeros."""
+    offset = jnp.clip(offset, 0, self.max_len - size)
+    slots = offset + jnp.arange(size, dtype=jnp.int32)
+    slots = jnp.broadcast_to(slots, (self.table.shape[0], size))
+    return self.pool.take(layer, *self._locate(slots))
+
+  def commit_path(self, start: jax.Array, path: jax.Array) -> "PagedKV":
+    """Slot start+j ← slot start+path[b, j] in every layer, through the table."""
+    src = self._locate(start[:, None] + path)
+    dst = self._locate(start[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)[None, :])
+    move = lambda x: x.at[:, dst[0], dst[1]].set(x[:, src[0], src[1]], mode="drop")
+    return self.replace(pool=jax.tree_util.tree_map(move, self.pool))
+
+  def adopt_row(self, slot: jax.Array, row: "PagedKV") -> tuple["PagedKV", "PagedKV"]:
+    """A one-row entry's pages copied into this entry's pool at row `slot`'s pages (those the
+    table maps; the rest dropped): (entry, the row as it now stands in this entry)."""
+    if row.table.shape != (1, self.table.shape[1]) or row.page_size != self.page_size:
+      raise ConfigError("adopt_row: the row's page geometry differs from the entry's")
+    dst = jnp.take(self.table, slot, axis=0)
+    src = row.table[0]
+    copy = lambda x, r: x.at[:, dst].set(jnp.take(r, src, axis=1, mode="fill"), mode="drop")
+    pool = jax.tree_util.tree_map(copy, self.pool, row.pool)
+    return self.replace(pool=pool), row.replace(table=dst[None], pool=pool)
+
+  def kernel_operands(self) -> None:
+    """The Pallas kernel reads contiguous caches only (paged reads: the XLA reader)."""
+    return None
+
+
+def identity_table(batch: int, width: int, num_pages: int) -> jax.Array:
+  """Row b → pages b·W .. b·W + W − 1 where the pool has them, else unmapped (= num_pages)."""
+  table = jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
+  return jnp.where(table < num_pages, table, num_pages)
