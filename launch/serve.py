@@ -48,6 +48,12 @@ flags.DEFINE_integer(
   "max_len positions); must divide --max_len.",
   lower_bound=0,
 )
+flags.DEFINE_bool(
+  "penalties",
+  True,
+  "Accept presence / frequency / repetition penalties and logit_bias (each slot counts its "
+  "tokens: batch_size × vocabulary int32; off: such requests get 400).",
+)
 flags.DEFINE_integer(
   "kv_pages",
   0,
@@ -107,6 +113,7 @@ def main(argv):
     max_stop_ids=FLAGS.max_stop_ids,
     page_size=FLAGS.page_size,
     kv_pages=FLAGS.kv_pages,
+    penalties=FLAGS.penalties,
   )
   if not distributed.is_leader():  # a follower: no HTTP, the leader's ticks until it stops
     print(f"process {joined.process_id}/{joined.num_processes}: following process 0", flush=True)

@@ -28,7 +28,7 @@ from jaxspec.cli import defaults
 from jaxspec.drafters import registry
 from jaxspec.serve import app as app_lib
 from jaxspec.serve import background
-from jaxspec.serve.scheduler import Delta, QueueFull, Scheduler, SchedulerClosed
+from jaxspec.serve.scheduler import Delta, QueueFull, SamplingOptions, Scheduler, SchedulerClosed
 
 MODEL = "jaxspec-test"
 KEY = "sk-test-key"
@@ -48,6 +48,7 @@ def make_scheduler(method: str) -> Scheduler:
     max_len=MAX_LEN,
     batch_size=SLOTS,
     min_prompt_bucket=MAX_LEN,  # one prefill program to compile
+    penalties=True,
   )
   sched = Scheduler(engine, max_queue=64, steps_per_tick=1)
   sched.start()
@@ -114,6 +115,34 @@ def test_completion(client, scheduler):
   assert greedy(client, prompt_ids).choices[0].text == choice.text
   assert greedy(client, [PROMPTS[0]]).choices[0].text == choice.text
   assert greedy(client, [prompt_ids]).choices[0].text == choice.text
+
+
+def test_penalties_and_logit_bias_reach_the_engine(client, scheduler):
+  """The OpenAI parameters change the output, and the server's output is the scheduler's for
+  the same adjustments (their sampling law is tested in tests/test_penalties.py)."""
+  tokenizer = scheduler.engine.target.tokenizer
+  prompt = PROMPTS[0]
+  plain = greedy(client, prompt, max_tokens=16).choices[0].text
+  first = tokenizer.encode(prompt + plain, split_special_tokens=True)[
+    len(tokenizer.encode(prompt, split_special_tokens=True))
+  ]
+  adjust = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={str(first): -100})
+  got = greedy(client, prompt, max_tokens=16, extra_body={"repetition_penalty": 1.3}, **adjust)
+  assert got.choices[0].text != plain
+  ids = tokenizer.encode(prompt, split_special_tokens=True)
+  options = SamplingOptions(
+    max_tokens=16,
+    temperature=0.0,
+    frequency_penalty=1.5,
+    presence_penalty=0.5,
+    repetition_penalty=1.3,
+    logit_bias=((first, -100.0),),
+  )
+  tokens, _, _ = scheduler.submit(ids, options).result()
+  assert first not in tokens[:1]
+  assert got.choices[0].text == tokenizer.decode(
+    [t for t in tokens if t not in scheduler.engine.stop_ids]
+  )
 
 
 def test_chat_uses_the_template(client):
@@ -290,6 +319,10 @@ def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, schedu
     ({"model": MODEL, "prompt": "", "max_tokens": 4}, "prompt", "empty"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "one prompt"),
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"1": 101}}, "logit_bias", "less than"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, None, "vocabulary"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, None, "max_len"),
     ({"model": MODEL, "prompt": [10**9]}, None, "vocab"),
     (

@@ -226,6 +226,10 @@ class _Server:
       seed=req.seed,
       stop_token_ids=tuple(req.stop_token_ids or ()),
       logprobs=req.want_logprobs,
+      presence_penalty=req.presence_penalty,
+      frequency_penalty=req.frequency_penalty,
+      repetition_penalty=req.repetition_penalty,
+      logit_bias=req.logit_bias_ids,
     )
 
   def completion_job(self, body: Any) -> _Job:

@@ -2,7 +2,7 @@
 
 Requests are pydantic models that accept what OpenAI's API accepts for the parameters jaxspec
 implements, ignore fields they do not know (as OpenAI does), and refuse a parameter they know
-but cannot honour (n > 1, echo, top_logprobs > 0, penalties, logit_bias, ...) with a message
+but cannot honour (n > 1, echo, top_logprobs > 0, ...) with a message
 naming it, rather than silently serving something else. Extensions, as vLLM spells them:
 `top_k` and `stop_token_ids`.
 
@@ -23,6 +23,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxspec.errors import InputError
+from jaxspec.penalties import MAX_LOGIT_BIAS
 
 # OpenAI's own stand-in for "too unlikely to report": JSON has no -Infinity.
 UNLIKELY_LOGPROB = -9999.0
@@ -64,9 +65,10 @@ class _Common(BaseModel):
   stream: bool = False
   stream_options: StreamOptions | None = None
   n: int = 1
-  presence_penalty: float = 0.0
-  frequency_penalty: float = 0.0
-  logit_bias: dict[str, float] | None = None
+  presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+  frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+  repetition_penalty: Annotated[float, Field(gt=0, le=100, description="1 = off (extension)")] = 1.0
+  logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
   @pydantic.model_validator(mode="before")
   @classmethod
@@ -91,10 +93,19 @@ class _Common(BaseModel):
       "stream_options",
       "stream_options is only allowed with stream=true",
     )
-    for name in ("presence_penalty", "frequency_penalty"):
-      _need(getattr(self, name) == 0, name, f"{name} is not supported (only 0)")
-    _need(not self.logit_bias, "logit_bias", "logit_bias is not supported")
+    for key in self.logit_bias or {}:
+      _need(key.strip().isdigit(), "logit_bias", f"logit_bias keys are token ids, got {key!r}")
+    _need(
+      len(self.logit_bias or {}) <= MAX_LOGIT_BIAS,
+      "logit_bias",
+      f"logit_bias holds at most {MAX_LOGIT_BIAS} entries",
+    )
     return self
+
+  @property
+  def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs."""
+    return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
   @property
   def stop_strings(self) -> list[str]:

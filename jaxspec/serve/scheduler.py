@@ -65,6 +65,10 @@ class SamplingOptions:
   seed: Optional[int] = None  # None: a fresh random seed
   stop_token_ids: tuple[int, ...] = ()  # beside the engine's (eos) stop ids
   logprobs: bool = False  # attach the target's log-prob (raw distribution) of each token
+  presence_penalty: float = 0.0  # the adjustments of jaxspec/penalties.py (the engine must be
+  frequency_penalty: float = 0.0  # built with EngineConfig(penalties=True) for other values)
+  repetition_penalty: float = 1.0
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
   def sampling_args(self, seed: int) -> SamplingArgs:
     """The engine's sampling arguments for this request, with `seed` (the handle's: drawn at
@@ -76,6 +80,10 @@ class SamplingOptions:
       top_p=self.top_p,
       seed=seed,
       stop_token_ids=list(self.stop_token_ids),
+      presence_penalty=self.presence_penalty,
+      frequency_penalty=self.frequency_penalty,
+      repetition_penalty=self.repetition_penalty,
+      logit_bias={str(t): v for t, v in self.logit_bias} or None,
     )
 
 

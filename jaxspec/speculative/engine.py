@@ -47,6 +47,7 @@ from jaxspec.errors import ConfigError
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.speculative import memory, metrics, placement, tree_verify, verifiers
 from jaxspec.speculative import step as step_lib
+from jaxspec.speculative import request as request_lib
 from jaxspec.speculative.request import Request, SamplingArgs, takes_sampling_args
 from jaxspec.speculative.step import SpecState
 from jaxspec.speculative.verifiers import TreeOptions
@@ -93,6 +94,9 @@ class EngineConfig:
   kv_pages: the pool's pages (0: batch_size × max_len / page_size, what contiguous rows would
     hold). A smaller pool serves more rows than it could hold at max_len through the server's
     page allocator (serve/pages.py); `generate` needs the full pool.
+  penalties: whether requests may ask for presence / frequency / repetition penalties and a
+    logit bias (jaxspec/penalties.py): each row then counts its tokens ([B, V] state) and every
+    verify position's logits are adjusted for its own prefix. Off: such requests are refused.
   """
 
   method: str = "auto"
@@ -116,6 +120,7 @@ class EngineConfig:
   tree_draft_temperature: float = 1.0
   page_size: int = 0
   kv_pages: int = 0
+  penalties: bool = False
 
   def __post_init__(self):
     def need(ok: bool, msg: str) -> None:
@@ -145,6 +150,7 @@ class EngineConfig:
       f"stop_ids must be a tuple of token ids (integers in [0, 2**31)), got {self.stop_ids!r}",
     )
     need(isinstance(self.use_eos, bool), f"use_eos must be a bool, got {self.use_eos!r}")
+    need(isinstance(self.penalties, bool), f"penalties must be a bool, got {self.penalties!r}")
     need(
       self.kv_format in KV_FORMATS,
       f"kv_format={self.kv_format!r}; expected one of {tuple(KV_FORMATS)}",
@@ -416,6 +422,15 @@ class SpecEngine:
     ids = self._encode(request)
     cfg = self.config
     stop_ids = self._row_stop_ids(request, batch)
+    if request.adjusts_logits and not cfg.penalties:
+      raise InputError(
+        "penalties and logit_bias need an engine built with EngineConfig(penalties=True)"
+      )
+    vocab = self.target.config.vocab_size
+    for i, pairs in enumerate(request.logit_bias):
+      outside = [t for t, _ in pairs if t >= vocab]
+      if outside:
+        raise InputError(f"prompt {i}: logit_bias ids {outside[:4]} are outside the vocabulary")
     for i, (p, m) in enumerate(zip(ids, request.max_new_tokens)):
       need = len(p) + m + self.lookahead + 1
       if m > self.max_new_tokens_for(len(p)):
@@ -464,11 +479,18 @@ class SpecEngine:
       ((sharding.BATCH, sharding.LENGTH), vec, vec, vec, jax.tree.map(lambda _: vec, params))
       + (row, row),
     )
+    penalty_rows = None
+    if cfg.penalties:
+      bias = request.logit_bias_rows(b, self.target.config.vocab_size)
+      penalty_rows = self._to_device(
+        tuple(rows[name] for name in request_lib.PENALTIES) + bias, (vec, vec, vec, row, row)
+      )
     return self._prefill(
       self.target.params,
       self.drafter_params,
       *inputs,
       jnp.int32(-(-longest // chunk)),
+      penalty_rows,
       chunk=chunk,
       kv_format=cfg.kv_format,
       paging=cfg.paging(b),
@@ -707,6 +729,11 @@ class SpecEngine:
       # the rows' axes (the pool's size is not one; `state_axes`, `_batch_axes`).
       paging=Paging(cfg.page_size, cfg.pages_per_row) if cfg.page_size else None,
     )
+    penalty_rows = None
+    if cfg.penalties:
+      f32 = jax.ShapeDtypeStruct((batch,), jnp.float32)
+      bias = (batch, request_lib.MAX_LOGIT_BIAS)
+      penalty_rows = (f32, f32, f32, i32(*bias), jax.ShapeDtypeStruct(bias, jnp.float32))
     return jax.eval_shape(
       run,
       self.target.params,
@@ -719,6 +746,7 @@ class SpecEngine:
       keys,
       i32(batch, cfg.max_stop_ids),
       i32(),
+      penalty_rows,
     )
 
   def state_axes(self) -> SpecState:

@@ -19,6 +19,10 @@ Accepted forms:
     request with seed s samples the same wherever it runs (alone, in a batch, in a server slot).
   stop_token_ids: None, a sequence of token ids for every prompt, or one such sequence per
     prompt: extra stop tokens beside the engine's.
+  presence_penalty, frequency_penalty: a number in [-2, 2] (0 = off), or one per prompt;
+    repetition_penalty: a number > 0 (1 = off), or one per prompt (jaxspec/penalties.py).
+  logit_bias: None, a mapping {token id: value in [-100, 100]} for every prompt, or one per
+    prompt; at most 300 entries each.
 Per-prompt values come as a list, tuple or 1-D array whose length is the prompt count; a
 one-element sequence for one prompt is the same as its scalar.
 """
@@ -35,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from jaxspec.errors import InputError
+from jaxspec.penalties import MAX_LOGIT_BIAS  # noqa: F401  (re-exported for the engine)
 
 _INT32_MAX = 2**31 - 1
 
@@ -150,7 +155,48 @@ _PER_PROMPT_CHECKS = {
     lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 1,
     "a number in (0, 1] (1 = off)",
   ),
+  "presence_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)"),
+  "frequency_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)"),
+  "repetition_penalty": (
+    lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 100,
+    "a number in (0, 100] (1 = off)",
+  ),
 }
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def _logit_bias(value: Any, n: int) -> tuple[tuple[tuple[int, float], ...], ...]:
+  """None, one {token id: bias} for every prompt, or one per prompt → n sorted tuples of
+  (id, bias) pairs (ids as ints or their decimal strings, as JSON keys arrive)."""
+  if value is None:
+    return ((),) * n
+  if isinstance(value, dict):
+    maps = [value] * n
+  elif isinstance(value, (list, tuple)) and all(isinstance(v, dict) or v is None for v in value):
+    if len(value) != n:
+      raise InputError(f"logit_bias: got {len(value)} mappings for {n} prompts")
+    maps = [v or {} for v in value]
+  else:
+    raise InputError(
+      f"logit_bias must be a mapping {{token id: bias}} (or one per prompt), got {_describe(value)}"
+    )
+  out = []
+  for m in maps:
+    if len(m) > MAX_LOGIT_BIAS:
+      raise InputError(f"logit_bias holds {len(m)} entries; at most {MAX_LOGIT_BIAS}")
+    pairs = []
+    for key, bias in m.items():
+      token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+      if not (_is_int(token) and 0 <= token <= _INT32_MAX):
+        raise InputError(
+          f"logit_bias keys must be token ids (integers ≥ 0), got {_describe(key)}"
+        )
+      if not (_is_real(bias) and -100 <= bias <= 100):
+        raise InputError(f"logit_bias values must be numbers in [-100, 100], got {_describe(bias)}")
+      pairs.append((int(token), float(bias)))
+    out.append(tuple(sorted(pairs)))
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +212,10 @@ class SamplingArgs:
   _: dataclasses.KW_ONLY
   parse_special: Any = False
   stop_token_ids: Any = None
+  presence_penalty: Any = 0.0
+  frequency_penalty: Any = 0.0
+  repetition_penalty: Any = 1.0
+  logit_bias: Any = None
 
   @classmethod
   def of(cls, args: tuple, kwargs: dict, where: str = "SamplingArgs") -> "SamplingArgs":
@@ -221,6 +271,10 @@ class Request:
   seed: int | tuple[int, ...] = 0
   parse_special: bool = False
   stop_token_ids: tuple[tuple[int, ...], ...] = ()  # one tuple per prompt (empty: none)
+  presence_penalty: tuple[float, ...] = ()  # one per prompt (empty: off)
+  frequency_penalty: tuple[float, ...] = ()
+  repetition_penalty: tuple[float, ...] = ()
+  logit_bias: tuple[tuple[tuple[int, float], ...], ...] = ()  # (id, bias) pairs per prompt
 
   @classmethod
   def build(
@@ -275,6 +329,10 @@ class Request:
     else:
       seed = int(seed)
     stops = _stop_token_ids(a.stop_token_ids, n)
+    penalties = {
+      name: tuple(map(float, _per_prompt(name, getattr(a, name), n, *_PER_PROMPT_CHECKS[name])))
+      for name in PENALTIES
+    }
     if not isinstance(a.parse_special, (bool, np.bool_)):
       raise InputError(f"parse_special must be a bool, got {_describe(a.parse_special)}")
     return cls(
@@ -286,10 +344,20 @@ class Request:
       seed=seed,
       parse_special=bool(a.parse_special),
       stop_token_ids=stops,
+      logit_bias=_logit_bias(a.logit_bias, n),
+      **penalties,
     )
 
   def __len__(self) -> int:
     return len(self.prompts)
+
+  @property
+  def adjusts_logits(self) -> bool:
+    """Whether any prompt asks for a penalty or a logit bias (jaxspec/penalties.py)."""
+    off = all(
+      all(v == PENALTY_OFF[name] for v in getattr(self, name)) for name in PENALTIES
+    )
+    return not off or any(self.logit_bias)
 
   @property
   def seeds_and_rows(self) -> tuple[list[int], list[int]]:
@@ -305,9 +373,23 @@ class Request:
     def rows(values: Sequence, fill, dtype) -> np.ndarray:
       return np.asarray(list(values) + [fill] * pad, dtype)
 
+    penalties = {
+      name: rows(getattr(self, name) or [PENALTY_OFF[name]] * len(self), PENALTY_OFF[name], "f4")
+      for name in PENALTIES
+    }
     return dict(
       max_new_tokens=rows(self.max_new_tokens, 1, np.int32),
       temperature=rows(self.temperature, 0.0, np.float32),
       top_k=rows(self.top_k, 0, np.int32),
       top_p=rows(self.top_p, 1.0, np.float32),
+      **penalties,
     )
+
+  def logit_bias_rows(self, batch: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [batch, MAX_LOGIT_BIAS] int32, vocab where unused; values float32) per row."""
+    ids = np.full((batch, MAX_LOGIT_BIAS), vocab, np.int32)
+    values = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
+    for i, pairs in enumerate(self.logit_bias):
+      for j, (token, bias) in enumerate(pairs):
+        ids[i, j], values[i, j] = token, bias
+    return ids, values

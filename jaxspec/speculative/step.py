@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import sampling
+from jaxspec.penalties import Penalties, block_counts
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, ProposeContext
 from jaxspec.models import target as target_lib
@@ -53,6 +54,7 @@ class SpecState:
   sampling: sampling.SamplingParams
   stop_ids: jax.Array  # [B, max_stop_ids] int32 per row, -1 padded
   stats: metrics.SpecStats
+  penalties: Penalties  # per-row logit adjustments and their token counts (jaxspec/penalties.py)
   # [B, L] float32: the target's log-probability (raw distribution: temperature 1, no top-k/p)
   # of each generated token at its slot; 0 at prompt slots.
   logprobs: jax.Array
@@ -163,7 +165,8 @@ def prefill(
   keys: jax.Array,
   stop_ids: jax.Array,
   num_chunks: jax.Array,
-  chunk: int,
+  penalty_rows: Optional[tuple] = None,
+  chunk: int = 1,
   kv_format: str = "float",
   state_axes: Optional[SpecState] = None,
   slack: int = DEFAULT_SLACK,
@@ -178,7 +181,8 @@ def prefill(
   token is sampled in the chunk that holds its last position. `state_axes` (the state's logical
   axes, `SpecEngine.state_axes`) lays the state out on the active mesh from its creation on;
   `slack` is the widest block a step verifies (sliding-window rings keep window + slack);
-  `paging` pages the full-attention K/V (`DecodingState.create`).
+  `paging` pages the full-attention K/V (`DecodingState.create`); `penalty_rows` (presence,
+  frequency, repetition [B], logit-bias ids and values [B, N]) turns on `Penalties` (None: off).
   """
   lay = functools.partial(laid_out, state_axes)
   batch, max_len = tokens.shape
@@ -188,6 +192,9 @@ def prefill(
   drafter_state = ()
   if drafter is not None:
     drafter_state = drafter.init_state(drafter_params, batch, max_len)
+  penalties = Penalties.off(batch)
+  if penalty_rows is not None:
+    penalties = Penalties.create(config.vocab_size, *penalty_rows, tokens, prompt_len)
 
   def lay_carry(target_state, drafter_state, tokens, logprobs):
     return (
@@ -204,7 +211,8 @@ def prefill(
       config, target_params, tokens, start, chunk, prompt_len, target_state, taps
     )
     # Same key for every chunk: a row's first token is what one-shot prefill would sample.
-    first = jnp.where(in_chunk, sampling.sample(sub, logits, params), tokens[rows, prompt_len])
+    drawn = sampling.sample(sub, penalties.adjust(logits), params)
+    first = jnp.where(in_chunk, drawn, tokens[rows, prompt_len])
     tokens = tokens.at[rows, prompt_len].set(first)
     lp = jnp.where(in_chunk, token_logprobs(logits, first), logprobs[rows, prompt_len])
     logprobs = logprobs.at[rows, prompt_len].set(lp)
@@ -236,6 +244,7 @@ def prefill(
     stop_ids=stop_ids,
     stats=metrics.init_stats(batch, gamma, tree_ranks),
     logprobs=logprobs,
+    penalties=penalties.observe(first[:, None], active[:, None]),
   )
   return lay(None, state)
 
@@ -286,10 +295,19 @@ def step(
     block_mask=block.mask,
     taps=drafter.taps if drafter is not None else (),
   )
-  # Accept.
-  accepted = verifier.accept(k_verify, block, out.logits, proposal, state.sampling)
-  # Commit: tokens and log-probs, the decoding state, statistics, the drafter.
+  # Accept, from the target's distributions as the row's penalties and logit bias adjust them:
+  # each block position after its own prefix (jaxspec/penalties.py).
+  logits = out.logits
+  if state.penalties.enabled:
+    prefix = block_counts(block.tokens, logits.shape[-1], block.mask)
+    logits = state.penalties.adjust(logits, prefix)
+  accepted = verifier.accept(k_verify, block, logits, proposal, state.sampling)
+  # Commit: tokens and log-probs (the raw distribution's), the decoding state, statistics,
+  # the drafter, the penalties' counts.
   tokens, logprobs, seq_len, done, count = _commit_tokens(state, accepted, out.logits)
+  new = jnp.arange(verifier.max_commit)[None, :]
+  fresh = tokens[rows[:, None], jnp.minimum(state.seq_len[:, None] + new, tokens.shape[1] - 1)]
+  penalties = state.penalties.observe(fresh, new < count[:, None])
   target_state = verifier.commit(out.state, accepted).with_lengths(seq_len - 1)
   stats = metrics.update_stats(
     state.stats, accepted.num_accepted, ~state.done, count, accepted.ranks
@@ -317,6 +335,7 @@ def step(
     done=done,
     stats=stats,
     logprobs=logprobs,
+    penalties=penalties,
   )
 
 
