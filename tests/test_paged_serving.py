@@ -15,6 +15,7 @@ import pytest
 import jaxspec
 from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import SamplingOptions, Scheduler
+from jaxspec.serve import scheduler as scheduler_lib
 from jaxspec.serve.pages import PageAllocator
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
 
@@ -112,6 +113,37 @@ def test_paged_generate_equals_contiguous_for_trees(target):
   )
 
 
+def test_n_choices_from_one_prefill_equal_their_seeds_single_runs(target):
+  """n = 4 on a paged tree engine (DFlash + DDTree): one prefill (counted once), the choices
+  share the prompt's full pages, and choice i equals the single request with its seed."""
+  drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
+  config = EngineConfig(
+    max_len=96, batch_size=6, verify="tree", tree_budget=6, page_size=PAGE, kv_pages=40
+  )
+  engine = SpecEngine(target, drafter, config)
+  scheduler = Scheduler(engine, max_queue=16)
+  scheduler.start()
+  try:
+    ids = target.tokenizer.encode("class Stack:\n    def __init__(self):\n")
+    options = SamplingOptions(max_tokens=24, temperature=0.9, seed=11)
+    group = scheduler.submit_n(ids, options, 4)
+    choices = [h.result()[0] for h in group]
+    prefilled = scheduler.metrics()["prompt_tokens_prefilled_total"]
+    assert prefilled == len(ids)  # one prefill for four rows
+    singles = []
+    for i in range(4):
+      seed = scheduler_lib.choice_seed(11, i)
+      assert group[i].options.seed == seed
+      one = SamplingOptions(max_tokens=24, temperature=0.9, seed=seed)
+      singles.append(scheduler.submit(ids, one).result()[0])
+    assert choices == singles and len({tuple(c) for c in choices}) > 1
+    assert scheduler.metrics()["kv_pages_used"] == 0
+    with pytest.raises(InputError, match="choices"):
+      scheduler.submit_n(ids, options, 7)  # more choices than rows
+  finally:
+    scheduler.shutdown(drain=False, timeout=60)
+
+
 def test_page_allocator():
   pages = PageAllocator(num_pages=6, page_size=4, rows=3, pages_per_row=4)
   assert pages.grow(0, 9) and pages.pages(0) == [0, 1, 2]  # 9 positions: 3 pages
@@ -125,6 +157,16 @@ def test_page_allocator():
   np.testing.assert_array_equal(table, [[6, 6, 6, 6], [3, 6, 6, 6], [0, 1, 2, 4]])
   with pytest.raises(ConfigError):
     PageAllocator(num_pages=3, page_size=4, rows=2, pages_per_row=4)  # not one row
+  # Shared prompt pages stay held until the last holder lets go.
+  shared = PageAllocator(num_pages=8, page_size=4, rows=3, pages_per_row=4)
+  assert shared.grow(0, 10) and shared.pages(0) == [0, 1, 2]
+  shared.share(1, 0, 2)
+  assert shared.grow(1, 10) and shared.pages(1) == [0, 1, 3]  # its own partial page
+  assert shared.used == 4
+  shared.release(0)
+  assert shared.used == 3 and shared.free == 5  # pages 0 and 1 still held by row 1
+  shared.release(1)
+  assert shared.free == 8
 
 
 def test_paging_config_is_checked(target):

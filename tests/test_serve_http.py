@@ -28,6 +28,7 @@ from jaxspec.cli import defaults
 from jaxspec.drafters import registry
 from jaxspec.serve import app as app_lib
 from jaxspec.serve import background
+from jaxspec.serve import scheduler as scheduler_lib
 from jaxspec.serve.scheduler import Delta, QueueFull, SamplingOptions, Scheduler, SchedulerClosed
 
 MODEL = "jaxspec-test"
@@ -143,6 +144,36 @@ def test_penalties_and_logit_bias_reach_the_engine(client, scheduler):
   assert got.choices[0].text == tokenizer.decode(
     [t for t in tokens if t not in scheduler.engine.stop_ids]
   )
+
+
+def test_n_choices_each_equal_their_seeds_single_request(client, server, scheduler):
+  """n = 3: one prefill (counted once), three choices, choice i what a single request with
+  `choice_seed(seed, i)` returns; streamed, the same texts arrive under their indices."""
+  kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.9)
+  before = scheduler.metrics()["prompt_tokens_prefilled_total"]
+  out = client.completions.create(n=3, seed=5, **kw)
+  prompt_tokens = out.usage.prompt_tokens
+  assert scheduler.metrics()["prompt_tokens_prefilled_total"] == before + prompt_tokens
+  assert [c.index for c in out.choices] == [0, 1, 2]
+  singles = [
+    client.completions.create(seed=scheduler_lib.choice_seed(5, i), **kw).choices[0]
+    for i in range(3)
+  ]
+  assert [c.text for c in out.choices] == [c.text for c in singles]
+  assert len({c.text for c in out.choices}) > 1  # different draws
+  assert out.usage.completion_tokens == sum(
+    client.completions.create(seed=scheduler_lib.choice_seed(5, i), **kw).usage.completion_tokens
+    for i in range(3)
+  )
+  texts = ["", "", ""]
+  for chunk in client.completions.create(n=3, seed=5, stream=True, **kw):
+    for choice in chunk.choices:
+      texts[choice.index] += choice.text
+  assert texts == [c.text for c in singles]
+  chat = client.chat.completions.create(
+    model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=8, seed=3
+  )
+  assert [c.index for c in chat.choices] == [0, 1]
 
 
 def test_chat_uses_the_template(client):
@@ -309,7 +340,7 @@ def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, schedu
   [
     ({"prompt": "x"}, "model", "model"),
     ({"model": "other", "prompt": "x"}, "model", "not served"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n", "n=1"),
+    ({"model": MODEL, "prompt": "x", "n": 99}, "n", "choices"),
     ({"model": MODEL, "prompt": "x", "logprobs": 5}, "logprobs", "emitted tokens"),
     ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "echo"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature", "temperature"),
@@ -381,7 +412,7 @@ def test_malformed_and_oversized_requests_then_still_serving(server, client):
   status, out = raw(server, "GET", "/v1/nothing")
   assert status == 404 and "error" in out
   with pytest.raises(openai.BadRequestError):
-    client.completions.create(model=MODEL, prompt="x", n=3)
+    client.completions.create(model=MODEL, prompt="x", n=99)
   assert greedy(client, "x", max_tokens=3).choices[0].text
 
 
@@ -460,11 +491,16 @@ def test_logprobs_are_present_and_finite(client):
 class _Refusing:
   """A scheduler whose submit raises `error`."""
 
+  slots = 4
+
   def __init__(self, error, engine):
     self.error, self.engine = error, engine
 
   def submit(self, ids, options):
     raise self.error
+
+  def submit_n(self, ids, options, n):
+    return [self.submit(ids, options) for _ in range(n)]
 
   def metrics(self):
     return {}

@@ -48,6 +48,10 @@ SCHEDULER_METRICS = {
   "step_seconds_avg": ("gauge", "Mean seconds per compiled step."),
   "batch_occupancy": ("gauge", "Fraction of slots holding a request."),
   "slots": ("gauge", "Slots (the engine's batch size)."),
+  "preemptions_total": ("counter", "Requests preempted when the KV pool ran out (resumed later)."),
+  "prompt_tokens_prefilled_total": ("counter", "Prompt tokens the target prefilled (n > 1: once)."),
+  "kv_pages": ("gauge", "Pages in the paged K/V pool (0: contiguous K/V)."),
+  "kv_pages_used": ("gauge", "Pages of the pool held by requests."),
 }
 
 
@@ -125,6 +129,7 @@ class _Job:
   logprobs: bool
   stream_wanted: bool
   include_usage: bool
+  index: int = 0  # the choice (n > 1: one job per choice)
   finished: bool = False  # the scheduler's stream ended (or a stop string ended the request)
 
   def release(self) -> None:
@@ -195,9 +200,19 @@ class _Server:
         "model_not_found",
       )
 
-  def submit(self, ids: list[int], options: SamplingOptions, req: Any, **job: Any) -> _Job:
+  def submit(
+    self, ids: list[int], options: SamplingOptions, req: Any, **job: Any
+  ) -> list[_Job]:
+    """The request's jobs: one per choice (`n`), submitted together (one prefill)."""
+    if req.n > self.scheduler.slots:
+      raise ApiError(
+        400,
+        f"n={req.n}: this server samples 1 to {self.scheduler.slots} choices (its slots)",
+        "invalid_request_error",
+        "n",
+      )
     try:
-      handle = self.scheduler.submit(ids, options)
+      handles = self.scheduler.submit_n(ids, options, req.n)
     except QueueFull as e:
       raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full")
     except SchedulerClosed as e:
@@ -206,16 +221,20 @@ class _Server:
       )
     except InputError as e:
       raise _bad_request(e) from None
-    stream = text.TextStream(self.tokenizer, ids, req.stop_strings, logprobs=options.logprobs)
-    return _Job(
-      handle,
-      stream,
-      created=protocol.now(),
-      logprobs=options.logprobs,
-      stream_wanted=req.stream,
-      include_usage=req.include_usage,
-      **job,
-    )
+    created = protocol.now()
+    return [
+      _Job(
+        handle,
+        text.TextStream(self.tokenizer, ids, req.stop_strings, logprobs=options.logprobs),
+        created=created,
+        logprobs=options.logprobs,
+        stream_wanted=req.stream,
+        include_usage=req.include_usage,
+        index=i,
+        **job,
+      )
+      for i, handle in enumerate(handles)
+    ]
 
   def options(self, req: Any, max_tokens: int) -> SamplingOptions:
     return SamplingOptions(
@@ -232,7 +251,7 @@ class _Server:
       logit_bias=req.logit_bias_ids,
     )
 
-  def completion_job(self, body: Any) -> _Job:
+  def completion_job(self, body: Any) -> list[_Job]:
     req = protocol.parse(protocol.CompletionRequest, body)
     self.check_model(req.model)
     prompt = req.prompt_input()
@@ -244,7 +263,7 @@ class _Server:
       ids, self.options(req, req.max_tokens), req, rid=protocol.new_id("cmpl"), chat=False
     )
 
-  def chat_job(self, body: Any) -> _Job:
+  def chat_job(self, body: Any) -> list[_Job]:
     req = protocol.parse(protocol.ChatRequest, body)
     self.check_model(req.model)
     prompt = self.chat_template.render(req.message_dicts())
@@ -300,8 +319,10 @@ class _Server:
       return protocol.chat_logprobs(tokens, raw, piece.logprobs)
     return protocol.completion_logprobs(tokens, piece.logprobs, piece.offsets)
 
-  def usage(self, job: _Job) -> dict[str, int]:
-    return protocol.usage(job.handle.prompt_tokens, job.stream.completion_tokens)
+  def usage(self, jobs: list[_Job]) -> dict[str, int]:
+    """The prompt once, the completion tokens of every choice."""
+    completion = sum(job.stream.completion_tokens for job in jobs)
+    return protocol.usage(jobs[0].handle.prompt_tokens, completion)
 
   async def collect(self, job: _Job) -> dict[str, Any]:
     """The whole response of a non-streaming request."""
@@ -314,48 +335,87 @@ class _Server:
     whole = text.Piece("".join(parts), ids, lps, offsets)
     args = (job.rid, job.created, self.model_name, whole.text, finish, self.logprobs(job, whole))
     build = protocol.chat_completion if job.chat else protocol.completion
-    return build(*args, self.usage(job))
+    return _indexed(build(*args, self.usage([job])), job.index)
 
-  async def events(self, job: _Job) -> AsyncIterator[bytes]:
-    """The SSE stream of a streaming request; leaving early (a disconnect) cancels it."""
+  async def collect_all(self, jobs: list[_Job]) -> dict[str, Any]:
+    """The whole response of a non-streaming request: every choice, in order of index."""
+    replies = await asyncio.gather(*(self.collect(job) for job in jobs))
+    reply = replies[0]
+    reply["choices"] = [r["choices"][0] for r in replies]
+    reply["usage"] = self.usage(jobs)
+    return reply
+
+  async def choice_events(self, job: _Job) -> AsyncIterator[dict]:
+    """One choice's chunks (its index set); an engine failure ends them with an error."""
+    if job.chat:
+      yield self.chunk(job, {"role": "assistant", "content": ""}, None, None)
+    async for piece, finish in self.pieces(job):
+      if piece.text or piece.token_ids or finish is not None:
+        yield self.chunk(job, piece.text, finish, self.logprobs(job, piece))
+
+  async def events(self, jobs: list[_Job]) -> AsyncIterator[bytes]:
+    """The SSE stream of a streaming request, the choices' chunks as they come; leaving early
+    (a disconnect) cancels every choice."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: _Job) -> None:
+      try:
+        async for chunk in self.choice_events(job):
+          await merged.put(chunk)
+      except _EngineFailure as e:
+        await merged.put(protocol.error_body(str(e), "server_error", code="engine_error"))
+      finally:
+        await merged.put(None)
+
+    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
     try:
-      if job.chat:
-        yield _sse(self.chunk(job, {"role": "assistant", "content": ""}, None, None))
-      async for piece, finish in self.pieces(job):
-        if piece.text or piece.token_ids or finish is not None:
-          yield _sse(self.chunk(job, piece.text, finish, self.logprobs(job, piece)))
-      if job.include_usage:
+      failed, running = False, len(tasks)
+      while running:
+        chunk = await merged.get()
+        if chunk is None:
+          running -= 1
+          continue
+        failed = failed or "error" in chunk
+        yield _sse(chunk)
+      if jobs[0].include_usage and not failed:
+        job = jobs[0]
         obj = "chat.completion.chunk" if job.chat else "text_completion"
         yield _sse(
-          protocol.usage_chunk(job.rid, obj, job.created, self.model_name, self.usage(job))
+          protocol.usage_chunk(job.rid, obj, job.created, self.model_name, self.usage(jobs))
         )
-    except _EngineFailure as e:
-      yield _sse(protocol.error_body(str(e), "server_error", code="engine_error"))
     finally:
-      job.release()
+      for task in tasks:
+        task.cancel()
+      for job in jobs:
+        job.release()
     yield SSE_DONE
 
   def chunk(self, job: _Job, content: Any, finish: str | None, logprobs: dict | None) -> dict:
     if job.chat:
       delta = content if isinstance(content, dict) else ({"content": content} if content else {})
-      return protocol.chat_chunk(job.rid, job.created, self.model_name, delta, finish, logprobs)
-    return protocol.completion(job.rid, job.created, self.model_name, content, finish, logprobs)
+      made = protocol.chat_chunk(job.rid, job.created, self.model_name, delta, finish, logprobs)
+    else:
+      made = protocol.completion(job.rid, job.created, self.model_name, content, finish, logprobs)
+    return _indexed(made, job.index)
 
-  async def respond(self, request: fastapi.Request, job: _Job) -> fastapi.Response:
-    collect = asyncio.ensure_future(self.collect(job))
+  async def respond(self, request: fastapi.Request, jobs: list[_Job]) -> fastapi.Response:
+    collect = asyncio.ensure_future(self.collect_all(jobs))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
       await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
       gone.cancel()
       if not collect.done():  # the client left (or this handler was cancelled)
-        job.release()
+        for job in jobs:
+          job.release()
         collect.cancel()
     if not collect.done() or collect.cancelled():
       return fastapi.Response(status_code=499)  # nobody reads it
     try:
       return responses.JSONResponse(collect.result())
     except _EngineFailure as e:
+      for job in jobs:
+        job.release()
       raise ApiError(e.status, str(e), "server_error", code="engine_error") from None
 
   # ---- /metrics ------------------------------------------------------------------------------
@@ -371,6 +431,13 @@ class _Server:
     for (route, status), n in sorted(counts.items()):
       lines.append(f'{name}{{endpoint="{route}",status="{status}"}} {n}')
     return "\n".join(lines) + "\n"
+
+
+def _indexed(reply: dict[str, Any], index: int) -> dict[str, Any]:
+  """A one-choice response or chunk as choice `index` of its request."""
+  for choice in reply.get("choices", ()):
+    choice["index"] = index
+  return reply
 
 
 async def _disconnected(request: fastapi.Request) -> None:
@@ -418,17 +485,22 @@ def create_app(
 
   async def serve(request: fastapi.Request, make_job) -> fastapi.Response:
     body = await server.read_json(request)
-    job = make_job(body)
-    if job.stream_wanted:
+    jobs = make_job(body)
+    if jobs[0].stream_wanted:
       headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+      def release() -> None:
+        for job in jobs:
+          job.release()
+
       # The background task also runs when the client left before the stream began.
       return responses.StreamingResponse(
-        server.events(job),
+        server.events(jobs),
         media_type="text/event-stream",
         headers=headers,
-        background=background.BackgroundTask(job.release),
+        background=background.BackgroundTask(release),
       )
-    return await server.respond(request, job)
+    return await server.respond(request, jobs)
 
   @app.post("/v1/completions", dependencies=auth)
   async def completions(request: fastapi.Request):

@@ -3,9 +3,11 @@
 The engine's paged K/V (`EngineConfig.page_size`) keeps every full-attention layer's K/V in a
 pool of `num_pages` pages; each row reads and writes through its page table. `PageAllocator`
 decides those tables on the host: a row gets the pages its text will reach before the next
-read-back (the scheduler asks `grow` each tick), gives them back when its request ends, and a
-page belongs to one row at a time. The scheduler sends the tables to the engine
-(`SpecEngine.set_page_table`) before any step that depends on them.
+read-back (the scheduler asks `grow` each tick) and gives them back when its request ends.
+A page written by a row belongs to that row alone; full pages of a prompt may be shared
+read-only by the rows that sample it (`share`, for `n` > 1: no row writes below its prompt's
+end), and go back to the pool when the last of them releases them. The scheduler sends the
+tables to the engine (`SpecEngine.set_page_table`) before any step that depends on them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PageAllocator:
     self.pages_per_row = pages_per_row
     self._free = list(range(num_pages))  # a heap: the lowest id first, so runs are repeatable
     self._rows: list[list[int]] = [[] for _ in range(rows)]
+    self._holders = [0] * num_pages  # rows holding each page
 
   @property
   def free(self) -> int:
@@ -64,14 +67,30 @@ class PageAllocator:
     need = self.shortfall(slot, positions)
     if need > len(self._free):
       return False
-    self._rows[slot] += [heapq.heappop(self._free) for _ in range(need)]
+    pages = [heapq.heappop(self._free) for _ in range(need)]
+    for p in pages:
+      self._holders[p] = 1
+    self._rows[slot] += pages
     return True
 
+  def share(self, slot: int, source: int, pages: int) -> None:
+    """Row `slot` (holding nothing) also holds the first `pages` pages of row `source`: full
+    prompt pages, which neither row writes again."""
+    if self._rows[slot] or pages > len(self._rows[source]):
+      raise ValueError(f"share: row {slot} holds pages, or row {source} has fewer than {pages}")
+    shared = self._rows[source][:pages]
+    for p in shared:
+      self._holders[p] += 1
+    self._rows[slot] = list(shared)
+
   def release(self, slot: int) -> int:
-    """Returns row `slot`'s pages to the pool; how many."""
+    """Row `slot` lets go of its pages; those no other row holds return to the pool. Returns
+    how many pages the row held."""
     pages, self._rows[slot] = self._rows[slot], []
     for p in pages:
-      heapq.heappush(self._free, p)
+      self._holders[p] -= 1
+      if not self._holders[p]:
+        heapq.heappush(self._free, p)
     return len(pages)
 
   def table(self) -> np.ndarray:

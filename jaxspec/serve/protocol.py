@@ -87,7 +87,7 @@ class _Common(BaseModel):
 
   @pydantic.model_validator(mode="after")
   def _supported(self) -> _Common:
-    _need(self.n == 1, "n", f"n={self.n}: only n=1 is served")
+    _need(self.n >= 1, "n", f"n={self.n}: n must be at least 1")
     _need(
       self.stream_options is None or self.stream,
       "stream_options",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import itertools
 import json
 import queue
@@ -44,6 +45,20 @@ from jaxspec.speculative.request import SamplingArgs
 from jaxspec.speculative.step import SpecState
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+def derived_seed(seed: int, *labels: Any) -> int:
+  """A seed in [0, 2**63) determined by `seed` and `labels` (a hash: streams derived with
+  different labels do not overlap)."""
+  text = ":".join(map(str, (seed, *labels))).encode()
+  return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+  """The seed of choice `index` of a request with `n` > 1 and seed `seed`: choice 0 keeps it,
+  so it samples what the request with n = 1 samples; choice i samples what a single request
+  with this seed samples."""
+  return seed if index == 0 else derived_seed(seed, "choice", index)
 
 
 class QueueFull(JaxspecError):
@@ -112,6 +127,7 @@ class RequestHandle:
     self.submitted = time.perf_counter()
     self.generated: list[int] = []  # tokens delivered so far (a preempted request resumes)
     self.preemptions = 0
+    self.group: Optional[list["RequestHandle"]] = None  # n > 1: every choice, until admitted
     self._scheduler = scheduler
     self._cancelled = threading.Event()
     try:
@@ -133,7 +149,7 @@ class RequestHandle:
     options = dataclasses.replace(self.options, max_tokens=owed)
     seed = self.seed
     if self.preemptions:
-      seed = (seed + 0x9E3779B97F4A7C15 * self.preemptions) % 2**63
+      seed = derived_seed(seed, "preempted", self.preemptions)
     return options.sampling_args(seed)
 
   @property
@@ -199,7 +215,9 @@ class Tick:
   page tables (paged K/V), prefill and insert each admitted request, evict slots, run `steps`
   steps (0: none) and read back."""
 
-  admit: list  # [slot, prompt token ids, SamplingArgs.to_json()] per admitted request
+  # [slot, prompt token ids, SamplingArgs.to_json()] per admitted request; n > 1: [slots,
+  # prompt token ids, one SamplingArgs.to_json() per choice] (prefilled once)
+  admit: list
   evict: list[int]  # slots to free
   steps: int
   stop: bool = False  # the leader's last tick: followers return
@@ -227,7 +245,11 @@ def admit_tick(engine: SpecEngine, state: SpecState, tick: Tick) -> SpecState:
   if tick.pages is not None:
     state = engine.set_page_table(state, np.asarray(tick.pages, np.int32))
   for slot, ids, arguments in tick.admit:
-    state = engine.insert(state, slot, engine.prefill_row(ids, SamplingArgs(**arguments)))
+    if isinstance(slot, list):  # n > 1: one prefill, a row per choice
+      rows = engine.prefill_rows(ids, [SamplingArgs(**a) for a in arguments])
+      state = engine.insert_rows(state, slot, rows)
+    else:
+      state = engine.insert(state, slot, engine.prefill_row(ids, SamplingArgs(**arguments)))
   if tick.evict:
     state = engine.evict(state, tick.evict)
   return state
@@ -369,6 +391,45 @@ class Scheduler:
       self._wake.notify_all()
     return handle
 
+  def submit_n(self, prompt_ids: Any, options: SamplingOptions, n: int) -> list[RequestHandle]:
+    """Queues one prompt sampled n times (OpenAI's `n`): n handles, choice i with seed
+    `choice_seed(seed, i)` (a fresh random seed when options.seed is None). The choices are
+    admitted together and the prompt is prefilled once (`SpecEngine.prefill_rows`); with paged
+    K/V they share its full pages. Each handle is then a request of its own (streamed,
+    cancelled, preempted alone)."""
+    if not (isinstance(n, int) and 1 <= n <= self.slots):
+      raise InputError(f"n={n}: this server samples 1 to {self.slots} choices (its slots)")
+    if n == 1:
+      return [self.submit(prompt_ids, options)]
+    self.check(prompt_ids, options)
+    ids = [int(t) for t in prompt_ids]
+    base = options.seed if options.seed is not None else secrets.randbits(63)
+    handles = [
+      RequestHandle(self, ids, dataclasses.replace(options, seed=choice_seed(base, i)))
+      for i in range(n)
+    ]
+    if self._pages is not None and self._group_pages(handles) > self._pages.num_pages:
+      raise InputError(f"n={n}: the choices' first pages do not fit the KV pool")
+    for h in handles:
+      h.group = handles
+    with self._lock:
+      if self._closing or self.failure is not None or not self.running:
+        raise SchedulerClosed(self.failure or "the scheduler is not running")
+      if len(self._waiting) >= self.max_queue:
+        raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
+      self._waiting.append(handles[0])  # the group's place in the queue
+      self._counters["requests_total"] += n
+      self._wake.notify_all()
+    return handles
+
+  def _group_pages(self, handles: list[RequestHandle]) -> int:
+    """Pages a group's admission takes: the first choice's reach, and for each other choice
+    its reach less the prompt's full pages, which it shares."""
+    length = len(handles[0].row_prompt()) + 1
+    reach = self._pages.pages_for(self._reach(length, handles[0]))
+    shared = min((length - 1) // self._pages.page_size, reach)
+    return reach + (len(handles) - 1) * (reach - shared)
+
   def metrics(self) -> dict[str, float]:
     """Counters and gauges for /metrics."""
     with self._lock:
@@ -390,6 +451,7 @@ class Scheduler:
       "batch_occupancy": running / self.slots,
       "slots": self.slots,
       "preemptions_total": c.get("preemptions_total", 0),
+      "prompt_tokens_prefilled_total": c.get("prompt_tokens_prefilled_total", 0),
       "kv_pages": self._pages.num_pages if self._pages else 0,
       "kv_pages_used": self._pages.used if self._pages else 0,
     }
@@ -447,17 +509,24 @@ class Scheduler:
       return not self._closing
 
     rows = []
-    for slot, handle in admitted:
-      if handle.cancelled:
-        self._finish_waiting(handle)
-        if self._pages is not None:
-          self._pages.release(slot)
+    for slots, members in admitted:
+      if all(h.cancelled for h in members):
+        for slot, handle in zip(slots, members):
+          self._finish_waiting(handle)
+          if self._pages is not None:
+            self._pages.release(slot)
         continue
-      prompt = handle.row_prompt()
-      rows.append([slot, prompt, handle.row_arguments().to_json()])
-      slot_state = _Slot(handle, 0, len(prompt), len(prompt) + 1, next(self._admissions))
+      prompt = members[0].row_prompt()
+      arguments = [h.row_arguments().to_json() for h in members]
+      if len(members) == 1:
+        rows.append([slots[0], prompt, arguments[0]])
+      else:  # one prefill for every choice (a cancelled one is evicted next tick)
+        rows.append([slots, prompt, arguments])
+      order = next(self._admissions)
       with self._lock:
-        self._active[slot] = slot_state
+        self._counters["prompt_tokens_prefilled_total"] += len(prompt)
+        for slot, handle in zip(slots, members):
+          self._active[slot] = _Slot(handle, 0, len(prompt), len(prompt) + 1, order)
     steps = self.steps_per_tick if (rows or live) else 0
     if not (rows or cancelled or preempted or steps):
       return True  # every admitted request was cancelled while it waited
@@ -512,7 +581,7 @@ class Scheduler:
           break
     return preempted
 
-  def _admit(self, leaving: set[int]) -> list[tuple[int, RequestHandle]]:
+  def _admit(self, leaving: set[int]) -> list[tuple[list[int], list[RequestHandle]]]:
     """Waiting requests into free rows, first come first served: while a row is free and (paged
     K/V) the pool has the pages its prompt and first tick reach, beside what the running rows
     (not those `leaving` this tick) will want the tick after."""
@@ -528,19 +597,39 @@ class Scheduler:
     with self._lock:
       free = [i for i, s in enumerate(self._active) if s is None]
       while free and self._waiting:
-        handle = self._waiting[0]
+        members = self._waiting[0].group or [self._waiting[0]]
+        if len(members) > len(free):
+          break
+        slots = free[: len(members)]
         if self._pages is not None:
-          length = len(handle.prompt_ids) + len(handle.generated) + 1
-          reach = self._reach(length, handle)
           busy = admitted or any(
             s is not None and i not in leaving for i, s in enumerate(self._active)
           )
-          if busy and self._pages.shortfall(free[0], reach) + reserve > self._pages.free:
+          if busy and self._group_pages(members) + reserve > self._pages.free:
             break
-          if not self._pages.grow(free[0], reach):
+          if not self._take_pages(slots, members):
             break
-        admitted.append((free.pop(0), self._waiting.popleft()))
+        del free[: len(members)]
+        self._waiting.popleft()
+        admitted.append((slots, members))
+        for h in members:
+          h.group = None  # from here on, a request of its own
     return admitted
+
+  def _take_pages(self, slots: list[int], members: list[RequestHandle]) -> bool:
+    """The first tick's pages of newly admitted rows (the other choices of a group share the
+    first one's full prompt pages); False, and nothing taken, if the pool lacks them."""
+    if self._group_pages(members) > self._pages.free:
+      return False
+    length = len(members[0].row_prompt()) + 1
+    reach = self._reach(length, members[0])
+    shared = min((length - 1) // self._pages.page_size, self._pages.pages_for(reach))
+    for i, slot in enumerate(slots):
+      if i:
+        self._pages.share(slot, slots[0], shared)
+      grown = self._pages.grow(slot, reach)
+      assert grown, "checked above"
+    return True
 
   def _requeue(self, preempted: list[int]) -> None:
     """Preempted requests back at the head of the queue (the newest last), rows freed."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -321,7 +321,7 @@ class SpecEngine:
           slack=self.slack,
           tree_ranks=self.verifier.rank_shape,
         ),
-        static_argnames=("chunk", "kv_format", "paging"),
+        static_argnames=("chunk", "kv_format", "paging", "copies"),
         donate_argnames=("tokens",),
       )
     )
@@ -332,6 +332,7 @@ class SpecEngine:
       )
     )
     self._insert = None  # built on first use: finding the batch axes traces a prefill
+    self._take_row = None
     self._evict = self._on_mesh(
       jax.jit(functools.partial(step_lib.evict_rows, state_axes=axes), donate_argnums=(0,))
     )
@@ -447,12 +448,14 @@ class SpecEngine:
     return self.config.max_len - prompt_len - self.lookahead - 1
 
   def _start(
-    self, request: Request, batch: Optional[int] = None, free: bool = False
+    self, request: Request, batch: Optional[int] = None, free: bool = False, copies: int = 1
   ) -> SpecState:
     """Validates, pads to `batch` rows (default batch_size) and prefills (`free`: rows about to
-    be evicted, which need no pages)."""
+    be evicted, which need no pages; `copies` > 1: the rows are samples of one prompt, which
+    the target prefills once)."""
     b, cfg = batch or self.config.batch_size, self.config
-    if not free and cfg.num_pages < b * cfg.pages_per_row:
+    whole_batch = b == cfg.batch_size and copies == 1  # else a standalone state of its own pool
+    if whole_batch and not free and cfg.num_pages < b * cfg.pages_per_row:
       raise ConfigError(
         f"kv_pages={cfg.kv_pages} holds fewer than batch_size × max_len positions: such a pool "
         "serves rows through a page allocator (launch/serve.py, jaxspec.serve), not generate"
@@ -493,7 +496,8 @@ class SpecEngine:
       penalty_rows,
       chunk=chunk,
       kv_format=cfg.kv_format,
-      paging=cfg.paging(b),
+      paging=cfg.paging(1 if copies > 1 else b),
+      copies=copies,
     )
 
   def _to_device(self, host: Any, logical_axes: Any) -> Any:
@@ -607,6 +611,52 @@ class SpecEngine:
     """
     request = self._request([prompt], SamplingArgs.of(args, kwargs, "prefill_row"), 1)
     return self._start(request, batch=1)
+
+  def prefill_rows(self, prompt: Any, arguments: Sequence[SamplingArgs]) -> SpecState:
+    """One request sampled len(arguments) times (OpenAI's `n`): the prompt prefilled once for
+    an n-row state (`insert_rows`), row i with `arguments[i]` (one value each; its own seed).
+
+    The target runs the prompt once; each row draws its first token from those logits with
+    its own key and sampling arguments, and its drafter absorbs the same features, so row i
+    samples exactly what `prefill_row(prompt, arguments[i])` samples. One compilation per n
+    (and prompt bucket)."""
+    arguments = list(arguments)
+    if not arguments or not all(isinstance(a, SamplingArgs) for a in arguments):
+      raise InputError("prefill_rows: give one SamplingArgs per row (at least one)")
+    if len({bool(a.parse_special) for a in arguments}) > 1:
+      raise InputError("prefill_rows: parse_special must be the same for every row")
+    if len(arguments) == 1:
+      return self.prefill_row(prompt, arguments[0])
+    per_row = {
+      f.name: [getattr(a, f.name) for a in arguments]
+      for f in dataclasses.fields(SamplingArgs)
+      if f.name != "parse_special"
+    }
+    per_row["stop_token_ids"] = [list(s or ()) for s in per_row["stop_token_ids"]]
+    per_row["logit_bias"] = [b or {} for b in per_row["logit_bias"]]
+    merged = SamplingArgs(parse_special=arguments[0].parse_special, **per_row)
+    n = len(arguments)
+    request = self._request([prompt] * n, merged, n)
+    return self._start(request, batch=n, copies=n)
+
+  def insert_rows(self, state: SpecState, slots: Sequence[int], rows: SpecState) -> SpecState:
+    """`insert` of each row i of an n-row state (`prefill_rows`) at `slots[i]`; paged K/V:
+    the rows' shared prompt pages are copied to each slot's pages (the scheduler maps the full
+    ones to the same pool pages, serve/pages.py). Donates `state`."""
+    slots = [int(s) for s in slots]
+    if self._take_row is None:
+      axes = self._batch_axes()
+
+      def take(rows_state, i):
+        pick = lambda ax, x: x if ax is None else jax.lax.dynamic_slice_in_dim(x, i, 1, axis=ax)
+        return jax.tree_util.tree_map(pick, axes, rows_state, is_leaf=lambda x: x is None)
+
+      self._take_row = self._on_mesh(jax.jit(take))
+    if len(slots) != int(rows.seq_len.shape[0]):
+      raise InputError(f"insert_rows: {len(slots)} slots for {rows.seq_len.shape[0]} rows")
+    for i, slot in enumerate(slots):
+      state = self.insert(state, slot, self._take_row(rows, jnp.int32(i)))
+    return state
 
   @takes_sampling_args
   def check_row(self, prompt: Any, *args: Any, **kwargs: Any) -> None:

@@ -27,16 +27,17 @@ from typing import Any, ClassVar, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxspec import sampling
-from jaxspec.penalties import Penalties, block_counts
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, ProposeContext
 from jaxspec.models import target as target_lib
+from jaxspec.penalties import Penalties, block_counts
 from jaxspec.speculative import metrics, verifiers
 from jaxspec.speculative.placement import laid_out
 from jaxspec.speculative.verifiers import Accepted, Verifier
-from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState, Paging
+from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState, Paging, logical_axes
 
 
 @flax.struct.dataclass
@@ -172,6 +173,7 @@ def prefill(
   slack: int = DEFAULT_SLACK,
   tree_ranks: tuple[int, ...] = (),
   paging: Optional[Paging] = None,
+  copies: int = 1,
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step.
 
@@ -183,9 +185,15 @@ def prefill(
   `slack` is the widest block a step verifies (sliding-window rings keep window + slack);
   `paging` pages the full-attention K/V (`DecodingState.create`); `penalty_rows` (presence,
   frequency, repetition [B], logit-bias ids and values [B, N]) turns on `Penalties` (None: off).
+
+  copies > 1: the B rows are samples of one prompt (`n` > 1): the target prefills it once, as
+  one row, and its logits and features feed every row's first token (each row with its own
+  key and sampling parameters) and drafter; the target's state is then that row's, B times
+  (a paged entry's rows share its pages).
   """
   lay = functools.partial(laid_out, state_axes)
   batch, max_len = tokens.shape
+  target_rows = 1 if copies > 1 else batch
   taps = drafter.taps if drafter is not None else ()
   rows = jnp.arange(batch)
   keys, sub = sampling.split_key(keys)
@@ -198,7 +206,8 @@ def prefill(
 
   def lay_carry(target_state, drafter_state, tokens, logprobs):
     return (
-      lay("target_state", target_state),
+      # (copies > 1: the target's one row is laid out once repeated, below)
+      lay("target_state", target_state) if copies == 1 else target_state,
       lay("drafter_state", drafter_state),
       lay("tokens", tokens),
       lay("logprobs", logprobs),
@@ -208,8 +217,19 @@ def prefill(
     target_state, drafter_state, tokens, logprobs = carry
     start = c * chunk
     logits, in_chunk, target_state, chunk_taps, hidden = prefill_chunk(
-      config, target_params, tokens, start, chunk, prompt_len, target_state, taps
+      config,
+      target_params,
+      tokens[:target_rows],
+      start,
+      chunk,
+      prompt_len[:target_rows],
+      target_state,
+      taps,
     )
+    if copies > 1:  # the one prompt's outputs, for every row
+      rows_of = lambda x, axis=0: None if x is None else jnp.repeat(x, batch, axis=axis)
+      logits, in_chunk, hidden = rows_of(logits), rows_of(in_chunk), rows_of(hidden)
+      chunk_taps = rows_of(chunk_taps, axis=1)
     # Same key for every chunk: a row's first token is what one-shot prefill would sample.
     drawn = sampling.sample(sub, penalties.adjust(logits), params)
     first = jnp.where(in_chunk, drawn, tokens[rows, prompt_len])
@@ -222,12 +242,14 @@ def prefill(
     return lay_carry(target_state, drafter_state, tokens, logprobs)
 
   init = lay_carry(
-    DecodingState.create(config, batch, max_len, kv_format, slack=slack, paging=paging),
+    DecodingState.create(config, target_rows, max_len, kv_format, slack=slack, paging=paging),
     drafter_state,
     tokens,
     jnp.zeros((batch, max_len), jnp.float32),
   )
   target_state, drafter_state, tokens, logprobs = jax.lax.fori_loop(0, num_chunks, body, init)
+  if copies > 1:
+    target_state = repeat_rows(target_state, batch)
   first = tokens[rows, prompt_len]
   gamma = drafter.gamma if drafter is not None else 0
   done = ~active | is_stop(first, stop_ids) | (max_new <= 1)
@@ -252,6 +274,21 @@ def prefill(
 # --------------------------------------------------------------------------------------------------
 # The step: draft → verify → accept → commit
 # --------------------------------------------------------------------------------------------------
+
+
+def repeat_rows(state: DecodingState, n: int) -> DecodingState:
+  """A one-row decoding state as n equal rows: every leaf with a `batch` axis (its kinds'
+  AXES tables) repeated; what rows share (a paged pool) kept once, so the rows' page tables
+  name the same pages."""
+  specs = jax.tree_util.tree_leaves(
+    logical_axes(state), is_leaf=lambda x: isinstance(x, PartitionSpec)
+  )
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  out = [
+    jnp.repeat(x, n, axis=tuple(spec).index("batch")) if "batch" in tuple(spec) else x
+    for spec, x in zip(specs, leaves)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def step(
