@@ -3,9 +3,12 @@
 Starts its own server on loopback (the bundled target and its best drafter, as launch/serve.py)
 or uses a running one given by --url (loopback addresses only). It first serves each of
 --distinct greedy prompts alone, then sends --requests requests (each prompt repeated, in a
-shuffled order, a third of them streamed) at --concurrency, and checks that every one
-succeeds and returns exactly its prompt's served-alone text: a lost, truncated or mixed-up
-output fails the run (exit status 1). It reports p50/p99 latency and throughput, and stops by
+shuffled order, a third of them streamed, one in five asking for n = 2 choices) at
+--concurrency, and checks that every one succeeds and returns exactly its prompt's
+served-alone text in every choice: a lost, truncated or mixed-up output fails the run (exit
+status 1). Half the prompts open with the same long system text (a shared prefix). Its own
+server keeps the K/V in pages (--page_size) of a pool smaller than its slots × max_len
+(--kv_pages), so rows grow, share prompt pages (n = 2) and are preempted under load. It reports p50/p99 latency and throughput, and stops by
 itself: after the last request, or at --time_limit seconds.
 
   python launch/load_test.py                               # 200 requests, concurrency 16
@@ -52,6 +55,15 @@ defaults.define_model_flags()
 flags.DEFINE_integer("batch_size", 8, "Slots (own server).", lower_bound=1)
 common_flags.define_max_len(256, "Per slot (own server).")
 flags.DEFINE_integer("steps_per_tick", None, "Steps between admissions (own server).")
+flags.DEFINE_integer("page_size", 16, "Paged K/V page size (own server; 0: contiguous).")
+flags.DEFINE_integer("kv_pages", 40, "Pages in the K/V pool (own server; 0: slots × max_len).")
+
+# A shared opening (a system prompt's worth of text) for half the prompts.
+SHARED = (
+  '"""Utilities for reading and writing configuration files.\n\n'
+  "This module provides helpers used across the package: parsing, validation and the\n"
+  'defaults every caller relies on.\n"""\n\nimport os\nimport sys\n\n'
+)
 
 # Source-code openings (the bundled model was trained on Python's standard library), of
 # different lengths so the batch mixes prompt sizes.
@@ -81,7 +93,8 @@ OPENINGS = (
 
 def _prompt(i: int) -> str:
   base = OPENINGS[i % len(OPENINGS)]
-  return base if i < len(OPENINGS) else f"# variant {i}\n{base}"
+  text = base if i < len(OPENINGS) else f"# variant {i}\n{base}"
+  return SHARED + text if i % 2 else text
 
 
 def _check_loopback(url: str) -> str:
@@ -95,23 +108,24 @@ def _check_loopback(url: str) -> str:
   return url.rstrip("/")
 
 
-async def _one(client, prompt: str, stream: bool) -> tuple[str, int, float]:
-  """(text, completion tokens, seconds) of one greedy request."""
+async def _one(client, prompt: str, stream: bool, n: int = 1) -> tuple[list[str], int, float]:
+  """(each choice's text, completion tokens, seconds) of one greedy request."""
   start = time.perf_counter()
   args = dict(model=FLAGS.model_name, prompt=prompt, max_tokens=FLAGS.max_tokens, temperature=0)
   if stream:
-    parts, tokens = [], 0
+    parts, tokens = [[] for _ in range(n)], 0
     events = await client.completions.create(
-      stream=True, stream_options={"include_usage": True}, **args
+      stream=True, stream_options={"include_usage": True}, n=n, **args
     )
     async for chunk in events:
-      if chunk.choices:
-        parts.append(chunk.choices[0].text)
+      for choice in chunk.choices:
+        parts[choice.index].append(choice.text)
       if chunk.usage:
         tokens = chunk.usage.completion_tokens
-    return "".join(parts), tokens, time.perf_counter() - start
-  out = await client.completions.create(**args)
-  return out.choices[0].text, out.usage.completion_tokens, time.perf_counter() - start
+    return ["".join(p) for p in parts], tokens, time.perf_counter() - start
+  out = await client.completions.create(n=n, **args)
+  texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+  return texts, out.usage.completion_tokens, time.perf_counter() - start
 
 
 async def _run(url: str) -> dict:
@@ -122,7 +136,7 @@ async def _run(url: str) -> dict:
     timeout=FLAGS.time_limit,
   )
   prompts = [_prompt(i) for i in range(FLAGS.distinct)]
-  alone = [(await _one(client, p, stream=False))[0] for p in prompts]  # the reference outputs
+  alone = [(await _one(client, p, stream=False))[0][0] for p in prompts]  # the references
   order = [i % FLAGS.distinct for i in range(FLAGS.requests)]
   random.Random(FLAGS.seed).shuffle(order)
   gate = asyncio.Semaphore(FLAGS.concurrency)
@@ -131,7 +145,7 @@ async def _run(url: str) -> dict:
   async def worker(k: int, i: int) -> None:
     async with gate:
       try:
-        results[k] = await _one(client, prompts[i], stream=k % 3 == 0)
+        results[k] = await _one(client, prompts[i], stream=k % 3 == 0, n=2 if k % 5 == 0 else 1)
       except openai.OpenAIError as e:
         results[k] = e
 
@@ -140,7 +154,7 @@ async def _run(url: str) -> dict:
   wall = time.perf_counter() - start
   errors = [r for r in results if isinstance(r, Exception)]
   done = [(k, r) for k, r in enumerate(results) if not isinstance(r, Exception)]
-  mismatched = [k for k, r in done if r[0] != alone[order[k]]]
+  mismatched = [k for k, r in done if any(text != alone[order[k]] for text in r[0])]
   latencies = np.array([r[2] for _, r in done]) if done else np.zeros(1)
   tokens = sum(r[1] for _, r in done)
   await client.close()
@@ -167,11 +181,15 @@ def _own_server():
     mesh=defaults.mesh_from_flags(),
     max_len=FLAGS.max_len,
     batch_size=FLAGS.batch_size,
+    page_size=FLAGS.page_size,
+    kv_pages=FLAGS.kv_pages if FLAGS.page_size else 0,
   )
   sched = scheduler_lib.Scheduler(engine, steps_per_tick=FLAGS.steps_per_tick)
   sched.start()
   app = app_lib.create_app(sched, FLAGS.model_name, api_key=FLAGS.api_key or None)
-  return background.BackgroundServer(app), sched, f"{source}, {label}, {FLAGS.batch_size} slots"
+  kv = f", K/V in {engine.config.num_pages} pages of {FLAGS.page_size}" if FLAGS.page_size else ""
+  what = f"{source}, {label}, {FLAGS.batch_size} slots{kv}"
+  return background.BackgroundServer(app), sched, what
 
 
 def _load(url: str, what: str, sched) -> None:
@@ -198,7 +216,9 @@ def _load(url: str, what: str, sched) -> None:
     m = sched.metrics()
     print(
       f"scheduler: acceptance length {m.get('acceptance_length', float('nan')):.2f}, "
-      f"mean step {1e3 * m.get('step_seconds_avg', float('nan')):.1f} ms"
+      f"mean step {1e3 * m.get('step_seconds_avg', float('nan')):.1f} ms, "
+      f"preemptions {m.get('preemptions_total', 0)}, "
+      f"prompt tokens prefilled {m.get('prompt_tokens_prefilled_total', 0)}"
     )
   for e in r["errors"][:5]:
     print(f"  error: {type(e).__name__}: {e}")

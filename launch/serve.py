@@ -55,6 +55,14 @@ flags.DEFINE_bool(
   "tokens: batch_size × vocabulary int32; off: such requests get 400).",
 )
 flags.DEFINE_integer(
+  "top_logprobs",
+  5,
+  "Alternatives per token a request may ask for (completions' logprobs, chat's top_logprobs; "
+  "each slot keeps max_len × this many; at most 20).",
+  lower_bound=0,
+  upper_bound=20,
+)
+flags.DEFINE_integer(
   "kv_pages",
   0,
   "Paged K/V: pages in the pool (0: batch_size × max_len / page_size).",
@@ -114,6 +122,7 @@ def main(argv):
     page_size=FLAGS.page_size,
     kv_pages=FLAGS.kv_pages,
     penalties=FLAGS.penalties,
+    top_logprobs=FLAGS.top_logprobs,
   )
   if not distributed.is_leader():  # a follower: no HTTP, the leader's ticks until it stops
     print(f"process {joined.process_id}/{joined.num_processes}: following process 0", flush=True)

@@ -50,6 +50,7 @@ def make_scheduler(method: str) -> Scheduler:
     batch_size=SLOTS,
     min_prompt_bucket=MAX_LEN,  # one prefill program to compile
     penalties=True,
+    top_logprobs=5,
   )
   sched = Scheduler(engine, max_queue=64, steps_per_tick=1)
   sched.start()
@@ -341,7 +342,7 @@ def test_disconnect_while_waiting_cancels_a_non_streaming_request(server, schedu
     ({"prompt": "x"}, "model", "model"),
     ({"model": "other", "prompt": "x"}, "model", "not served"),
     ({"model": MODEL, "prompt": "x", "n": 99}, "n", "choices"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 5}, "logprobs", "emitted tokens"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs", "at most 5"),
     ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "echo"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature", "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p", "top_p"),
@@ -381,10 +382,10 @@ def test_bad_completion_requests_are_400(server, body, param, needle):
       {
         "model": MODEL,
         "messages": [{"role": "user", "content": "x"}],
-        "top_logprobs": 2,
+        "top_logprobs": 21,
         "logprobs": True,
       },
-      "emitted tokens",
+      "at most 20",
     ),
     (
       {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -486,6 +487,34 @@ def test_logprobs_are_present_and_finite(client):
   assert len(content) == chat.usage.completion_tokens
   assert all(math.isfinite(c.logprob) and c.logprob <= 0 for c in content)
   assert bytes(b for c in content for b in c.bytes).decode() == chat.choices[0].message.content
+
+
+def test_top_logprobs_are_the_alternatives(client, server):
+  """Greedy: each token is its own most likely alternative, with its own log-prob; the
+  alternatives come most likely first (completions: logprobs=N; chat: top_logprobs)."""
+  out = greedy(client, PROMPTS[0], max_tokens=8, logprobs=3).choices[0].logprobs
+  assert len(out.top_logprobs) == len(out.tokens) > 0
+  for token, lp, alts in zip(out.tokens, out.token_logprobs, out.top_logprobs):
+    assert 1 <= len(alts) <= 3  # (alternatives decoding to the same text share a key)
+    assert alts[token] == pytest.approx(lp, abs=1e-5)
+    assert max(alts.values()) == pytest.approx(lp, abs=1e-5)
+  chat = client.chat.completions.create(
+    model=MODEL,
+    messages=[{"role": "user", "content": "hi"}],
+    max_tokens=6,
+    temperature=0,
+    logprobs=True,
+    top_logprobs=4,
+  )
+  for c in chat.choices[0].logprobs.content:
+    values = [a.logprob for a in c.top_logprobs]
+    assert len(values) == 4 and values == sorted(values, reverse=True)
+    assert c.top_logprobs[0].token == c.token and values[0] == pytest.approx(c.logprob, abs=1e-5)
+  body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}
+  status, body = raw(
+    server, "POST", "/v1/chat/completions", json.dumps({**body, "top_logprobs": 6}).encode()
+  )
+  assert status == 400 and "at most 5" in body["error"]["message"]  # the server keeps 5
 
 
 class _Refusing:

@@ -99,6 +99,31 @@ def test_logprobs_are_the_targets(engine, target):
   assert np.all(np.asarray(out.logprobs[0]) <= 0)
 
 
+def test_top_logprobs_are_the_targets_alternatives(target):
+  """EngineConfig.top_logprobs: each generated token's K most likely alternatives (a tree
+  engine: tokens committed several per step) equal the top K of log softmax of a full forward
+  over the text; the token itself is among them with its own log-prob when it ranks."""
+  drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
+  config = EngineConfig(max_len=80, batch_size=2, verify="tree", tree_budget=6, top_logprobs=4)
+  engine = SpecEngine(target, drafter, config)
+  prompts = [target.tokenizer.encode(p) for p in ("def merge_sorted(a, b):\n", "import os\n")]
+  out = engine.generate(prompts, max_new_tokens=16, temperature=1.0, seed=[5, 6])
+  assert out.stats.acceptance_length > 1.0  # several tokens per step went through the commit
+  for prompt, tokens, top in zip(prompts, out.tokens, out.top_logprobs):
+    assert len(top) == len(tokens) and all(len(alts) == 4 for alts in top)
+    text = prompt + tokens
+    logits = np.asarray(target.logits([text[:-1]]))[0].astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    for j, alts in enumerate(top):
+      row = logp[len(prompt) - 1 + j]
+      want = np.sort(row)[::-1][:4]
+      np.testing.assert_allclose([lp for _, lp in alts], want, atol=1e-4)
+      for token_id, lp in alts:
+        assert abs(row[token_id] - lp) < 1e-4
+  assert SpecEngine(target, None, EngineConfig(max_len=32)).generate([[5]], 2).top_logprobs is None
+
+
 def test_row_keys_make_a_request_independent_of_its_row(target):
   engine = SpecEngine(target, None, EngineConfig(max_len=64, batch_size=3))
   a, b = "def fib(n):\n", "class Stack:\n"

@@ -245,6 +245,7 @@ class _Server:
       seed=req.seed,
       stop_token_ids=tuple(req.stop_token_ids or ()),
       logprobs=req.want_logprobs,
+      top_logprobs=req.top_count,
       presence_penalty=req.presence_penalty,
       frequency_penalty=req.frequency_penalty,
       repetition_penalty=req.repetition_penalty,
@@ -288,7 +289,10 @@ class _Server:
   async def pieces(self, job: _Job) -> AsyncIterator[tuple[text.Piece, str | None]]:
     """(piece, finish_reason) per scheduler delta; the last one has a finish reason."""
     async for delta in job.handle:
-      piece = job.stream.add(delta.token_ids, delta.logprobs)
+      values = delta.logprobs
+      if values is not None and delta.top_logprobs is not None:  # travel with their tokens
+        values = list(zip(values, delta.top_logprobs))
+      piece = job.stream.add(delta.token_ids, values)
       if piece.stopped:
         job.handle.cancel()  # a stop string: the rest is not wanted
         job.finished = True
@@ -314,10 +318,18 @@ class _Server:
     if not job.logprobs:
       return None
     tokens = self.token_strings(piece.token_ids)
+    values, top = piece.logprobs, None
+    if job.handle.options.top_logprobs:  # (log-prob, alternatives) per token
+      values, alternatives = [v for v, _ in values], [a for _, a in values]
+      top = [[(self.tokenizer.decode([i]), i, lp) for i, lp in alts] for alts in alternatives]
     if job.chat:
       raw = [text.token_bytes(self.tokenizer, i) for i in piece.token_ids]
-      return protocol.chat_logprobs(tokens, raw, piece.logprobs)
-    return protocol.completion_logprobs(tokens, piece.logprobs, piece.offsets)
+      if top is not None:
+        top = [[(s, text.token_bytes(self.tokenizer, i), lp) for s, i, lp in a] for a in top]
+      return protocol.chat_logprobs(tokens, raw, values, top)
+    if top is not None:
+      top = [[(s, lp) for s, _, lp in a] for a in top]
+    return protocol.completion_logprobs(tokens, values, piece.offsets, top=top)
 
   def usage(self, jobs: list[_Job]) -> dict[str, int]:
     """The prompt once, the completion tokens of every choice."""

@@ -2,7 +2,7 @@
 
 Requests are pydantic models that accept what OpenAI's API accepts for the parameters jaxspec
 implements, ignore fields they do not know (as OpenAI does), and refuse a parameter they know
-but cannot honour (n > 1, echo, top_logprobs > 0, ...) with a message
+but cannot honour (echo, best_of, tools, ...) with a message
 naming it, rather than silently serving something else. Extensions, as vLLM spells them:
 `top_k` and `stop_token_ids`.
 
@@ -134,10 +134,9 @@ class CompletionRequest(_Common):
     _need(self.best_of in (None, 1), "best_of", "best_of > 1 is not supported")
     _need(self.suffix is None, "suffix", "suffix is not supported")
     _need(
-      self.logprobs is None or self.logprobs <= 1,
+      self.logprobs is None or self.logprobs <= 5,
       "logprobs",
-      f"logprobs={self.logprobs}: only the emitted tokens' log-probs are available "
-      "(logprobs 0 or 1), not alternatives",
+      f"logprobs={self.logprobs}: at most 5 alternatives per token (as OpenAI)",
     )
     return self
 
@@ -153,6 +152,11 @@ class CompletionRequest(_Common):
   @property
   def want_logprobs(self) -> bool:
     return self.logprobs is not None
+
+  @property
+  def top_count(self) -> int:
+    """Alternatives wanted per token (completions: `logprobs` itself)."""
+    return self.logprobs or 0
 
 
 class TextPart(BaseModel):
@@ -195,10 +199,9 @@ class ChatRequest(_Common):
       "max_tokens and max_completion_tokens disagree",
     )
     _need(
-      not self.top_logprobs,
+      self.top_logprobs is None or self.top_logprobs <= 20,
       "top_logprobs",
-      f"top_logprobs={self.top_logprobs}: only the emitted tokens' log-probs are available "
-      "(top_logprobs 0)",
+      f"top_logprobs={self.top_logprobs}: at most 20 alternatives per token",
     )
     _need(
       self.top_logprobs is None or self.logprobs,
@@ -225,6 +228,11 @@ class ChatRequest(_Common):
   @property
   def want_logprobs(self) -> bool:
     return self.logprobs
+
+  @property
+  def top_count(self) -> int:
+    """Alternatives wanted per token."""
+    return self.top_logprobs or 0
 
 
 class BadParameter(InputError):
@@ -290,24 +298,39 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_logprobs(
-  tokens: list[str], logprobs: list[float], offsets: list[int], base: int = 0
+  tokens: list[str],
+  logprobs: list[float],
+  offsets: list[int],
+  base: int = 0,
+  top: list[list[tuple[str, float]]] | None = None,
 ) -> dict[str, Any]:
-  """Completions' logprobs object; no alternatives (top_logprobs null)."""
+  """Completions' logprobs object; `top`: per token its alternatives as (text, log-prob),
+  most likely first (None: top_logprobs null)."""
   return {
     "tokens": tokens,
     "token_logprobs": [finite(lp) for lp in logprobs],
-    "top_logprobs": None,
+    "top_logprobs": None if top is None else [{t: finite(lp) for t, lp in alts} for alts in top],
     "text_offset": [base + o for o in offsets],
   }
 
 
 def chat_logprobs(
-  tokens: list[str], token_bytes: list[list[int] | None], logprobs: list[float]
+  tokens: list[str],
+  token_bytes: list[list[int] | None],
+  logprobs: list[float],
+  top: list[list[tuple[str, list[int] | None, float]]] | None = None,
 ) -> dict[str, Any]:
-  """Chat's logprobs object: one entry per token with its bytes; no alternatives."""
+  """Chat's logprobs object: one entry per token with its bytes and (`top`) its alternatives
+  as (text, bytes, log-prob), most likely first."""
+  alternatives = top or [[] for _ in tokens]
   content = [
-    {"token": t, "logprob": finite(lp), "bytes": b, "top_logprobs": []}
-    for t, b, lp in zip(tokens, token_bytes, logprobs)
+    {
+      "token": t,
+      "logprob": finite(lp),
+      "bytes": b,
+      "top_logprobs": [{"token": s, "logprob": finite(v), "bytes": sb} for s, sb, v in alts],
+    }
+    for t, b, lp, alts in zip(tokens, token_bytes, logprobs, alternatives)
   ]
   return {"content": content, "refusal": None}
 

@@ -84,6 +84,7 @@ class SamplingOptions:
   frequency_penalty: float = 0.0  # built with EngineConfig(penalties=True) for other values)
   repetition_penalty: float = 1.0
   logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+  top_logprobs: int = 0  # alternatives per token (at most the engine's EngineConfig.top_logprobs)
 
   def sampling_args(self, seed: int) -> SamplingArgs:
     """The engine's sampling arguments for this request, with `seed` (the handle's: drawn at
@@ -110,6 +111,8 @@ class Delta:
   logprobs: Optional[list[float]]
   finish_reason: Optional[str] = None  # None while running, then one of FINISH_REASONS
   error: Optional[str] = None
+  # Per token, its top_logprobs most likely alternatives as (token id, log-prob) pairs.
+  top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
 class RequestHandle:
@@ -375,6 +378,12 @@ class Scheduler:
       raise InputError(f"options must be SamplingOptions, got {type(options).__name__}")
     seed = options.seed if options.seed is not None else 0
     self.engine.check_row(list(prompt_ids), options.sampling_args(seed))
+    most = self.engine.config.top_logprobs
+    if not (isinstance(options.top_logprobs, int) and 0 <= options.top_logprobs <= most):
+      raise InputError(
+        f"top_logprobs={options.top_logprobs}: this server keeps at most {most} alternatives "
+        "per token (EngineConfig.top_logprobs, launch/serve.py --top_logprobs)"
+      )
 
   def submit(self, prompt_ids: Any, options: SamplingOptions) -> RequestHandle:
     """Queues a request (FIFO) after `check`; returns its handle at once. Call it from the
@@ -676,6 +685,11 @@ class Scheduler:
         raise RuntimeError(f"row {i} committed more than the read-back window ({window})")
       new = tokens[i, start:].tolist()
       lps = logprobs[i, start:].tolist() if s.handle.options.logprobs else None
+      top = None
+      k = s.handle.options.top_logprobs
+      if k:
+        ids, values = host["top_ids"][i, start:, :k], host["top_logprobs"][i, start:, :k]
+        top = [list(zip(a.tolist(), b.tolist())) for a, b in zip(ids, values)]
       s.sent += len(new)
       s.handle.generated += new
       with self._lock:
@@ -688,9 +702,10 @@ class Scheduler:
         reason = "stop" if stopped[i] else "length"
         if stopped[i] and new:
           new, lps = new[:-1], (lps[:-1] if lps is not None else None)
+          top = top[:-1] if top is not None else None
       with self._lock:
         self._counters["tokens_generated_total"] += len(new)
       if reason is not None:
-        self._release(i, Delta(new, lps, reason))
+        self._release(i, Delta(new, lps, reason, top_logprobs=top))
       elif new:
-        s.handle._deliver(Delta(new, lps))  # pylint: disable=protected-access
+        s.handle._deliver(Delta(new, lps, top_logprobs=top))  # pylint: disable=protected-access

@@ -97,6 +97,9 @@ class EngineConfig:
   penalties: whether requests may ask for presence / frequency / repetition penalties and a
     logit bias (jaxspec/penalties.py): each row then counts its tokens ([B, V] state) and every
     verify position's logits are adjusted for its own prefix. Off: such requests are refused.
+  top_logprobs: K > 0 keeps, for every generated token, the K most likely tokens of the raw
+    distribution it was drawn at and their log-probs (`GenerateOutput.top_logprobs`; OpenAI's
+    `top_logprobs`); [B, max_len, K] buffers. 0: none.
   """
 
   method: str = "auto"
@@ -121,6 +124,7 @@ class EngineConfig:
   page_size: int = 0
   kv_pages: int = 0
   penalties: bool = False
+  top_logprobs: int = 0
 
   def __post_init__(self):
     def need(ok: bool, msg: str) -> None:
@@ -155,6 +159,8 @@ class EngineConfig:
       self.kv_format in KV_FORMATS,
       f"kv_format={self.kv_format!r}; expected one of {tuple(KV_FORMATS)}",
     )
+    whole("top_logprobs", 0)
+    need(self.top_logprobs <= 20, f"top_logprobs must be at most 20, got {self.top_logprobs}")
     whole("page_size", 0)
     whole("kv_pages", 0)
     if self.page_size:
@@ -219,6 +225,9 @@ class GenerateOutput(NamedTuple):
   stats: Any
   # Per prompt, the target's log-probability of each generated token (raw distribution).
   logprobs: Optional[list[list[float]]] = None
+  # Per prompt and generated token, its EngineConfig.top_logprobs most likely alternatives as
+  # (token id, log-prob) pairs, most likely first (None when top_logprobs is 0).
+  top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
 
 
 @dataclasses.dataclass
@@ -320,6 +329,7 @@ class SpecEngine:
           state_axes=axes,
           slack=self.slack,
           tree_ranks=self.verifier.rank_shape,
+          top_k=config.top_logprobs,
         ),
         static_argnames=("chunk", "kv_format", "paging", "copies"),
         donate_argnames=("tokens",),
@@ -555,7 +565,14 @@ class SpecEngine:
     n = len(request)
     tokens = self._outputs(state, n)
     stats = self._stats(state, t1 - t0, t2 - t1, n)
-    return GenerateOutput(self._texts(tokens), tokens, stats, self._outputs(state, n, "logprobs"))
+    top = None
+    if self.config.top_logprobs:
+      ids, lps = self._outputs(state, n, "top_ids"), self._outputs(state, n, "top_logprobs")
+      top = [
+        [list(zip(i, lp)) for i, lp in zip(row_ids, row_lps)] for row_ids, row_lps in zip(ids, lps)
+      ]
+    logprobs = self._outputs(state, n, "logprobs")
+    return GenerateOutput(self._texts(tokens), tokens, stats, logprobs, top)
 
   @takes_sampling_args
   def stream(self, prompts: Any, *args: Any, **kwargs: Any) -> Iterator[list[list[int]]]:
@@ -775,6 +792,7 @@ class SpecEngine:
       kv_format=cfg.kv_format,
       slack=self.slack,
       tree_ranks=self.verifier.rank_shape,
+      top_k=cfg.top_logprobs,
       # A pool that does not grow with the rows, so that comparing 1- and 2-row states finds
       # the rows' axes (the pool's size is not one; `state_axes`, `_batch_axes`).
       paging=Paging(cfg.page_size, cfg.pages_per_row) if cfg.page_size else None,

@@ -59,6 +59,10 @@ class SpecState:
   # [B, L] float32: the target's log-probability (raw distribution: temperature 1, no top-k/p)
   # of each generated token at its slot; 0 at prompt slots.
   logprobs: jax.Array
+  # [B, L, K]: the K most likely tokens of the raw distribution each generated token was drawn
+  # at, and their log-probs (EngineConfig.top_logprobs = K; [B, 1, 1] zeros when 0).
+  top_ids: jax.Array
+  top_logprobs: jax.Array
 
   # Logical axes (jaxspec.state.logical_axes); the target's and drafter's states name their own,
   # sampling parameters and statistics are split by rows.
@@ -71,6 +75,8 @@ class SpecState:
     "done": ROW_AXES,
     "stop_ids": ("batch", None),
     "logprobs": ("batch", "length"),
+    "top_ids": ("batch", "length", None),
+    "top_logprobs": ("batch", "length", None),
   }
 
   @property
@@ -82,6 +88,22 @@ def is_stop(tok: jax.Array, stop_ids: jax.Array) -> jax.Array:
   """tok [B, ...] against each row's stop ids [B, S] → bool [B, ...]."""
   per_row = stop_ids.reshape(stop_ids.shape[0], *([1] * (tok.ndim - 1)), stop_ids.shape[-1])
   return jnp.any(tok[..., None] == per_row, axis=-1)
+
+
+def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The k most likely tokens of log softmax(logits [..., V]) and their log-probs [..., k]."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  values, ids = jax.lax.top_k(logp, k)
+  return ids.astype(jnp.int32), values
+
+
+def _top_buffers(batch: int, max_len: int, k: int) -> tuple[jax.Array, jax.Array]:
+  shape = (batch, max_len, k) if k else (batch, 1, 1)
+  return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+
+
+def _keeps_top(state: "SpecState") -> bool:
+  return state.top_ids.shape[1] == state.tokens.shape[1] and state.tokens.shape[1] > 1
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -174,6 +196,7 @@ def prefill(
   tree_ranks: tuple[int, ...] = (),
   paging: Optional[Paging] = None,
   copies: int = 1,
+  top_k: int = 0,
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step.
 
@@ -189,7 +212,8 @@ def prefill(
   copies > 1: the B rows are samples of one prompt (`n` > 1): the target prefills it once, as
   one row, and its logits and features feed every row's first token (each row with its own
   key and sampling parameters) and drafter; the target's state is then that row's, B times
-  (a paged entry's rows share its pages).
+  (a paged entry's rows share its pages). `top_k` > 0 keeps each generated token's top_k
+  alternatives (`SpecState.top_ids`).
   """
   lay = functools.partial(laid_out, state_axes)
   batch, max_len = tokens.shape
@@ -204,17 +228,18 @@ def prefill(
   if penalty_rows is not None:
     penalties = Penalties.create(config.vocab_size, *penalty_rows, tokens, prompt_len)
 
-  def lay_carry(target_state, drafter_state, tokens, logprobs):
+  def lay_carry(target_state, drafter_state, tokens, logprobs, top):
     return (
       # (copies > 1: the target's one row is laid out once repeated, below)
       lay("target_state", target_state) if copies == 1 else target_state,
       lay("drafter_state", drafter_state),
       lay("tokens", tokens),
       lay("logprobs", logprobs),
+      (lay("top_ids", top[0]), lay("top_logprobs", top[1])),
     )
 
   def body(c, carry):
-    target_state, drafter_state, tokens, logprobs = carry
+    target_state, drafter_state, tokens, logprobs, top = carry
     start = c * chunk
     logits, in_chunk, target_state, chunk_taps, hidden = prefill_chunk(
       config,
@@ -236,18 +261,25 @@ def prefill(
     tokens = tokens.at[rows, prompt_len].set(first)
     lp = jnp.where(in_chunk, token_logprobs(logits, first), logprobs[rows, prompt_len])
     logprobs = logprobs.at[rows, prompt_len].set(lp)
+    if top_k:
+      ids, values = top_logprobs(logits, top_k)
+      slot = jnp.where(in_chunk, prompt_len, max_len)  # rows whose last position is elsewhere
+      top = tuple(x.at[rows, slot].set(v, mode="drop") for x, v in zip(top, (ids, values)))
     if drafter is not None:
       ctx = PrefillContext(tokens, prompt_len, chunk_taps, hidden, start)
       drafter_state = drafter.prefill(drafter_params, drafter_state, ctx)
-    return lay_carry(target_state, drafter_state, tokens, logprobs)
+    return lay_carry(target_state, drafter_state, tokens, logprobs, top)
 
   init = lay_carry(
     DecodingState.create(config, target_rows, max_len, kv_format, slack=slack, paging=paging),
     drafter_state,
     tokens,
     jnp.zeros((batch, max_len), jnp.float32),
+    _top_buffers(batch, max_len, top_k),
   )
-  target_state, drafter_state, tokens, logprobs = jax.lax.fori_loop(0, num_chunks, body, init)
+  target_state, drafter_state, tokens, logprobs, top = jax.lax.fori_loop(
+    0, num_chunks, body, init
+  )
   if copies > 1:
     target_state = repeat_rows(target_state, batch)
   first = tokens[rows, prompt_len]
@@ -267,6 +299,8 @@ def prefill(
     stats=metrics.init_stats(batch, gamma, tree_ranks),
     logprobs=logprobs,
     penalties=penalties.observe(first[:, None], active[:, None]),
+    top_ids=top[0],
+    top_logprobs=top[1],
   )
   return lay(None, state)
 
@@ -341,7 +375,7 @@ def step(
   accepted = verifier.accept(k_verify, block, logits, proposal, state.sampling)
   # Commit: tokens and log-probs (the raw distribution's), the decoding state, statistics,
   # the drafter, the penalties' counts.
-  tokens, logprobs, seq_len, done, count = _commit_tokens(state, accepted, out.logits)
+  tokens, logprobs, seq_len, done, count, top = _commit_tokens(state, accepted, out.logits)
   new = jnp.arange(verifier.max_commit)[None, :]
   fresh = tokens[rows[:, None], jnp.minimum(state.seq_len[:, None] + new, tokens.shape[1] - 1)]
   penalties = state.penalties.observe(fresh, new < count[:, None])
@@ -373,6 +407,8 @@ def step(
     stats=stats,
     logprobs=logprobs,
     penalties=penalties,
+    top_ids=top[0],
+    top_logprobs=top[1],
   )
 
 
@@ -384,7 +420,8 @@ def _commit_tokens(
   index accepted.source[b, j].
 
   The new tokens are cut at each sequence's budget and after its first stop token; finished
-  sequences commit nothing. Returns (tokens, logprobs, seq_len, done, count committed).
+  sequences commit nothing. Returns (tokens, logprobs, seq_len, done, count committed, the
+  top alternatives' buffers, written at the same slots when the state keeps them).
   """
   batch, max_len = state.tokens.shape
   rows = jnp.arange(batch)
@@ -403,11 +440,16 @@ def _commit_tokens(
 
   slots = jnp.where(keep, state.seq_len[:, None] + j, max_len)
   tokens = state.tokens.at[rows[:, None], slots].set(new, mode="drop")
-  new_logprobs = token_logprobs(logits[rows[:, None], accepted.source], new)
+  drawn_at = logits[rows[:, None], accepted.source]  # [B, D+1, V]
+  new_logprobs = token_logprobs(drawn_at, new)
   logprobs = state.logprobs.at[rows[:, None], slots].set(new_logprobs, mode="drop")
+  top = (state.top_ids, state.top_logprobs)
+  if _keeps_top(state):
+    ids, values = top_logprobs(drawn_at, state.top_ids.shape[-1])
+    top = tuple(x.at[rows[:, None], slots].set(v, mode="drop") for x, v in zip(top, (ids, values)))
   seq_len = state.seq_len + count
   done = state.done | jnp.any(stop_here, axis=1) | (seq_len - state.prompt_len >= state.max_new)
-  return tokens, logprobs, seq_len, done, count
+  return tokens, logprobs, seq_len, done, count, top
 
 
 # --------------------------------------------------------------------------------------------------
@@ -502,7 +544,11 @@ def recent(state: SpecState, window: int) -> dict[str, jax.Array]:
   rows = jnp.arange(state.tokens.shape[0])[:, None]
   slots = jnp.maximum(state.seq_len[:, None] - window + jnp.arange(window), 0)
   last = state.tokens[rows[:, 0], jnp.maximum(state.seq_len - 1, 0)]
+  top = {}
+  if _keeps_top(state):
+    top = dict(top_ids=state.top_ids[rows, slots], top_logprobs=state.top_logprobs[rows, slots])
   return dict(
+    **top,
     tokens=state.tokens[rows, slots],
     logprobs=state.logprobs[rows, slots],
     seq_len=state.seq_len,
