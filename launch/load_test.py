@@ -8,8 +8,9 @@ shuffled order, a third of them streamed, one in five asking for n = 2 choices) 
 served-alone text in every choice: a lost, truncated or mixed-up output fails the run (exit
 status 1). Half the prompts open with the same long system text (a shared prefix). Its own
 server keeps the K/V in pages (--page_size) of a pool smaller than its slots × max_len
-(--kv_pages), so rows grow, share prompt pages (n = 2) and are preempted under load. It reports p50/p99 latency and throughput, and stops by
-itself: after the last request, or at --time_limit seconds.
+(--kv_pages), so rows grow, share prompt pages (n = 2) and are preempted under load. It
+reports p50/p99 latency and throughput, and stops by itself: after the last request, or at
+--time_limit seconds.
 
   python launch/load_test.py                               # 200 requests, concurrency 16
   python launch/load_test.py --url=http://127.0.0.1:8000 --model_name=jaxspec
