@@ -63,7 +63,7 @@ def test_paged_server_equals_the_engine_under_preemption(target):
   try:
     compiled = engine.compile_counts()
     requests = _requests(target, ROWS)
-    handles = [scheduler.submit(ids, options) for ids, options in requests]
+    handles = scheduler.submit_many(requests)  # one queue: the same admissions every run
     results = [h.result() for h in handles]
     assert engine.compile_counts() == compiled  # nothing compiled while serving
     metrics = scheduler.metrics()

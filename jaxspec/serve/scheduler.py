@@ -33,7 +33,7 @@ import queue
 import secrets
 import threading
 import time
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -388,17 +388,25 @@ class Scheduler:
   def submit(self, prompt_ids: Any, options: SamplingOptions) -> RequestHandle:
     """Queues a request (FIFO) after `check`; returns its handle at once. Call it from the
     event loop that will iterate the handle (or from a thread without one)."""
-    self.check(prompt_ids, options)
-    handle = RequestHandle(self, [int(t) for t in prompt_ids], options)
+    return self.submit_many([(prompt_ids, options)])[0]
+
+  def submit_many(self, requests: Sequence[tuple[Any, SamplingOptions]]) -> list[RequestHandle]:
+    """Queues several (prompt ids, options) requests at once, in order: the scheduler sees
+    them all at its next tick (a batch job's requests are admitted together, not as they
+    trickle in). All are checked first; none is queued if one is refused."""
+    handles = []
+    for prompt_ids, options in requests:
+      self.check(prompt_ids, options)
+      handles.append(RequestHandle(self, [int(t) for t in prompt_ids], options))
     with self._lock:
       if self._closing or self.failure is not None or not self.running:
         raise SchedulerClosed(self.failure or "the scheduler is not running")
-      if len(self._waiting) >= self.max_queue:
+      if len(self._waiting) + len(handles) > self.max_queue:
         raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
-      self._waiting.append(handle)
-      self._counters["requests_total"] += 1
+      self._waiting.extend(handles)
+      self._counters["requests_total"] += len(handles)
       self._wake.notify_all()
-    return handle
+    return handles
 
   def submit_n(self, prompt_ids: Any, options: SamplingOptions, n: int) -> list[RequestHandle]:
     """Queues one prompt sampled n times (OpenAI's `n`): n handles, choice i with seed
