@@ -439,13 +439,19 @@ class Scheduler:
       self._wake.notify_all()
     return handles
 
-  def _group_pages(self, handles: list[RequestHandle]) -> int:
-    """Pages a group's admission takes: the first choice's reach, and for each other choice
-    its reach less the prompt's full pages, which it shares."""
+  def _first_pages(self, handles: list[RequestHandle]) -> tuple[int, int, int]:
+    """What admitting a group (one request, or n choices of one prompt) takes: (the positions
+    each row reaches by its first read-back, the prompt's full pages the other choices share
+    with the first, the pages taken from the pool in all)."""
     length = len(handles[0].row_prompt()) + 1
-    reach = self._pages.pages_for(self._reach(length, handles[0]))
-    shared = min((length - 1) // self._pages.page_size, reach)
-    return reach + (len(handles) - 1) * (reach - shared)
+    reach = self._reach(length, handles[0])
+    pages = self._pages.pages_for(reach)
+    shared = min((length - 1) // self._pages.page_size, pages)
+    return reach, shared, pages + (len(handles) - 1) * (pages - shared)
+
+  def _group_pages(self, handles: list[RequestHandle]) -> int:
+    """Pages a group's admission takes from the pool (`_first_pages`)."""
+    return self._first_pages(handles)[2]
 
   def metrics(self) -> dict[str, float]:
     """Counters and gauges for /metrics."""
@@ -622,10 +628,9 @@ class Scheduler:
           busy = admitted or any(
             s is not None and i not in leaving for i, s in enumerate(self._active)
           )
-          if busy and self._group_pages(members) + reserve > self._pages.free:
+          if self._group_pages(members) + (reserve if busy else 0) > self._pages.free:
             break
-          if not self._take_pages(slots, members):
-            break
+          self._take_pages(slots, members)
         del free[: len(members)]
         self._waiting.popleft()
         admitted.append((slots, members))
@@ -633,20 +638,15 @@ class Scheduler:
           h.group = None  # from here on, a request of its own
     return admitted
 
-  def _take_pages(self, slots: list[int], members: list[RequestHandle]) -> bool:
-    """The first tick's pages of newly admitted rows (the other choices of a group share the
-    first one's full prompt pages); False, and nothing taken, if the pool lacks them."""
-    if self._group_pages(members) > self._pages.free:
-      return False
-    length = len(members[0].row_prompt()) + 1
-    reach = self._reach(length, members[0])
-    shared = min((length - 1) // self._pages.page_size, self._pages.pages_for(reach))
+  def _take_pages(self, slots: list[int], members: list[RequestHandle]) -> None:
+    """The first tick's pages of newly admitted rows, which the pool has (`_admit` checked):
+    the other choices of a group share the first one's full prompt pages."""
+    reach, shared, _ = self._first_pages(members)
     for i, slot in enumerate(slots):
       if i:
         self._pages.share(slot, slots[0], shared)
       grown = self._pages.grow(slot, reach)
-      assert grown, "checked above"
-    return True
+      assert grown, "the caller checked the pool's free pages"
 
   def _requeue(self, preempted: list[int]) -> None:
     """Preempted requests back at the head of the queue (the newest last), rows freed."""
