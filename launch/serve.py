@@ -34,6 +34,7 @@ from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
 from jaxspec.serve import multihost  # pylint: disable=wrong-import-position
 from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=wrong-import-position
+from jaxspec.speculative import prefix as prefix_lib  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 defaults.define_model_flags()
@@ -61,6 +62,13 @@ flags.DEFINE_integer(
   "each slot keeps max_len × this many; at most 20).",
   lower_bound=0,
   upper_bound=20,
+)
+flags.DEFINE_bool(
+  "prefix_cache",
+  True,
+  "Paged K/V: keep prompts' full pages, so that a prompt starting with the same tokens "
+  "prefills only the rest (off, with the reason printed, for targets whose state pages cannot "
+  "hold: sliding windows, Gated DeltaNet, MLA).",
 )
 flags.DEFINE_integer(
   "kv_pages",
@@ -112,6 +120,13 @@ def main(argv):
   except ValueError:
     raise ConfigError(f"--host={FLAGS.host}: expected an IP address") from None
   target, source = defaults.load_target(FLAGS.model)
+  prefix_cache = FLAGS.prefix_cache and FLAGS.page_size > 0
+  why = prefix_cache and prefix_lib.why_uncacheable(
+    target.config, FLAGS.max_len, FLAGS.kv_format, FLAGS.page_size
+  )
+  if why:
+    print(f"prefix cache: off ({why})", flush=True)
+    prefix_cache = False
   engine, _, label = defaults.engine_from_flags(
     target,
     mesh=defaults.mesh_from_flags(always=joined is not None),
@@ -123,6 +138,7 @@ def main(argv):
     kv_pages=FLAGS.kv_pages,
     penalties=FLAGS.penalties,
     top_logprobs=FLAGS.top_logprobs,
+    prefix_cache=prefix_cache,
   )
   if not distributed.is_leader():  # a follower: no HTTP, the leader's ticks until it stops
     print(f"process {joined.process_id}/{joined.num_processes}: following process 0", flush=True)
@@ -142,6 +158,7 @@ def main(argv):
   kv = ""
   if FLAGS.page_size:
     kv = f"; K/V in {engine.config.num_pages} pages of {FLAGS.page_size}"
+    kv += ", prefix cache" if prefix_cache else ""
   print(
     f"target: {source}; method: {label}; {FLAGS.batch_size} slots of {FLAGS.max_len} tokens{kv}"
   )

@@ -5,6 +5,8 @@ to it explicitly; its caches live in a `state` pytree that the engine threads th
 
   taps                         target layers whose outputs the drafter consumes (HF
                                hidden_states[i + 1]); () for draft models and n-grams
+  prefill_reads_hidden         whether `prefill` reads the target's final hidden states (a
+                               prompt prefix cached in pages keeps what prefill reads)
   init_state(params, b, L)     its caches for batch b and max length L
   prefill(params, state, ctx)  absorb one chunk of the prompt (and its target features) after the
                                target has prefilled it; called once per chunk, in order
@@ -28,7 +30,7 @@ last token (the root of the next draft) is sampled but not yet in the target's K
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.struct
 import jax
@@ -169,6 +171,10 @@ class Drafter:
   @property
   def taps(self) -> tuple[int, ...]:
     return ()
+
+  # Whether `prefill` reads `PrefillContext.hidden` (MTP heads, assistants): a cached prompt
+  # prefix then keeps each position's hidden state beside its taps (speculative/prefix.py).
+  prefill_reads_hidden: ClassVar[bool] = False
 
   @property
   def name(self) -> str:

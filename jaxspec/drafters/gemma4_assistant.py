@@ -228,6 +228,7 @@ class Gemma4AssistantDrafter(Drafter):
   target: ModelConfig = None  # type: ignore[assignment]
   gamma: int = 4
   sample_drafts: bool = True
+  prefill_reads_hidden: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.config is None or self.target is None:

@@ -58,6 +58,7 @@ class MTPDrafter(Drafter):
   gamma: int = 2
   layer: int = 0
   sample_drafts: bool = True
+  prefill_reads_hidden: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.config is None:

@@ -52,6 +52,9 @@ SCHEDULER_METRICS = {
   "prompt_tokens_prefilled_total": ("counter", "Prompt tokens the target prefilled (n > 1: once)."),
   "kv_pages": ("gauge", "Pages in the paged K/V pool (0: contiguous K/V)."),
   "kv_pages_used": ("gauge", "Pages of the pool held by requests."),
+  "prefix_cache_hit_tokens_total": ("counter", "Prompt tokens read from cached pages."),
+  "prefix_cache_pages": ("gauge", "Pool pages the prefix cache keeps (evictable when idle)."),
+  "prefix_cache_evictions_total": ("counter", "Cached pages evicted for new pages."),
 }
 
 

@@ -8,11 +8,21 @@ A page written by a row belongs to that row alone; full pages of a prompt may be
 read-only by the rows that sample it (`share`, for `n` > 1: no row writes below its prompt's
 end), and go back to the pool when the last of them releases them. The scheduler sends the
 tables to the engine (`SpecEngine.set_page_table`) before any step that depends on them.
+
+With `prefix_cache`, the full pages of every prefilled prompt are kept after their rows end,
+keyed by a hash of all the tokens up to their end (`register`): a later prompt that starts
+with the same tokens holds them instead of recomputing them (`lookup`, `attach`; the engine's
+`prefill_cached` reads them). The cache holds each of its pages once; a page that no row holds
+counts as free, and when the pool has no other free page the least recently released cached
+page is evicted (a prompt's later pages before its earlier ones).
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import heapq
+from typing import Sequence
 
 import numpy as np
 
@@ -27,9 +37,17 @@ class PageAllocator:
     page_size: positions per page.
     rows: the engine's rows (slots).
     pages_per_row: the page table's width (max_len / page_size).
+    prefix_cache: keep prompts' full pages for later prompts that start with them.
   """
 
-  def __init__(self, num_pages: int, page_size: int, rows: int, pages_per_row: int):
+  def __init__(
+    self,
+    num_pages: int,
+    page_size: int,
+    rows: int,
+    pages_per_row: int,
+    prefix_cache: bool = False,
+  ):
     if min(num_pages, page_size, rows, pages_per_row) < 1 or num_pages < pages_per_row:
       raise ConfigError(
         f"a pool of {num_pages} pages cannot serve rows of {pages_per_row} pages of {page_size}"
@@ -38,16 +56,27 @@ class PageAllocator:
     self.pages_per_row = pages_per_row
     self._free = list(range(num_pages))  # a heap: the lowest id first, so runs are repeatable
     self._rows: list[list[int]] = [[] for _ in range(rows)]
-    self._holders = [0] * num_pages  # rows holding each page
+    self._holders = [0] * num_pages  # rows (and the prefix cache) holding each page
+    self.prefix_cache = prefix_cache
+    self._cached: dict[bytes, int] = {}  # prefix key → page
+    self._key_of: dict[int, bytes] = {}  # page → prefix key
+    # Cached pages no row holds, least recently released first: free to evict.
+    self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
+    self.evictions = 0
 
   @property
   def free(self) -> int:
-    """Pages nobody holds."""
-    return len(self._free)
+    """Pages no row holds (cached ones among them are evicted when needed)."""
+    return len(self._free) + len(self._idle)
 
   @property
   def used(self) -> int:
-    return self.num_pages - len(self._free)
+    return self.num_pages - self.free
+
+  @property
+  def cached(self) -> int:
+    """Pages the prefix cache keeps."""
+    return len(self._cached)
 
   def pages(self, slot: int) -> list[int]:
     """The pages row `slot` holds, in position order."""
@@ -65,9 +94,9 @@ class PageAllocator:
     """Gives row `slot` the pages it lacks to hold `positions` positions; False (and nothing
     given) if the pool has too few free pages."""
     need = self.shortfall(slot, positions)
-    if need > len(self._free):
+    if need > self.free:
       return False
-    pages = [heapq.heappop(self._free) for _ in range(need)]
+    pages = [self._take() for _ in range(need)]
     for p in pages:
       self._holders[p] = 1
     self._rows[slot] += pages
@@ -84,14 +113,77 @@ class PageAllocator:
     self._rows[slot] = list(shared)
 
   def release(self, slot: int) -> int:
-    """Row `slot` lets go of its pages; those no other row holds return to the pool. Returns
-    how many pages the row held."""
+    """Row `slot` lets go of its pages; those no other row holds return to the pool (cached
+    ones stay cached, evictable, its later pages ahead of its earlier ones). Returns how many
+    pages the row held."""
     pages, self._rows[slot] = self._rows[slot], []
-    for p in pages:
+    for p in reversed(pages):
       self._holders[p] -= 1
       if not self._holders[p]:
         heapq.heappush(self._free, p)
+      elif self._holders[p] == 1 and p in self._key_of:
+        self._idle[p] = None  # only the cache holds it: the most recently released
     return len(pages)
+
+  def idle(self, page: int) -> bool:
+    """Whether `page` is cached and no row holds it (it counts as free)."""
+    return page in self._idle
+
+  def _take(self) -> int:
+    """A page for a row: the lowest free id, else the least recently released cached page."""
+    if self._free:
+      return heapq.heappop(self._free)
+    page, _ = self._idle.popitem(last=False)
+    del self._cached[self._key_of.pop(page)]
+    self._holders[page] = 0
+    self.evictions += 1
+    return page
+
+  def page_keys(self, tokens: Sequence[int]) -> list[bytes]:
+    """The prefix key of each full page of `tokens`: a hash of every token up to its end."""
+    keys, key = [], b""
+    for j in range(len(tokens) // self.page_size):
+      page = tokens[j * self.page_size : (j + 1) * self.page_size]
+      key = hashlib.blake2b(key + b"".join(int(t).to_bytes(4, "little") for t in page)).digest()
+      keys.append(key)
+    return keys
+
+  def lookup(self, tokens: Sequence[int]) -> list[int]:
+    """The cached pages that hold the longest run of `tokens`' first full pages, leaving at
+    least its last token to compute (its logits start the generation)."""
+    if not self.prefix_cache:
+      return []
+    hits = []
+    for key in self.page_keys(tokens[: len(tokens) - 1]):
+      if key not in self._cached:
+        break
+      hits.append(self._cached[key])
+    return hits
+
+  def attach(self, slot: int, pages: Sequence[int]) -> None:
+    """Row `slot` (holding nothing) holds cached `pages` (`lookup`) as its first pages."""
+    if self._rows[slot]:
+      raise ValueError(f"attach: row {slot} holds pages already")
+    for p in pages:
+      if p not in self._key_of:
+        raise ValueError(f"attach: page {p} is not cached")
+      self._holders[p] += 1
+      self._idle.pop(p, None)
+    self._rows[slot] = list(pages)
+
+  def register(self, slot: int, tokens: Sequence[int]) -> int:
+    """Caches row `slot`'s full pages of `tokens` (its prompt, whose K/V it prefilled there;
+    it never writes them again) that the cache lacks. Returns how many pages were added."""
+    if not self.prefix_cache:
+      return 0
+    added = 0
+    for page, key in zip(self._rows[slot], self.page_keys(tokens)):
+      if key in self._cached or page in self._key_of:
+        continue
+      self._cached[key], self._key_of[page] = page, key
+      self._holders[page] += 1  # the cache's hold
+      added += 1
+    return added
 
   def table(self) -> np.ndarray:
     """The page tables [rows, pages_per_row] (int32; `num_pages` where a row has no page)."""

@@ -218,8 +218,9 @@ class Tick:
   page tables (paged K/V), prefill and insert each admitted request, evict slots, run `steps`
   steps (0: none) and read back."""
 
-  # [slot, prompt token ids, SamplingArgs.to_json()] per admitted request; n > 1: [slots,
-  # prompt token ids, one SamplingArgs.to_json() per choice] (prefilled once)
+  # [slot, prompt token ids, SamplingArgs.to_json(), cached pages] per admitted request; n > 1:
+  # [slots, prompt token ids, one SamplingArgs.to_json() per choice, cached pages] (prefilled
+  # once). Cached pages (optional): the pool pages holding the prompt's first pages.
   admit: list
   evict: list[int]  # slots to free
   steps: int
@@ -247,12 +248,15 @@ def admit_tick(engine: SpecEngine, state: SpecState, tick: Tick) -> SpecState:
   """`apply_tick`'s first half: page tables, prefill + insert each admitted request, evict."""
   if tick.pages is not None:
     state = engine.set_page_table(state, np.asarray(tick.pages, np.int32))
-  for slot, ids, arguments in tick.admit:
-    if isinstance(slot, list):  # n > 1: one prefill, a row per choice
-      rows = engine.prefill_rows(ids, [SamplingArgs(**a) for a in arguments])
-      state = engine.insert_rows(state, slot, rows)
+  for slot, ids, arguments, *cached in tick.admit:
+    cached = cached[0] if cached else []
+    group = isinstance(slot, list)  # n > 1: one prefill, a row per choice
+    args = [SamplingArgs(**a) for a in arguments] if group else SamplingArgs(**arguments)
+    if engine.config.prefix_cache:  # reads the cached pages from the pool as it stands
+      rows = engine.prefill_cached(state, ids, args, cached)
     else:
-      state = engine.insert(state, slot, engine.prefill_row(ids, SamplingArgs(**arguments)))
+      rows = engine.prefill_rows(ids, args) if group else engine.prefill_row(ids, args)
+    state = engine.insert_rows(state, slot, rows) if group else engine.insert(state, slot, rows)
   if tick.evict:
     state = engine.evict(state, tick.evict)
   return state
@@ -336,7 +340,9 @@ class Scheduler:
     # Paged K/V: rows hold pages, not max_len slots; admission and growth go by free pages.
     self._pages = None
     if cfg.page_size:
-      self._pages = PageAllocator(cfg.num_pages, cfg.page_size, self.slots, cfg.pages_per_row)
+      self._pages = PageAllocator(
+        cfg.num_pages, cfg.page_size, self.slots, cfg.pages_per_row, cfg.prefix_cache
+      )
     self._admissions = itertools.count()
 
   # -- lifecycle ------------------------------------------------------------------------------
@@ -439,18 +445,21 @@ class Scheduler:
       self._wake.notify_all()
     return handles
 
-  def _first_pages(self, handles: list[RequestHandle]) -> tuple[int, int, int]:
+  def _first_pages(self, handles: list[RequestHandle]) -> tuple[int, int, int, list[int]]:
     """What admitting a group (one request, or n choices of one prompt) takes: (the positions
     each row reaches by its first read-back, the prompt's full pages the other choices share
-    with the first, the pages taken from the pool in all)."""
-    length = len(handles[0].row_prompt()) + 1
-    reach = self._reach(length, handles[0])
+    with the first, the free pages it takes in all, the cached pages its prompt starts with).
+    A cached page no row holds counts as free, so holding it takes one."""
+    prompt = handles[0].row_prompt()
+    reach = self._reach(len(prompt) + 1, handles[0])
     pages = self._pages.pages_for(reach)
-    shared = min((length - 1) // self._pages.page_size, pages)
-    return reach, shared, pages + (len(handles) - 1) * (pages - shared)
+    shared = min(len(prompt) // self._pages.page_size, pages)
+    hits = self._pages.lookup(prompt)
+    taken = pages - len(hits) + sum(self._pages.idle(p) for p in hits)
+    return reach, shared, taken + (len(handles) - 1) * (pages - shared), hits
 
   def _group_pages(self, handles: list[RequestHandle]) -> int:
-    """Pages a group's admission takes from the pool (`_first_pages`)."""
+    """Free pages a group's admission takes from the pool (`_first_pages`)."""
     return self._first_pages(handles)[2]
 
   def metrics(self) -> dict[str, float]:
@@ -477,6 +486,9 @@ class Scheduler:
       "prompt_tokens_prefilled_total": c.get("prompt_tokens_prefilled_total", 0),
       "kv_pages": self._pages.num_pages if self._pages else 0,
       "kv_pages_used": self._pages.used if self._pages else 0,
+      "prefix_cache_hit_tokens_total": c.get("prefix_cache_hit_tokens_total", 0),
+      "prefix_cache_pages": self._pages.cached if self._pages else 0,
+      "prefix_cache_evictions_total": self._pages.evictions if self._pages else 0,
     }
 
   # -- the scheduler thread -------------------------------------------------------------------
@@ -532,7 +544,7 @@ class Scheduler:
       return not self._closing
 
     rows = []
-    for slots, members in admitted:
+    for slots, members, hits in admitted:
       if all(h.cancelled for h in members):
         for slot, handle in zip(slots, members):
           self._finish_waiting(handle)
@@ -542,12 +554,17 @@ class Scheduler:
       prompt = members[0].row_prompt()
       arguments = [h.row_arguments().to_json() for h in members]
       if len(members) == 1:
-        rows.append([slots[0], prompt, arguments[0]])
+        rows.append([slots[0], prompt, arguments[0], hits])
       else:  # one prefill for every choice (a cancelled one is evicted next tick)
-        rows.append([slots, prompt, arguments])
+        rows.append([slots, prompt, arguments, hits])
       order = next(self._admissions)
+      cached = 0
+      if self._pages is not None:  # its full prompt pages serve later prompts (prefix_cache)
+        self._pages.register(slots[0], prompt)
+        cached = len(hits) * self._pages.page_size
       with self._lock:
-        self._counters["prompt_tokens_prefilled_total"] += len(prompt)
+        self._counters["prompt_tokens_prefilled_total"] += len(prompt) - cached
+        self._counters["prefix_cache_hit_tokens_total"] += cached
         for slot, handle in zip(slots, members):
           self._active[slot] = _Slot(handle, 0, len(prompt), len(prompt) + 1, order)
     steps = self.steps_per_tick if (rows or live) else 0
@@ -604,10 +621,11 @@ class Scheduler:
           break
     return preempted
 
-  def _admit(self, leaving: set[int]) -> list[tuple[list[int], list[RequestHandle]]]:
+  def _admit(self, leaving: set[int]) -> list[tuple[list[int], list[RequestHandle], list[int]]]:
     """Waiting requests into free rows, first come first served: while a row is free and (paged
     K/V) the pool has the pages its prompt and first tick reach, beside what the running rows
-    (not those `leaving` this tick) will want the tick after."""
+    (not those `leaving` this tick) will want the tick after. Returns (slots, requests, the
+    cached pages their prompt starts with) per admitted group."""
     admitted = []
     # Pages the running rows will want the tick after (kept free, so that admitting does not
     # force a preemption at once).
@@ -630,23 +648,28 @@ class Scheduler:
           )
           if self._group_pages(members) + (reserve if busy else 0) > self._pages.free:
             break
-          self._take_pages(slots, members)
+          hits = self._take_pages(slots, members)
+        else:
+          hits = []
         del free[: len(members)]
         self._waiting.popleft()
-        admitted.append((slots, members))
+        admitted.append((slots, members, hits))
         for h in members:
           h.group = None  # from here on, a request of its own
     return admitted
 
-  def _take_pages(self, slots: list[int], members: list[RequestHandle]) -> None:
+  def _take_pages(self, slots: list[int], members: list[RequestHandle]) -> list[int]:
     """The first tick's pages of newly admitted rows, which the pool has (`_admit` checked):
-    the other choices of a group share the first one's full prompt pages."""
-    reach, shared, _ = self._first_pages(members)
+    the first row holds the cached pages its prompt starts with, the other choices of a group
+    share the first one's full prompt pages. Returns the cached pages."""
+    reach, shared, _, hits = self._first_pages(members)
+    self._pages.attach(slots[0], hits)
     for i, slot in enumerate(slots):
       if i:
         self._pages.share(slot, slots[0], shared)
       grown = self._pages.grow(slot, reach)
       assert grown, "the caller checked the pool's free pages"
+    return hits
 
   def _requeue(self, preempted: list[int]) -> None:
     """Preempted requests back at the head of the queue (the newest last), rows freed."""

@@ -46,6 +46,7 @@ from jaxspec.drafters.base import Drafter
 from jaxspec.errors import ConfigError
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.speculative import memory, metrics, placement, tree_verify, verifiers
+from jaxspec.speculative import prefix as prefix_lib
 from jaxspec.speculative import step as step_lib
 from jaxspec.speculative import request as request_lib
 from jaxspec.speculative.request import Request, SamplingArgs, takes_sampling_args
@@ -100,6 +101,10 @@ class EngineConfig:
   top_logprobs: K > 0 keeps, for every generated token, the K most likely tokens of the raw
     distribution it was drawn at and their log-probs (`GenerateOutput.top_logprobs`; OpenAI's
     `top_logprobs`); [B, max_len, K] buffers. 0: none.
+  prefix_cache: paged K/V only: a prompt whose first pages a server has cached (serve/pages.py)
+    prefills only the rest (`prefill_cached`); the state keeps, per pool position, the target
+    features the drafter's prefill reads (speculative/prefix.py). Refused for targets whose
+    state is not all paged full-attention K/V (sliding windows, Gated DeltaNet, MLA).
   """
 
   method: str = "auto"
@@ -125,6 +130,7 @@ class EngineConfig:
   kv_pages: int = 0
   penalties: bool = False
   top_logprobs: int = 0
+  prefix_cache: bool = False
 
   def __post_init__(self):
     def need(ok: bool, msg: str) -> None:
@@ -156,6 +162,9 @@ class EngineConfig:
     need(isinstance(self.use_eos, bool), f"use_eos must be a bool, got {self.use_eos!r}")
     need(isinstance(self.penalties, bool), f"penalties must be a bool, got {self.penalties!r}")
     need(
+      isinstance(self.prefix_cache, bool), f"prefix_cache must be a bool, got {self.prefix_cache!r}"
+    )
+    need(
       self.kv_format in KV_FORMATS,
       f"kv_format={self.kv_format!r}; expected one of {tuple(KV_FORMATS)}",
     )
@@ -175,6 +184,7 @@ class EngineConfig:
       )
     else:
       need(self.kv_pages == 0, "kv_pages needs page_size > 0")
+      need(not self.prefix_cache, "prefix_cache needs paged K/V (page_size > 0)")
     if self.verify == "tree":
       whole("tree_budget", 1)
       whole("tree_topk", 0)
@@ -317,6 +327,14 @@ class SpecEngine:
     )
     memory.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
     cfg, dr = target.config, drafter
+    # Prefix caching: the target's state must be all pages; the drafter's prefill inputs are
+    # kept per pool position (speculative/prefix.py).
+    self._prefix_width = 0
+    if config.prefix_cache:
+      why = prefix_lib.why_uncacheable(cfg, config.max_len, config.kv_format, config.page_size)
+      if why:
+        raise ConfigError(f"prefix_cache: {why}")
+      self._prefix_width = prefix_lib.feature_width(dr, cfg.hidden_size)
     self._abstract: dict[int, SpecState] = {}  # batch → the state's shapes (_abstract_state)
     # On a mesh: the state's logical axes (traced once) lay out every state the jits return.
     axes = self._state_axes = None if mesh is None else self.state_axes()
@@ -330,6 +348,7 @@ class SpecEngine:
           slack=self.slack,
           tree_ranks=self.verifier.rank_shape,
           top_k=config.top_logprobs,
+          prefix_width=self._prefix_width,
         ),
         static_argnames=("chunk", "kv_format", "paging", "copies"),
         donate_argnames=("tokens",),
@@ -458,11 +477,16 @@ class SpecEngine:
     return self.config.max_len - prompt_len - self.lookahead - 1
 
   def _start(
-    self, request: Request, batch: Optional[int] = None, free: bool = False, copies: int = 1
+    self,
+    request: Request,
+    batch: Optional[int] = None,
+    free: bool = False,
+    copies: int = 1,
+    prefix: Optional[prefix_lib.CachedPrefix] = None,
   ) -> SpecState:
     """Validates, pads to `batch` rows (default batch_size) and prefills (`free`: rows about to
     be evicted, which need no pages; `copies` > 1: the rows are samples of one prompt, which
-    the target prefills once)."""
+    the target prefills once; `prefix`: the prompt's first pages are cached in the pool)."""
     b, cfg = batch or self.config.batch_size, self.config
     whole_batch = b == cfg.batch_size and copies == 1  # else a standalone state of its own pool
     if whole_batch and not free and cfg.num_pages < b * cfg.pages_per_row:
@@ -472,9 +496,11 @@ class SpecEngine:
       )
     ids, stop_ids = self._checked(request, b)
     longest = max(len(p) for p in ids)
+    skip = 0 if prefix is None else int(prefix.count) * cfg.page_size  # cached positions
     # Short prompts: one chunk of the prompt's bucket (one compilation per bucket); long ones:
     # chunks of prefill_chunk (one compilation for every length).
-    chunk = min(_bucket(longest, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk)
+    rest = longest - skip
+    chunk = min(_bucket(rest, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk)
     tokens = np.zeros((b, cfg.max_len), np.int32)
     lens = np.ones((b,), np.int32)
     for i, p in enumerate(ids):
@@ -502,12 +528,13 @@ class SpecEngine:
       self.target.params,
       self.drafter_params,
       *inputs,
-      jnp.int32(-(-longest // chunk)),
+      jnp.int32(-(-rest // chunk)),
       penalty_rows,
       chunk=chunk,
       kv_format=cfg.kv_format,
       paging=cfg.paging(1 if copies > 1 else b),
       copies=copies,
+      prefix=prefix,
     )
 
   def _to_device(self, host: Any, logical_axes: Any) -> Any:
@@ -637,13 +664,55 @@ class SpecEngine:
     its own key and sampling arguments, and its drafter absorbs the same features, so row i
     samples exactly what `prefill_row(prompt, arguments[i])` samples. One compilation per n
     (and prompt bucket)."""
+    request, n = self._group_request(prompt, arguments)
+    return self._start(request, batch=n, copies=n if n > 1 else 1)
+
+  def prefill_cached(
+    self,
+    state: SpecState,
+    prompt: Any,
+    arguments: SamplingArgs | Sequence[SamplingArgs],
+    pages: Sequence[int] = (),
+  ) -> SpecState:
+    """`prefill_row` (one SamplingArgs) or `prefill_rows` (a list) of a prompt whose first
+    len(pages) pages of positions are cached in `state`'s pool, at those pool pages
+    (EngineConfig.prefix_cache; the server's page allocator knows which): the target reads
+    their K/V and the drafter their kept features, and only the rest is prefilled. The rows
+    sample what a full prefill samples. At least the prompt's last position must be left to
+    prefill. One compilation per prompt bucket (and n) whatever `pages` holds; `state` is
+    read, not donated."""
+    cfg = self.config
+    if not cfg.prefix_cache:
+      raise ConfigError("prefill_cached: this engine has no prefix cache (EngineConfig)")
+    group = not isinstance(arguments, SamplingArgs)
+    request, n = self._group_request(prompt, arguments if group else [arguments])
+    pages = [int(p) for p in pages]
+    length = len(self._encode(request)[0])
+    if len(pages) * cfg.page_size > length - 1 or not all(0 <= p < cfg.num_pages for p in pages):
+      raise InputError(
+        f"prefill_cached: {len(pages)} cached pages of {cfg.page_size} for a prompt of {length} "
+        f"tokens (its last position must be prefilled; page ids in [0, {cfg.num_pages}))"
+      )
+    table = np.full((cfg.pages_per_row,), cfg.num_pages, np.int32)
+    table[: len(pages)] = pages
+    prefix = prefix_lib.CachedPrefix(
+      state.target_state,
+      state.prefix_features,
+      *self._to_device((table, np.int32(len(pages))), ((None,), ())),
+    )
+    return self._start(request, batch=n, copies=n if n > 1 else 1, prefix=prefix)
+
+  def _group_request(
+    self, prompt: Any, arguments: Sequence[SamplingArgs]
+  ) -> tuple[Request, int]:
+    """The Request of one prompt sampled once per SamplingArgs (one value each), and n."""
     arguments = list(arguments)
     if not arguments or not all(isinstance(a, SamplingArgs) for a in arguments):
       raise InputError("prefill_rows: give one SamplingArgs per row (at least one)")
     if len({bool(a.parse_special) for a in arguments}) > 1:
       raise InputError("prefill_rows: parse_special must be the same for every row")
     if len(arguments) == 1:
-      return self.prefill_row(prompt, arguments[0])
+      return self._request([prompt], arguments[0], 1), 1
     per_row = {
       f.name: [getattr(a, f.name) for a in arguments]
       for f in dataclasses.fields(SamplingArgs)
@@ -653,8 +722,7 @@ class SpecEngine:
     per_row["logit_bias"] = [b or {} for b in per_row["logit_bias"]]
     merged = SamplingArgs(parse_special=arguments[0].parse_special, **per_row)
     n = len(arguments)
-    request = self._request([prompt] * n, merged, n)
-    return self._start(request, batch=n, copies=n)
+    return self._request([prompt] * n, merged, n), n
 
   def insert_rows(self, state: SpecState, slots: Sequence[int], rows: SpecState) -> SpecState:
     """`insert` of each row i of an n-row state (`prefill_rows`) at `slots[i]`; paged K/V:
@@ -738,7 +806,10 @@ class SpecEngine:
     size = cfg.min_prompt_bucket
     while longest >= 1:
       n = min(size, longest)  # the longest prompt of this bucket that fits
-      row = self.prefill_row([0] * n, max_new_tokens=1)
+      if cfg.prefix_cache:  # the program a server runs: it may read cached pages
+        row = self.prefill_cached(state, [0] * n, SamplingArgs(max_new_tokens=1))
+      else:
+        row = self.prefill_row([0] * n, max_new_tokens=1)
       state = self.insert(state, 0, row)
       if min(_bucket(n, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk) >= top:
         break
@@ -793,6 +864,7 @@ class SpecEngine:
       slack=self.slack,
       tree_ranks=self.verifier.rank_shape,
       top_k=cfg.top_logprobs,
+      prefix_width=self._prefix_width,
       # A pool that does not grow with the rows, so that comparing 1- and 2-row states finds
       # the rows' axes (the pool's size is not one; `state_axes`, `_batch_axes`).
       paging=Paging(cfg.page_size, cfg.pages_per_row) if cfg.page_size else None,

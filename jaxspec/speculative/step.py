@@ -35,6 +35,7 @@ from jaxspec.drafters.base import CommitContext, Drafter, PrefillContext, Propos
 from jaxspec.models import target as target_lib
 from jaxspec.penalties import Penalties, block_counts
 from jaxspec.speculative import metrics, verifiers
+from jaxspec.speculative import prefix as prefix_lib
 from jaxspec.speculative.placement import laid_out
 from jaxspec.speculative.verifiers import Accepted, Verifier
 from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState, Paging, logical_axes
@@ -63,6 +64,9 @@ class SpecState:
   # at, and their log-probs (EngineConfig.top_logprobs = K; [B, 1, 1] zeros when 0).
   top_ids: jax.Array
   top_logprobs: jax.Array
+  # [P, page_size, F]: per position of each pool page, the target features a drafter's prefill
+  # reads, kept for cached prompt prefixes (speculative/prefix.py; F = 0 when not kept).
+  prefix_features: jax.Array
 
   # Logical axes (jaxspec.state.logical_axes); the target's and drafter's states name their own,
   # sampling parameters and statistics are split by rows.
@@ -77,6 +81,7 @@ class SpecState:
     "logprobs": ("batch", "length"),
     "top_ids": ("batch", "length", None),
     "top_logprobs": ("batch", "length", None),
+    "prefix_features": prefix_lib.FEATURE_AXES,
   }
 
   @property
@@ -197,6 +202,8 @@ def prefill(
   paging: Optional[Paging] = None,
   copies: int = 1,
   top_k: int = 0,
+  prefix: Optional[prefix_lib.CachedPrefix] = None,
+  prefix_width: int = 0,
 ) -> SpecState:
   """Target prefill, first token, drafter prefill: the state before the first step.
 
@@ -214,6 +221,12 @@ def prefill(
   key and sampling parameters) and drafter; the target's state is then that row's, B times
   (a paged entry's rows share its pages). `top_k` > 0 keeps each generated token's top_k
   alternatives (`SpecState.top_ids`).
+
+  prefix: the first `prefix.count` pages of the (one) prompt are cached in the engine's pool
+  (speculative/prefix.py): the target's paged K/V reads them from there, the drafter absorbs
+  their kept features, and the chunks start after them (`num_chunks` counts the rest); the
+  returned state leaves those pages unmapped, so `insert` copies only what this prefill wrote.
+  prefix_width: target features kept per position for later prefixes (F; 0: none kept).
   """
   lay = functools.partial(laid_out, state_axes)
   batch, max_len = tokens.shape
@@ -224,11 +237,13 @@ def prefill(
   drafter_state = ()
   if drafter is not None:
     drafter_state = drafter.init_state(drafter_params, batch, max_len)
+  page_size = paging.page_size if paging is not None else 1
+  skip = jnp.int32(0) if prefix is None else prefix.count * page_size
   penalties = Penalties.off(batch)
   if penalty_rows is not None:
     penalties = Penalties.create(config.vocab_size, *penalty_rows, tokens, prompt_len)
 
-  def lay_carry(target_state, drafter_state, tokens, logprobs, top):
+  def lay_carry(target_state, drafter_state, tokens, logprobs, top, features):
     return (
       # (copies > 1: the target's one row is laid out once repeated, below)
       lay("target_state", target_state) if copies == 1 else target_state,
@@ -236,11 +251,12 @@ def prefill(
       lay("tokens", tokens),
       lay("logprobs", logprobs),
       (lay("top_ids", top[0]), lay("top_logprobs", top[1])),
+      lay("prefix_features", features),
     )
 
   def body(c, carry):
-    target_state, drafter_state, tokens, logprobs, top = carry
-    start = c * chunk
+    target_state, drafter_state, tokens, logprobs, top, features = carry
+    start = skip + c * chunk
     logits, in_chunk, target_state, chunk_taps, hidden = prefill_chunk(
       config,
       target_params,
@@ -251,6 +267,9 @@ def prefill(
       target_state,
       taps,
     )
+    if prefix_width:  # kept for prompts that will start with these positions' pages
+      values = prefix_lib.pack(drafter, chunk_taps, hidden)
+      features = prefix_lib.write(features, target_state.page_table, start, values)
     if copies > 1:  # the one prompt's outputs, for every row
       rows_of = lambda x, axis=0: None if x is None else jnp.repeat(x, batch, axis=axis)
       logits, in_chunk, hidden = rows_of(logits), rows_of(in_chunk), rows_of(hidden)
@@ -268,18 +287,38 @@ def prefill(
     if drafter is not None:
       ctx = PrefillContext(tokens, prompt_len, chunk_taps, hidden, start)
       drafter_state = drafter.prefill(drafter_params, drafter_state, ctx)
-    return lay_carry(target_state, drafter_state, tokens, logprobs, top)
+    return lay_carry(target_state, drafter_state, tokens, logprobs, top, features)
 
+  target_state = DecodingState.create(
+    config, target_rows, max_len, kv_format, slack=slack, paging=paging
+  )
+  if prefix is not None:  # the cached pages: the target's K/V, then the drafter's prefill
+    target_state = target_state.load_pages(prefix.state, prefix.pages[None])
+    if drafter is not None:
+      drafter_state = prefix_lib.absorb(
+        drafter,
+        drafter_params,
+        drafter_state,
+        tokens,
+        prompt_len,
+        prefix,
+        page_size,
+        config.hidden_size,
+      )
+  num_pages = paging.num_pages if paging is not None else 0
   init = lay_carry(
-    DecodingState.create(config, target_rows, max_len, kv_format, slack=slack, paging=paging),
+    target_state,
     drafter_state,
     tokens,
     jnp.zeros((batch, max_len), jnp.float32),
     _top_buffers(batch, max_len, top_k),
+    prefix_lib.empty_features(num_pages, page_size, prefix_width, config.dtype),
   )
-  target_state, drafter_state, tokens, logprobs, top = jax.lax.fori_loop(
+  target_state, drafter_state, tokens, logprobs, top, features = jax.lax.fori_loop(
     0, num_chunks, body, init
   )
+  if prefix is not None:
+    target_state = prefix_lib.hide_cached(target_state, prefix.count)
   if copies > 1:
     target_state = repeat_rows(target_state, batch)
   first = tokens[rows, prompt_len]
@@ -301,6 +340,7 @@ def prefill(
     penalties=penalties.observe(first[:, None], active[:, None]),
     top_ids=top[0],
     top_logprobs=top[1],
+    prefix_features=features,
   )
   return lay(None, state)
 
@@ -509,6 +549,12 @@ def insert_row(
     return jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=ax)
 
   # What rows share (a paged pool) takes the row's content first; then the rows' leaves.
+  if state.prefix_features.size:
+    slot_table = jnp.take(state.target_state.page_table, slot, axis=0)
+    features = prefix_lib.adopt(
+      state.prefix_features, slot_table, row.prefix_features, row.target_state.page_table[0]
+    )
+    state = state.replace(prefix_features=features)
   target_state, row_target = state.target_state.adopt_row(slot, row.target_state)
   state, row = state.replace(target_state=target_state), row.replace(target_state=row_target)
 

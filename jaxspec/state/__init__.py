@@ -239,6 +239,21 @@ class DecodingState:
     positions in every run's pool)."""
     return self.replace(segments=tuple(s.with_table(table) for s in self.segments))
 
+  @property
+  def page_table(self) -> Optional[jax.Array]:
+    """The rows' page tables [B, W] (every paged entry holds the same one), or None."""
+    return next((s.table for s in self.segments if isinstance(s, PagedKV)), None)
+
+  def load_pages(self, source: "DecodingState", pages: jax.Array) -> "DecodingState":
+    """Every paged entry's rows with logical page j read from `source`'s pool page
+    pages[b, j] (`PagedKV.load_pages`: a cached prompt prefix); other entries unchanged."""
+    return self.replace(
+      segments=tuple(
+        s.load_pages(src, pages) if isinstance(s, PagedKV) else s
+        for s, src in zip(self.segments, source.segments)
+      )
+    )
+
   def adopt_row(self, slot: jax.Array, row: "DecodingState"):
     """`Kind.adopt_row` for every entry: (state, row as it will be spliced at `slot`)."""
     pairs = [s.adopt_row(slot, r) for s, r in zip(self.segments, row.segments)]

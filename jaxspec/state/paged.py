@@ -140,11 +140,21 @@ class PagedKV(FullLengthKV):
     table maps; the rest dropped): (entry, the row as it now stands in this entry)."""
     if row.table.shape != (1, self.table.shape[1]) or row.page_size != self.page_size:
       raise ConfigError("adopt_row: the row's page geometry differs from the entry's")
-    dst = jnp.take(self.table, slot, axis=0)
-    src = row.table[0]
-    copy = lambda x, r: x.at[:, dst].set(jnp.take(r, src, axis=1, mode="fill"), mode="drop")
+    src, table = row.table[0], jnp.take(self.table, slot, axis=0)
+    # A page the row does not map (a cached prefix page it only read) is not copied.
+    dst = jnp.where(src < row.num_pages, table, self.num_pages)
+    copy = lambda x, r: x.at[:, dst].set(jnp.take(r, src, axis=1, mode="clip"), mode="drop")
     pool = jax.tree_util.tree_map(copy, self.pool, row.pool)
-    return self.replace(pool=pool), row.replace(table=dst[None], pool=pool)
+    return self.replace(pool=pool), row.replace(table=table[None], pool=pool)
+
+  def load_pages(self, source: "PagedKV", pages: jax.Array) -> "PagedKV":
+    """Each row's logical page j ← page pages[b, j] of `source`'s pool (a cached prefix, read
+    before a prefill continues after it); entries ≥ source's page count load nothing."""
+    src = jnp.asarray(pages, jnp.int32)
+    dst = jnp.where(src < source.num_pages, self.table, self.num_pages).reshape(-1)
+    src = src.reshape(-1)
+    copy = lambda x, s: x.at[:, dst].set(jnp.take(s, src, axis=1, mode="clip"), mode="drop")
+    return self.replace(pool=jax.tree_util.tree_map(copy, self.pool, source.pool))
 
   def kernel_operands(self) -> None:
     """The Pallas kernel reads contiguous caches only (paged reads: the XLA reader)."""
