@@ -8,7 +8,8 @@ shuffled order, a third of them streamed, one in five asking for n = 2 choices) 
 served-alone text in every choice: a lost, truncated or mixed-up output fails the run (exit
 status 1). Half the prompts open with the same long system text (a shared prefix). Its own
 server keeps the K/V in pages (--page_size) of a pool smaller than its slots × max_len
-(--kv_pages), so rows grow, share prompt pages (n = 2) and are preempted under load. It
+(--kv_pages), so rows grow, share prompt pages (n = 2) and are preempted under load, and it
+caches prompts' full pages (--prefix_cache), so the shared opening is prefilled once. It
 reports p50/p99 latency and throughput, and stops by itself: after the last request, or at
 --time_limit seconds.
 
@@ -58,6 +59,7 @@ common_flags.define_max_len(256, "Per slot (own server).")
 flags.DEFINE_integer("steps_per_tick", None, "Steps between admissions (own server).")
 flags.DEFINE_integer("page_size", 16, "Paged K/V page size (own server; 0: contiguous).")
 flags.DEFINE_integer("kv_pages", 40, "Pages in the K/V pool (own server; 0: slots × max_len).")
+flags.DEFINE_bool("prefix_cache", True, "Cache prompts' full pages (own server, paged K/V).")
 
 # A shared opening (a system prompt's worth of text) for half the prompts.
 SHARED = (
@@ -184,11 +186,13 @@ def _own_server():
     batch_size=FLAGS.batch_size,
     page_size=FLAGS.page_size,
     kv_pages=FLAGS.kv_pages if FLAGS.page_size else 0,
+    prefix_cache=FLAGS.prefix_cache and FLAGS.page_size > 0,
   )
   sched = scheduler_lib.Scheduler(engine, steps_per_tick=FLAGS.steps_per_tick)
   sched.start()
   app = app_lib.create_app(sched, FLAGS.model_name, api_key=FLAGS.api_key or None)
   kv = f", K/V in {engine.config.num_pages} pages of {FLAGS.page_size}" if FLAGS.page_size else ""
+  kv += ", prefix cache" if engine.config.prefix_cache else ""
   what = f"{source}, {label}, {FLAGS.batch_size} slots{kv}"
   return background.BackgroundServer(app), sched, what
 
@@ -219,7 +223,8 @@ def _load(url: str, what: str, sched) -> None:
       f"scheduler: acceptance length {m.get('acceptance_length', float('nan')):.2f}, "
       f"mean step {1e3 * m.get('step_seconds_avg', float('nan')):.1f} ms, "
       f"preemptions {m.get('preemptions_total', 0)}, "
-      f"prompt tokens prefilled {m.get('prompt_tokens_prefilled_total', 0)}"
+      f"prompt tokens prefilled {m.get('prompt_tokens_prefilled_total', 0)}, "
+      f"read from the prefix cache {m.get('prefix_cache_hit_tokens_total', 0)}"
     )
   for e in r["errors"][:5]:
     print(f"  error: {type(e).__name__}: {e}")

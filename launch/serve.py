@@ -34,6 +34,7 @@ from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
 from jaxspec.serve import multihost  # pylint: disable=wrong-import-position
 from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=wrong-import-position
+from jaxspec.serve import speculation  # pylint: disable=wrong-import-position
 from jaxspec.speculative import prefix as prefix_lib  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -69,6 +70,23 @@ flags.DEFINE_bool(
   "Paged K/V: keep prompts' full pages, so that a prompt starting with the same tokens "
   "prefills only the rest (off, with the reason printed, for targets whose state pages cannot "
   "hold: sliding windows, Gated DeltaNet, MLA).",
+)
+flags.DEFINE_enum(
+  "speculation",
+  "fixed",
+  ["fixed", "auto"],
+  "fixed: every step drafts the method's full budget; auto: each tick runs the budget (0, "
+  "half or full, or --speculation_budgets) and row bucket worth the most tokens per second "
+  "by measured step costs and acceptance.",
+)
+flags.DEFINE_list(
+  "speculation_budgets", [], "--speculation=auto: the budgets offered (default 0, half, full)."
+)
+flags.DEFINE_list(
+  "row_buckets",
+  None,
+  "Row counts below --batch_size that ticks may compact the live rows into (default with "
+  "--speculation=auto: a quarter and a sixteenth of the batch; fixed: none).",
 )
 flags.DEFINE_integer(
   "kv_pages",
@@ -120,6 +138,9 @@ def main(argv):
   except ValueError:
     raise ConfigError(f"--host={FLAGS.host}: expected an IP address") from None
   target, source = defaults.load_target(FLAGS.model)
+  row_buckets = tuple(int(r) for r in FLAGS.row_buckets or ())
+  if FLAGS.row_buckets is None and FLAGS.speculation == "auto":
+    row_buckets = speculation.default_row_buckets(FLAGS.batch_size)
   prefix_cache = FLAGS.prefix_cache and FLAGS.page_size > 0
   why = prefix_cache and prefix_lib.why_uncacheable(
     target.config, FLAGS.max_len, FLAGS.kv_format, FLAGS.page_size
@@ -139,6 +160,9 @@ def main(argv):
     penalties=FLAGS.penalties,
     top_logprobs=FLAGS.top_logprobs,
     prefix_cache=prefix_cache,
+    speculation=FLAGS.speculation,
+    speculation_budgets=tuple(int(b) for b in FLAGS.speculation_budgets),
+    row_buckets=row_buckets,
   )
   if not distributed.is_leader():  # a follower: no HTTP, the leader's ticks until it stops
     print(f"process {joined.process_id}/{joined.num_processes}: following process 0", flush=True)
@@ -159,6 +183,8 @@ def main(argv):
   if FLAGS.page_size:
     kv = f"; K/V in {engine.config.num_pages} pages of {FLAGS.page_size}"
     kv += ", prefix cache" if prefix_cache else ""
+  if FLAGS.speculation == "auto":
+    kv += f"; speculation budgets {engine.budgets} on row buckets {engine.row_buckets}"
   print(
     f"target: {source}; method: {label}; {FLAGS.batch_size} slots of {FLAGS.max_len} tokens{kv}"
   )

@@ -39,6 +39,7 @@ OWN_FLAG = {
   "llamacpp": "--llama_formats",
   "ordered-head": "--centroids",
   "serve-pages": "--budget_rows",
+  "serve-adaptive": "--slots",
 }
 
 

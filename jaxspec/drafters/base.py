@@ -175,6 +175,9 @@ class Drafter:
   # Whether `prefill` reads `PrefillContext.hidden` (MTP heads, assistants): a cached prompt
   # prefix then keeps each position's hidden state beside its taps (speculative/prefix.py).
   prefill_reads_hidden: ClassVar[bool] = False
+  # Whether a step may skip `propose` (no speculation that step: EngineConfig(speculation=
+  # "auto")) and still `commit`: False for a drafter whose proposal catches its state up.
+  can_skip_proposals: ClassVar[bool] = True
 
   @property
   def name(self) -> str:

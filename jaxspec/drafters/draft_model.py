@@ -54,6 +54,7 @@ class DraftModelDrafter(Drafter):
   gamma: int = 4
   tree: bool = False
   sampled_tree: bool = False  # tree mode: sample the chain at T > 0 (see Drafter.for_tree)
+  can_skip_proposals: ClassVar[bool] = False  # its cache absorbs committed tokens in propose
 
   def __post_init__(self):
     if self.config is None:

@@ -55,6 +55,8 @@ SCHEDULER_METRICS = {
   "prefix_cache_hit_tokens_total": ("counter", "Prompt tokens read from cached pages."),
   "prefix_cache_pages": ("gauge", "Pool pages the prefix cache keeps (evictable when idle)."),
   "prefix_cache_evictions_total": ("counter", "Cached pages evicted for new pages."),
+  "speculation_budget": ("gauge", "The last tick's draft budget (--speculation=auto picks it)."),
+  "row_bucket": ("gauge", "The rows the last tick's steps ran (the live rows' bucket)."),
 }
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from jaxspec import distributed
 from jaxspec.errors import InputError, JaxspecError
 from jaxspec.serve.pages import PageAllocator
+from jaxspec.serve.speculation import SpeculationPolicy
 from jaxspec.speculative.engine import SpecEngine
 from jaxspec.speculative.request import SamplingArgs
 from jaxspec.speculative.step import SpecState
@@ -226,6 +227,8 @@ class Tick:
   steps: int
   stop: bool = False  # the leader's last tick: followers return
   pages: Optional[list] = None  # paged K/V: every row's page table, set first (None: unchanged)
+  budget: Optional[int] = None  # the steps' speculation budget (None: the engine's full one)
+  live: Optional[list] = None  # the rows the steps run (None: all; SpecEngine.run's rows)
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self))
@@ -241,7 +244,7 @@ def apply_tick(
   """`tick`'s engine calls on `state`, in a fixed order (the leader's scheduler and every
   follower run these, so their collectives match): the new state, and when it ran steps the
   rows' progress read back to the host (gathered from every process)."""
-  return run_tick(engine, admit_tick(engine, state, tick), tick.steps)
+  return run_tick(engine, admit_tick(engine, state, tick), tick.steps, tick.budget, tick.live)
 
 
 def admit_tick(engine: SpecEngine, state: SpecState, tick: Tick) -> SpecState:
@@ -263,12 +266,17 @@ def admit_tick(engine: SpecEngine, state: SpecState, tick: Tick) -> SpecState:
 
 
 def run_tick(
-  engine: SpecEngine, state: SpecState, steps: int
+  engine: SpecEngine,
+  state: SpecState,
+  steps: int,
+  budget: Optional[int] = None,
+  live: Optional[list] = None,
 ) -> tuple[SpecState, dict[str, np.ndarray] | None]:
-  """`apply_tick`'s second half: `steps` steps (0: none) and the read-back."""
+  """`apply_tick`'s second half: `steps` steps (0: none) of `budget` over the rows `live`
+  (None: all) and the read-back."""
   if not steps:
     return state, None
-  state = engine.run(state, steps)
+  state = engine.run(state, steps, budget, live)
   return state, read_back(engine, state, engine.window(steps))
 
 
@@ -344,6 +352,9 @@ class Scheduler:
         cfg.num_pages, cfg.page_size, self.slots, cfg.pages_per_row, cfg.prefix_cache
       )
     self._admissions = itertools.count()
+    # Which speculation budget and row bucket each tick runs (serve/speculation.py).
+    self._policy = SpeculationPolicy(engine.budgets, engine.row_buckets)
+    self._last_choice = (engine.budgets[-1], engine.row_buckets[-1])
 
   # -- lifecycle ------------------------------------------------------------------------------
 
@@ -352,6 +363,11 @@ class Scheduler:
     if self._thread is not None:
       raise SchedulerClosed("the scheduler was started already")
     self._state = self.engine.warm_up_slots()
+    if len(self.engine.budgets) > 1 and self._channel is None:
+      # Step costs of every (budget, bucket) program on this machine; a multi-host leader
+      # learns them from its ticks instead (followers replay only ticks).
+      self._state, costs = self.engine.measure_step_costs(self._state, self.steps_per_tick)
+      self._policy.costs.update(costs)
     # One tick of no request compiles the read-back of this tick size (followers replay it).
     warm = Tick([], [], self.steps_per_tick)
     if self._channel is not None:
@@ -489,6 +505,8 @@ class Scheduler:
       "prefix_cache_hit_tokens_total": c.get("prefix_cache_hit_tokens_total", 0),
       "prefix_cache_pages": self._pages.cached if self._pages else 0,
       "prefix_cache_evictions_total": self._pages.evictions if self._pages else 0,
+      "speculation_budget": self._last_choice[0],
+      "row_bucket": self._last_choice[1],
     }
 
   # -- the scheduler thread -------------------------------------------------------------------
@@ -571,18 +589,33 @@ class Scheduler:
     if not (rows or cancelled or preempted or steps):
       return True  # every admitted request was cancelled while it waited
     pages = None if self._pages is None else self._pages.table().tolist()
-    tick = Tick(rows, cancelled + preempted, steps, pages=pages)
+    running = list(live)  # the rows this tick steps: the running ones and the admitted ones
+    for entry in rows:
+      running += entry[0] if isinstance(entry[0], list) else [entry[0]]
+    budget, bucket = self._policy.choose(len(running)) if steps else self._last_choice
+    partial = bucket < self.slots
+    tick = Tick(
+      rows,
+      cancelled + preempted,
+      steps,
+      pages=pages,
+      budget=budget,
+      live=sorted(set(running)) if partial else None,
+    )
     if self._channel is not None:  # the followers replay it (jaxspec/serve/multihost.py)
       self._channel.publish(tick)
     self._state = admit_tick(self.engine, self._state, tick)  # as apply_tick, timing the steps
     t0 = time.perf_counter()
-    self._state, host = run_tick(self.engine, self._state, tick.steps)
+    self._state, host = run_tick(self.engine, self._state, tick.steps, tick.budget, tick.live)
     for i in cancelled:
       self._release(i, Delta([], None, "cancelled"))
     self._requeue(preempted)
     if host is not None:
-      self._deliver_tokens(host)
-      self._step_seconds += time.perf_counter() - t0
+      passes, committed, ran = self._deliver_tokens(host)
+      seconds = time.perf_counter() - t0
+      self._policy.observe(budget, bucket, ran, seconds, passes, committed)
+      self._last_choice = (budget, bucket)
+      self._step_seconds += seconds
       self._counters["ticks_total"] += 1
       self._counters["steps_total"] += tick.steps
     return True
@@ -696,9 +729,12 @@ class Scheduler:
       cancelled = last.finish_reason == "cancelled"
       self._counters["requests_cancelled_total" if cancelled else "requests_finished_total"] += 1
 
-  def _deliver_tokens(self, host: dict[str, np.ndarray]) -> None:
+  def _deliver_tokens(self, host: dict[str, np.ndarray]) -> tuple[int, int, int]:
     """Hands each live request the new tokens of its row in `host` (`read_back`: the last
-    `window` slots of every row, which hold every token not delivered yet)."""
+    `window` slots of every row, which hold every token not delivered yet). Returns the
+    rows' target passes and committed tokens since the last read-back, and the most passes
+    one row ran (the steps the tick ran)."""
+    tick_passes = tick_committed = most = 0
     seq_len, done, stopped = host["seq_len"], host["done"], host["stopped"]
     tokens, logprobs = host["tokens"], host["logprobs"]
     passes, committed = host["target_passes"], host["tokens_committed"]
@@ -723,9 +759,11 @@ class Scheduler:
         top = [list(zip(a.tolist(), b.tolist())) for a, b in zip(ids, values)]
       s.sent += len(new)
       s.handle.generated += new
+      ran, made = int(passes[i]) - s.passes, int(committed[i]) - s.committed
+      tick_passes, tick_committed, most = tick_passes + ran, tick_committed + made, max(most, ran)
       with self._lock:
-        self._counters["target_passes_total"] += int(passes[i]) - s.passes
-        self._counters["tokens_committed_total"] += int(committed[i]) - s.committed
+        self._counters["target_passes_total"] += ran
+        self._counters["tokens_committed_total"] += made
       s.passes, s.committed = int(passes[i]), int(committed[i])
       reason = None
       if done[i]:
@@ -740,3 +778,4 @@ class Scheduler:
         self._release(i, Delta(new, lps, reason, top_logprobs=top))
       elif new:
         s.handle._deliver(Delta(new, lps, top_logprobs=top))  # pylint: disable=protected-access
+    return tick_passes, tick_committed, most

@@ -105,6 +105,14 @@ class EngineConfig:
     prefills only the rest (`prefill_cached`); the state keeps, per pool position, the target
     features the drafter's prefill reads (speculative/prefix.py). Refused for targets whose
     state is not all paged full-attention K/V (sliding windows, Gated DeltaNet, MLA).
+  speculation: "fixed" (every step drafts the full γ / tree budget) or "auto": `run` takes a
+    per-call budget from `speculation_budgets`, each compiled once on the same state (fewer
+    chain drafts, fewer tree nodes, or 0: no proposal that step), which a server picks per
+    tick from measured step costs and acceptance (serve/speculation.py).
+  speculation_budgets: "auto" only: the budgets offered (each ≤ the full one; () = 0 where the
+    drafter allows it, half, and the full budget).
+  row_buckets: row counts below batch_size that `run` may compact the live rows into, so a
+    step costs what those rows cost (one program per bucket and budget; () = none).
   """
 
   method: str = "auto"
@@ -131,6 +139,9 @@ class EngineConfig:
   penalties: bool = False
   top_logprobs: int = 0
   prefix_cache: bool = False
+  speculation: str = "fixed"
+  speculation_budgets: tuple[int, ...] = ()
+  row_buckets: tuple[int, ...] = ()
 
   def __post_init__(self):
     def need(ok: bool, msg: str) -> None:
@@ -163,6 +174,25 @@ class EngineConfig:
     need(isinstance(self.penalties, bool), f"penalties must be a bool, got {self.penalties!r}")
     need(
       isinstance(self.prefix_cache, bool), f"prefix_cache must be a bool, got {self.prefix_cache!r}"
+    )
+    need(
+      self.speculation in ("fixed", "auto"),
+      f"speculation must be 'fixed' or 'auto', got {self.speculation!r}",
+    )
+    for name in ("speculation_budgets", "row_buckets"):
+      values = getattr(self, name)
+      need(
+        isinstance(values, tuple)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values),
+        f"{name} must be a tuple of integers ≥ 0, got {values!r}",
+      )
+    need(
+      self.speculation == "auto" or not self.speculation_budgets,
+      "speculation_budgets needs speculation='auto'",
+    )
+    need(
+      all(1 <= r <= self.batch_size for r in self.row_buckets),
+      f"row_buckets must be in [1, batch_size={self.batch_size}], got {self.row_buckets!r}",
     )
     need(
       self.kv_format in KV_FORMATS,
@@ -288,6 +318,18 @@ class SpecEngine:
       drafter = drafter.for_tree(self.tree.rule in tree_verify.SAMPLED_CANDIDATE_RULES)
     # How a step verifies (plain, chain or tree): chosen once, compiled into the step.
     self.verifier = verifiers.make(drafter, self.tree)
+    # The speculation budgets `run` takes (speculation="auto"): each a verifier on one state.
+    full = verifiers.budget_of(self.verifier)
+    self.budgets: tuple[int, ...] = (full,)
+    if config.speculation == "auto":
+      if drafter is None:
+        raise ConfigError("speculation='auto' needs a drafter (plain decoding has one budget)")
+      offered = config.speculation_budgets or (
+        (0,) * drafter.can_skip_proposals + ((full // 2,) if full > 1 else ())
+      )
+      self.budgets = tuple(sorted(set(offered) | {full}))
+    self._variants = {b: verifiers.with_budget(self.verifier, b, drafter) for b in self.budgets}
+    self.row_buckets = tuple(sorted(set(config.row_buckets) | {config.batch_size}))
     if drafter is not None and drafter.vocab_size not in (None, target.config.vocab_size):
       raise InputError(
         f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
@@ -315,6 +357,15 @@ class SpecEngine:
     # Sliding-window layers keep rings of window + the widest block a step verifies (a block
     # rejected in part must not displace a key still inside a window: state/sliding.py).
     self.slack = self.verifier.width
+    # Prefix caching: the target's state must be all pages; the drafter's prefill inputs are
+    # kept per pool position (speculative/prefix.py).
+    self._prefix_width = 0
+    if config.prefix_cache:
+      cfg = target.config
+      why = prefix_lib.why_uncacheable(cfg, config.max_len, config.kv_format, config.page_size)
+      if why:
+        raise ConfigError(f"prefix_cache: {why}")
+      self._prefix_width = prefix_lib.feature_width(drafter, cfg.hidden_size)
     # Refuse shapes whose state cannot fit now, with the numbers, not RESOURCE_EXHAUSTED later.
     self.memory = memory.engine_plan(
       self.target,
@@ -324,17 +375,10 @@ class SpecEngine:
       config.kv_format,
       self.slack,
       config.paging(config.batch_size),
+      self._prefix_width,
     )
     memory.check_fits(self.memory, config.batch_size, config.max_len, config.kv_format)
     cfg, dr = target.config, drafter
-    # Prefix caching: the target's state must be all pages; the drafter's prefill inputs are
-    # kept per pool position (speculative/prefix.py).
-    self._prefix_width = 0
-    if config.prefix_cache:
-      why = prefix_lib.why_uncacheable(cfg, config.max_len, config.kv_format, config.page_size)
-      if why:
-        raise ConfigError(f"prefix_cache: {why}")
-      self._prefix_width = prefix_lib.feature_width(dr, cfg.hidden_size)
     self._abstract: dict[int, SpecState] = {}  # batch → the state's shapes (_abstract_state)
     # On a mesh: the state's logical axes (traced once) lay out every state the jits return.
     axes = self._state_axes = None if mesh is None else self.state_axes()
@@ -354,12 +398,17 @@ class SpecEngine:
         donate_argnames=("tokens",),
       )
     )
-    self._loop = self._on_mesh(
-      jax.jit(
-        functools.partial(step_lib.run_loop, cfg, dr, verifier=self.verifier, state_axes=axes),
-        donate_argnums=(2,),
+    self._loops = {
+      b: self._on_mesh(
+        jax.jit(
+          functools.partial(step_lib.run_loop, cfg, dr, verifier=v, state_axes=axes),
+          donate_argnums=(2,),
+        )
       )
-    )
+      for b, v in self._variants.items()
+    }
+    self._loop = self._loops[full]
+    self._row_loops: dict[int, Any] = {}  # budget → run_rows, built on first use (batch axes)
     self._insert = None  # built on first use: finding the batch axes traces a prefill
     self._take_row = None
     self._evict = self._on_mesh(
@@ -633,11 +682,98 @@ class SpecEngine:
     the O(B·max_len) buffers. One compilation per window."""
     return self._recent(state, window)
 
-  def run(self, state: SpecState, max_steps: Optional[int] = None) -> SpecState:
+  def run(
+    self,
+    state: SpecState,
+    max_steps: Optional[int] = None,
+    budget: Optional[int] = None,
+    rows: Optional[Sequence[int]] = None,
+  ) -> SpecState:
     """Advances every live row by up to `max_steps` steps (None: until every row is done) in
-    one compiled on-device loop, the same program for every `max_steps`. Donates `state`."""
-    limit = _NO_STEP_LIMIT if max_steps is None else max_steps
-    return self._loop(self.target.params, self.drafter_params, state, jnp.int32(limit))
+    one compiled on-device loop, the same program for every `max_steps`. Donates `state`.
+
+    budget: the speculation budget of these steps, one of `budgets` (None: the full one;
+      EngineConfig(speculation="auto") offers smaller ones on the same state).
+    rows: the live rows (None: all). Fewer than batch_size run compacted into the smallest
+      `row_buckets` entry that holds them, so a step costs what that many rows cost; other
+      rows do not advance.
+    """
+    limit = jnp.int32(_NO_STEP_LIMIT if max_steps is None else max_steps)
+    budget = self.budgets[-1] if budget is None else int(budget)
+    if budget not in self._loops:
+      raise InputError(f"budget={budget}: this engine runs budgets {self.budgets}")
+    params = (self.target.params, self.drafter_params)
+    batch = self.config.batch_size
+    if rows is not None:
+      rows = sorted({int(r) for r in rows})
+      if rows and not 0 <= rows[0] <= rows[-1] < batch:
+        raise InputError(f"rows {rows} are outside the batch [0, {batch})")
+      bucket = next((b for b in self.row_buckets if b >= len(rows)), batch)
+      if bucket < batch:
+        pad = bucket - len(rows)
+        idx = np.asarray(rows + [rows[0] if rows else 0] * pad, np.int32)
+        valid = np.arange(bucket) < len(rows)
+        idx, valid = self._to_device((idx, valid), ((None,), (None,)))
+        return self._row_loop(budget)(*params, state, limit, idx, valid)
+    return self._loops[budget](*params, state, limit)
+
+  def _row_loop(self, budget: int) -> Any:
+    if budget not in self._row_loops:
+      fn = functools.partial(
+        step_lib.run_rows,
+        self.target.config,
+        self.drafter,
+        self._batch_axes(),
+        verifier=self._variants[budget],
+        state_axes=self._state_axes,
+      )
+      self._row_loops[budget] = self._on_mesh(jax.jit(fn, donate_argnums=(2,)))
+    return self._row_loops[budget]
+
+  def measure_step_costs(
+    self, state: SpecState, steps: Optional[int] = None
+  ) -> tuple[SpecState, dict[tuple[int, int], float]]:
+    """Seconds per step of every (budget, row bucket) program on this machine, every slot
+    busy with a dummy request (what `speculation="auto"` starts from; a server refines them
+    as it runs). Returns the state with every row free again (paged: every page unmapped)
+    and {(budget, bucket): seconds}. Donates `state`."""
+    cfg = self.config
+    steps = steps or cfg.stream_every
+    if cfg.page_size:  # every row the same pages: only the time matters here
+      table = np.tile(np.arange(cfg.pages_per_row) % cfg.num_pages, (cfg.batch_size, 1))
+      state = self.set_page_table(state, table.astype(np.int32))
+    room = min(2 * steps * self.verifier.max_commit + 1, self.max_new_tokens_for(1))
+    prompt = [0]
+    costs: dict[tuple[int, int], float] = {}
+    for budget in self.budgets:
+      for bucket in self.row_buckets:
+        best = float("inf")
+        for _ in range(2):
+          row = self._warm_row(state, prompt, room)
+          for slot in range(cfg.batch_size):
+            state = self.insert(state, slot, row)
+          before = int(distributed.gather(state.stats.target_passes)[0])
+          jax.block_until_ready(state)
+          t0 = time.perf_counter()
+          state = self.run(state, steps, budget, rows=range(bucket))
+          jax.block_until_ready(state)
+          elapsed = time.perf_counter() - t0
+          ran = int(distributed.gather(state.stats.target_passes)[0]) - before
+          best = min(best, elapsed / max(ran, 1))
+        costs[(budget, bucket)] = best
+    state = self.evict(state, jnp.arange(cfg.batch_size))
+    if cfg.page_size:
+      unmapped = np.full((cfg.batch_size, cfg.pages_per_row), cfg.num_pages, np.int32)
+      state = self.set_page_table(state, unmapped)
+    return state, costs
+
+  def _warm_row(self, state: SpecState, prompt: list[int], max_new: int) -> SpecState:
+    """A greedy one-row state of `prompt` through the program a server runs (prefix-cache
+    engines: `prefill_cached`, with nothing cached)."""
+    args = SamplingArgs(max_new_tokens=max_new, temperature=0.0)
+    if self.config.prefix_cache:
+      return self.prefill_cached(state, prompt, args)
+    return self.prefill_row(prompt, args)
 
   def empty_state(self) -> SpecState:
     """A batch_size-row state with every row free (done): the start of a slot-served engine."""
@@ -806,15 +942,13 @@ class SpecEngine:
     size = cfg.min_prompt_bucket
     while longest >= 1:
       n = min(size, longest)  # the longest prompt of this bucket that fits
-      if cfg.prefix_cache:  # the program a server runs: it may read cached pages
-        row = self.prefill_cached(state, [0] * n, SamplingArgs(max_new_tokens=1))
-      else:
-        row = self.prefill_row([0] * n, max_new_tokens=1)
-      state = self.insert(state, 0, row)
+      state = self.insert(state, 0, self._warm_row(state, [0] * n, 1))
       if min(_bucket(n, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk) >= top:
         break
       size *= 2
-    state = self.run(state, max_steps=cfg.stream_every)
+    for budget in self.budgets:  # every budget's program on every row bucket
+      for bucket in self.row_buckets:
+        state = self.run(state, cfg.stream_every, budget, rows=range(bucket))
     return self.evict(state, jnp.arange(cfg.batch_size))
 
   def _stats(self, state: SpecState, ttft: float, decode: float, n: int) -> GenerationStats:
@@ -832,11 +966,20 @@ class SpecEngine:
       summary=summary,
     )
 
+  @property
+  def prefix_feature_bytes(self) -> int:
+    """Bytes of the target features kept per pool position for cached prefixes
+    (`SpecState.prefix_features`; 0 without a prefix cache or a drafter that reads them)."""
+    cfg = self.config
+    itemsize = np.dtype(self.target.config.dtype).itemsize
+    return cfg.num_pages * cfg.page_size * self._prefix_width * itemsize
+
   def compile_counts(self) -> dict[str, int]:
     """How many programs each jitted function holds (one per shape bucket)."""
     return {
       "prefill": self._prefill._cache_size(),
-      "loop": self._loop._cache_size(),
+      "loop": sum(f._cache_size() for f in self._loops.values()),
+      "row_loop": sum(f._cache_size() for f in self._row_loops.values()),
       "insert": 0 if self._insert is None else self._insert._cache_size(),
       "evict": self._evict._cache_size(),
       "set_page_table": self._set_pages._cache_size(),

@@ -147,16 +147,24 @@ def engine_plan(
   kv_format: str,
   slack: int = DEFAULT_SLACK,
   paging: Optional[Paging] = None,
+  prefix_width: int = 0,
 ) -> MemoryPlan:
   """The memory plan of a `SpecEngine` for `target` and `drafter` at these shapes.
 
-  The state is assumed spread over the devices holding the target's weights.
+  The state is assumed spread over the devices holding the target's weights. `prefix_width`:
+  target features kept per pool position for cached prefixes (speculative/prefix.py), counted
+  with the buffers.
   """
+  features = 0
+  if paging is not None and prefix_width:
+    pages = paging.num_pages or batch * max_len // paging.page_size
+    itemsize = np.dtype(target.config.dtype).itemsize
+    features = pages * paging.page_size * prefix_width * itemsize
   return MemoryPlan(
     weights=tree_bytes(target.params) + (tree_bytes(drafter.params) if drafter else 0),
     target_state=decoding_state_bytes(target.config, batch, max_len, kv_format, slack, paging),
     drafter_state=drafter_state_bytes(drafter, batch, max_len),
-    buffers=batch * max_len * np.dtype(np.int32).itemsize,
+    buffers=batch * max_len * np.dtype(np.int32).itemsize + features,
     free=free_bytes(_devices_of(target.params)),
   )
 

@@ -38,7 +38,7 @@ from jaxspec.speculative import metrics, verifiers
 from jaxspec.speculative import prefix as prefix_lib
 from jaxspec.speculative.placement import laid_out
 from jaxspec.speculative.verifiers import Accepted, Verifier
-from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState, Paging, logical_axes
+from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState, PagedKV, Paging, logical_axes
 
 
 @flax.struct.dataclass
@@ -388,7 +388,7 @@ def step(
 
   # Draft.
   proposal, drafter_state = None, state.drafter_state
-  if drafter is not None:
+  if drafter is not None and verifier.drafts:
     proposal, drafter_state = drafter.propose(
       drafter_params,
       state.drafter_state,
@@ -525,6 +525,44 @@ def run_loop(
 
   state, _ = jax.lax.while_loop(cond, body, (lay(state), jnp.int32(0)))
   return lay(state)  # the loop's result too: XLA may pick another layout for a while's output
+
+
+def run_rows(
+  config: ModelConfig,
+  drafter: Optional[Drafter],
+  axes: Any,
+  target_params: Any,
+  drafter_params: Any,
+  state: SpecState,
+  max_steps: jax.Array,
+  rows: jax.Array,
+  valid: jax.Array,
+  verifier: Optional[Verifier] = None,
+  state_axes: Optional[SpecState] = None,
+) -> SpecState:
+  """`run_loop` over the rows `rows` [R] of `state` only (R, a row bucket, below the batch:
+  a step then costs what R rows cost). Entries where `valid` [R] is False pad the bucket: they
+  run as done rows whose page tables map nothing, and are not written back. `axes`: each
+  leaf's batch axis (None for what rows share, such as a paged pool, which the loop updates
+  in place)."""
+  take = lambda ax, x: x if ax is None else jnp.take(x, rows, axis=ax)
+  sub = jax.tree_util.tree_map(take, axes, state, is_leaf=lambda x: x is None)
+  sub = sub.replace(done=sub.done | ~valid)
+  if sub.target_state.paged:  # a padding row writes nothing (it may copy a live row)
+    nothing = next(s.num_pages for s in sub.target_state.segments if isinstance(s, PagedKV))
+    table = jnp.where(valid[:, None], sub.target_state.page_table, nothing)
+    sub = sub.replace(target_state=sub.target_state.with_page_table(table))
+  sub = run_loop(config, drafter, target_params, drafter_params, sub, max_steps, verifier)
+  back = jnp.where(valid, rows, state.tokens.shape[0])  # padding: dropped
+
+  def put(ax, x, r):
+    if ax is None:
+      return r
+    index = (slice(None),) * ax + (back,)
+    return x.at[index].set(r.astype(x.dtype), mode="drop")
+
+  out = jax.tree_util.tree_map(put, axes, state, sub, is_leaf=lambda x: x is None)
+  return laid_out(state_axes, None, out)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,12 +18,19 @@ branch on the method:
 under the ancestor mask (tree.py, tree_verify.py); under the "recursive" rule the children of
 sampled rows are drawn from the drafter's warped q without replacement. `make` picks one from
 the engine's options.
+
+A smaller speculation budget on the same state (`with_budget`, for `EngineConfig(speculation=
+"auto")`): `ShortChainVerifier` checks only the first of the drafter's drafts,
+`TreeVerifier` takes a smaller budget, and `NoDraftVerifier` skips the drafter's proposal
+(plain decoding) while the drafter still absorbs what is committed. Their blocks are narrower,
+but the features they hand the drafter keep the full block's width (zero-padded past what was
+committed), so every variant runs on the same drafter state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +122,7 @@ class Verifier:
   max_commit: int  # the most tokens one pass commits per row
   lookahead: int  # slots past the root a pass may write
   rank_shape: tuple[int, ...] = ()  # (K, NB) of `Accepted.ranks` (none: ())
+  drafts: ClassVar[bool] = True  # whether the step asks the drafter for a proposal
 
   def describe(self) -> str:
     """What a step drafts, for error messages."""
@@ -360,6 +368,78 @@ def _nested_tuple(x: Any) -> Any:
   if hasattr(x, "tolist"):
     x = x.tolist()
   return tuple(_nested_tuple(v) for v in x) if isinstance(x, (list, tuple)) else float(x)
+
+
+def _padded(taps: Any, hidden: jax.Array, width: int) -> tuple[Any, jax.Array]:
+  """A narrower block's features zero-padded to `width` positions (past the committed ones a
+  drafter's commit treats them as scratch)."""
+  extra = width - hidden.shape[1]
+  if extra <= 0:
+    return taps, hidden
+  hidden = jnp.pad(hidden, ((0, 0), (0, extra), (0, 0)))
+  return (None if taps is None else jnp.pad(taps, ((0, 0), (0, 0), (0, extra), (0, 0)))), hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortChainVerifier(ChainVerifier):
+  """The first `gamma` of the drafter's `full` drafts checked in order: a smaller budget on
+  the state of a γ = `full` engine."""
+
+  full: int = 0
+
+  def _cut(self, proposal: Proposal) -> Proposal:
+    cut = lambda x: None if x is None else x[:, : self.gamma]
+    return Proposal(cut(proposal.tokens), cut(proposal.probs), cut(proposal.logprobs))
+
+  def block(self, key, root, proposal, params) -> Block:
+    return super().block(key, root, self._cut(proposal), params)
+
+  def accept(self, key, block, logits, proposal, params) -> Accepted:
+    return super().accept(key, block, logits, self._cut(proposal), params)
+
+  def features(self, taps: Any, hidden: jax.Array, accepted: Accepted) -> tuple[Any, jax.Array]:
+    return _padded(taps, hidden, self.full + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDraftVerifier(PlainVerifier):
+  """No speculation this step, beside a drafter: it proposes nothing, the target runs the root
+  alone, and the drafter absorbs the committed token (features padded to `full_width`)."""
+
+  full_width: int = 1
+  drafts = False
+
+  def features(self, taps: Any, hidden: jax.Array, accepted: Accepted) -> tuple[Any, jax.Array]:
+    return _padded(taps, hidden, self.full_width)
+
+
+def budget_of(verifier: Verifier) -> int:
+  """A verifier's speculation budget: γ of a chain, the nodes of a tree, 0 for none."""
+  if isinstance(verifier, TreeVerifier):
+    return verifier.options.budget
+  return getattr(verifier, "gamma", 0)
+
+
+def with_budget(verifier: Verifier, budget: int, drafter: Optional[Drafter]) -> Verifier:
+  """`verifier` (an engine's) with a speculation budget of at most its own, on the same state:
+  fewer chain drafts, fewer tree nodes, or 0 (the drafter proposes nothing this step)."""
+  full = budget_of(verifier)
+  if not 0 <= budget <= full:
+    raise ConfigError(f"speculation budget {budget} is outside [0, {full}] for this engine")
+  if budget == full:
+    return verifier
+  if budget == 0:
+    if drafter is not None and not drafter.can_skip_proposals:
+      raise ConfigError(
+        f"{drafter.name} must propose every step (its state catches up there): budget 0 is "
+        "not offered for it"
+      )
+    return NoDraftVerifier(verifier.max_commit)
+  if isinstance(verifier, TreeVerifier):
+    # The same sibling-rank width as the full tree, so the statistics keep their shape.
+    options = dataclasses.replace(verifier.options, budget=budget, topk=verifier.rank_width)
+    return TreeVerifier(verifier.gamma, options, verifier.drafter_name)
+  return ShortChainVerifier(budget, full)
 
 
 def make(drafter: Optional[Drafter], tree: Optional[TreeOptions] = None) -> Verifier:

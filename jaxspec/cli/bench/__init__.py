@@ -133,6 +133,12 @@ SUBCOMMANDS = {
       "no earlier script",
     ),
     Subcommand(
+      "serve-adaptive",
+      "serve_adaptive",
+      "adaptive against fixed speculation on one server at concurrency 1, 4, 16, 64",
+      "no earlier script",
+    ),
+    Subcommand(
       "tree-calibrate",
       "tree_calibrate",
       "a drafter's sampled-tree acceptance by depth and rank; writes tree_acceptance.json",

@@ -13,8 +13,13 @@ requests of mixed lengths (all submitted at once, greedy), and the run reports, 
   and the preemptions (rows freed when the pool ran out, resumed later by recomputation);
 * the ratios paged / contiguous.
 
-  python launch/bench.py serve-pages                          # plain and EAGLE-3, ~5 min
-  python launch/bench.py serve-pages --methods=plain --requests=32
+Then, with `--shared_prefix` > 0, the paged engine serves the burst again with every prompt
+behind the same opening of that many tokens (a system prompt), without and with the prefix
+cache (`EngineConfig(prefix_cache=True)`): prompt tokens prefilled, tokens read from cached
+pages, the bytes of the kept drafter features, tokens/s and the mean latency.
+
+  python launch/bench.py serve-pages                          # plain and EAGLE-3, ~8 min
+  python launch/bench.py serve-pages --methods=plain --requests=32 --shared_prefix=0
 
 A script, not a test: on this CPU a step over more rows costs more (compute-bound), so the
 throughput gain is smaller than the concurrency gain; on an accelerator a decode step's cost
@@ -53,6 +58,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_prompt", 384, "Longest prompt, in tokens.")
   flags.DEFINE_integer("tree_budget", 22, "DDTree draft nodes per step.")
   flags.DEFINE_integer("steps_per_tick", 4, "Engine steps per scheduler round trip.")
+  flags.DEFINE_integer(
+    "shared_prefix", 256, "Tokens of the shared opening for the prefix-cache part (0: skip)."
+  )
   common_flags.define_max_len(1024)
   common_flags.define_out("/tmp/jaxspec_bench_serve_pages.json", "results JSON")
 
@@ -105,6 +113,10 @@ def serve_burst(scheduler: Scheduler, prompts: Sequence[list[int]]) -> dict[str,
     "running_peak": peak[0],
     "preemptions": after["preemptions_total"] - before["preemptions_total"],
     "acceptance_length": after["acceptance_length"],
+    "prefilled": after["prompt_tokens_prefilled_total"] - before["prompt_tokens_prefilled_total"],
+    "cache_hits": (
+      after["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"]
+    ),
   }
 
 
@@ -130,6 +142,46 @@ def table(results: dict[str, dict[str, dict]]) -> list[str]:
   return lines
 
 
+def prefix_table(results: dict[str, dict[str, dict]]) -> list[str]:
+  lines = [
+    f"{'method':<14}{'prefix cache':<14}{'prefilled':>10}{'from cache':>11}{'features MiB':>13}"
+    f"{'tok/s':>8}{'latency s':>11}{'preempt':>9}"
+  ]
+  for method, by_kind in results.items():
+    for kind, r in by_kind.items():
+      lines.append(
+        f"{method:<14}{kind:<14}{r['prefilled']:>10}{r['cache_hits']:>11}"
+        f"{r['feature_bytes'] / 2**20:>13.1f}{r['throughput_tok_s']:>8.1f}"
+        f"{r['latency_mean_s']:>11.2f}{r['preemptions']:>9}"
+      )
+    off, on = by_kind["off"], by_kind["on"]
+    lines.append(
+      f"{method:<14}{'on/off':<14}{on['prefilled'] / max(off['prefilled'], 1):>9.2f}×{'':>11}"
+      f"{'':>13}{on['throughput_tok_s'] / off['throughput_tok_s']:>7.2f}×"
+      f"{on['latency_mean_s'] / off['latency_mean_s']:>10.2f}×"
+    )
+  return lines
+
+
+def _serve(target, method: str, prompts, slots: int, **extra: Any) -> dict[str, Any]:
+  """One engine (`build_engine`) serving the burst; its result with its memory."""
+  engine = build_engine(target, method, slots, **extra)
+  scheduler = Scheduler(engine, max_queue=len(prompts), steps_per_tick=FLAGS.steps_per_tick)
+  scheduler.start()  # compiles (warm_up_slots) before the clock
+  try:
+    r = serve_burst(scheduler, prompts)
+  finally:
+    scheduler.shutdown(drain=False, timeout=600)
+  plan = engine.memory
+  r.update(
+    rows=engine.config.batch_size,
+    kv_bytes=plan.target_state,
+    drafter_bytes=plan.drafter_state,
+    feature_bytes=engine.prefix_feature_bytes,
+  )
+  return r
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
   if FLAGS.max_len % FLAGS.page_size:
@@ -150,21 +202,32 @@ def main(argv: Sequence[str]) -> None:
       "paged": dict(batch_size=FLAGS.rows, page_size=FLAGS.page_size, kv_pages=pool),
     }
     for kind, extra in kinds.items():
-      engine = build_engine(target, method, extra.pop("batch_size"), **extra)
-      scheduler = Scheduler(engine, max_queue=len(prompts), steps_per_tick=FLAGS.steps_per_tick)
-      scheduler.start()  # compiles (warm_up_slots) before the clock
-      try:
-        r = serve_burst(scheduler, prompts)
-      finally:
-        scheduler.shutdown(drain=False, timeout=600)
-      r.update(
-        rows=engine.config.batch_size,
-        kv_bytes=engine.memory.target_state,
-        drafter_bytes=engine.memory.drafter_state,
-      )
+      r = _serve(target, method, prompts, extra.pop("batch_size"), **extra)
       results.setdefault(method, {})[kind] = r
       print(f"{method} {kind}: {json.dumps(r)}", flush=True)
   print("\n".join(table(results)))
+  shared: dict[str, dict[str, dict]] = {}
+  if FLAGS.shared_prefix:
+    opening = mixed_prompts(target, 1, seed=1)[0]
+    while len(opening) < FLAGS.shared_prefix:
+      opening += mixed_prompts(target, 1, seed=len(opening))[0]
+    behind = [opening[: FLAGS.shared_prefix] + p[: FLAGS.max_prompt // 2] for p in prompts]
+    print(f"shared prefix: every prompt behind the same {FLAGS.shared_prefix} tokens", flush=True)
+    for method in FLAGS.methods:
+      for kind in ("off", "on"):
+        r = _serve(
+          target,
+          method,
+          behind,
+          FLAGS.rows,
+          page_size=FLAGS.page_size,
+          kv_pages=pool,
+          prefix_cache=kind == "on",
+        )
+        shared.setdefault(method, {})[kind] = r
+        print(f"{method} prefix cache {kind}: {json.dumps(r)}", flush=True)
+    print("\n".join(table(results)))
+    print("\n".join(prefix_table(shared)))
   with open(FLAGS.out, "w") as f:
-    json.dump(results, f, indent=1)
+    json.dump({"kv": results, "shared_prefix": shared}, f, indent=1)
   print(f"saved {FLAGS.out}")

@@ -1,0 +1,152 @@
+"""Speculation that adapts to the load: budgets and row buckets chosen per tick.
+
+An engine with `speculation="auto"` runs a few draft budgets (fewer chain drafts, fewer tree
+nodes, none) on one state, over the live rows compacted into a row bucket. Whatever budget and
+rows each call picks, greedy outputs must equal plain decoding's; the policy must pick the
+budget with the most expected tokens per second for the live rows' bucket, explore stale
+budgets, and the scheduler must serve with it without compiling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.errors import ConfigError, InputError
+from jaxspec.serve import SamplingOptions, Scheduler
+from jaxspec.serve.speculation import SpeculationPolicy, default_row_buckets
+from jaxspec.speculative import verifiers
+from jaxspec.speculative.engine import EngineConfig, SpecEngine
+
+from tests import near_ties
+
+MAX_LEN, NEW = 96, 24
+
+
+@pytest.fixture(scope="module")
+def target():
+  return jaxspec.load_model("jaxspec/assets/target", scan_layers=False)
+
+
+@pytest.fixture(scope="module")
+def auto_engine(target):
+  """EAGLE-3 chain (γ = 4): budgets 0, 2, 4 on row buckets 1, 2 and 4."""
+  drafter = jaxspec.load_drafter("jaxspec/assets/eagle3", target)
+  config = EngineConfig(
+    max_len=MAX_LEN, batch_size=4, stream_every=2, speculation="auto", row_buckets=(1, 2)
+  )
+  return SpecEngine(target, drafter, config)
+
+
+def _prompts(target, n: int) -> list[list[int]]:
+  with open("docs/serving.md") as f:
+    ids = target.tokenizer.encode(f.read())
+  return [ids[i * 70 : i * 70 + 6 + 5 * i] for i in range(n)]
+
+
+def _plain(target, prompts) -> list[list[int]]:
+  engine = SpecEngine(target, None, EngineConfig(max_len=MAX_LEN, batch_size=len(prompts)))
+  return engine.generate(prompts, max_new_tokens=NEW, temperature=0.0).tokens
+
+
+def _random_schedule(engine, prompts, seed: int) -> list[list[int]]:
+  """Every prompt in a row, then loop calls of a random budget over a random subset of rows
+  until all are done."""
+  state = engine.empty_state()
+  for i, p in enumerate(prompts):
+    state = engine.insert(state, i, engine.prefill_row(p, max_new_tokens=NEW, temperature=0.0))
+  rng = np.random.default_rng(seed)
+  for _ in range(200):
+    budget = int(rng.choice(engine.budgets))
+    rows = rng.permutation(len(prompts))[: int(rng.integers(1, len(prompts) + 1))]
+    state = engine.run(state, 2, budget, rows=rows.tolist())
+    if bool(np.all(np.asarray(state.done))):
+      break
+  return [list(map(int, t)) for t in engine._outputs(state, len(prompts))]
+
+
+def test_every_budget_and_row_bucket_is_lossless(target, auto_engine):
+  assert auto_engine.budgets == (0, 2, 4) and auto_engine.row_buckets == (1, 2, 4)
+  prompts = _prompts(target, 4)
+  got, want = _random_schedule(auto_engine, prompts, seed=0), _plain(target, prompts)
+  if got != want:
+    near_ties.assert_greedy_match(target, prompts, want, got)
+  with pytest.raises(InputError, match="budgets"):
+    auto_engine.run(auto_engine.empty_state(), 1, budget=3)
+
+
+def test_tree_budgets_are_lossless(target):
+  """DFlash + DDTree: a tree of 3 nodes and one of 6 on the same state."""
+  drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
+  config = EngineConfig(
+    max_len=MAX_LEN,
+    batch_size=3,
+    verify="tree",
+    tree_budget=6,
+    speculation="auto",
+    speculation_budgets=(3,),
+  )
+  engine = SpecEngine(target, drafter, config)
+  assert engine.budgets == (3, 6) and isinstance(engine._variants[3], verifiers.TreeVerifier)
+  prompts = _prompts(target, 3)
+  got, want = _random_schedule(engine, prompts, seed=1), _plain(target, prompts)
+  if got != want:
+    near_ties.assert_greedy_match(target, prompts, want, got)
+
+
+def test_auto_server_equals_the_engine(target, auto_engine):
+  """A scheduler over the auto engine: outputs equal plain decoding, more than one budget and
+  bucket ran, nothing compiled while serving."""
+  scheduler = Scheduler(auto_engine, max_queue=16)
+  scheduler.start()
+  try:
+    compiled = auto_engine.compile_counts()
+    prompts = _prompts(target, 6)
+    options = SamplingOptions(max_tokens=NEW, temperature=0.0)
+    alone = scheduler.submit(prompts[0], options).result()[0]  # alone: a small bucket
+    handles = scheduler.submit_many([(p, options) for p in prompts[1:]])
+    results = [alone] + [h.result()[0] for h in handles]
+    assert auto_engine.compile_counts() == compiled
+    chosen = scheduler._policy.chosen
+  finally:
+    scheduler.shutdown(drain=False, timeout=60)
+  assert len({b for b, _ in chosen}) >= 2 and len({r for _, r in chosen}) >= 2, chosen
+  want = _plain(target, prompts)
+  stop = set(auto_engine.stop_ids)
+  want = [w[:-1] if w and w[-1] in stop else w for w in want]
+  if results != want:
+    near_ties.assert_greedy_match(target, prompts, want, results)
+
+
+def test_policy_maximises_expected_tokens_per_second():
+  costs = {(0, 2): 1.0, (4, 2): 2.0, (0, 8): 1.5, (4, 8): 6.0}
+  policy = SpeculationPolicy((0, 4), (2, 8), costs, explore_every=4)
+  assert policy.choose(1) == (4, 2)  # budget 4 not measured yet: explored first
+  policy.observe(4, 2, steps=2, seconds=4.0, passes=2, committed=6)  # 3 tokens a step
+  assert policy.tokens_per_step[4] == 3.0 and policy.costs[(4, 2)] == 2.0
+  assert policy.choose(2) == (4, 2)  # 3 tokens per 2 s beats 1 token per 1 s
+  assert policy.choose(5) == (0, 8)  # 3 per 6 s loses to 1 per 1.5 s at 8 rows
+  assert policy.expected_rate(0, 5) == pytest.approx(5 / 1.5)
+  for _ in range(2):
+    assert policy.choose(5) == (0, 8)
+  assert policy.choose(5) == (4, 8)  # stale after 4 ticks: measured again
+  policy.observe(4, 8, steps=1, seconds=1.0, passes=8, committed=8)  # now 1 token a step
+  assert policy.tokens_per_step[4] == pytest.approx(0.7 * 3 + 0.3 * 1)
+  fixed = SpeculationPolicy((4,), (4,))
+  assert fixed.choose(3) == (4, 4) and fixed.chosen[(4, 4)] == 1
+  assert default_row_buckets(64) == (4, 16) and default_row_buckets(2) == (1,)
+
+
+def test_speculation_config_is_checked(target):
+  with pytest.raises(ConfigError, match="speculation must be"):
+    EngineConfig(speculation="adaptive")
+  with pytest.raises(ConfigError, match="needs speculation='auto'"):
+    EngineConfig(speculation_budgets=(2,))
+  with pytest.raises(ConfigError, match="row_buckets"):
+    EngineConfig(batch_size=4, row_buckets=(8,))
+  with pytest.raises(ConfigError, match="needs a drafter"):
+    SpecEngine(target, None, EngineConfig(speculation="auto"))
+  draft = jaxspec.load_drafter("jaxspec/assets/draft", target)
+  with pytest.raises(ConfigError, match="must propose every step"):
+    SpecEngine(target, draft, EngineConfig(speculation="auto", speculation_budgets=(0,)))
