@@ -975,15 +975,18 @@ class SpecEngine:
     return cfg.num_pages * cfg.page_size * self._prefix_width * itemsize
 
   def compile_counts(self) -> dict[str, int]:
-    """How many programs each jitted function holds (one per shape bucket)."""
-    return {
+    """How many programs each jitted function holds (one per shape bucket; "loop" counts
+    every speculation budget's, "row_loop" every budget's on row buckets, when there are)."""
+    counts = {
       "prefill": self._prefill._cache_size(),
       "loop": sum(f._cache_size() for f in self._loops.values()),
-      "row_loop": sum(f._cache_size() for f in self._row_loops.values()),
       "insert": 0 if self._insert is None else self._insert._cache_size(),
       "evict": self._evict._cache_size(),
       "set_page_table": self._set_pages._cache_size(),
     }
+    if len(self.row_buckets) > 1:
+      counts["row_loop"] = sum(f._cache_size() for f in self._row_loops.values())
+    return counts
 
   def _abstract_state(self, batch: int) -> SpecState:
     """The SpecState a prefill of `batch` rows returns, as shapes (nothing runs; traced once
