@@ -9,6 +9,8 @@ alone), preemption must happen and be counted, and nothing may compile while ser
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -182,3 +184,23 @@ def test_paging_config_is_checked(target):
     engine.set_page_table(state, np.zeros((2, 3), np.int32))
   with pytest.raises(InputError, match="page ids"):
     engine.set_page_table(state, np.full((2, 4), 9, np.int32))
+
+
+def test_pallas_kernel_reads_pages(target):
+  """attention_impl="pallas" on a paged engine: the kernel reads the pool through the page
+  table in place (interpret mode on CPU) and generates what the XLA reader generates; pages
+  it cannot read (not a power of two ≥ 16 slots) are refused with the reason."""
+  drafter = jaxspec.load_drafter("jaxspec/assets/eagle3", target)
+  ids = target.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
+  prompts, config = [ids, ids[:9]], EngineConfig(max_len=64, batch_size=2, page_size=16)
+  outputs = [
+    SpecEngine(target.with_options(attention_impl=impl), drafter, config)
+    .generate(prompts, max_new_tokens=8, temperature=0.0)
+    .tokens
+    for impl in ("xla", "pallas")
+  ]
+  assert outputs[0] == outputs[1]
+  small = dataclasses.replace(config, page_size=8)
+  engine = SpecEngine(target.with_options(attention_impl="pallas"), drafter, small)
+  with pytest.raises(ConfigError, match="pages of 8 slots"):
+    engine.generate(prompts, max_new_tokens=2)

@@ -22,6 +22,7 @@ from pallas_kernels.tree_attention import (
   tree_attention_partials,
   tree_attention_reference,
 )
+from pallas_kernels.tree_attention import reference
 
 _build_tree = jax.jit(build_tree, static_argnums=2)  # one compile, not one per eager op
 
@@ -301,3 +302,38 @@ def test_mask_kinds(kind):
     assert not np.allclose(
       np.asarray(got), np.asarray(tree_attention_reference(q, k, v, start, None)), **TOL
     )
+
+
+def test_paged_pools_read_through_the_page_table():
+  """Pools [L, P, page, K, D] and a page table that scatters each sequence's pages over the
+  pool: the kernel (float and FP8, tree and causal masks, tiles smaller than a page, verify
+  blocks that cross pages) equals the reference over the contiguous cache the table describes.
+  A table with two sequences swapped fails it."""
+  rng = np.random.default_rng(70)
+  batch, t, page, width, pages = 2, 5, 16, 4, 11  # 64 logical slots per sequence
+  q = jnp.asarray(rng.normal(size=(batch, t, 4, 8)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(2, pages, page, 2, 8)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(2, pages, page, 2, 8)), jnp.float32)
+  table = jnp.asarray(rng.permutation(pages)[: batch * width].reshape(batch, width), jnp.int32)
+  table = table.at[0, 3].set(pages)  # unmapped: past sequence 0's live length
+  start = jnp.array([14, 44], jnp.int32)  # sequence 0's block crosses its first page
+  layer = jnp.int32(1)
+  for mask in (_tree_masks(rng, batch, t), None):
+    got = tree_attention(
+      q, k, v, start, mask, impl="pallas", interpret=True, block_k=16, num_splits=2,
+      layer=layer, page_table=table,
+    )  # fmt: skip
+    want = tree_attention(q, k, v, start, mask, impl="xla", layer=layer, page_table=table)
+    _close(got, want)
+    flat_k, flat_v = (reference.gather_pages(x, table, True) for x in (k, v))
+    _close(got, tree_attention_reference(q, flat_k, flat_v, start, mask, layer=layer))
+  swapped = tree_attention(q, k, v, start, None, impl="xla", layer=layer, page_table=table[::-1])
+  assert not np.allclose(np.asarray(got), np.asarray(swapped), **TOL)
+  k8, ks = _fp8(rng, k)
+  v8, vs = _fp8(rng, v)
+  fp8 = dict(layer=layer, k_scale=ks, v_scale=vs, page_table=table)
+  got = tree_attention(q, k8, v8, start, None, impl="pallas", interpret=True, block_k=16, **fp8)
+  _close(got, tree_attention(q, k8, v8, start, None, impl="xla", **fp8))
+  with pytest.raises(ValueError, match="power of two"):
+    tree_attention_pallas(q, k[:, :, :12], v[:, :, :12], start, None, interpret=True,
+                          layer=layer, page_table=table)  # fmt: skip

@@ -218,8 +218,11 @@ def attend_pallas(
 
   operands = kv.kernel_operands()  # k, v (and FP8 scales) as the kernel reads them
   if operands is None:
+    pages = getattr(kv, "page_size", 0)
+    why = f" with pages of {pages} slots (it reads pages of a power of two ≥ 16)" if pages else ""
     raise ConfigError(
-      f"the Pallas attention kernel does not read {kv.format} caches; use attention_impl='xla'"
+      f"the Pallas attention kernel does not read {kv.format} caches{why}; use "
+      "attention_impl='xla'"
     )
 
   def kernel(interpret: bool) -> jax.Array:

@@ -156,9 +156,14 @@ class PagedKV(FullLengthKV):
     copy = lambda x, s: x.at[:, dst].set(jnp.take(s, src, axis=1, mode="clip"), mode="drop")
     return self.replace(pool=jax.tree_util.tree_map(copy, self.pool, source.pool))
 
-  def kernel_operands(self) -> None:
-    """The Pallas kernel reads contiguous caches only (paged reads: the XLA reader)."""
-    return None
+  def kernel_operands(self) -> dict | None:
+    """The pool's operands and the page table: the Pallas kernel reads the pages in place
+    when they hold a power of two ≥ 16 slots (its tile never crosses a page); None otherwise,
+    and for storage it does not read (Q4_0)."""
+    ops, size = self.pool.kernel_operands(), self.page_size
+    if ops is None or size < 16 or size & (size - 1):
+      return None
+    return dict(ops, page_table=self.table)
 
 
 def identity_table(batch: int, width: int, num_pages: int) -> jax.Array:

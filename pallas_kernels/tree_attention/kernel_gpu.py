@@ -25,6 +25,14 @@ padded (except a toy cache shorter than 16 slots): the last tile is loaded from 
 and its slots already seen by the previous tile are masked out. V rows of slots that are not live
 (>= start + T) are zeroed before p @ v, so stale cache contents (even NaN) never reach the result.
 
+Paged caches: with `page_table` [B, W] (int32 pool page ids) k, v are page pools [L, P, page, K,
+D] (or [P, page, K, D]) and a sequence's logical slot s lives in slot s mod page of pool page
+page_table[b, s // page]. The tile is then at most a page and divides it (page a power of two
+>= 16), so a tile never crosses a page: the program reads the tile's page id from the table
+(a full-array operand, like `layer`) and loads `k_ref[layer, page, pl.ds(s mod page,
+block_k), :]`. An id past the pool (unmapped) is clamped: only slots past a sequence's live
+length, which are masked, may sit on one.
+
 FP8: with k_scale / v_scale ([B, S, K] or [L, B, S, K] float32) the cache holds float8_e4m3fn and
 each tile is dequantized in the kernel, k.astype(f32) * k_scale[slot, None].
 
@@ -55,10 +63,23 @@ from pallas_kernels.tree_attention.reference import MASK_VALUE
 DEFAULT_SPLIT_LEN = 512  # auto num_splits = ceil(S / DEFAULT_SPLIT_LEN)
 
 
-def _kernel(*refs, scale, block_len, block_k, cache_len, tiles_per_split, causal, k_quant, v_quant):
+def _kernel(
+  *refs,
+  scale,
+  block_len,
+  block_k,
+  cache_len,
+  tiles_per_split,
+  causal,
+  k_quant,
+  v_quant,
+  page_size=0,
+  num_pages=0,
+):
   refs = list(refs)
   layer_ref, start_ref, q_ref, k_ref, v_ref = refs[:5]
   del refs[:5]
+  table_ref = refs.pop(0) if page_size else None
   ks_ref = refs.pop(0) if k_quant else None
   vs_ref = refs.pop(0) if v_quant else None
   mask_ref = None if causal else refs.pop(0)
@@ -84,12 +105,16 @@ def _kernel(*refs, scale, block_len, block_k, cache_len, tiles_per_split, causal
     m, l, acc = carry
     first = j * block_k  # the tile's slots are first..first+block_k-1, clipped to S
     off = jnp.minimum(first, cache_len - block_k)  # the last tile is loaded from S − block_k
-    k = k_ref[layer, pl.ds(off, block_k), :].astype(jnp.float32)  # [bk, D]
-    v = v_ref[layer, pl.ds(off, block_k), :].astype(jnp.float32)
+    where = (layer, pl.ds(off, block_k))
+    if page_size:  # the tile's page (S is whole pages: the tile is never clamped)
+      page = jnp.minimum(table_ref[b, off // page_size], num_pages - 1)
+      where = (layer, page, pl.ds(off % page_size, block_k))
+    k = k_ref[where + (slice(None),)].astype(jnp.float32)  # [bk, D]
+    v = v_ref[where + (slice(None),)].astype(jnp.float32)
     if k_quant:
-      k = k * ks_ref[layer, pl.ds(off, block_k)][:, None]
+      k = k * ks_ref[where][:, None]
     if v_quant:
-      v = v * vs_ref[layer, pl.ds(off, block_k)][:, None]
+      v = v * vs_ref[where][:, None]
     # Slots past the block may hold stale values (NaN for FP8): 0 * NaN must not reach acc.
     v_slot = off + slot_1d
     v = jnp.where((v_slot >= first) & (v_slot < live_end), v, 0.0)
@@ -184,8 +209,10 @@ def tree_attention_pallas(
   v_scale: jax.Array | None = None,
   num_splits: int | None = None,
   split_len: int = DEFAULT_SPLIT_LEN,
+  page_table: jax.Array | None = None,
 ) -> jax.Array:
-  """Same contract as `reference.tree_attention_reference`.
+  """Same contract as `reference.tree_attention_reference` (`page_table`: paged pools, see the
+  module docstring).
 
   q [B, T, H, D]; k, v [B, S, K, D] or stacked [L, B, S, K, D] with `layer` (int32 scalar, may
   be traced; clamped into [0, L)); optional FP8 scales k_scale / v_scale [B, S, K] or
@@ -211,6 +238,7 @@ def tree_attention_pallas(
     v_scale=v_scale,
     num_splits=num_splits,
     split_len=split_len,
+    page_table=page_table,
   )
   kv_heads = k.shape[-2]
   group = h // kv_heads
@@ -235,6 +263,7 @@ def tree_attention_partials(
   v_scale: jax.Array | None = None,
   num_splits: int | None = None,
   split_len: int = DEFAULT_SPLIT_LEN,
+  page_table: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The kernel's per-split partials (m, l, acc), before `combine_splits`.
 
@@ -254,6 +283,14 @@ def tree_attention_partials(
   n_layers, s_len, kv_heads = k.shape[0], k.shape[2], k.shape[3]
   if v.shape != k.shape:
     raise ValueError(f"k {k.shape} and v {v.shape} differ")
+  page_size = num_pages = 0
+  if page_table is not None:  # k, v are pools [L, P, page, K, D]: S is the table's width
+    num_pages, page_size = k.shape[1], k.shape[2]
+    if page_size < 16 or page_size & (page_size - 1):
+      raise ValueError(f"page size {page_size}: the paged kernel needs a power of two >= 16")
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+      raise ValueError(f"page_table {page_table.shape}; expected [B={b}, pages per sequence]")
+    s_len = page_table.shape[1] * page_size
   if h % kv_heads:
     raise ValueError(f"{h} query heads are not a multiple of {kv_heads} KV heads")
   group = h // kv_heads
@@ -266,7 +303,7 @@ def tree_attention_partials(
   if block_k < 16 or block_k & (block_k - 1):
     raise ValueError(f"block_k={block_k} must be a power of two >= 16")
   scales = [k_scale, v_scale]
-  if s_len < 16:  # toy cache: pad (a copy) to one 16-slot tile
+  if s_len < 16 and not page_size:  # toy cache: pad (a copy) to one 16-slot tile
     pad = 16 - s_len
     k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
@@ -275,7 +312,7 @@ def tree_attention_partials(
       for x in scales
     ]
     s_len = 16
-  block_k = min(block_k, _pow2_at_most(s_len))
+  block_k = min(block_k, _pow2_at_most(s_len), page_size or s_len)
   n_tiles = -(-s_len // block_k)
   if num_splits is None:
     num_splits = choose_num_splits(s_len, block_k, split_len)
@@ -292,6 +329,10 @@ def tree_attention_partials(
   row_spec = lambda *shape: pl.BlockSpec(shape, lambda i, j, s: (i, j) + (0,) * (len(shape) - 2))
   kv_spec = pl.BlockSpec((n_layers, None, s_len, None, d), lambda i, j, s: (0, i, 0, j, 0))
   scale_spec = pl.BlockSpec((n_layers, None, s_len, None), lambda i, j, s: (0, i, 0, j))
+  if page_size:  # the whole pool of this KV head: pages are picked in the kernel
+    pool = (n_layers, num_pages, page_size)
+    kv_spec = pl.BlockSpec(pool + (None, d), lambda i, j, s: (0, 0, 0, j, 0))
+    scale_spec = pl.BlockSpec(pool + (None,), lambda i, j, s: (0, 0, 0, j))
   in_specs = [
     pl.BlockSpec((1,), lambda i, j, s: (0,)),  # layer
     pl.BlockSpec((b,), lambda i, j, s: (0,)),  # start
@@ -300,6 +341,9 @@ def tree_attention_partials(
     kv_spec,
   ]
   operands = [layer_arr, start.astype(jnp.int32), qr, k, v]
+  if page_size:
+    in_specs.append(pl.BlockSpec(page_table.shape, lambda i, j, s: (0, 0)))
+    operands.append(page_table.astype(jnp.int32))
   for name, x in zip(("k_scale", "v_scale"), scales):
     if x is not None:
       x = _as_stack(x, 3, stacked, name)
@@ -334,6 +378,8 @@ def tree_attention_partials(
     causal=causal,
     k_quant=k_scale is not None,
     v_quant=v_scale is not None,
+    page_size=page_size,
+    num_pages=num_pages,
   )
   part = (b, kv_heads, num_splits, rows)
   return pl.pallas_call(

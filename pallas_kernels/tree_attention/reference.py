@@ -114,3 +114,12 @@ def tree_attention_reference(
     "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
   )
   return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def gather_pages(pool: jax.Array, page_table: jax.Array, stacked: bool) -> jax.Array:
+  """A paged pool [L, P, page, ...] (stacked; else [P, page, ...]) as the contiguous cache its
+  page table [B, W] describes: [L, B, W · page, ...] (or [B, W · page, ...]); unmapped ids
+  (≥ P) read zeros. The reference the paged kernel is checked against."""
+  axis = int(stacked)
+  pages = jnp.take(pool, page_table, axis=axis, mode="fill", fill_value=0)  # [.., B, W, page, ..]
+  return pages.reshape(pages.shape[: axis + 1] + (-1,) + pages.shape[axis + 3 :])
