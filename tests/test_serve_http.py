@@ -177,6 +177,28 @@ def test_n_choices_each_equal_their_seeds_single_request(client, server, schedul
   assert [c.index for c in chat.choices] == [0, 1]
 
 
+def test_best_of_returns_the_most_likely_candidates(client, scheduler):
+  """best_of = 3, n = 2: the three candidates are n = 3's choices (one prefill); the two with
+  the highest mean log-prob per token come back, best first, without log-probs nobody asked
+  for; usage counts every candidate. Streaming it, or best_of < n, is refused."""
+  kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.9)
+  out = client.completions.create(n=2, best_of=3, seed=5, **kw)
+  singles = [
+    client.completions.create(seed=scheduler_lib.choice_seed(5, i), logprobs=1, **kw)
+    for i in range(3)
+  ]
+  means = [math.fsum(s.choices[0].logprobs.token_logprobs) / len(s.choices[0].logprobs.tokens)
+           for s in singles]  # fmt: skip
+  best = sorted(range(3), key=lambda i: -means[i])[:2]
+  assert [c.text for c in out.choices] == [singles[i].choices[0].text for i in best]
+  assert [c.index for c in out.choices] == [0, 1] and out.choices[0].logprobs is None
+  assert out.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+  with pytest.raises(openai.BadRequestError, match="streamed"):
+    client.completions.create(n=1, best_of=2, stream=True, **kw)
+  with pytest.raises(openai.BadRequestError, match="at least n"):
+    client.completions.create(n=2, best_of=1, **kw)
+
+
 def test_chat_uses_the_template(client):
   messages = [{"role": "user", "content": "hi"}]
   out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)

@@ -135,6 +135,8 @@ class _Job:
   stream_wanted: bool
   include_usage: bool
   index: int = 0  # the choice (n > 1: one job per choice)
+  keep: int = 1  # choices returned: n (best_of > n samples more and keeps the best n)
+  score: float = float("-inf")  # best_of: the choice's mean log-prob per token, once collected
   finished: bool = False  # the scheduler's stream ended (or a stop string ended the request)
 
   def release(self) -> None:
@@ -208,16 +210,21 @@ class _Server:
   def submit(
     self, ids: list[int], options: SamplingOptions, req: Any, **job: Any
   ) -> list[_Job]:
-    """The request's jobs: one per choice (`n`), submitted together (one prefill)."""
-    if req.n > self.scheduler.slots:
+    """The request's jobs: one per choice (`n`, or best_of candidates), submitted together
+    (one prefill)."""
+    count = getattr(req, "candidates", req.n)
+    if count > self.scheduler.slots:
+      name = "best_of" if count > req.n else "n"
       raise ApiError(
         400,
-        f"n={req.n}: this server samples 1 to {self.scheduler.slots} choices (its slots)",
+        f"{name}={count}: this server samples 1 to {self.scheduler.slots} choices (its slots)",
         "invalid_request_error",
-        "n",
+        name,
       )
+    if count > req.n:  # best_of ranks the candidates by their log-probs
+      options = dataclasses.replace(options, logprobs=True)
     try:
-      handles = self.scheduler.submit_n(ids, options, req.n)
+      handles = self.scheduler.submit_n(ids, options, count)
     except QueueFull as e:
       raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full")
     except SchedulerClosed as e:
@@ -232,10 +239,11 @@ class _Server:
         handle,
         text.TextStream(self.tokenizer, ids, req.stop_strings, logprobs=options.logprobs),
         created=created,
-        logprobs=options.logprobs,
+        logprobs=req.want_logprobs,
         stream_wanted=req.stream,
         include_usage=req.include_usage,
         index=i,
+        keep=req.n,
         **job,
       )
       for i, handle in enumerate(handles)
@@ -350,15 +358,24 @@ class _Server:
       lps += piece.logprobs or []
       offsets += piece.offsets
     whole = text.Piece("".join(parts), ids, lps, offsets)
+    if lps:  # best_of's ranking: the mean log-prob per token (values, or (value, top) pairs)
+      values = [v[0] if isinstance(v, tuple) else v for v in lps]
+      job.score = sum(values) / len(values)
     args = (job.rid, job.created, self.model_name, whole.text, finish, self.logprobs(job, whole))
     build = protocol.chat_completion if job.chat else protocol.completion
     return _indexed(build(*args, self.usage([job])), job.index)
 
   async def collect_all(self, jobs: list[_Job]) -> dict[str, Any]:
-    """The whole response of a non-streaming request: every choice, in order of index."""
+    """The whole response of a non-streaming request: every choice, in order of index; with
+    best_of > n, the n candidates of the highest mean log-prob per token, best first (usage
+    counts every candidate, as OpenAI bills them)."""
     replies = await asyncio.gather(*(self.collect(job) for job in jobs))
+    choices = [r["choices"][0] for r in replies]
+    if len(jobs) > jobs[0].keep:
+      best = sorted(range(len(jobs)), key=lambda i: -jobs[i].score)[: jobs[0].keep]
+      choices = [dict(choices[i], index=rank) for rank, i in enumerate(best)]
     reply = replies[0]
-    reply["choices"] = [r["choices"][0] for r in replies]
+    reply["choices"] = choices
     reply["usage"] = self.usage(jobs)
     return reply
 

@@ -2,7 +2,7 @@
 
 Requests are pydantic models that accept what OpenAI's API accepts for the parameters jaxspec
 implements, ignore fields they do not know (as OpenAI does), and refuse a parameter they know
-but cannot honour (echo, best_of, tools, ...) with a message
+but cannot honour (echo, tools, ...) with a message
 naming it, rather than silently serving something else. Extensions, as vLLM spells them:
 `top_k` and `stop_token_ids`.
 
@@ -131,7 +131,16 @@ class CompletionRequest(_Common):
   @pydantic.model_validator(mode="after")
   def _completion_supported(self) -> CompletionRequest:
     _need(not self.echo, "echo", "echo=true is not supported")
-    _need(self.best_of in (None, 1), "best_of", "best_of > 1 is not supported")
+    _need(
+      self.best_of is None or self.best_of >= self.n,
+      "best_of",
+      f"best_of={self.best_of} must be at least n={self.n}",
+    )
+    _need(
+      not (self.stream and self.candidates > self.n),
+      "best_of",
+      "best_of > n cannot be streamed (the best choices are known only at the end)",
+    )
     _need(self.suffix is None, "suffix", "suffix is not supported")
     _need(
       self.logprobs is None or self.logprobs <= 5,
@@ -139,6 +148,12 @@ class CompletionRequest(_Common):
       f"logprobs={self.logprobs}: at most 5 alternatives per token (as OpenAI)",
     )
     return self
+
+  @property
+  def candidates(self) -> int:
+    """Completions sampled: best_of (the n with the highest log-probability per token are
+    returned), else n."""
+    return max(self.best_of or 1, self.n)
 
   def prompt_input(self) -> str | list[int]:
     """The one prompt: text or token ids (a one-element list of either is unwrapped)."""
