@@ -154,6 +154,5 @@ def hide_cached(state: DecodingState, count: jax.Array) -> DecodingState:
   """The rows' first `count` logical pages unmapped: a one-row state that only read them
   (cached) does not copy them back when it is inserted (`PagedKV.adopt_row`)."""
   table = state.page_table
-  num_pages = next(s.num_pages for s in state.segments if isinstance(s, PagedKV))
   cached = jnp.arange(table.shape[1], dtype=jnp.int32)[None] < count
-  return state.with_page_table(jnp.where(cached, num_pages, table))
+  return state.with_page_table(jnp.where(cached, state.unmapped_page, table))

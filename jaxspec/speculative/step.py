@@ -38,7 +38,7 @@ from jaxspec.speculative import metrics, verifiers
 from jaxspec.speculative import prefix as prefix_lib
 from jaxspec.speculative.placement import laid_out
 from jaxspec.speculative.verifiers import Accepted, Verifier
-from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState, PagedKV, Paging, logical_axes
+from jaxspec.state import DEFAULT_SLACK, ROW_AXES, DecodingState, Paging, logical_axes
 
 
 @flax.struct.dataclass
@@ -549,8 +549,8 @@ def run_rows(
   sub = jax.tree_util.tree_map(take, axes, state, is_leaf=lambda x: x is None)
   sub = sub.replace(done=sub.done | ~valid)
   if sub.target_state.paged:  # a padding row writes nothing (it may copy a live row)
-    nothing = next(s.num_pages for s in sub.target_state.segments if isinstance(s, PagedKV))
-    table = jnp.where(valid[:, None], sub.target_state.page_table, nothing)
+    unmapped = sub.target_state.unmapped_page
+    table = jnp.where(valid[:, None], sub.target_state.page_table, unmapped)
     sub = sub.replace(target_state=sub.target_state.with_page_table(table))
   sub = run_loop(config, drafter, target_params, drafter_params, sub, max_steps, verifier)
   back = jnp.where(valid, rows, state.tokens.shape[0])  # padding: dropped

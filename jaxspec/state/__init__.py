@@ -244,6 +244,11 @@ class DecodingState:
     """The rows' page tables [B, W] (every paged entry holds the same one), or None."""
     return next((s.table for s in self.segments if isinstance(s, PagedKV)), None)
 
+  @property
+  def unmapped_page(self) -> int:
+    """The page id that names no page (the pool's size: every paged entry has the same)."""
+    return next(s.num_pages for s in self.segments if isinstance(s, PagedKV))
+
   def load_pages(self, source: "DecodingState", pages: jax.Array) -> "DecodingState":
     """Every paged entry's rows with logical page j read from `source`'s pool page
     pages[b, j] (`PagedKV.load_pages`: a cached prompt prefix); other entries unchanged."""
