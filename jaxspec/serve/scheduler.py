@@ -447,7 +447,7 @@ class Scheduler:
       RequestHandle(self, ids, dataclasses.replace(options, seed=choice_seed(base, i)))
       for i in range(n)
     ]
-    if self._pages is not None and self._group_pages(handles) > self._pages.num_pages:
+    if self._pages is not None and self._first_pages(handles)[2] > self._pages.num_pages:
       raise InputError(f"n={n}: the choices' first pages do not fit the KV pool")
     for h in handles:
       h.group = handles
@@ -473,10 +473,6 @@ class Scheduler:
     hits = self._pages.lookup(prompt)
     taken = pages - len(hits) + sum(self._pages.idle(p) for p in hits)
     return reach, shared, taken + (len(handles) - 1) * (pages - shared), hits
-
-  def _group_pages(self, handles: list[RequestHandle]) -> int:
-    """Free pages a group's admission takes from the pool (`_first_pages`)."""
-    return self._first_pages(handles)[2]
 
   def metrics(self) -> dict[str, float]:
     """Counters and gauges for /metrics."""
@@ -679,9 +675,10 @@ class Scheduler:
           busy = admitted or any(
             s is not None and i not in leaving for i, s in enumerate(self._active)
           )
-          if self._group_pages(members) + (reserve if busy else 0) > self._pages.free:
+          first = self._first_pages(members)
+          if first[2] + (reserve if busy else 0) > self._pages.free:
             break
-          hits = self._take_pages(slots, members)
+          hits = self._take_pages(slots, first)
         else:
           hits = []
         del free[: len(members)]
@@ -691,11 +688,12 @@ class Scheduler:
           h.group = None  # from here on, a request of its own
     return admitted
 
-  def _take_pages(self, slots: list[int], members: list[RequestHandle]) -> list[int]:
+  def _take_pages(self, slots: list[int], first: tuple[int, int, int, list[int]]) -> list[int]:
     """The first tick's pages of newly admitted rows, which the pool has (`_admit` checked):
     the first row holds the cached pages its prompt starts with, the other choices of a group
-    share the first one's full prompt pages. Returns the cached pages."""
-    reach, shared, _, hits = self._first_pages(members)
+    share the first one's full prompt pages (`first`: their `_first_pages`). Returns the cached
+    pages."""
+    reach, shared, _, hits = first
     self._pages.attach(slots[0], hits)
     for i, slot in enumerate(slots):
       if i:

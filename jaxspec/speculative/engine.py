@@ -546,6 +546,11 @@ class SpecEngine:
     ids, stop_ids = self._checked(request, b)
     longest = max(len(p) for p in ids)
     skip = 0 if prefix is None else int(prefix.count) * cfg.page_size  # cached positions
+    if skip > longest - 1:
+      raise InputError(
+        f"prefill_cached: {skip // cfg.page_size} cached pages of {cfg.page_size} for a prompt "
+        f"of {longest} tokens (its last position must be prefilled)"
+      )
     # Short prompts: one chunk of the prompt's bucket (one compilation per bucket); long ones:
     # chunks of prefill_chunk (one compilation for every length).
     rest = longest - skip
@@ -823,12 +828,8 @@ class SpecEngine:
     group = not isinstance(arguments, SamplingArgs)
     request, n = self._group_request(prompt, arguments if group else [arguments])
     pages = [int(p) for p in pages]
-    length = len(self._encode(request)[0])
-    if len(pages) * cfg.page_size > length - 1 or not all(0 <= p < cfg.num_pages for p in pages):
-      raise InputError(
-        f"prefill_cached: {len(pages)} cached pages of {cfg.page_size} for a prompt of {length} "
-        f"tokens (its last position must be prefilled; page ids in [0, {cfg.num_pages}))"
-      )
+    if not all(0 <= p < cfg.num_pages for p in pages):
+      raise InputError(f"prefill_cached: page ids must be in [0, {cfg.num_pages}), got {pages}")
     table = np.full((cfg.pages_per_row,), cfg.num_pages, np.int32)
     table[: len(pages)] = pages
     prefix = prefix_lib.CachedPrefix(
@@ -971,8 +972,9 @@ class SpecEngine:
     """Bytes of the target features kept per pool position for cached prefixes
     (`SpecState.prefix_features`; 0 without a prefix cache or a drafter that reads them)."""
     cfg = self.config
-    itemsize = np.dtype(self.target.config.dtype).itemsize
-    return cfg.num_pages * cfg.page_size * self._prefix_width * itemsize
+    paging, width = cfg.paging(cfg.batch_size), self._prefix_width
+    target = self.target.config
+    return memory.prefix_feature_bytes(target, cfg.batch_size, cfg.max_len, paging, width)
 
   def compile_counts(self) -> dict[str, int]:
     """How many programs each jitted function holds (one per shape bucket; "loop" counts

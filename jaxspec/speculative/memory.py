@@ -155,11 +155,7 @@ def engine_plan(
   target features kept per pool position for cached prefixes (speculative/prefix.py), counted
   with the buffers.
   """
-  features = 0
-  if paging is not None and prefix_width:
-    pages = paging.num_pages or batch * max_len // paging.page_size
-    itemsize = np.dtype(target.config.dtype).itemsize
-    features = pages * paging.page_size * prefix_width * itemsize
+  features = prefix_feature_bytes(target.config, batch, max_len, paging, prefix_width)
   return MemoryPlan(
     weights=tree_bytes(target.params) + (tree_bytes(drafter.params) if drafter else 0),
     target_state=decoding_state_bytes(target.config, batch, max_len, kv_format, slack, paging),
@@ -167,6 +163,17 @@ def engine_plan(
     buffers=batch * max_len * np.dtype(np.int32).itemsize + features,
     free=free_bytes(_devices_of(target.params)),
   )
+
+
+def prefix_feature_bytes(
+  config: Any, batch: int, max_len: int, paging: Optional[Paging], width: int
+) -> int:
+  """Bytes of the target features a prefix cache keeps per pool position (`width` values of
+  the activation dtype each; `SpecState.prefix_features`); 0 without paging or width."""
+  if paging is None or not width:
+    return 0
+  pages = paging.num_pages or batch * max_len // paging.page_size
+  return pages * paging.page_size * width * np.dtype(config.dtype).itemsize
 
 
 def check_fits(plan: MemoryPlan, batch: int, max_len: int, kv_format: str) -> None:

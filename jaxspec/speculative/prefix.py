@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxspec.drafters.base import Drafter, PrefillContext
 from jaxspec.state import DecodingState, PagedKV, Paging
-from jaxspec.state.paged import page_slots
+from jaxspec.state.paged import copy_pages, page_slots
 
 FEATURE_AXES = ("pages", None, None)  # SpecState.prefix_features [P, page_size, F]
 
@@ -120,10 +120,7 @@ def adopt(
 ) -> jax.Array:
   """A one-row state's feature pages (its table row_table [W]) copied to the pages of a slot
   (slot_table [W]); pages the row does not map (cached ones it only read) are not copied."""
-  mapped = row_table < row_features.shape[0]
-  dst = jnp.where(mapped, slot_table, features.shape[0])
-  src = jnp.take(row_features, row_table, axis=0, mode="clip")
-  return features.at[dst].set(src.astype(features.dtype), mode="drop")
+  return copy_pages(features, slot_table, row_features, row_table, axis=0)
 
 
 def absorb(

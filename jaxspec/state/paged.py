@@ -140,20 +140,17 @@ class PagedKV(FullLengthKV):
     table maps; the rest dropped): (entry, the row as it now stands in this entry)."""
     if row.table.shape != (1, self.table.shape[1]) or row.page_size != self.page_size:
       raise ConfigError("adopt_row: the row's page geometry differs from the entry's")
-    src, table = row.table[0], jnp.take(self.table, slot, axis=0)
+    table = jnp.take(self.table, slot, axis=0)
     # A page the row does not map (a cached prefix page it only read) is not copied.
-    dst = jnp.where(src < row.num_pages, table, self.num_pages)
-    copy = lambda x, r: x.at[:, dst].set(jnp.take(r, src, axis=1, mode="clip"), mode="drop")
+    copy = lambda x, r: copy_pages(x, table, r, row.table[0], axis=1)
     pool = jax.tree_util.tree_map(copy, self.pool, row.pool)
     return self.replace(pool=pool), row.replace(table=table[None], pool=pool)
 
   def load_pages(self, source: "PagedKV", pages: jax.Array) -> "PagedKV":
     """Each row's logical page j ← page pages[b, j] of `source`'s pool (a cached prefix, read
     before a prefill continues after it); entries ≥ source's page count load nothing."""
-    src = jnp.asarray(pages, jnp.int32)
-    dst = jnp.where(src < source.num_pages, self.table, self.num_pages).reshape(-1)
-    src = src.reshape(-1)
-    copy = lambda x, s: x.at[:, dst].set(jnp.take(s, src, axis=1, mode="clip"), mode="drop")
+    src, dst = jnp.asarray(pages, jnp.int32).reshape(-1), self.table.reshape(-1)
+    copy = lambda x, s: copy_pages(x, dst, s, src, axis=1)
     return self.replace(pool=jax.tree_util.tree_map(copy, self.pool, source.pool))
 
   def kernel_operands(self) -> dict | None:
@@ -164,6 +161,17 @@ class PagedKV(FullLengthKV):
     if ops is None or size < 16 or size & (size - 1):
       return None
     return dict(ops, page_table=self.table)
+
+
+def copy_pages(
+  into: jax.Array, into_pages: jax.Array, source: jax.Array, source_pages: jax.Array, axis: int
+) -> jax.Array:
+  """`into` with its pages into_pages [N] ← `source`'s pages source_pages [N], pages along
+  `axis` of both; a source id past source's pages (unmapped) copies nothing, as does a
+  destination id past into's."""
+  dst = jnp.where(source_pages < source.shape[axis], into_pages, into.shape[axis])
+  values = jnp.take(source, source_pages, axis=axis, mode="clip").astype(into.dtype)
+  return into.at[(slice(None),) * axis + (dst,)].set(values, mode="drop")
 
 
 def identity_table(batch: int, width: int, num_pages: int) -> jax.Array:
