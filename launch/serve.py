@@ -46,8 +46,8 @@ common_flags.define_kv_format()
 flags.DEFINE_integer(
   "page_size",
   0,
-  "Paged K/V: positions per page of the full-attention K/V pool (0: every slot reserves "
-  "max_len positions); must divide --max_len.",
+  "Paged K/V: positions per page of the pool that holds full-attention K/V (MLA: latents "
+  "and DSA indexer keys) (0: every slot reserves max_len positions); must divide --max_len.",
   lower_bound=0,
 )
 flags.DEFINE_bool(

@@ -1,6 +1,7 @@
 """Multi-head Latent Attention targets (DeepSeek-V3 / Kimi-K2): parity with transformers, the
-absorbed decode form against the expanded one, the latent cache's formats and size, and greedy
-and sampled speculative decoding (MTP, DFlash chain, DFlash + DDTree) on an MLA target."""
+absorbed decode form against the expanded one, the latent cache's formats and size, greedy
+and sampled speculative decoding (MTP, DFlash chain, DFlash + DDTree) on an MLA target, and
+serving a DSA target from paged latents with the prefix cache."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from jaxspec.errors import ConfigError
 from jaxspec.io.hf import load_model
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
+from jaxspec.serve import SamplingOptions, Scheduler
 from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.request import SamplingArgs
 from jaxspec.state import LATENT_FORMATS, DecodingState, LatentKV
 from tests import hf_models, near_ties
 from tests.drafter_models import (
@@ -272,6 +275,48 @@ def test_greedy_speculation_equals_plain(spec_checks, kind, drafter, batch):
   DFlash + DDTree (each tree node's indexer chooses among its ancestors) and EAGLE-3 (taps of
   an MLA target) equal plain decoding."""
   spec_checks(kind, drafter).check(batch, new=16, tree_budget=6 if drafter == "ddtree" else 0)
+
+
+def test_paged_server_with_prefix_cache_equals_plain(spec_checks):
+  """A DSA target with its MTP layer served from paged latents and indexer keys: six requests
+  behind a shared 20-token opening, a pool of 8 pages of 8 for four rows (preemption happens),
+  the prefix cache on. Later requests read the opening's full pages from the cache (the MTP
+  layer absorbs their kept features), and every output equals plain decoding."""
+  check = spec_checks("dsa", "mtp")
+  config = EngineConfig(
+    max_len=48, batch_size=4, use_eos=False, stream_every=2, page_size=8, kv_pages=8,
+    prefix_cache=True,
+  )
+  engine = SpecEngine(check.target, check.drafter, config)
+  rng = np.random.default_rng(4)
+  opening = list(map(int, rng.integers(3, check.target.config.vocab_size, 20)))
+  prompts = [opening + list(map(int, rng.integers(3, 60, 2 + i))) for i in range(6)]
+  # The drafter's state after two cached pages is what a full prefill gives.
+  table = np.full((4, 6), config.kv_pages, np.int32)
+  table[0, :3], table[1, :5] = [0, 1, 2], [0, 1, 3, 4, 5]  # row 1 shares row 0's first two
+  state = engine.set_page_table(engine.empty_state(), table)
+  greedy = SamplingArgs(max_new_tokens=8, temperature=0.0)
+  state = engine.insert(state, 0, engine.prefill_cached(state, prompts[0], greedy))
+  cached = engine.prefill_cached(state, prompts[1], greedy, pages=[0, 1])
+  full = engine.prefill_row(prompts[1], greedy)
+  np.testing.assert_array_equal(cached.tokens, full.tokens)
+  for got, want in zip(jax.tree.leaves(cached.drafter_state), jax.tree.leaves(full.drafter_state)):
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+  options = SamplingOptions(max_tokens=16, temperature=0.0)
+  scheduler = Scheduler(engine, max_queue=8)
+  scheduler.start()
+  try:
+    scheduler.submit(prompts[0], options).result()  # its pages cached before the rest arrive
+    results = [h.result()[0] for h in scheduler.submit_many([(p, options) for p in prompts[1:]])]
+    metrics = scheduler.metrics()
+  finally:
+    scheduler.shutdown(drain=False, timeout=60)
+  assert metrics["prefix_cache_hit_tokens_total"] >= 5 * 16  # two full pages per later request
+  assert metrics["preemptions_total"] >= 1 and metrics["kv_pages_used"] == 0
+  want = check.plain.generate(prompts[1:5], max_new_tokens=16).tokens
+  want += check.plain.generate(prompts[5:], max_new_tokens=16).tokens
+  near_ties.assert_greedy_match(check.target, prompts[1:], want, results)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The same sequence of blocks as tests/test_sliding_kv.py (a padded prefill chunk,
 accepted in part, tree blocks whose path is moved into place) runs over a contiguous state and
 over a paged one whose rows own scattered pages of a pool of 3-slot pages, so every verify
 block crosses a page boundary and no row's pages are in order. Every block's logits must agree
-in each KV format; a broken table (two rows sharing a page) must not.
+in each KV format; a broken table (two rows sharing a page) must not. The same holds for a DSA
+target, whose MLA latents and indexer keys are paged under one table.
 """
 
 from __future__ import annotations
@@ -15,8 +16,20 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import ConfigError
-from jaxspec.state import DecodingState, PagedKV, Paging, SlidingKV
+from jaxspec.io.architectures import config_from_hf
+from jaxspec.models import target as target_lib
+from jaxspec.state import (
+  DEFAULT_SLACK,
+  LATENT_FORMATS,
+  DecodingState,
+  IndexerKeys,
+  PagedKV,
+  Paging,
+  SlidingKV,
+  SparseLatent,
+)
 
+from tests import hf_models
 from tests.test_sliding_kv import B, MAX_LEN, WIDTH, _differs, _run
 from tests.test_sliding_kv import target  # noqa: F401  (the shared module fixture)
 
@@ -94,3 +107,86 @@ def test_adopt_row_copies_pages_into_the_slot(target):  # noqa: F811
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(w[0]))
     assert float(jnp.abs(w[0, :10]).min()) > 0 and float(jnp.abs(w[0, 10:]).max()) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# MLA latents and DSA indexer keys in pages
+# ------------------------------------------------------------------------------------------------
+
+
+def _latent_config():
+  """A GLM-5 shaped DSA target (layers: own indexer, shared indexer, own indexer)."""
+  hf = {**hf_models.DSA_CONFIGS["glm5_dsa_shared"][2], "architectures": ["GlmMoeDsaForCausalLM"]}
+  return config_from_hf(hf).with_options(dtype="float32", param_dtype="float32")
+
+
+@pytest.mark.parametrize("kind", [*LATENT_FORMATS.values(), IndexerKeys])
+def test_paged_latent_and_indexer_storage_equals_contiguous(kind):
+  """Blocks written across page boundaries, a tree path moved: every slot reads back as the
+  contiguous kind's (quantized alike), through a scattered table; unmapped pages read zeros."""
+  config, layers, max_len, page = _latent_config(), 2, 24, 4
+  width = max_len // page
+  num_pages = B * width + 3
+  table = np.random.default_rng(3).permutation(num_pages)[: B * width].reshape(B, width)
+  table[1, -1] = num_pages  # row 1's last page: unmapped
+  paged = PagedKV.create(kind, config, layers, B, max_len, page, num_pages)
+  paged = paged.with_table(jnp.asarray(table, jnp.int32))
+  assert paged.paged_part is paged and paged.num_pages == num_pages
+  contiguous = kind.create(config, layers, B, max_len)
+  probe = contiguous.read(jnp.int32(0), 0, 1)
+  dim = (probe[0] if isinstance(probe, tuple) else probe).shape[2:]
+  noise = lambda i, t: jax.random.normal(jax.random.PRNGKey(i), (B, t, *dim))
+  blocks = [
+    (jnp.asarray([start, start + 1], jnp.int32), noise(i, t))
+    for i, (start, t) in enumerate(((0, 7), (7, 5), (12, 9)))
+  ]
+
+  @jax.jit
+  def exercise(entry):
+    """What each block reads as stored, then every slot of every layer after a tree commit."""
+    stored = []
+    for i, (at, block) in enumerate(blocks):
+      entry, *out = entry.write(jnp.int32(i % layers), at, block)
+      stored.append(out)
+    path = jnp.asarray([[0, 2, 3], [1, 4, 5]], jnp.int32)
+    entry = entry.commit_path(jnp.asarray([5, 9], jnp.int32), path)
+    return stored, [jax.tree.leaves(entry.read(jnp.int32(l), 0, max_len)) for l in range(layers)]
+
+  (want_stored, want), (got_stored, got) = exercise(contiguous), exercise(paged)
+  for w, g in zip(jax.tree.leaves(want_stored), jax.tree.leaves(got_stored)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))  # quantized alike
+  mapped = max_len - page  # row 1's last page is unmapped
+  dropped = 0
+  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    w, g = np.asarray(w), np.asarray(g)
+    np.testing.assert_array_equal(g[0], w[0])
+    np.testing.assert_array_equal(g[1, :mapped], w[1, :mapped])
+    assert not g[1, mapped:].any()
+    dropped += np.count_nonzero(w[1, mapped:])
+  assert dropped  # something was written there, and dropped
+
+
+@pytest.fixture(scope="module")
+def dsa_target():
+  config = _latent_config()
+  model = target_lib.TargetModel.random(config, seed=0)
+  return config, jax.tree_util.tree_map(lambda x: x * 3.0, model.params)
+
+
+def test_paged_dsa_target_equals_contiguous(dsa_target):
+  """A DSA target's latents and indexer keys in scattered 3-slot pages: prefill, chain and tree
+  blocks give a contiguous state's logits (the indexer reads every key through the table); a
+  table whose rows share a page does not."""
+  config, params = dsa_target
+  num_pages = B * PAGES_PER_ROW + 5
+  table = _scattered(num_pages, seed=1)
+  paged = _paged(config, "float", DEFAULT_SLACK, table, num_pages)
+  assert [type(s) for s in paged.segments] == [SparseLatent, PagedKV, SparseLatent]
+  assert paged.paged and paged.unmapped_page == num_pages
+  assert np.array_equal(paged.page_table, table)
+  want = _run(config, params, DecodingState.create(config, B, MAX_LEN))
+  for a, b in zip(_run(config, params, paged), want):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+  table[1, 2] = table[0, 2]  # row 1's third page is row 0's
+  broken = _paged(config, "float", DEFAULT_SLACK, table, num_pages)
+  assert _differs(_run(config, params, broken), want) > 1e-3

@@ -1,7 +1,8 @@
 """Which pool pages each server row owns: the host side of paged K/V (state/paged.py).
 
-The engine's paged K/V (`EngineConfig.page_size`) keeps every full-attention layer's K/V in a
-pool of `num_pages` pages; each row reads and writes through its page table. `PageAllocator`
+The engine's paged K/V (`EngineConfig.page_size`) keeps every full-attention layer's K/V (MLA:
+latents and indexer keys) in a pool of `num_pages` pages; each row reads and writes through
+its page table. `PageAllocator`
 decides those tables on the host: a row gets the pages its text will reach before the next
 read-back (the scheduler asks `grow` each tick) and gives them back when its request ends.
 A page written by a row belongs to that row alone; full pages of a prompt may be shared

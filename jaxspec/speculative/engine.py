@@ -90,8 +90,9 @@ class EngineConfig:
     T × this (1 = the drafter's q; exact for any positive value; < 1 and > 1 measured worse
     on the bundled pair, docs/benchmarks.md).
   page_size: 0 (default): every row reserves max_len slots of every full-attention K/V layer.
-    Else those layers keep their K/V in pages of this many slots from one pool (state/paged.py),
-    each row holding a page table; it must divide max_len.
+    Else those layers keep their K/V (MLA: their latents, and DSA's indexer keys) in pages of
+    this many slots from one pool (state/paged.py), each row holding a page table; it must
+    divide max_len. Sliding-window rings and Gated DeltaNet states stay per row.
   kv_pages: the pool's pages (0: batch_size × max_len / page_size, what contiguous rows would
     hold). A smaller pool serves more rows than it could hold at max_len through the server's
     page allocator (serve/pages.py); `generate` needs the full pool.
@@ -104,7 +105,7 @@ class EngineConfig:
   prefix_cache: paged K/V only: a prompt whose first pages a server has cached (serve/pages.py)
     prefills only the rest (`prefill_cached`); the state keeps, per pool position, the target
     features the drafter's prefill reads (speculative/prefix.py). Refused for targets whose
-    state is not all paged full-attention K/V (sliding windows, Gated DeltaNet, MLA).
+    state is not all in pages (sliding windows, Gated DeltaNet).
   speculation: "fixed" (every step drafts the full γ / tree budget) or "auto": `run` takes a
     per-call budget from `speculation_budgets`, each compiled once on the same state (fewer
     chain drafts, fewer tree nodes, or 0: no proposal that step), which a server picks per

@@ -13,9 +13,9 @@ the rest:
   cached consistently, not rebuilt. A draft model or n-gram drafter reads only tokens and
   keeps no features.
 
-A target whose decoding state is not all paged full-attention K/V (sliding-window rings,
-Gated DeltaNet recurrences, MLA latents) cannot use it: a cached page would not hold its
-prefix state (`why_uncacheable`).
+A target whose decoding state is not all in pages (sliding-window rings, Gated DeltaNet
+recurrences) cannot use it: a cached page would not hold its prefix state
+(`why_uncacheable`). Full-attention K/V, MLA latents and DSA indexer keys are all paged.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.drafters.base import Drafter, PrefillContext
-from jaxspec.state import DecodingState, PagedKV, Paging
+from jaxspec.state import DecodingState, Paging
 from jaxspec.state.paged import copy_pages, page_slots
 
 FEATURE_AXES = ("pages", None, None)  # SpecState.prefix_features [P, page_size, F]
@@ -53,16 +53,16 @@ class CachedPrefix:
 
 def why_uncacheable(config: Any, max_len: int, kv_format: str, page_size: int) -> Optional[str]:
   """Why a target (its ModelConfig) cannot cache prompt prefixes in pages of `page_size`, or
-  None if it can: every entry of its paged decoding state must be `PagedKV`."""
+  None if it can: every entry of its paged decoding state must be in pages (`paged_part`)."""
   state = jax.eval_shape(
     lambda: DecodingState.create(config, 1, max_len, kv_format, paging=Paging(page_size))
   )
-  others = sorted({s.format for s in state.segments if not isinstance(s, PagedKV)})
+  others = sorted({s.format for s in state.segments if s.paged_part is None})
   if not others:
     return None
   return (
     f"the target keeps state that pages cannot hold ({', '.join(others)}); prefix caching "
-    "needs every layer's state in paged full-attention K/V"
+    "needs every layer's state in pages"
   )
 
 

@@ -73,13 +73,16 @@ Kinds here:
                          position; `DecodingState.create` gives it to every sliding run whose
                          ring is smaller than max_len
 
-  PagedKV                full-attention K/V in pages of one pool shared by the rows, each row
-                         with a page table (state/paged.py); `DecodingState.create(...,
-                         paging=Paging(page_size, num_pages))` gives it to every full-attention
-                         K/V run. Two more protocol answers serve it: `with_table(table)` (new
-                         page tables; other kinds: themselves) and `adopt_row(slot, row)` (a
-                         one-row entry's pages copied into the pool before the row is spliced
-                         in; other kinds: nothing to do)
+  PagedKV                a full-length kind's storage (K/V, MLA latents, DSA indexer keys) in
+                         pages of one pool shared by the rows, each row with a page table
+                         (state/paged.py); `DecodingState.create(..., paging=Paging(page_size,
+                         num_pages))` gives it to every full-attention K/V run, every latent run
+                         and both halves of a `SparseLatent`. Four more protocol answers serve
+                         it (other kinds: nothing to do): `with_table(table)` (new page
+                         tables), `adopt_row(slot, row)` (a one-row entry's pages copied into
+                         the pool before the row is spliced in), `load_pages(source, pages)`
+                         (a cached prefix read from another state's pools) and `paged_part`
+                         (the paged entry whose table and pool size answer for the entry)
 
 Logical axes: each kind's `AXES` table names the logical axis of every dimension of its arrays
 (`layers`, `batch`, `length`, `kv_heads`, `head_dim`); `logical_axes` reads those tables for a
@@ -190,9 +193,9 @@ class DecodingState:
     """A zero state for `config`'s main stack (or for runs of `segment_layers` layers, e.g.
     (1,) for one MTP or drafter layer).
 
-    With `paging`, full-attention K/V runs are `PagedKV` (one pool per run; a page id names the
-    same positions in every run's pool, so one page table serves them all); sliding rings,
-    latent (MLA) and recurrent entries stay per row.
+    With `paging`, full-attention K/V runs, MLA latent runs and DSA indexer keys are `PagedKV`
+    (one pool per run and array kind; a page id names the same positions in every pool, so one
+    page table serves them all); sliding rings and recurrent entries stay per row.
 
     Sliding-window runs keep a ring of window + `slack` slots (`SlidingKV`) when that is fewer
     than max_len: `slack` must be at least the widest block that may be accepted only in part
@@ -232,7 +235,11 @@ class DecodingState:
   @property
   def paged(self) -> bool:
     """Whether any entry stores its K/V in pages (`Paging`)."""
-    return any(isinstance(s, PagedKV) for s in self.segments)
+    return bool(self._paged_parts)
+
+  @property
+  def _paged_parts(self) -> list[PagedKV]:
+    return [s.paged_part for s in self.segments if s.paged_part is not None]
 
   def with_page_table(self, table: jax.Array) -> "DecodingState":
     """Every paged entry with page tables [B, W] (one table: a page id names the same
@@ -242,22 +249,18 @@ class DecodingState:
   @property
   def page_table(self) -> Optional[jax.Array]:
     """The rows' page tables [B, W] (every paged entry holds the same one), or None."""
-    return next((s.table for s in self.segments if isinstance(s, PagedKV)), None)
+    return next((p.table for p in self._paged_parts), None)
 
   @property
   def unmapped_page(self) -> int:
     """The page id that names no page (the pool's size: every paged entry has the same)."""
-    return next(s.num_pages for s in self.segments if isinstance(s, PagedKV))
+    return next(p.num_pages for p in self._paged_parts)
 
   def load_pages(self, source: "DecodingState", pages: jax.Array) -> "DecodingState":
     """Every paged entry's rows with logical page j read from `source`'s pool page
     pages[b, j] (`PagedKV.load_pages`: a cached prompt prefix); other entries unchanged."""
-    return self.replace(
-      segments=tuple(
-        s.load_pages(src, pages) if isinstance(s, PagedKV) else s
-        for s, src in zip(self.segments, source.segments)
-      )
-    )
+    pairs = zip(self.segments, source.segments)
+    return self.replace(segments=tuple(s.load_pages(src, pages) for s, src in pairs))
 
   def adopt_row(self, slot: jax.Array, row: "DecodingState"):
     """`Kind.adopt_row` for every entry: (state, row as it will be spliced at `slot`)."""
@@ -327,7 +330,14 @@ def _entry(
   """The zero entry of a run of n layers from layer `first` (None: standalone layers): a
   LinearState for Gated DeltaNet runs; for MLA targets the latent cache (with the indexer's
   keys where the run has its own DSA indexer); a `SlidingKV` ring for sliding-window runs
-  whose window + slack is below max_len; else K/V in `kv_format`, paged with `paging`."""
+  whose window + slack is below max_len; else K/V in `kv_format`. With `paging` the K/V, the
+  latents and the indexer keys are each paged."""
+
+  def full_length(kind: type, geometry: Any = config):
+    if paging is not None:
+      return PagedKV.create(kind, geometry, n, batch, max_len, *paging)
+    return kind.create(geometry, n, batch, max_len)
+
   if first is not None and config.is_linear(first):
     return LinearState.create(config, n, batch, max_len)
   if first is not None and getattr(config, "num_kv_shared_layers", 0):
@@ -338,13 +348,10 @@ def _entry(
     window = config.layer_windows[first] if first is not None else 0
     if window and window + slack < max_len:
       return SlidingKV.create(KV_FORMATS[kv_format], geometry, n, batch, window, slack)
-    if paging is not None:
-      kind = KV_FORMATS[kv_format]
-      return PagedKV.create(kind, geometry, n, batch, max_len, *paging)
-    return KV_FORMATS[kv_format].create(geometry, n, batch, max_len)
-  latent = LATENT_FORMATS[kv_format].create(config, n, batch, max_len)
+    return full_length(KV_FORMATS[kv_format], geometry)
+  latent = full_length(LATENT_FORMATS[kv_format])
   if config.is_dsa and (first is None or config.is_full_indexer(first)):
-    return SparseLatent(latent, IndexerKeys.create(config, n, batch, max_len))
+    return SparseLatent(latent, full_length(IndexerKeys))
   return latent
 
 

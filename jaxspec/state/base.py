@@ -75,6 +75,18 @@ class Kind:
     del slot
     return self, row
 
+  def load_pages(self, source, pages: jax.Array):
+    """Each row's logical page j ← page pages[b, j] of `source`'s pool (paged kinds: a cached
+    prompt prefix; others: itself)."""
+    del source, pages
+    return self
+
+  @property
+  def paged_part(self):
+    """The paged entry (state/paged.py) holding this entry's page table when all of its
+    storage is in pages, else None: what the state's page questions are asked of."""
+    return None
+
   def kernel_operands(self) -> dict | None:
     """The stored arrays the Pallas tree-attention kernel reads, or None (it cannot)."""
     return None
@@ -97,6 +109,19 @@ def read_slots(x: jax.Array, layer: jax.Array, offset: jax.Array, size: int) -> 
   return jax.lax.dynamic_slice(x, (layer, 0, offset, *zeros), (1, x.shape[1], size, *x.shape[3:]))[
     0
   ]
+
+
+def put_slots(
+  x: jax.Array, layer: jax.Array, rows: jax.Array, slots: jax.Array, block: jax.Array
+) -> jax.Array:
+  """x [L, N, S, ...] ← block [B, T, ...] at explicit rows and slots [B, T] of `layer` (a row
+  or slot out of range: dropped); rows are a pool's pages for paged kinds (state/paged.py)."""
+  return x.at[layer, rows, slots].set(block.astype(x.dtype), mode="drop")
+
+
+def take_slots(x: jax.Array, layer: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+  """x[layer, rows, slots] for rows, slots [B, T] (out of range: zeros); `put_slots`' inverse."""
+  return x.at[layer, rows, slots].get(mode="fill", fill_value=0)
 
 
 def move_path(x: jax.Array, start: jax.Array, path: jax.Array) -> jax.Array:

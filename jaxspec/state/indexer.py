@@ -13,7 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec.state.base import Kind, move_path, read_slots, write_block
+from jaxspec.state.base import Kind, move_path, put_slots, read_slots, take_slots, write_block
 
 INDEXER_AXES = ("layers", "batch", "length", "head_dim")
 
@@ -43,7 +43,19 @@ class IndexerKeys(Kind):
     """A block's keys k [B, T, D] at slots start[b].. of `layer` → (entry, k as stored), so the
     block scores its own keys exactly as later queries will read them."""
     k = k.astype(self.k.dtype)
-    return IndexerKeys(write_block(self.k, layer, start, k)), k
+    return self.replace(k=write_block(self.k, layer, start, k)), k
+
+  def put(
+    self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array
+  ) -> tuple["IndexerKeys", jax.Array]:
+    """As `write`, at explicit rows and slots [B, T] (out of range: dropped): a paged pool's
+    pages (state/paged.py)."""
+    k = k.astype(self.k.dtype)
+    return self.replace(k=put_slots(self.k, layer, rows, slots, k)), k
+
+  def take(self, layer: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """Keys [B, T, D] at explicit rows and slots [B, T] (out of range: zeros)."""
+    return take_slots(self.k, layer, rows, slots)
 
   def read(self, layer: jax.Array, offset: jax.Array | int, size: int) -> jax.Array:
     """Keys [B, size, D] of slots offset..offset+size−1 of `layer` (offset clamped to fit)."""
@@ -51,4 +63,4 @@ class IndexerKeys(Kind):
 
   def commit_path(self, start: jax.Array, path: jax.Array) -> "IndexerKeys":
     """Slot start+j ← slot start+path[b, j] in every layer (the accepted tree path)."""
-    return IndexerKeys(move_path(self.k, start, path))
+    return self.replace(k=move_path(self.k, start, path))

@@ -24,7 +24,9 @@ from jaxspec.state.base import (
   KVChunk,
   Kind,
   move_path,
+  put_slots,
   read_slots,
+  take_slots,
   write_block,
 )
 
@@ -39,11 +41,6 @@ def kv_shapes(config, num_layers: int, batch: int, slots: int) -> tuple[tuple, t
 def _positions(offset: jax.Array, size: int, batch: int) -> jax.Array:
   """[B, size]: slots offset.. of a full-length cache, each holding its own position."""
   return jnp.broadcast_to(offset + jnp.arange(size, dtype=jnp.int32)[None, :], (batch, size))
-
-
-def _take(x: jax.Array, layer: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-  """x[layer, rows, slots] for rows, slots [B, T] (out of range: zeros)."""
-  return x.at[layer, rows, slots].get(mode="fill", fill_value=0)
 
 
 class FullLengthKV(Kind):
@@ -95,13 +92,13 @@ class FloatKV(FullLengthKV):
     """A block's k, v [B, T, ...] at explicit slots [B, T] of `layer` (slot S: dropped), for
     kinds that map positions to slots themselves (state/sliding.py); → (entry, k, v stored)."""
     k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
-    put = lambda x, block: x.at[layer, rows, slots].set(block, mode="drop")
+    put = lambda x, block: put_slots(x, layer, rows, slots, block)
     return self.replace(k=put(self.k, k), v=put(self.v, v)), k, v
 
   def take(self, layer: jax.Array, rows: jax.Array, slots: jax.Array):
     """Float K/V [B, T, ...] at explicit rows and slots [B, T] of `layer` (the inverse of
     `put`; out of range: zeros)."""
-    return _take(self.k, layer, rows, slots), _take(self.v, layer, rows, slots)
+    return take_slots(self.k, layer, rows, slots), take_slots(self.v, layer, rows, slots)
 
   def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     return read_slots(self.k, layer, offset, size), read_slots(self.v, layer, offset, size)
@@ -146,7 +143,7 @@ class _QuantizedKV(FullLengthKV):
   def put(self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array):
     """As `write`, at explicit slots [B, T] (slot S: dropped; see FloatKV.put)."""
     (qk, sk), (qv, sv) = self.encode(k), self.encode(v)
-    put = lambda x, block: x.at[layer, rows, slots].set(block.astype(x.dtype), mode="drop")
+    put = lambda x, block: put_slots(x, layer, rows, slots, block)
     entry = self.replace(
       k=put(self.k, qk),
       v=put(self.v, qv),
@@ -157,7 +154,7 @@ class _QuantizedKV(FullLengthKV):
 
   def take(self, layer: jax.Array, rows: jax.Array, slots: jax.Array):
     """As `FloatKV.take`: the values at explicit rows and slots, dequantized."""
-    piece = lambda x: _take(x, layer, rows, slots)
+    piece = lambda x: take_slots(x, layer, rows, slots)
     k = self.decode(piece(self.k), piece(self.k_scale), self.dtype)
     v = self.decode(piece(self.v), piece(self.v_scale), self.dtype)
     return k, v

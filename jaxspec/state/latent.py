@@ -35,7 +35,7 @@ from jaxspec.quant.codecs import (
   q4_0_dequantize,
   q4_0_quantize,
 )
-from jaxspec.state.base import Kind, move_path, read_slots, write_block
+from jaxspec.state.base import Kind, move_path, put_slots, read_slots, take_slots, write_block
 from jaxspec.state.kv import FullLengthKV
 
 LATENT_AXES = ("layers", "batch", "length", "kv_lora")
@@ -70,6 +70,24 @@ class _LatentCache(FullLengthKV):
     )
     k = self.decode(stored, scale, self.dtype)[:, :, None]
     return entry, k, k[..., : self.rank]
+
+  def put(self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array, v: Any = None):
+    """As `write`, at explicit rows and slots [B, T] (out of range: dropped): a paged pool's
+    pages (state/paged.py)."""
+    del v
+    stored, scale = self.encode(k[:, :, 0])
+    entry = self.replace(
+      c=put_slots(self.c, layer, rows, slots, stored),
+      scale=None if scale is None else put_slots(self.scale, layer, rows, slots, scale),
+    )
+    k = self.decode(stored, scale, self.dtype)[:, :, None]
+    return entry, k, k[..., : self.rank]
+
+  def take(self, layer: jax.Array, rows: jax.Array, slots: jax.Array):
+    """As `read`, at explicit rows and slots [B, T] (out of range: zeros); `put`'s inverse."""
+    piece = lambda x: None if x is None else take_slots(x, layer, rows, slots)
+    k = self.decode(piece(self.c), piece(self.scale), self.dtype)[:, :, None]
+    return k, k[..., : self.rank]
 
   def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     """Slots offset..offset+size−1 as one KV head: k [B, S, 1, latent_dim], v its latent part."""
@@ -225,3 +243,24 @@ class SparseLatent(Kind):
 
   def commit_path(self, start: jax.Array, path: jax.Array) -> "SparseLatent":
     return SparseLatent(self.latent.commit_path(start, path), self.index.commit_path(start, path))
+
+  # Paged (state/paged.py): the latents and the indexer keys each in a pool of their own, under
+  # one page table; the page questions go to both.
+
+  @property
+  def paged_part(self):
+    both = self.latent.paged_part is not None and self.index.paged_part is not None
+    return self.latent.paged_part if both else None
+
+  def with_table(self, table: jax.Array) -> "SparseLatent":
+    return SparseLatent(self.latent.with_table(table), self.index.with_table(table))
+
+  def load_pages(self, source: "SparseLatent", pages: jax.Array) -> "SparseLatent":
+    return SparseLatent(
+      self.latent.load_pages(source.latent, pages), self.index.load_pages(source.index, pages)
+    )
+
+  def adopt_row(self, slot: jax.Array, row: "SparseLatent"):
+    latent, row_latent = self.latent.adopt_row(slot, row.latent)
+    index, row_index = self.index.adopt_row(slot, row.index)
+    return SparseLatent(latent, index), SparseLatent(row_latent, row_index)

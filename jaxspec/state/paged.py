@@ -1,12 +1,17 @@
-"""The paged kind: full-attention K/V in fixed-size pages of one pool that every row shares.
+"""The paged kind: full-length storage in fixed-size pages of one pool that every row shares.
 
 A contiguous cache (state/kv.py) reserves max_len slots per row whether the row holds 50
-positions or 50,000. `PagedKV` stores K/V in a pool of P pages of `page_size` slots, in the
-storage of any full-length kind (float, FP8, Q4_0: quantized exactly as those store them), and
-gives each row a page table [B, max_len / page_size]: logical slot s of row b lives in slot
-s mod page_size of pool page table[b, s // page_size]. Positions stay identity (slot s holds
-position s), so attention, verify blocks and tree commits use it as any full-length kind; only
-`write`, `read_chunk` and `commit_path` go through the table.
+positions or 50,000. `PagedKV` stores a full-length kind's arrays in a pool of P pages of
+`page_size` slots, quantized exactly as that kind stores them, and gives each row a page table
+[B, max_len / page_size]: logical slot s of row b lives in slot s mod page_size of pool page
+table[b, s // page_size]. Positions stay identity (slot s holds position s), so attention,
+verify blocks and tree commits use it as any full-length kind; only `write`, `read_chunk` and
+`commit_path` go through the table.
+
+What it pages: attention K/V (float, FP8, Q4_0), MLA's latent vectors (state/latent.py, in the
+same three formats) and DSA's indexer keys (state/indexer.py). The pooled kind answers `put`
+(a block at explicit pages and slots) and `take` (its inverse); `write` and `read` return what
+the kind's own `write` and `read` return (K and V; a latent and its value part; keys).
 
 Who owns which page is the host's business (serve/pages.py allocates them and sets the tables
 with `with_table`): a table entry equal to P (`unmapped`) names no page, so a write there is
@@ -24,8 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import ConfigError
-from jaxspec.state.base import KVChunk
-from jaxspec.state.kv import KV_FORMATS, FullLengthKV
+from jaxspec.state.kv import FullLengthKV
 
 # Logical axes of a pool array [L, P, page, ...]: pages are shared by rows (no batch axis).
 PAGE_TABLE_AXES = ("batch", None)
@@ -36,14 +40,19 @@ def _pool_axes(axes: dict) -> dict:
   return {name: ("layers", "pages", None, *names[3:]) for name, names in axes.items()}
 
 
-def _pool_class(kind: type) -> type:
-  """`kind` (a KV_FORMATS class) whose [L, B, S, ...] arrays are read as [L, P, page, ...]."""
-  cls = type(f"Pooled{kind.__name__}", (kind,), {"AXES": _pool_axes(kind.AXES)})
-  cls.__module__ = __name__
-  return flax.struct.dataclass(cls)
+_POOL_KINDS: dict[type, type] = {}
 
 
-POOL_KINDS = {name: _pool_class(kind) for name, kind in KV_FORMATS.items()}
+def pool_kind(kind: type) -> type:
+  """`kind` (a full-length kind with `put` and `take`) whose [L, B, S, ...] arrays are read as
+  [L, P, page, ...]: one class per kind, so pooled states of the same kind share a treedef."""
+  if kind not in _POOL_KINDS:
+    if not (hasattr(kind, "put") and hasattr(kind, "take")):
+      raise ConfigError(f"{kind.__name__} cannot be paged: it has no put / take")
+    cls = type(f"Pooled{kind.__name__}", (kind,), {"AXES": _pool_axes(kind.AXES)})
+    cls.__module__ = __name__
+    _POOL_KINDS[kind] = flax.struct.dataclass(cls)
+  return _POOL_KINDS[kind]
 
 
 def page_slots(table: jax.Array, slots: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
@@ -54,10 +63,11 @@ def page_slots(table: jax.Array, slots: jax.Array, page_size: int) -> tuple[jax.
 
 @flax.struct.dataclass
 class PagedKV(FullLengthKV):
-  """Full-attention K/V of one layer run in pages of a shared pool.
+  """One layer run's full-length storage (K/V, latents or indexer keys) in pages of a shared
+  pool.
 
   Attributes:
-    pool: a `POOL_KINDS` entry: its arrays are [L, P, page_size, ...] (P pages).
+    pool: a `pool_kind` entry: its arrays are [L, P, page_size, ...] (P pages).
     table: int32 [B, W]: the pool page of each row's W logical pages; P = unmapped.
   """
 
@@ -78,12 +88,13 @@ class PagedKV(FullLengthKV):
     num_pages: int | None = None,
   ) -> "PagedKV":
     """A zero pool of `num_pages` pages (None: batch · max_len / page_size) of `kind`'s
-    storage; rows own consecutive pages while the pool has enough (else: unmapped)."""
+    storage (a full-length kind: `FloatKV`, `LatentFP8`, `IndexerKeys`, ...); rows own
+    consecutive pages while the pool has enough (else: unmapped)."""
     if max_len % page_size:
       raise ConfigError(f"max_len={max_len} is not a multiple of page_size={page_size}")
     width = max_len // page_size
     num_pages = batch * width if num_pages is None else num_pages
-    pool = POOL_KINDS[kind.format].create(config, num_layers, num_pages, page_size)
+    pool = pool_kind(kind).create(config, num_layers, num_pages, page_size)
     return cls(pool, identity_table(batch, width, num_pages))
 
   @property
@@ -91,8 +102,12 @@ class PagedKV(FullLengthKV):
     return f"paged {self.pool.format}"
 
   @property
-  def kv_format(self) -> str:
-    return self.pool.format
+  def kv_format(self) -> str | None:
+    return self.pool.kv_format
+
+  @property
+  def paged_part(self) -> "PagedKV":
+    return self
 
   @property
   def page_size(self) -> int:
@@ -100,7 +115,7 @@ class PagedKV(FullLengthKV):
 
   @property
   def num_pages(self) -> int:
-    return self.pool.k.shape[1]
+    return jax.tree_util.tree_leaves(self.pool)[0].shape[1]
 
   @property
   def max_len(self) -> int:
@@ -113,16 +128,19 @@ class PagedKV(FullLengthKV):
   def _locate(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     return page_slots(self.table, slots, self.page_size)
 
-  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array):
+  def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, *rest: Any):
+    """A block [B, T, ...] (and the kind's other operands: v for K/V) at logical slots
+    start[b].. → (entry, what the kind's `write` returns after it: the block as stored)."""
     slots = start[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
     pages, offsets = self._locate(slots)
     pages = jnp.where(slots < self.max_len, pages, self.num_pages)  # past max_len: dropped
-    pool, k, v = self.pool.put(layer, pages, offsets, k, v)
-    return self.replace(pool=pool), k, v
+    pool, *stored = self.pool.put(layer, pages, offsets, k, *rest)
+    return (self.replace(pool=pool), *stored)
 
-  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """Float K/V of logical slots offset..offset+size−1 of every row (clamped to fit, as a
-    contiguous cache's `read` is); unmapped pages read as zeros."""
+  def read(self, layer: jax.Array, offset: jax.Array, size: int) -> Any:
+    """What the kind's `read` gives (K/V as float values: k, v) of logical slots
+    offset..offset+size−1 of every row (clamped to fit, as a contiguous cache's `read` is);
+    unmapped pages read as zeros."""
     offset = jnp.clip(offset, 0, self.max_len - size)
     slots = offset + jnp.arange(size, dtype=jnp.int32)
     slots = jnp.broadcast_to(slots, (self.table.shape[0], size))
