@@ -257,7 +257,9 @@ def test_state_is_a_pytree_that_jit_donates():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("verify", ["chain", "tree"])
+# Tree commits over quantized caches are checked at the state level in every format
+# (tests/test_sliding_kv.py, tests/test_paged_kv.py); the engine's tree run here is slow-marked.
+@pytest.mark.parametrize("verify", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_greedy_speculation_on_an_fp8_cache_equals_plain_decoding_on_it(verify):
   # pylint: disable=import-outside-toplevel
   from jaxspec.drafters.draft_model import DraftModelDrafter

@@ -300,7 +300,7 @@ def test_replace_num_layers_rederives_glm_dense_first_layout():
   assert dense_only.replace(num_layers=3).layer_is_moe == (False, True, True)
 
   ids = np.arange(10).reshape(2, 5) % 80
-  for config, n in ((shallow, 3), (deep, 6), (dense_only, 1)):
+  for config, n in ((deep, 6), (dense_only, 1)):  # the grown stack, and no MoE run at all
     model = target_lib.TargetModel.random(config, seed=3)
     assert model.config.num_layers == n and model.config.num_mtp_layers == 1
     stacked = [model.params[f"layers_{s}"] for s in range(len(config.segments()))]

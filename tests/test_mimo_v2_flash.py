@@ -356,7 +356,16 @@ def test_mtp_layer_equals_transformers_pieces(with_mtp):
   assert np.abs(np.asarray(bad) - _mtp_reference(hf, mtp, 0, tokens, prev)).max() > 1e-3
 
 
-def test_speculative_decoding_is_lossless(with_mtp):
+# CI runs DDTree over DFlash and the MTP chain (one compile each); the other two pairs are
+# slow-marked.
+@pytest.mark.parametrize(
+  "engine_pairs",
+  [
+    (("dflash", "tree"), ("mtp", "chain")),
+    pytest.param((("dflash", "chain"), ("mtp", "tree")), marks=pytest.mark.slow),
+  ],
+)
+def test_speculative_decoding_is_lossless(with_mtp, engine_pairs):
   """Greedy speculation equals plain decoding past the window, batch 1 and 4: DFlash chain and
   DDTree, and the MTP drafter (the first MTP layer chained γ = 3 times) chain and tree. One
   plain engine and engines of 4 slots, compiled once; the sliding layers keep rings of window
@@ -364,11 +373,13 @@ def test_speculative_decoding_is_lossless(with_mtp):
   _, d, _ = with_mtp
   target = jaxspec.load_model(d)
   cfg = EngineConfig(max_len=48, batch_size=4, use_eos=False)
-  tree = dataclasses.replace(cfg, verify="tree", tree_budget=6)
-  dflash = drafter_models.small_dflash(target, target_layer_ids=(0, 3))
-  mtp = jaxspec.MTPDrafter.from_target(target, gamma=3)
+  verify = {"chain": cfg, "tree": dataclasses.replace(cfg, verify="tree", tree_budget=6)}
+  drafters = {
+    "dflash": lambda: drafter_models.small_dflash(target, target_layer_ids=(0, 3)),
+    "mtp": lambda: jaxspec.MTPDrafter.from_target(target, gamma=3),
+  }
   plain = SpecEngine(target, None, cfg)
-  engines = [SpecEngine(target, drafter, c) for drafter in (dflash, mtp) for c in (cfg, tree)]
+  engines = [SpecEngine(target, drafters[d](), verify[v]) for d, v in engine_pairs]
   for batch in (1, 4):
     ps = drafter_models.prompts(batch, target.config.vocab_size)
     want = plain.generate(ps, max_new_tokens=12)

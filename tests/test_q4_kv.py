@@ -178,7 +178,9 @@ def _bundled():
   return target, registry.make_drafter("eagle3", target, draft_dir=registry.bundled_dir("eagle3"))
 
 
-@pytest.mark.parametrize("verify", ["chain", "tree"])
+# Tree commits over quantized caches are checked at the state level in every format
+# (tests/test_sliding_kv.py, tests/test_paged_kv.py); the engine's tree run here is slow-marked.
+@pytest.mark.parametrize("verify", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_greedy_speculation_on_a_q4_cache_equals_plain_decoding_on_it(verify):
   from tests import near_ties  # pylint: disable=import-outside-toplevel
 
