@@ -10,6 +10,8 @@ its earlier ones.
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import numpy as np
 import pytest
@@ -169,6 +171,23 @@ def test_allocator_caches_and_evicts_least_recent_first():
     pages.attach(1, [3])
   off = PageAllocator(num_pages=6, page_size=2, rows=2, pages_per_row=3)
   assert off.grow(0, 6) and off.register(0, a) == 0 and off.lookup(a) == []
+
+
+def test_page_keys_chain_every_token_before_the_page_end():
+  """Page j's key hashes page j − 1's key with its tokens (4-byte little-endian); asked again
+  (the kept keys), the same keys, which a caller cannot change."""
+  pages = PageAllocator(num_pages=8, page_size=3, rows=1, pages_per_row=8, prefix_cache=True)
+  tokens = [5, 70000, 2, 9, 9, 1, 4]
+  want, key = [], b""
+  for j in range(2):
+    page = b"".join(t.to_bytes(4, "little") for t in tokens[3 * j : 3 * j + 3])
+    key = hashlib.blake2b(key + page).digest()
+    want.append(key)
+  got = pages.page_keys(tokens)
+  assert got == want
+  got.append(b"x")
+  assert pages.page_keys(tokens) == want and pages.page_keys(np.asarray(tokens)) == want
+  assert pages.page_keys(tokens[:5]) == want[:1] and pages.page_keys([9] + tokens[1:]) != want
 
 
 def test_prefix_cache_config_is_checked(target):

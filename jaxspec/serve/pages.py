@@ -29,6 +29,8 @@ import numpy as np
 
 from jaxspec.errors import ConfigError
 
+KEYS_MEMO = 16  # prompts whose page keys `page_keys` keeps (the queue's head, the admitted)
+
 
 class PageAllocator:
   """Pages of one pool, handed to rows in page-sized steps (lowest free ids first).
@@ -64,6 +66,7 @@ class PageAllocator:
     # Cached pages no row holds, least recently released first: free to evict.
     self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
     self.evictions = 0
+    self._keys_memo: collections.OrderedDict[bytes, list[bytes]] = collections.OrderedDict()
 
   @property
   def free(self) -> int:
@@ -141,13 +144,24 @@ class PageAllocator:
     return page
 
   def page_keys(self, tokens: Sequence[int]) -> list[bytes]:
-    """The prefix key of each full page of `tokens`: a hash of every token up to its end."""
-    keys, key = [], b""
-    for j in range(len(tokens) // self.page_size):
-      page = tokens[j * self.page_size : (j + 1) * self.page_size]
-      key = hashlib.blake2b(key + b"".join(int(t).to_bytes(4, "little") for t in page)).digest()
+    """The prefix key of each full page of `tokens`: a hash of every token up to its end
+    (page j's key chains page j − 1's with the page's tokens as 4-byte little-endian ints).
+
+    The scheduler asks again for the prompt at the head of the queue every tick while it
+    waits for pages, and at `register`: the last prompts' keys are kept, found by their bytes.
+    """
+    data = np.asarray(tokens, np.int64).astype("<u4").tobytes()
+    if data in self._keys_memo:
+      self._keys_memo.move_to_end(data)
+      return list(self._keys_memo[data])
+    keys, key, step = [], b"", 4 * self.page_size
+    for j in range(len(data) // step):
+      key = hashlib.blake2b(key + data[j * step : (j + 1) * step]).digest()
       keys.append(key)
-    return keys
+    self._keys_memo[data] = keys
+    if len(self._keys_memo) > KEYS_MEMO:
+      self._keys_memo.popitem(last=False)
+    return list(keys)
 
   def lookup(self, tokens: Sequence[int]) -> list[int]:
     """The cached pages that hold the longest run of `tokens`' first full pages, leaving at
