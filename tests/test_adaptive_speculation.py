@@ -4,7 +4,8 @@ An engine with `speculation="auto"` runs a few draft budgets (fewer chain drafts
 nodes, none) on one state, over the live rows compacted into a row bucket. Whatever budget and
 rows each call picks, greedy outputs must equal plain decoding's; the policy must pick the
 budget with the most expected tokens per second for the live rows' bucket, explore stale
-budgets, and the scheduler must serve with it without compiling.
+budgets, predict chain budgets from acceptance per draft position, and the scheduler must
+serve with it without compiling.
 """
 
 from __future__ import annotations
@@ -108,10 +109,14 @@ def test_auto_server_equals_the_engine(target, auto_engine):
     handles = scheduler.submit_many([(p, options) for p in prompts[1:]])
     results = [alone] + [h.result()[0] for h in handles]
     assert auto_engine.compile_counts() == compiled
-    chosen = scheduler._policy.chosen
+    policy = scheduler._policy
   finally:
     scheduler.shutdown(drain=False, timeout=60)
+  chosen = policy.chosen
   assert len({b for b, _ in chosen}) >= 2 and len({r for _, r in chosen}) >= 2, chosen
+  # A chain engine: acceptance measured per draft position predicts both draft budgets.
+  assert policy.depth_model and policy.acceptance_by_position()[1] is not None
+  assert 1 <= policy.tokens_per_step[2] <= policy.tokens_per_step[4] <= 5
   want = _plain(target, prompts)
   stop = set(auto_engine.stop_ids)
   want = [w[:-1] if w and w[-1] in stop else w for w in want]
@@ -150,3 +155,30 @@ def test_speculation_config_is_checked(target):
   draft = jaxspec.load_drafter("jaxspec/assets/draft", target)
   with pytest.raises(ConfigError, match="must propose every step"):
     SpecEngine(target, draft, EngineConfig(speculation="auto", speculation_budgets=(0,)))
+
+
+def test_chain_budgets_are_predicted_from_acceptance_by_position():
+  """A tick at the full budget measures every shorter chain budget: E[b] = 1 + Σ_{k≤b}
+  p_1…p_k from the passes that reached and accepted each position, so budget 2 is never run
+  to explore it. A tree policy (no depth model) must run budget 2 to know it."""
+  costs = {(0, 4): 1.0, (2, 4): 1.5, (4, 4): 1.6}
+  policy = SpeculationPolicy((0, 2, 4), (4,), costs, explore_every=8, depth_model=True)
+  assert policy.choose(4) == (4, 4)  # nothing measured: the longest chain measures both
+  # 10 passes accepting 0, 1, 2, 3, 4 drafts: 1, 2, 3, 2, 2 of them.
+  policy.observe(4, 4, steps=1, seconds=1.6, passes=10, committed=0, accepted=[1, 2, 3, 2, 2])
+  p = policy.acceptance_by_position()
+  assert p == {1: 0.9, 2: pytest.approx(7 / 9), 3: pytest.approx(4 / 7), 4: 0.5}
+  assert policy.tokens_per_step[2] == pytest.approx(1 + 0.9 + 0.7)
+  assert policy.tokens_per_step[4] == pytest.approx(1 + 0.9 + 0.7 + 0.4 + 0.2)
+  # 4 · 3.2 / 1.6 beats 4 · 2.6 / 1.5 and 4 · 1 / 1: budget 4 for every tick until stale.
+  assert [policy.choose(4) for _ in range(7)] == [(4, 4)] * 7
+  # A budget-2 tick refines positions 1 and 2 only (its passes cannot reach 3), the older
+  # counts decayed by 1 − smoothing.
+  policy.observe(2, 4, steps=1, seconds=1.5, passes=4, committed=0, accepted=[2, 2, 0, 0, 0])
+  p2 = policy.acceptance_by_position()
+  assert p2[1] == pytest.approx((0.7 * 9 + 2) / (0.7 * 10 + 4))
+  assert p2[2] == pytest.approx(0.7 * 7 / (0.7 * 9 + 2)) and p2[3] == p[3] and p2[4] == p[4]
+  tree = SpeculationPolicy((0, 2, 4), (4,), costs, explore_every=8)
+  tree.observe(4, 4, steps=1, seconds=1.6, passes=10, committed=25, accepted=[1, 2, 3, 2, 2])
+  assert tree.tokens_per_step[2] is None and tree.tokens_per_step[4] == 2.5
+  assert tree.choose(4) == (2, 4)  # never measured: explored

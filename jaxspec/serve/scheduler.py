@@ -300,6 +300,7 @@ class _Slot:
   admitted: int = 0  # admission order: the newest row is preempted first
   passes: int = 0
   committed: int = 0
+  accepted: Any = 0  # the row's accept_hist at the last read-back (passes accepting k drafts)
 
 
 class Scheduler:
@@ -353,7 +354,11 @@ class Scheduler:
       )
     self._admissions = itertools.count()
     # Which speculation budget and row bucket each tick runs (serve/speculation.py).
-    self._policy = SpeculationPolicy(engine.budgets, engine.row_buckets)
+    # Chains: a shorter budget checks the first drafts of the same chain, so acceptance per
+    # draft position predicts every budget (trees with fewer nodes: each is measured).
+    self._policy = SpeculationPolicy(
+      engine.budgets, engine.row_buckets, depth_model=engine.config.verify == "chain"
+    )
     self._last_choice = (engine.budgets[-1], engine.row_buckets[-1])
 
   # -- lifecycle ------------------------------------------------------------------------------
@@ -607,9 +612,9 @@ class Scheduler:
       self._release(i, Delta([], None, "cancelled"))
     self._requeue(preempted)
     if host is not None:
-      passes, committed, ran = self._deliver_tokens(host)
+      passes, committed, ran, accepted = self._deliver_tokens(host)
       seconds = time.perf_counter() - t0
-      self._policy.observe(budget, bucket, ran, seconds, passes, committed)
+      self._policy.observe(budget, bucket, ran, seconds, passes, committed, accepted)
       self._last_choice = (budget, bucket)
       self._step_seconds += seconds
       self._counters["ticks_total"] += 1
@@ -727,12 +732,13 @@ class Scheduler:
       cancelled = last.finish_reason == "cancelled"
       self._counters["requests_cancelled_total" if cancelled else "requests_finished_total"] += 1
 
-  def _deliver_tokens(self, host: dict[str, np.ndarray]) -> tuple[int, int, int]:
+  def _deliver_tokens(self, host: dict[str, np.ndarray]) -> tuple[int, int, int, np.ndarray]:
     """Hands each live request the new tokens of its row in `host` (`read_back`: the last
     `window` slots of every row, which hold every token not delivered yet). Returns the
-    rows' target passes and committed tokens since the last read-back, and the most passes
-    one row ran (the steps the tick ran)."""
+    rows' target passes and committed tokens since the last read-back, the most passes one
+    row ran (the steps the tick ran), and their passes by drafts accepted [γ + 1]."""
     tick_passes = tick_committed = most = 0
+    tick_accepted = np.zeros(host["accept_hist"].shape[1], np.int64)
     seq_len, done, stopped = host["seq_len"], host["done"], host["stopped"]
     tokens, logprobs = host["tokens"], host["logprobs"]
     passes, committed = host["target_passes"], host["tokens_committed"]
@@ -763,6 +769,8 @@ class Scheduler:
         self._counters["target_passes_total"] += ran
         self._counters["tokens_committed_total"] += made
       s.passes, s.committed = int(passes[i]), int(committed[i])
+      tick_accepted += host["accept_hist"][i] - s.accepted
+      s.accepted = host["accept_hist"][i].copy()
       reason = None
       if done[i]:
         # Done on a stop token (the last one committed; it is not handed out) or its budget.
@@ -776,4 +784,4 @@ class Scheduler:
         self._release(i, Delta(new, lps, reason, top_logprobs=top))
       elif new:
         s.handle._deliver(Delta(new, lps, top_logprobs=top))  # pylint: disable=protected-access
-    return tick_passes, tick_committed, most
+    return tick_passes, tick_committed, most, tick_accepted

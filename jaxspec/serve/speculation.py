@@ -16,12 +16,26 @@ the rows' counters each tick (E[0] = 1 exactly), and cost the seconds per step, 
 every program at start (`SpecEngine.measure_step_costs`) and refined by every tick's time.
 A budget whose estimate is missing or older than `explore_every` ticks is tried once (the
 stalest first), so the estimates follow the traffic.
+
+Chains (`depth_model`): a budget b < γ checks the first b drafts of the same chain, so a
+draft at position k is accepted, given the k − 1 before it were, with one probability p_k
+whatever the budget. The policy measures p_k per draft position from the rows' acceptance
+histograms (decayed counts of passes that reached position k and that accepted it) and
+predicts every budget from them:
+
+    E[b] = 1 + Σ_{k ≤ b} p_1 · … · p_k
+
+so running the full budget measures every shorter one, and a budget is explored only when a
+position it drafts has gone unmeasured (then the longest such budget: it measures the others). Trees with fewer nodes are different trees: each
+budget's E is measured by running it.
 """
 
 from __future__ import annotations
 
 import collections
 from typing import Optional, Sequence
+
+import numpy as np
 
 
 def default_row_buckets(batch: int) -> tuple[int, ...]:
@@ -40,7 +54,10 @@ class SpeculationPolicy:
     costs: {(budget, bucket): seconds per step} (`SpecEngine.measure_step_costs`); None or a
       missing entry: that budget is only chosen to explore it.
     explore_every: ticks after which a budget's acceptance is measured again.
-    smoothing: weight of the newest measurement in the running estimates.
+    smoothing: weight of the newest measurement in the running estimates (per draft
+      position: the weight by which older counts decay at each measurement).
+    depth_model: chain budgets: predict each budget from acceptance per draft position
+      (`observe`'s `accepted`); else each budget's tokens per step are measured alone.
   """
 
   def __init__(
@@ -50,6 +67,7 @@ class SpeculationPolicy:
     costs: Optional[dict[tuple[int, int], float]] = None,
     explore_every: int = 32,
     smoothing: float = 0.3,
+    depth_model: bool = False,
   ):
     if not budgets or not buckets or explore_every < 1 or not 0 < smoothing <= 1:
       raise ValueError("a policy needs budgets, buckets, explore_every ≥ 1, smoothing in (0, 1]")
@@ -66,6 +84,18 @@ class SpeculationPolicy:
     self._measured_at[0] = float("inf")
     self._tick = 0
     self.chosen: collections.Counter = collections.Counter()  # (budget, bucket) → ticks
+    self.depth_model = depth_model
+    # Per draft position k = 1..γ: decayed counts of passes that reached it and that accepted
+    # it, and the tick it was last measured at (depth_model only).
+    depths = range(1, max(self.budgets) + 1)
+    self._reached = {k: 0.0 for k in depths}
+    self._accepted = {k: 0.0 for k in depths}
+    self._depth_at = {k: float("-inf") for k in depths}
+
+  def acceptance_by_position(self) -> dict[int, Optional[float]]:
+    """p_k: how often a draft at position k is accepted given those before it were (None:
+    not measured yet); `depth_model` only."""
+    return {k: self._accepted[k] / r if r else None for k, r in self._reached.items()}
 
   def bucket_for(self, live: int) -> int:
     """The smallest bucket that holds `live` rows."""
@@ -90,6 +120,8 @@ class SpeculationPolicy:
 
   def _best(self, live: int) -> int:
     stale = [b for b in self.budgets if self._tick - self._measured_at[b] > self.explore_every]
+    if stale and self.depth_model:  # the longest stale chain measures the shorter ones too
+      return max(stale)
     if stale:  # explore: the budget measured longest ago
       return min(stale, key=lambda b: self._measured_at[b])
     rates = {b: self.expected_rate(b, live) for b in self.budgets}
@@ -97,15 +129,43 @@ class SpeculationPolicy:
     return max(known, key=known.get) if known else self.budgets[-1]
 
   def observe(
-    self, budget: int, bucket: int, steps: int, seconds: float, passes: int, committed: int
+    self,
+    budget: int,
+    bucket: int,
+    steps: int,
+    seconds: float,
+    passes: int,
+    committed: int,
+    accepted: Optional[Sequence[int]] = None,
   ) -> None:
     """A tick's outcome: `steps` steps of (budget, bucket) took `seconds`; its rows ran
-    `passes` row-steps in all and committed `committed` tokens."""
+    `passes` row-steps in all and committed `committed` tokens; `accepted[j]`: how many of
+    those passes accepted exactly j drafts (the depth model reads it)."""
     if steps > 0 and seconds > 0:
       self._blend(self.costs, (budget, bucket), seconds / steps)
-    if passes > 0 and budget != 0:
+    if passes <= 0 or budget == 0:
+      return
+    if not self.depth_model:
       self._blend(self.tokens_per_step, budget, committed / passes)
       self._measured_at[budget] = self._tick
+    elif accepted is not None:
+      self._observe_depths(budget, np.asarray(accepted, np.float64))
+
+  def _observe_depths(self, budget: int, accepted: np.ndarray) -> None:
+    """Counts for positions 1..budget from a tick's histogram, then every budget's E."""
+    at_least = np.cumsum(accepted[::-1])[::-1]  # passes accepting ≥ j drafts
+    for k in range(1, min(budget, len(accepted) - 1) + 1):
+      if at_least[k - 1] > 0:
+        keep = 1 - self.smoothing
+        self._reached[k] = keep * self._reached[k] + at_least[k - 1]
+        self._accepted[k] = keep * self._accepted[k] + at_least[k]
+        self._depth_at[k] = self._tick
+    p = self.acceptance_by_position()
+    for b in self.budgets:
+      if b == 0 or any(p[k] is None for k in range(1, b + 1)):
+        continue
+      self.tokens_per_step[b] = 1.0 + float(np.sum(np.cumprod([p[k] for k in range(1, b + 1)])))
+      self._measured_at[b] = min(self._depth_at[k] for k in range(1, b + 1))
 
   def _blend(self, table: dict, key, value: float) -> None:
     old = table.get(key)

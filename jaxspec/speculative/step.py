@@ -622,8 +622,8 @@ def recent(state: SpecState, window: int) -> dict[str, jax.Array]:
 
   Returns a dict of [B, window] `tokens` and `logprobs` (slots seq_len-window .. seq_len-1;
   those before slot 0 are padding), and per row `seq_len`, `done`, `stopped` (done on a stop
-  token: the last committed token is one of the row's stop ids), `target_passes` and
-  `tokens_committed`.
+  token: the last committed token is one of the row's stop ids), `target_passes`,
+  `tokens_committed` and `accept_hist` (the rows' counters: passes accepting k drafts).
   """
   rows = jnp.arange(state.tokens.shape[0])[:, None]
   slots = jnp.maximum(state.seq_len[:, None] - window + jnp.arange(window), 0)
@@ -640,4 +640,5 @@ def recent(state: SpecState, window: int) -> dict[str, jax.Array]:
     stopped=state.done & is_stop(last, state.stop_ids),
     target_passes=state.stats.target_passes,
     tokens_committed=state.stats.tokens_committed,
+    accept_hist=state.stats.accept_hist,
   )
