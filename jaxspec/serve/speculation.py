@@ -26,8 +26,9 @@ predicts every budget from them:
     E[b] = 1 + Σ_{k ≤ b} p_1 · … · p_k
 
 so running the full budget measures every shorter one, and a budget is explored only when a
-position it drafts has gone unmeasured (then the longest such budget: it measures the others). Trees with fewer nodes are different trees: each
-budget's E is measured by running it.
+position it drafts has gone unmeasured (then the longest such budget: it measures the
+others). Trees with fewer nodes are different trees: each budget's E is measured by running
+it.
 """
 
 from __future__ import annotations
