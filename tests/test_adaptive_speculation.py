@@ -164,20 +164,29 @@ def test_chain_budgets_are_predicted_from_acceptance_by_position():
   costs = {(0, 4): 1.0, (2, 4): 1.5, (4, 4): 1.6}
   policy = SpeculationPolicy((0, 2, 4), (4,), costs, explore_every=8, depth_model=True)
   assert policy.choose(4) == (4, 4)  # nothing measured: the longest chain measures both
-  # 10 passes accepting 0, 1, 2, 3, 4 drafts: 1, 2, 3, 2, 2 of them.
+  # 4 passes accepting 0, 1, 2, 3, 4 drafts: 1, 2, 3, 2, 2 of them; position 4 was reached
+  # by 4 passes, fewer than min_passes: neither budget is predicted yet.
   policy.observe(4, 4, steps=1, seconds=1.6, passes=10, committed=0, accepted=[1, 2, 3, 2, 2])
+  assert policy.tokens_per_step[2] is None and policy.tokens_per_step[4] is None
+  # Three more such ticks (40 passes in all): positions 1..4 reached by 40, 36, 28, 16.
+  policy = SpeculationPolicy(
+    (0, 2, 4), (4,), costs, explore_every=8, depth_model=True, half_life=float("inf")
+  )
+  policy.observe(4, 4, steps=1, seconds=1.6, passes=40, committed=0, accepted=[4, 8, 12, 8, 8])
   p = policy.acceptance_by_position()
   assert p == {1: 0.9, 2: pytest.approx(7 / 9), 3: pytest.approx(4 / 7), 4: 0.5}
   assert policy.tokens_per_step[2] == pytest.approx(1 + 0.9 + 0.7)
   assert policy.tokens_per_step[4] == pytest.approx(1 + 0.9 + 0.7 + 0.4 + 0.2)
   # 4 · 3.2 / 1.6 beats 4 · 2.6 / 1.5 and 4 · 1 / 1: budget 4 for every tick until stale.
-  assert [policy.choose(4) for _ in range(7)] == [(4, 4)] * 7
-  # A budget-2 tick refines positions 1 and 2 only (its passes cannot reach 3), the older
-  # counts decayed by 1 − smoothing.
+  assert [policy.choose(4) for _ in range(8)] == [(4, 4)] * 8
+  # A budget-2 tick refines positions 1 and 2 only (its passes cannot reach 3); with a half
+  # life of 4 passes, position 1's 4 new passes halve the old counts, position 2's 2 new
+  # passes keep 1/√2 of them.
+  policy.half_life = 4.0
   policy.observe(2, 4, steps=1, seconds=1.5, passes=4, committed=0, accepted=[2, 2, 0, 0, 0])
   p2 = policy.acceptance_by_position()
-  assert p2[1] == pytest.approx((0.7 * 9 + 2) / (0.7 * 10 + 4))
-  assert p2[2] == pytest.approx(0.7 * 7 / (0.7 * 9 + 2)) and p2[3] == p[3] and p2[4] == p[4]
+  assert p2[1] == pytest.approx((0.5 * 36 + 2) / (0.5 * 40 + 4))
+  assert p2[2] == pytest.approx(28 / 2**0.5 / (36 / 2**0.5 + 2)) and p2[3] == p[3]
   tree = SpeculationPolicy((0, 2, 4), (4,), costs, explore_every=8)
   tree.observe(4, 4, steps=1, seconds=1.6, passes=10, committed=25, accepted=[1, 2, 3, 2, 2])
   assert tree.tokens_per_step[2] is None and tree.tokens_per_step[4] == 2.5

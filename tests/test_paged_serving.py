@@ -99,31 +99,33 @@ def test_paged_server_equals_the_engine_under_preemption(target):
   assert len(sampled) >= 8 and sum(sampled) >= len(sampled) - max(1, len(sampled) // 8)
 
 
-def test_paged_generate_equals_contiguous_for_trees(target):
+TREE = dict(max_len=96, batch_size=6, verify="tree", tree_budget=6)
+
+
+@pytest.fixture(scope="module")
+def tree_engine(target):
+  """DFlash + DDTree with paged K/V (pages of 8, the full pool), compiled once."""
   drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
+  return SpecEngine(target, drafter, EngineConfig(**TREE, page_size=PAGE))
+
+
+def test_paged_generate_equals_contiguous_for_trees(target, tree_engine):
   prompts = ["def fib(n):\n", "class Stack:\n", "import os\nimport sys\n"]
-  outs = []
-  for page_size in (0, 4):
-    config = EngineConfig(
-      max_len=96, batch_size=3, verify="tree", tree_budget=6, page_size=page_size
-    )
-    out = SpecEngine(target, drafter, config).generate(prompts, max_new_tokens=40, temperature=0.0)
-    outs.append(out)
+  contiguous = SpecEngine(target, tree_engine.drafter, EngineConfig(**TREE))
+  outs = [
+    engine.generate(prompts, max_new_tokens=40, temperature=0.0)
+    for engine in (contiguous, tree_engine)
+  ]
   assert outs[0].tokens == outs[1].tokens
   np.testing.assert_allclose(
     np.concatenate(outs[0].logprobs), np.concatenate(outs[1].logprobs), atol=1e-5
   )
 
 
-def test_n_choices_from_one_prefill_equal_their_seeds_single_runs(target):
+def test_n_choices_from_one_prefill_equal_their_seeds_single_runs(target, tree_engine):
   """n = 4 on a paged tree engine (DFlash + DDTree): one prefill (counted once), the choices
   share the prompt's full pages, and choice i equals the single request with its seed."""
-  drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
-  config = EngineConfig(
-    max_len=96, batch_size=6, verify="tree", tree_budget=6, page_size=PAGE, kv_pages=40
-  )
-  engine = SpecEngine(target, drafter, config)
-  scheduler = Scheduler(engine, max_queue=16)
+  scheduler = Scheduler(tree_engine, max_queue=16)
   scheduler.start()
   try:
     ids = target.tokenizer.encode("class Stack:\n    def __init__(self):\n")

@@ -45,21 +45,37 @@ def _text(target) -> list[int]:
     return target.tokenizer.encode(f.read())
 
 
-def test_cached_prefill_equals_a_full_prefill(target, drafter):
+@pytest.fixture(scope="module")
+def engine(target, drafter):
+  """One paged EAGLE-3 engine with the prefix cache for the tests below (compiled once)."""
+  config = EngineConfig(
+    max_len=MAX_LEN,
+    batch_size=4,
+    stream_every=2,
+    page_size=PAGE,
+    kv_pages=40,
+    prefix_cache=True,
+  )
+  return SpecEngine(target, drafter, config)
+
+
+@pytest.fixture(scope="module")
+def reference(target, drafter):
+  """A contiguous engine: what the cached engine must generate."""
+  return SpecEngine(target, drafter, EngineConfig(max_len=MAX_LEN, batch_size=8))
+
+
+def test_cached_prefill_equals_a_full_prefill(target, drafter, engine, reference):
   """prefill_cached after cached pages: the same first token and drafter state as a full
   prefill of the prompt (the drafter absorbed the kept features), and only the new pages are
   copied into the pool."""
-  engine = SpecEngine(
-    target,
-    drafter,
-    EngineConfig(max_len=128, batch_size=2, page_size=8, kv_pages=32, prefix_cache=True),
-  )
   assert engine._prefix_width == len(drafter.taps) * target.config.hidden_size
   ids = _text(target)
-  first, second = ids[:45], ids[:40] + ids[300:310]
-  table = np.full((2, 16), 32, np.int32)
+  first, second = ids[:80], ids[:64] + ids[300:310]
+  pool = engine.config.num_pages
+  table = np.full((4, MAX_LEN // PAGE), pool, np.int32)
   table[0, :8] = np.arange(8)
-  table[1, :4], table[1, 4:10] = table[0, :4], np.arange(8, 14)  # 4 shared pages: 32 tokens
+  table[1, :4], table[1, 4:8] = table[0, :4], np.arange(8, 12)  # 4 shared pages: 64 tokens
   state = engine.set_page_table(engine.empty_state(), table)
   greedy = SamplingArgs(max_new_tokens=12, temperature=0.0)
   state = engine.insert(state, 0, engine.prefill_cached(state, first, greedy))
@@ -72,28 +88,18 @@ def test_cached_prefill_equals_a_full_prefill(target, drafter):
   state = engine.insert(state, 1, cached)
   np.testing.assert_array_equal(state.prefix_features[:4], before)  # shared pages untouched
   state = engine.run(state)
-  reference = SpecEngine(target, drafter, EngineConfig(max_len=128, batch_size=2))
   want = reference.generate([first, second], greedy).tokens
   got = [list(map(int, t)) for t in engine._outputs(state, 2)]
   if got != want:
     near_ties.assert_greedy_match(target, [first, second], want, got)
   with pytest.raises(InputError, match="last position"):
-    engine.prefill_cached(state, first[:32], greedy, pages=[0, 1, 2, 3])
+    engine.prefill_cached(state, first[:64], greedy, pages=[0, 1, 2, 3])
 
 
-def test_shared_system_prompt_hits_the_cache(target, drafter):
+def test_shared_system_prompt_hits_the_cache(target, engine, reference):
   """Eight requests behind one 200-token system prompt (greedy, sampled, and n = 2): every
   request after the first reads its 12 full pages from the cache, /metrics counts them, the
   outputs equal a contiguous engine's, and nothing compiles while serving."""
-  config = EngineConfig(
-    max_len=MAX_LEN,
-    batch_size=4,
-    stream_every=2,
-    page_size=PAGE,
-    kv_pages=40,
-    prefix_cache=True,
-  )
-  engine = SpecEngine(target, drafter, config)
   scheduler = Scheduler(engine, max_queue=16)
   scheduler.start()
   ids = _text(target)
@@ -129,7 +135,6 @@ def test_shared_system_prompt_hits_the_cache(target, drafter):
   assert engine.compile_counts()["prefill"] <= compiled["prefill"] + 1
   assert choices[0] == results[0][0]  # choice 0 keeps the request's seed
 
-  reference = SpecEngine(target, drafter, EngineConfig(max_len=MAX_LEN, batch_size=8))
   want = reference.generate(
     [p for p, _ in requests[1:]],
     max_new_tokens=[o.max_tokens for _, o in requests[1:]],

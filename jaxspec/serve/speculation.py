@@ -20,8 +20,9 @@ stalest first), so the estimates follow the traffic.
 Chains (`depth_model`): a budget b < γ checks the first b drafts of the same chain, so a
 draft at position k is accepted, given the k − 1 before it were, with one probability p_k
 whatever the budget. The policy measures p_k per draft position from the rows' acceptance
-histograms (decayed counts of passes that reached position k and that accepted it) and
-predicts every budget from them:
+histograms (counts of passes that reached position k and that accepted it, halved every
+`half_life` passes at that position, so a tick of few rows moves them little) and predicts
+every budget from them once each of its positions has `min_passes` passes behind it:
 
     E[b] = 1 + Σ_{k ≤ b} p_1 · … · p_k
 
@@ -55,10 +56,12 @@ class SpeculationPolicy:
     costs: {(budget, bucket): seconds per step} (`SpecEngine.measure_step_costs`); None or a
       missing entry: that budget is only chosen to explore it.
     explore_every: ticks after which a budget's acceptance is measured again.
-    smoothing: weight of the newest measurement in the running estimates (per draft
-      position: the weight by which older counts decay at each measurement).
+    smoothing: weight of the newest measurement in the running estimates.
     depth_model: chain budgets: predict each budget from acceptance per draft position
       (`observe`'s `accepted`); else each budget's tokens per step are measured alone.
+    min_passes: depth model: passes a position needs before budgets drafting it are
+      predicted (until then the longest such budget is explored).
+    half_life: depth model: passes at a position after which older counts weigh half.
   """
 
   def __init__(
@@ -69,6 +72,8 @@ class SpeculationPolicy:
     explore_every: int = 32,
     smoothing: float = 0.3,
     depth_model: bool = False,
+    min_passes: int = 16,
+    half_life: float = 64.0,
   ):
     if not budgets or not buckets or explore_every < 1 or not 0 < smoothing <= 1:
       raise ValueError("a policy needs budgets, buckets, explore_every ≥ 1, smoothing in (0, 1]")
@@ -86,6 +91,7 @@ class SpeculationPolicy:
     self._tick = 0
     self.chosen: collections.Counter = collections.Counter()  # (budget, bucket) → ticks
     self.depth_model = depth_model
+    self.min_passes, self.half_life = min_passes, half_life
     # Per draft position k = 1..γ: decayed counts of passes that reached it and that accepted
     # it, and the tick it was last measured at (depth_model only).
     depths = range(1, max(self.budgets) + 1)
@@ -157,13 +163,13 @@ class SpeculationPolicy:
     at_least = np.cumsum(accepted[::-1])[::-1]  # passes accepting ≥ j drafts
     for k in range(1, min(budget, len(accepted) - 1) + 1):
       if at_least[k - 1] > 0:
-        keep = 1 - self.smoothing
+        keep = 0.5 ** (at_least[k - 1] / self.half_life)
         self._reached[k] = keep * self._reached[k] + at_least[k - 1]
         self._accepted[k] = keep * self._accepted[k] + at_least[k]
         self._depth_at[k] = self._tick
     p = self.acceptance_by_position()
     for b in self.budgets:
-      if b == 0 or any(p[k] is None for k in range(1, b + 1)):
+      if b == 0 or any(self._reached[k] < self.min_passes for k in range(1, b + 1)):
         continue
       self.tokens_per_step[b] = 1.0 + float(np.sum(np.cumprod([p[k] for k in range(1, b + 1)])))
       self._measured_at[b] = min(self._depth_at[k] for k in range(1, b + 1))
