@@ -101,6 +101,12 @@ def test_auto_server_equals_the_engine(target, auto_engine):
   bucket ran, nothing compiled while serving."""
   scheduler = Scheduler(auto_engine, max_queue=16)
   scheduler.start()
+  # Four drafts over four rows priced out: once the first request's passes have measured
+  # every position (4 passes each, for this short test), the ticks with more than 2 live
+  # rows must switch budget (one the depth model predicts, or none) on a program compiled
+  # at start.
+  scheduler._policy.costs[(4, 4)] = 10.0
+  scheduler._policy.min_passes = 4
   try:
     compiled = auto_engine.compile_counts()
     prompts = _prompts(target, 6)
