@@ -13,7 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec.state.base import Kind, move_path, put_slots, read_slots, take_slots, write_block
+from jaxspec.state.base import Kind, block_slots, move_path, put_slots, read_slots, take_slots
 
 INDEXER_AXES = ("layers", "batch", "length", "head_dim")
 
@@ -42,8 +42,7 @@ class IndexerKeys(Kind):
   ) -> tuple["IndexerKeys", jax.Array]:
     """A block's keys k [B, T, D] at slots start[b].. of `layer` → (entry, k as stored), so the
     block scores its own keys exactly as later queries will read them."""
-    k = k.astype(self.k.dtype)
-    return self.replace(k=write_block(self.k, layer, start, k)), k
+    return self.put(layer, *block_slots(start, k.shape[1]), k)
 
   def put(
     self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array

@@ -35,7 +35,7 @@ from jaxspec.quant.codecs import (
   q4_0_dequantize,
   q4_0_quantize,
 )
-from jaxspec.state.base import Kind, move_path, put_slots, read_slots, take_slots, write_block
+from jaxspec.state.base import Kind, block_slots, move_path, put_slots, read_slots, take_slots
 from jaxspec.state.kv import FullLengthKV
 
 LATENT_AXES = ("layers", "batch", "length", "kv_lora")
@@ -63,13 +63,7 @@ class _LatentCache(FullLengthKV):
   def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: Any = None):
     """k [B, T, 1, latent_dim] (latent ‖ RoPE key) → (entry, k as stored, its latent part)."""
     del v  # the value is the latent part of k
-    stored, scale = self.encode(k[:, :, 0])
-    entry = self.replace(
-      c=write_block(self.c, layer, start, stored),
-      scale=None if scale is None else write_block(self.scale, layer, start, scale),
-    )
-    k = self.decode(stored, scale, self.dtype)[:, :, None]
-    return entry, k, k[..., : self.rank]
+    return self.put(layer, *block_slots(start, k.shape[1]), k)
 
   def put(self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array, v: Any = None):
     """As `write`, at explicit rows and slots [B, T] (out of range: dropped): a paged pool's
