@@ -97,12 +97,6 @@ def block_slots(start: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
   return rows, start[:, None] + jnp.arange(width)[None, :]
 
 
-def write_block(x: jax.Array, layer: jax.Array, start: jax.Array, block: jax.Array) -> jax.Array:
-  """x [L, B, S, ...] ← block [B, T, ...] at layer `layer`, slots start[b]..; past S dropped."""
-  rows, slots = block_slots(start, block.shape[1])
-  return x.at[layer, rows, slots].set(block.astype(x.dtype), mode="drop")
-
-
 def read_slots(x: jax.Array, layer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
   """x[layer, :, offset:offset+size] (offset is clamped by dynamic_slice to fit)."""
   zeros = (0,) * (x.ndim - 3)

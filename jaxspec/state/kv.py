@@ -23,11 +23,11 @@ from jaxspec.state.base import (
   SCALE_AXES,
   KVChunk,
   Kind,
+  block_slots,
   move_path,
   put_slots,
   read_slots,
   take_slots,
-  write_block,
 )
 
 
@@ -84,9 +84,7 @@ class FloatKV(FullLengthKV):
   def write(
     self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array
   ) -> tuple["FloatKV", jax.Array, jax.Array]:
-    k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
-    k_store, v_store = write_block(self.k, layer, start, k), write_block(self.v, layer, start, v)
-    return self.replace(k=k_store, v=v_store), k, v
+    return self.put(layer, *block_slots(start, k.shape[1]), k, v)
 
   def put(self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array):
     """A block's k, v [B, T, ...] at explicit slots [B, T] of `layer` (slot S: dropped), for
@@ -130,15 +128,7 @@ class _QuantizedKV(FullLengthKV):
 
   def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array):
     """Quantizes the block once: the stored entry, and the values the block reads as."""
-    qk, sk = self.encode(k)
-    qv, sv = self.encode(v)
-    entry = self.replace(
-      k=write_block(self.k, layer, start, qk),
-      v=write_block(self.v, layer, start, qv),
-      k_scale=write_block(self.k_scale, layer, start, sk),
-      v_scale=write_block(self.v_scale, layer, start, sv),
-    )
-    return entry, self.decode(qk, sk, self.dtype), self.decode(qv, sv, self.dtype)
+    return self.put(layer, *block_slots(start, k.shape[1]), k, v)
 
   def put(self, layer: jax.Array, rows: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array):
     """As `write`, at explicit slots [B, T] (slot S: dropped; see FloatKV.put)."""
