@@ -69,7 +69,14 @@ flags.DEFINE_bool(
   True,
   "Paged K/V: keep prompts' full pages, so that a prompt starting with the same tokens "
   "prefills only the rest (off, with the reason printed, for targets whose state pages cannot "
-  "hold: sliding windows, Gated DeltaNet, MLA).",
+  "hold: sliding windows, Gated DeltaNet).",
+)
+flags.DEFINE_string(
+  "admission_reserve",
+  "measured",
+  "Paged K/V: the share (0 to 1) of running requests' remaining max_tokens whose pages "
+  "admission keeps free (1: no request is ever preempted; 0: only the next tick's pages), or "
+  "'measured': the mean share finished requests used, raised after a preemption.",
 )
 flags.DEFINE_enum(
   "speculation",
@@ -133,6 +140,7 @@ def main(argv):
   del argv
   # First: the backend learns the other processes' devices when it starts.
   joined = distributed.initialize(distributed.config_from_flags())
+  reserve = scheduler_lib.parse_admission_reserve(FLAGS.admission_reserve)
   try:
     loopback = ipaddress.ip_address(FLAGS.host).is_loopback
   except ValueError:
@@ -171,6 +179,7 @@ def main(argv):
     return
   scheduler = scheduler_lib.Scheduler(
     engine,
+    admission_reserve=reserve,
     max_queue=FLAGS.max_queue,
     steps_per_tick=FLAGS.steps_per_tick,
     channel=multihost.TickChannel() if joined else None,

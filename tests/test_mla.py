@@ -304,7 +304,7 @@ def test_paged_server_with_prefix_cache_equals_plain(spec_checks):
     np.testing.assert_allclose(got, want, atol=2e-5)
 
   options = SamplingOptions(max_tokens=16, temperature=0.0)
-  scheduler = Scheduler(engine, max_queue=8)
+  scheduler = Scheduler(engine, max_queue=8, admission_reserve=0.0)  # preemption wanted
   scheduler.start()
   try:
     scheduler.submit(prompts[0], options).result()  # its pages cached before the rest arrive

@@ -50,31 +50,18 @@ def _requests(target, n: int, seed: int = 0):
   return out
 
 
-def test_paged_server_equals_the_engine_under_preemption(target):
+@pytest.fixture(scope="module")
+def burst(target):
+  """An EAGLE-3 chain engine of 64 rows whose pool holds an eighth of what 64 contiguous rows
+  reserve, the 64 requests, and what a contiguous engine generates for them."""
   drafter = jaxspec.load_drafter("jaxspec/assets/eagle3", target)
-  pages = ROWS * (MAX_LEN // PAGE) // 8  # an eighth of what 64 contiguous rows reserve
+  pages = ROWS * (MAX_LEN // PAGE) // 8
   config = EngineConfig(
     max_len=MAX_LEN, batch_size=ROWS, stream_every=2, page_size=PAGE, kv_pages=pages
   )
   engine = SpecEngine(target, drafter, config)
   assert engine.config.num_pages == pages
-  with pytest.raises(ConfigError, match="page allocator"):
-    engine.generate(["x"], max_new_tokens=2)  # a short pool cannot hold every row at max_len
-  scheduler = Scheduler(engine, max_queue=ROWS)
-  scheduler.start()
-  try:
-    compiled = engine.compile_counts()
-    requests = _requests(target, ROWS)
-    handles = scheduler.submit_many(requests)  # one queue: the same admissions every run
-    results = [h.result() for h in handles]
-    assert engine.compile_counts() == compiled  # nothing compiled while serving
-    metrics = scheduler.metrics()
-  finally:
-    scheduler.shutdown(drain=False, timeout=60)
-  assert metrics["preemptions_total"] >= 1 and metrics["kv_pages"] == pages
-  assert metrics["kv_pages_used"] == 0  # every page came back
-  assert sum(h.preemptions for h in handles) == metrics["preemptions_total"]
-
+  requests = _requests(target, ROWS)
   reference = SpecEngine(target, drafter, EngineConfig(max_len=MAX_LEN, batch_size=ROWS))
   want = reference.generate(
     [ids for ids, _ in requests],
@@ -82,10 +69,31 @@ def test_paged_server_equals_the_engine_under_preemption(target):
     temperature=[o.temperature for _, o in requests],
     seed=[o.seed for _, o in requests],
   ).tokens
+  want = [w[:-1] if w and w[-1] in reference.stop_ids else w for w in want]
+  return engine, requests, want
+
+
+def _serve_burst(engine, requests, reserve):
+  """The requests through one scheduler (one queue: the same admissions every run)."""
+  scheduler = Scheduler(engine, max_queue=ROWS, admission_reserve=reserve)
+  scheduler.start()
+  try:
+    compiled = engine.compile_counts()
+    handles = scheduler.submit_many(requests)
+    results = [h.result()[0] for h in handles]
+    assert engine.compile_counts() == compiled  # nothing compiled while serving
+    metrics = scheduler.metrics()
+  finally:
+    scheduler.shutdown(drain=False, timeout=60)
+  assert metrics["kv_pages_used"] == 0  # every page came back
+  assert sum(h.preemptions for h in handles) == metrics["preemptions_total"]
+  return handles, results, metrics
+
+
+def _check_outputs(target, requests, handles, results, want):
+  """Greedy rows equal the engine's; sampled rows never preempted draw what they draw alone."""
   sampled = []
-  for (ids, options), handle, (tokens, _, _), expected in zip(requests, handles, results, want):
-    if expected and expected[-1] in reference.stop_ids:
-      expected = expected[:-1]
+  for (ids, options), handle, tokens, expected in zip(requests, handles, results, want):
     if options.temperature == 0:
       if tokens != expected:  # equal up to a genuine near-tie (its check runs the target)
         near_ties.assert_greedy_match(target, [ids], [expected], [tokens])
@@ -96,7 +104,64 @@ def test_paged_server_equals_the_engine_under_preemption(target):
   # A draw whose uniform falls within float noise of a CDF boundary may flip between a
   # 64-row step and the reference (the contiguous server shows the same on these requests):
   # allow one such row in eight.
-  assert len(sampled) >= 8 and sum(sampled) >= len(sampled) - max(1, len(sampled) // 8)
+  assert len(sampled) >= 4 and sum(sampled) >= len(sampled) - max(1, len(sampled) // 8)
+
+
+def test_paged_server_equals_the_engine_under_preemption(target, burst):
+  engine, requests, want = burst
+  with pytest.raises(ConfigError, match="page allocator"):
+    engine.generate(["x"], max_new_tokens=2)  # a short pool cannot hold every row at max_len
+  # No reserve: admission packs the pool and growth preempts.
+  handles, results, metrics = _serve_burst(engine, requests, reserve=0.0)
+  assert metrics["preemptions_total"] >= 1 and metrics["kv_pages"] == engine.config.num_pages
+  _check_outputs(target, requests, handles, results, want)
+
+
+def test_a_full_admission_reserve_never_preempts(target, burst):
+  """admission_reserve=1 keeps every running request's pages to its end free: the burst's
+  first 32 requests (which overfill the pool too) run with no preemption, and their outputs
+  are the engine's."""
+  engine, requests, want = burst
+  handles, results, metrics = _serve_burst(engine, requests[:32], reserve=1.0)
+  assert metrics["preemptions_total"] == 0 and metrics["admission_reserve"] == 1.0
+  _check_outputs(target, requests[:32], handles, results, want[:32])
+  with pytest.raises(InputError, match="admission_reserve"):
+    Scheduler(engine, admission_reserve=1.5)
+  assert scheduler_lib.parse_admission_reserve("measured") is None
+  assert scheduler_lib.parse_admission_reserve("0.25") == 0.25
+  with pytest.raises(ConfigError, match="share"):
+    scheduler_lib.parse_admission_reserve("all")
+
+
+def test_a_measured_reserve_follows_what_finished_requests_used(burst):
+  """The measured reserve starts full, moves an eighth of the way to each finished request's
+  share of max_tokens used, and halfway back to full on a preemption; admission keeps that
+  share of a row's way to its end."""
+  # pylint: disable=protected-access
+  engine, requests, _ = burst
+  scheduler = Scheduler(engine)  # not started: its bookkeeping only
+  assert scheduler.reserve_ratio == 1.0
+  ids, options = requests[0]
+  handle = scheduler_lib.RequestHandle(scheduler, ids, dataclasses.replace(options, max_tokens=40))
+  end = len(ids) + 40 + engine.lookahead + 1
+  assert scheduler._kept(len(ids) + 1, handle) == end
+  for slot, reason in ((0, "stop"), (1, "cancelled")):  # a cancelled request tells nothing
+    scheduler._active[slot] = scheduler_lib._Slot(handle, 0, len(ids), len(ids) + 1)
+    handle.generated = [7] * 10  # a quarter of its max_tokens
+    scheduler._release(slot, scheduler_lib.Delta([], None, reason))
+    assert scheduler.reserve_ratio == pytest.approx(1.0 - 0.75 / 8)
+  scheduler.reserve_ratio = 0.5
+  handle.generated = []
+  far = scheduler._kept(len(ids) + 1, handle)
+  assert far == len(ids) + 1 + int(np.ceil(0.5 * (end - len(ids) - 1)))
+  scheduler._active[2] = scheduler_lib._Slot(handle, 0, len(ids), len(ids) + 1)
+  scheduler._requeue([2])
+  assert scheduler.reserve_ratio == 0.75 and handle.preemptions == 1
+  fixed = Scheduler(engine, admission_reserve=0.0)
+  fixed._active[2] = scheduler_lib._Slot(handle, 0, len(ids), len(ids) + 1)
+  fixed._requeue([2])
+  assert fixed.reserve_ratio == 0.0  # a fixed reserve stays as set
+  assert fixed._kept(len(ids) + 1, handle) == len(ids) + 1  # nothing kept past its length
 
 
 TREE = dict(max_len=96, batch_size=6, verify="tree", tree_budget=6)

@@ -49,6 +49,7 @@ SCHEDULER_METRICS = {
   "batch_occupancy": ("gauge", "Fraction of slots holding a request."),
   "slots": ("gauge", "Slots (the engine's batch size)."),
   "preemptions_total": ("counter", "Requests preempted when the KV pool ran out (resumed later)."),
+  "admission_reserve": ("gauge", "Share of running requests' remaining tokens kept in pages."),
   "prompt_tokens_prefilled_total": ("counter", "Prompt tokens the target prefilled (n > 1: once)."),
   "kv_pages": ("gauge", "Pages in the paged K/V pool (0: contiguous K/V)."),
   "kv_pages_used": ("gauge", "Pages of the pool held by requests."),

@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 import numpy as np
 
 from jaxspec import distributed
-from jaxspec.errors import InputError, JaxspecError
+from jaxspec.errors import ConfigError, InputError, JaxspecError
 from jaxspec.serve.pages import PageAllocator
 from jaxspec.serve.speculation import SpeculationPolicy
 from jaxspec.speculative.engine import SpecEngine
@@ -53,6 +53,20 @@ def derived_seed(seed: int, *labels: Any) -> int:
   different labels do not overlap)."""
   text = ":".join(map(str, (seed, *labels))).encode()
   return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def parse_admission_reserve(text: str) -> Optional[float]:
+  """A flag's admission reserve (`Scheduler(admission_reserve=)`): None for 'measured', else
+  the share it names, in [0, 1]."""
+  if text == "measured":
+    return None
+  try:
+    share = float(text)
+  except ValueError:
+    share = -1.0
+  if not 0.0 <= share <= 1.0:
+    raise ConfigError(f"admission reserve {text!r}: expected 'measured' or a share in [0, 1]")
+  return share
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -315,6 +329,11 @@ class Scheduler:
     max_queue: requests that may wait for a slot; `submit` raises QueueFull past it.
     steps_per_tick: engine steps per host round trip (default: the engine's stream_every);
       fewer means lower streaming latency and admission delay, more means fewer round trips.
+    admission_reserve: paged K/V: the share of each running request's way to its end (its
+      remaining max_tokens) whose pages admission keeps free for it (0: none, the pool is
+      packed and growth preempts; 1: all, so no request is ever preempted). None: measured,
+      the mean share of max_tokens finished requests used (from 1, raised halfway to 1 on
+      each preemption).
   """
 
   def __init__(
@@ -324,11 +343,14 @@ class Scheduler:
     max_queue: int = 256,
     steps_per_tick: Optional[int] = None,
     channel: Any = None,
+    admission_reserve: Optional[float] = None,
   ):
     if max_queue < 0 or (steps_per_tick is not None and steps_per_tick < 1):
       raise InputError(
         f"max_queue must be ≥ 0 and steps_per_tick ≥ 1, got {max_queue} and {steps_per_tick}"
       )
+    if admission_reserve is not None and not 0.0 <= admission_reserve <= 1.0:
+      raise InputError(f"admission_reserve must be in [0, 1] or None, got {admission_reserve}")
     self.engine = engine
     self._channel = channel
     self.max_queue = max_queue
@@ -353,6 +375,9 @@ class Scheduler:
         cfg.num_pages, cfg.page_size, self.slots, cfg.pages_per_row, cfg.prefix_cache
       )
     self._admissions = itertools.count()
+    # The share of a request's remaining max_tokens kept in reserve at admission.
+    self._measure_reserve = admission_reserve is None
+    self.reserve_ratio = 1.0 if admission_reserve is None else float(admission_reserve)
     # Which speculation budget and row bucket each tick runs (serve/speculation.py).
     # Chains: a shorter budget checks the first drafts of the same chain, so acceptance per
     # draft position predicts every budget (trees with fewer nodes: each is measured).
@@ -500,6 +525,7 @@ class Scheduler:
       "batch_occupancy": running / self.slots,
       "slots": self.slots,
       "preemptions_total": c.get("preemptions_total", 0),
+      "admission_reserve": self.reserve_ratio if self._pages else 0.0,
       "prompt_tokens_prefilled_total": c.get("prompt_tokens_prefilled_total", 0),
       "kv_pages": self._pages.num_pages if self._pages else 0,
       "kv_pages_used": self._pages.used if self._pages else 0,
@@ -562,30 +588,7 @@ class Scheduler:
     if not (admitted or live or cancelled or preempted):
       return not self._closing
 
-    rows = []
-    for slots, members, hits in admitted:
-      if all(h.cancelled for h in members):
-        for slot, handle in zip(slots, members):
-          self._finish_waiting(handle)
-          if self._pages is not None:
-            self._pages.release(slot)
-        continue
-      prompt = members[0].row_prompt()
-      arguments = [h.row_arguments().to_json() for h in members]
-      if len(members) == 1:
-        rows.append([slots[0], prompt, arguments[0], hits])
-      else:  # one prefill for every choice (a cancelled one is evicted next tick)
-        rows.append([slots, prompt, arguments, hits])
-      order = next(self._admissions)
-      cached = 0
-      if self._pages is not None:  # its full prompt pages serve later prompts (prefix_cache)
-        self._pages.register(slots[0], prompt)
-        cached = len(hits) * self._pages.page_size
-      with self._lock:
-        self._counters["prompt_tokens_prefilled_total"] += len(prompt) - cached
-        self._counters["prefix_cache_hit_tokens_total"] += cached
-        for slot, handle in zip(slots, members):
-          self._active[slot] = _Slot(handle, 0, len(prompt), len(prompt) + 1, order)
+    rows = self._seat(admitted)
     steps = self.steps_per_tick if (rows or live) else 0
     if not (rows or cancelled or preempted or steps):
       return True  # every admitted request was cancelled while it waited
@@ -621,14 +624,56 @@ class Scheduler:
       self._counters["steps_total"] += tick.steps
     return True
 
+  def _seat(self, admitted: list[tuple[list[int], list[RequestHandle], list[int]]]) -> list[list]:
+    """Admitted groups into their slots (`_admit`'s answer); those cancelled while they waited
+    give their pages back. Returns the tick's rows to prefill: [slot, prompt, sampling
+    arguments, cached pages], or [slots, prompt, [arguments per choice], cached pages] for n
+    choices of one prompt."""
+    rows = []
+    for slots, members, hits in admitted:
+      if all(h.cancelled for h in members):
+        for slot, handle in zip(slots, members):
+          self._finish_waiting(handle)
+          if self._pages is not None:
+            self._pages.release(slot)
+        continue
+      prompt = members[0].row_prompt()
+      arguments = [h.row_arguments().to_json() for h in members]
+      if len(members) == 1:
+        rows.append([slots[0], prompt, arguments[0], hits])
+      else:  # one prefill for every choice (a cancelled one is evicted next tick)
+        rows.append([slots, prompt, arguments, hits])
+      order = next(self._admissions)
+      cached = 0
+      if self._pages is not None:  # its full prompt pages serve later prompts (prefix_cache)
+        self._pages.register(slots[0], prompt)
+        cached = len(hits) * self._pages.page_size
+      with self._lock:
+        self._counters["prompt_tokens_prefilled_total"] += len(prompt) - cached
+        self._counters["prefix_cache_hit_tokens_total"] += cached
+        for slot, handle in zip(slots, members):
+          self._active[slot] = _Slot(handle, 0, len(prompt), len(prompt) + 1, order)
+    return rows
+
   def _reach(self, seq_len: int, handle: RequestHandle) -> int:
     """The positions a row of length `seq_len` may write before the next read-back: a tick's
     commits and one verify block past them, never past the request's own end (its prompt,
     max_tokens and the drafter's lookahead, however often it was preempted)."""
     verifier = self.engine.verifier
     ahead = seq_len + self.steps_per_tick * verifier.max_commit + verifier.width
+    return min(ahead, self._end(handle))
+
+  def _end(self, handle: RequestHandle) -> int:
+    """The most positions a request's row may write: its prompt, max_tokens and the
+    drafter's lookahead (however often it was preempted), within max_len."""
     end = len(handle.prompt_ids) + handle.options.max_tokens + self.engine.lookahead + 1
-    return min(ahead, end, self.engine.config.max_len)
+    return min(end, self.engine.config.max_len)
+
+  def _kept(self, seq_len: int, handle: RequestHandle) -> int:
+    """The positions admission keeps pages for, for a row of length `seq_len`:
+    `reserve_ratio` of its way to its end."""
+    end = self._end(handle)
+    return min(end, seq_len + int(np.ceil(self.reserve_ratio * max(end - seq_len, 0))))
 
   def _grow(self, cancelled: list[int]) -> list[int]:
     """Paged K/V: frees the pages of cancelled rows and gives every other row the pages its
@@ -661,14 +706,13 @@ class Scheduler:
     (not those `leaving` this tick) will want the tick after. Returns (slots, requests, the
     cached pages their prompt starts with) per admitted group."""
     admitted = []
-    # Pages the running rows will want the tick after (kept free, so that admitting does not
-    # force a preemption at once).
+    # Pages kept free for the running rows (`_kept`), so that admitting does not make them
+    # preempt one another later (reserve_ratio 1: never).
     reserve = 0
     if self._pages is not None:
-      ahead = self.steps_per_tick * self.engine.verifier.max_commit
       for i, s in enumerate(self._active):
         if s is not None and i not in leaving:
-          reserve += self._pages.shortfall(i, self._reach(s.seq_len + ahead, s.handle))
+          reserve += self._pages.shortfall(i, self._kept(s.seq_len, s.handle))
     with self._lock:
       free = [i for i, s in enumerate(self._active) if s is None]
       while free and self._waiting:
@@ -681,9 +725,16 @@ class Scheduler:
             s is not None and i not in leaving for i, s in enumerate(self._active)
           )
           first = self._first_pages(members)
-          if first[2] + (reserve if busy else 0) > self._pages.free:
+          # Pages its rows will want past their first tick, kept from later admissions.
+          later = len(members) * max(
+            self._pages.pages_for(self._kept(len(members[0].row_prompt()) + 1, members[0]))
+            - self._pages.pages_for(first[0]),
+            0,
+          )
+          if first[2] + (reserve + later if busy else 0) > self._pages.free:
             break
           hits = self._take_pages(slots, first)
+          reserve += later
         else:
           hits = []
         del free[: len(members)]
@@ -708,7 +759,10 @@ class Scheduler:
     return hits
 
   def _requeue(self, preempted: list[int]) -> None:
-    """Preempted requests back at the head of the queue (the newest last), rows freed."""
+    """Preempted requests back at the head of the queue (the newest last), rows freed. A
+    measured admission reserve was too small: it goes halfway to 1."""
+    if preempted and self._measure_reserve:
+      self.reserve_ratio = (1.0 + self.reserve_ratio) / 2
     with self._lock:
       for slot in sorted(preempted, key=lambda i: self._active[i].admitted, reverse=True):
         handle = self._active[slot].handle
@@ -726,6 +780,10 @@ class Scheduler:
     s = self._active[slot]
     if self._pages is not None:
       self._pages.release(slot)
+      if self._measure_reserve and last.finish_reason in ("stop", "length"):
+        # The share of its max_tokens it used: a running mean over about 8 requests.
+        used = len(s.handle.generated) / max(s.handle.options.max_tokens, 1)
+        self.reserve_ratio += (min(used, 1.0) - self.reserve_ratio) / 8
     s.handle._deliver(last)  # pylint: disable=protected-access
     with self._lock:
       self._active[slot] = None

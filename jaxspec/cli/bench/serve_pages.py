@@ -13,12 +13,17 @@ requests of mixed lengths (all submitted at once, greedy), and the run reports, 
   and the preemptions (rows freed when the pool ran out, resumed later by recomputation);
 * the ratios paged / contiguous.
 
+The paged engine serves the burst once per admission reserve (`--admission_reserves`: the
+share of the running requests' remaining tokens whose pages admission keeps free; 0 keeps only
+the next tick's, 'measured' the share finished requests used): how many run at once against
+how many are preempted and recomputed.
+
 Then, with `--shared_prefix` > 0, the paged engine serves the burst again with every prompt
 behind the same opening of that many tokens (a system prompt), without and with the prefix
 cache (`EngineConfig(prefix_cache=True)`): prompt tokens prefilled, tokens read from cached
 pages, the bytes of the kept drafter features, tokens/s and the mean latency.
 
-  python launch/bench.py serve-pages                          # plain and EAGLE-3, ~8 min
+  python launch/bench.py serve-pages                          # plain and EAGLE-3, ~10 min
   python launch/bench.py serve-pages --methods=plain --requests=32 --shared_prefix=0
 
 A script, not a test: on this CPU a step over more rows costs more (compute-bound), so the
@@ -31,7 +36,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from absl import flags
 import numpy as np
@@ -41,6 +46,7 @@ from jaxspec.cli import common_flags
 from jaxspec.cli.bench.serve import build_engine
 from jaxspec.drafters import registry
 from jaxspec.serve import SamplingOptions, Scheduler
+from jaxspec.serve.scheduler import parse_admission_reserve
 from jaxspec.train import data as data_lib
 
 FLAGS = flags.FLAGS
@@ -58,6 +64,12 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_prompt", 384, "Longest prompt, in tokens.")
   flags.DEFINE_integer("tree_budget", 22, "DDTree draft nodes per step.")
   flags.DEFINE_integer("steps_per_tick", 4, "Engine steps per scheduler round trip.")
+  flags.DEFINE_list(
+    "admission_reserves",
+    ["0", "measured"],
+    "The paged engine's admission reserves (Scheduler(admission_reserve=)): a share of the "
+    "running requests' remaining tokens in [0, 1], or 'measured'; each serves the burst.",
+  )
   flags.DEFINE_integer(
     "shared_prefix", 256, "Tokens of the shared opening for the prefix-cache part (0: skip)."
   )
@@ -122,23 +134,26 @@ def serve_burst(scheduler: Scheduler, prompts: Sequence[list[int]]) -> dict[str,
 
 def table(results: dict[str, dict[str, dict]]) -> list[str]:
   lines = [
-    f"{'method':<14}{'kv':<12}{'rows':>5}{'KV MiB':>8}{'drafter MiB':>12}{'peak':>6}"
+    f"{'method':<14}{'kv':<16}{'rows':>5}{'KV MiB':>8}{'drafter MiB':>12}{'peak':>6}"
     f"{'tok/s':>8}{'latency s':>11}{'preempt':>9}"
   ]
   for method, by_kind in results.items():
     for kind, r in by_kind.items():
       lines.append(
-        f"{method:<14}{kind:<12}{r['rows']:>5}{r['kv_bytes'] / 2**20:>8.1f}"
+        f"{method:<14}{kind:<16}{r['rows']:>5}{r['kv_bytes'] / 2**20:>8.1f}"
         f"{r['drafter_bytes'] / 2**20:>12.1f}{r['running_peak']:>6}{r['throughput_tok_s']:>8.1f}"
         f"{r['latency_mean_s']:>11.2f}{r['preemptions']:>9}"
       )
-    c, p = by_kind["contiguous"], by_kind["paged"]
-    lines.append(
-      f"{method:<14}{'paged/contig':<12}{'':>5}{'':>8}{'':>12}"
-      f"{p['running_peak'] / max(c['running_peak'], 1):>5.1f}×"
-      f"{p['throughput_tok_s'] / c['throughput_tok_s']:>7.2f}×"
-      f"{p['latency_mean_s'] / c['latency_mean_s']:>10.2f}×"
-    )
+    c = by_kind["contiguous"]
+    for kind, p in by_kind.items():
+      if kind == "contiguous":
+        continue
+      lines.append(
+        f"{method:<14}{kind + '/contig':<16}{'':>5}{'':>8}{'':>12}"
+        f"{p['running_peak'] / max(c['running_peak'], 1):>5.1f}×"
+        f"{p['throughput_tok_s'] / c['throughput_tok_s']:>7.2f}×"
+        f"{p['latency_mean_s'] / c['latency_mean_s']:>10.2f}×"
+      )
   return lines
 
 
@@ -163,10 +178,17 @@ def prefix_table(results: dict[str, dict[str, dict]]) -> list[str]:
   return lines
 
 
-def _serve(target, method: str, prompts, slots: int, **extra: Any) -> dict[str, Any]:
+def _serve(
+  target, method: str, prompts, slots: int, reserve: Optional[float] = None, **extra: Any
+) -> dict[str, Any]:
   """One engine (`build_engine`) serving the burst; its result with its memory."""
   engine = build_engine(target, method, slots, **extra)
-  scheduler = Scheduler(engine, max_queue=len(prompts), steps_per_tick=FLAGS.steps_per_tick)
+  scheduler = Scheduler(
+    engine,
+    max_queue=len(prompts),
+    steps_per_tick=FLAGS.steps_per_tick,
+    admission_reserve=reserve,
+  )
   scheduler.start()  # compiles (warm_up_slots) before the clock
   try:
     r = serve_burst(scheduler, prompts)
@@ -195,14 +217,16 @@ def main(argv: Sequence[str]) -> None:
     f"positions ({pool} pages of {FLAGS.page_size})",
     flush=True,
   )
+  reserves = {r: parse_admission_reserve(r) for r in FLAGS.admission_reserves}
   results: dict[str, dict[str, dict]] = {}
   for method in FLAGS.methods:
-    kinds = {
-      "contiguous": dict(batch_size=FLAGS.budget_rows),
-      "paged": dict(batch_size=FLAGS.rows, page_size=FLAGS.page_size, kv_pages=pool),
-    }
+    kinds = {"contiguous": dict(slots=FLAGS.budget_rows)}
+    for text, reserve in reserves.items():
+      kinds[f"paged/{text}"] = dict(
+        slots=FLAGS.rows, reserve=reserve, page_size=FLAGS.page_size, kv_pages=pool
+      )
     for kind, extra in kinds.items():
-      r = _serve(target, method, prompts, extra.pop("batch_size"), **extra)
+      r = _serve(target, method, prompts, **extra)
       results.setdefault(method, {})[kind] = r
       print(f"{method} {kind}: {json.dumps(r)}", flush=True)
   print("\n".join(table(results)))
