@@ -187,6 +187,7 @@ def _own_server():
     page_size=FLAGS.page_size,
     kv_pages=FLAGS.kv_pages if FLAGS.page_size else 0,
     prefix_cache=FLAGS.prefix_cache and FLAGS.page_size > 0,
+    warm_choices=min(2, FLAGS.batch_size),  # its n = 2 requests compile nothing while served
   )
   sched = scheduler_lib.Scheduler(engine, steps_per_tick=FLAGS.steps_per_tick)
   sched.start()

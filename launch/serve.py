@@ -71,6 +71,13 @@ flags.DEFINE_bool(
   "prefills only the rest (off, with the reason printed, for targets whose state pages cannot "
   "hold: sliding windows, Gated DeltaNet).",
 )
+flags.DEFINE_integer(
+  "warm_choices",
+  4,
+  "The most choices of one prompt (n, best_of) whose one-prefill groups are compiled at start "
+  "(in power-of-two groups, up to --batch_size); a larger n compiles its group on first use.",
+  lower_bound=1,
+)
 flags.DEFINE_string(
   "admission_reserve",
   "measured",
@@ -171,6 +178,7 @@ def main(argv):
     speculation=FLAGS.speculation,
     speculation_budgets=tuple(int(b) for b in FLAGS.speculation_budgets),
     row_buckets=row_buckets,
+    warm_choices=min(FLAGS.warm_choices, FLAGS.batch_size),
   )
   if not distributed.is_leader():  # a follower: no HTTP, the leader's ticks until it stops
     print(f"process {joined.process_id}/{joined.num_processes}: following process 0", flush=True)

@@ -158,7 +158,7 @@ def test_one_compile_for_twenty_calls_and_seeded_repeats(models):
       top_p=float(rng.choice([1.0, 0.9])),
       seed=i,
     )
-  compiles = {"prefill": 1, "loop": 1, "insert": 0, "evict": 0, "set_page_table": 0}
+  compiles = dict(prefill=1, loop=1, insert=0, insert_rows=0, evict=0, set_page_table=0)
   assert eng.compile_counts() == compiles
   a = eng.generate([[1, 2, 3]], max_new_tokens=20, temperature=1.0, seed=5).tokens
   b = eng.generate([[1, 2, 3]], max_new_tokens=20, temperature=1.0, seed=5).tokens

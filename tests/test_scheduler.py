@@ -15,7 +15,7 @@ import pytest
 
 import jaxspec
 from jaxspec import distributed
-from jaxspec.errors import InputError
+from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import QueueFull, SamplingOptions, Scheduler, SchedulerClosed
 from jaxspec.serve import scheduler as scheduler_lib
 from jaxspec.serve.scheduler import Tick, apply_tick
@@ -149,6 +149,33 @@ def test_full_queue_and_bad_requests_are_refused(engine, target):
     s.shutdown(drain=False, timeout=60)
   with pytest.raises(SchedulerClosed):
     s.submit([1, 2], SamplingOptions(max_tokens=2))
+
+
+def test_warmed_choice_groups_compile_nothing_while_serving(target):
+  """n choices prefill as a group of the next power of two rows: a server warmed for 4
+  choices (groups of 2 and 4, every prompt bucket) serves n = 3 without compiling, and
+  choice i still returns what its seed returns alone (the padding row is dropped)."""
+  config = EngineConfig(max_len=32, batch_size=4, stream_every=2, warm_choices=4)
+  engine = SpecEngine(target, None, config)
+  assert [engine.choice_group(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+  wide = SpecEngine(target, None, EngineConfig(max_len=32, batch_size=6))
+  assert [wide.choice_group(n) for n in (5, 6)] == [6, 6]  # at most the slots
+  with pytest.raises(ConfigError, match="warm_choices"):
+    EngineConfig(batch_size=2, warm_choices=3)
+  s = Scheduler(engine, max_queue=8)
+  s.start()
+  try:
+    compiled = engine.compile_counts()
+    assert compiled["insert_rows"] == 2  # the groups of 2 and 4
+    ids = target.tokenizer.encode(PROMPTS[1])
+    options = SamplingOptions(max_tokens=8, temperature=0.9, seed=5)
+    choices = [h.result()[0] for h in s.submit_n(ids, options, 3)]
+    assert engine.compile_counts() == compiled
+    seeds = [scheduler_lib.choice_seed(5, i) for i in range(3)]
+    alone = [s.submit(ids, SamplingOptions(8, 0.9, seed=k)).result()[0] for k in seeds]
+  finally:
+    s.shutdown(drain=False, timeout=60)
+  assert choices == alone and len({tuple(c) for c in choices}) > 1
 
 
 def test_async_iteration_and_draining_shutdown(engine, target):

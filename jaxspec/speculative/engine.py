@@ -114,6 +114,10 @@ class EngineConfig:
     drafter allows it, half, and the full budget).
   row_buckets: row counts below batch_size that `run` may compact the live rows into, so a
     step costs what those rows cost (one program per bucket and budget; () = none).
+  warm_choices: the most choices of one prompt (OpenAI's n, best_of) that `warm_up_slots`
+    compiles group prefills for. n choices prefill as a group of the next power of two rows
+    (at most batch_size; the extra rows are dropped), so a server compiles log2(n) groups per
+    prompt bucket up front; a larger n compiles its group the first time (1: none).
   """
 
   method: str = "auto"
@@ -143,6 +147,7 @@ class EngineConfig:
   speculation: str = "fixed"
   speculation_budgets: tuple[int, ...] = ()
   row_buckets: tuple[int, ...] = ()
+  warm_choices: int = 1
 
   def __post_init__(self):
     def need(ok: bool, msg: str) -> None:
@@ -194,6 +199,11 @@ class EngineConfig:
     need(
       all(1 <= r <= self.batch_size for r in self.row_buckets),
       f"row_buckets must be in [1, batch_size={self.batch_size}], got {self.row_buckets!r}",
+    )
+    whole("warm_choices", 1)
+    need(
+      self.warm_choices <= self.batch_size,
+      f"warm_choices={self.warm_choices} must be at most batch_size={self.batch_size}",
     )
     need(
       self.kv_format in KV_FORMATS,
@@ -799,14 +809,15 @@ class SpecEngine:
     return self._start(request, batch=1)
 
   def prefill_rows(self, prompt: Any, arguments: Sequence[SamplingArgs]) -> SpecState:
-    """One request sampled len(arguments) times (OpenAI's `n`): the prompt prefilled once for
-    an n-row state (`insert_rows`), row i with `arguments[i]` (one value each; its own seed).
+    """One request sampled n = len(arguments) times (OpenAI's `n`): the prompt prefilled once
+    for a state of `choice_group(n)` rows (`insert_rows` takes the first n), row i with
+    `arguments[i]` (one value each; its own seed).
 
     The target runs the prompt once; each row draws its first token from those logits with
     its own key and sampling arguments, and its drafter absorbs the same features, so row i
-    samples exactly what `prefill_row(prompt, arguments[i])` samples. One compilation per n
-    (and prompt bucket)."""
-    request, n = self._group_request(prompt, arguments)
+    samples exactly what `prefill_row(prompt, arguments[i])` samples. One compilation per
+    group size (and prompt bucket)."""
+    request, n = self._group_request(prompt, self._padded_group(arguments))
     return self._start(request, batch=n, copies=n if n > 1 else 1)
 
   def prefill_cached(
@@ -827,7 +838,9 @@ class SpecEngine:
     if not cfg.prefix_cache:
       raise ConfigError("prefill_cached: this engine has no prefix cache (EngineConfig)")
     group = not isinstance(arguments, SamplingArgs)
-    request, n = self._group_request(prompt, arguments if group else [arguments])
+    request, n = self._group_request(
+      prompt, self._padded_group(arguments) if group else [arguments]
+    )
     pages = [int(p) for p in pages]
     if not all(0 <= p < cfg.num_pages for p in pages):
       raise InputError(f"prefill_cached: page ids must be in [0, {cfg.num_pages}), got {pages}")
@@ -862,10 +875,23 @@ class SpecEngine:
     n = len(arguments)
     return self._request([prompt] * n, merged, n), n
 
+  def choice_group(self, n: int) -> int:
+    """The rows a group prefill of n choices runs: n rounded up to a power of two, at most
+    batch_size (one compilation per group size and prompt bucket, not per n)."""
+    return min(1 << max(n - 1, 0).bit_length(), max(self.config.batch_size, n))
+
+  def _padded_group(self, arguments: Sequence[SamplingArgs]) -> list[SamplingArgs]:
+    """`arguments` with copies of the last up to `choice_group` rows (rows dropped later)."""
+    arguments = list(arguments)
+    if len(arguments) < 2:
+      return arguments
+    return arguments + arguments[-1:] * (self.choice_group(len(arguments)) - len(arguments))
+
   def insert_rows(self, state: SpecState, slots: Sequence[int], rows: SpecState) -> SpecState:
-    """`insert` of each row i of an n-row state (`prefill_rows`) at `slots[i]`; paged K/V:
-    the rows' shared prompt pages are copied to each slot's pages (the scheduler maps the full
-    ones to the same pool pages, serve/pages.py). Donates `state`."""
+    """`insert` of row i of a group state (`prefill_rows`) at `slots[i]`, for the first
+    len(slots) rows (the group's padding rows are dropped); paged K/V: the rows' shared prompt
+    pages are copied to each slot's pages (the scheduler maps the full ones to the same pool
+    pages, serve/pages.py). Donates `state`."""
     slots = [int(s) for s in slots]
     if self._take_row is None:
       axes = self._batch_axes()
@@ -875,7 +901,7 @@ class SpecEngine:
         return jax.tree_util.tree_map(pick, axes, rows_state, is_leaf=lambda x: x is None)
 
       self._take_row = self._on_mesh(jax.jit(take))
-    if len(slots) != int(rows.seq_len.shape[0]):
+    if not 1 <= len(slots) <= int(rows.seq_len.shape[0]):
       raise InputError(f"insert_rows: {len(slots)} slots for {rows.seq_len.shape[0]} rows")
     for i, slot in enumerate(slots):
       state = self.insert(state, slot, self._take_row(rows, jnp.int32(i)))
@@ -931,8 +957,9 @@ class SpecEngine:
 
   def warm_up_slots(self) -> SpecState:
     """Compiles everything a slot-served engine runs (the one-row prefill of every prompt
-    bucket, insert, evict, the stepping loop) and returns a free state, so that serving never
-    compiles. Prompts longer than prefill_chunk share the last bucket's chunked program."""
+    bucket, and the group prefills of up to `warm_choices` choices, insert, evict, the
+    stepping loop) and returns a free state, so that serving never compiles. Prompts longer
+    than prefill_chunk share the last bucket's chunked program."""
     state = self.empty_state()
     cfg = self.config
     if cfg.page_size:  # every page unmapped: the allocator maps them as rows arrive
@@ -942,9 +969,15 @@ class SpecEngine:
     longest = cfg.max_len - self.lookahead - 2  # the longest prompt a request may have
     top = min(_bucket(longest, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk)
     size = cfg.min_prompt_bucket
+    groups = sorted({self.choice_group(n) for n in range(2, cfg.warm_choices + 1)})
     while longest >= 1:
       n = min(size, longest)  # the longest prompt of this bucket that fits
       state = self.insert(state, 0, self._warm_row(state, [0] * n, 1))
+      for rows in groups:  # n > 1 choices of one prompt: one prefill per group size
+        args = [SamplingArgs(max_new_tokens=1, temperature=0.0)] * rows
+        group = self.prefill_cached(state, [0] * n, args) if cfg.prefix_cache else None
+        group = self.prefill_rows([0] * n, args) if group is None else group
+        state = self.insert_rows(state, range(rows), group)
       if min(_bucket(n, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk) >= top:
         break
       size *= 2
@@ -984,6 +1017,7 @@ class SpecEngine:
       "prefill": self._prefill._cache_size(),
       "loop": sum(f._cache_size() for f in self._loops.values()),
       "insert": 0 if self._insert is None else self._insert._cache_size(),
+      "insert_rows": 0 if self._take_row is None else self._take_row._cache_size(),
       "evict": self._evict._cache_size(),
       "set_page_table": self._set_pages._cache_size(),
     }

@@ -134,13 +134,13 @@ def serve_burst(scheduler: Scheduler, prompts: Sequence[list[int]]) -> dict[str,
 
 def table(results: dict[str, dict[str, dict]]) -> list[str]:
   lines = [
-    f"{'method':<14}{'kv':<16}{'rows':>5}{'KV MiB':>8}{'drafter MiB':>12}{'peak':>6}"
+    f"{'method':<14}{'kv':<22}{'rows':>5}{'KV MiB':>8}{'drafter MiB':>12}{'peak':>6}"
     f"{'tok/s':>8}{'latency s':>11}{'preempt':>9}"
   ]
   for method, by_kind in results.items():
     for kind, r in by_kind.items():
       lines.append(
-        f"{method:<14}{kind:<16}{r['rows']:>5}{r['kv_bytes'] / 2**20:>8.1f}"
+        f"{method:<14}{kind:<22}{r['rows']:>5}{r['kv_bytes'] / 2**20:>8.1f}"
         f"{r['drafter_bytes'] / 2**20:>12.1f}{r['running_peak']:>6}{r['throughput_tok_s']:>8.1f}"
         f"{r['latency_mean_s']:>11.2f}{r['preemptions']:>9}"
       )
@@ -149,7 +149,7 @@ def table(results: dict[str, dict[str, dict]]) -> list[str]:
       if kind == "contiguous":
         continue
       lines.append(
-        f"{method:<14}{kind + '/contig':<16}{'':>5}{'':>8}{'':>12}"
+        f"{method:<14}{kind + '/contig':<22}{'':>5}{'':>8}{'':>12}"
         f"{p['running_peak'] / max(c['running_peak'], 1):>5.1f}×"
         f"{p['throughput_tok_s'] / c['throughput_tok_s']:>7.2f}×"
         f"{p['latency_mean_s'] / c['latency_mean_s']:>10.2f}×"
