@@ -8,8 +8,9 @@ shuffled order, a third of them streamed, one in five asking for n = 2 choices) 
 served-alone text in every choice: a lost, truncated or mixed-up output fails the run (exit
 status 1). Half the prompts open with the same long system text (a shared prefix). Its own
 server keeps the K/V in pages (--page_size) of a pool smaller than its slots × max_len
-(--kv_pages), so rows grow, share prompt pages (n = 2) and are preempted under load, and it
-caches prompts' full pages (--prefix_cache), so the shared opening is prefilled once. It
+(--kv_pages), so rows grow page by page, share prompt pages (n = 2) and wait for pages at
+admission (the measured admission reserve; preempted where it falls short), and it caches
+prompts' full pages (--prefix_cache), so the shared opening is prefilled once. It
 reports p50/p99 latency and throughput, and stops by itself: after the last request, or at
 --time_limit seconds.
 
