@@ -702,9 +702,10 @@ class Scheduler:
 
   def _admit(self, leaving: set[int]) -> list[tuple[list[int], list[RequestHandle], list[int]]]:
     """Waiting requests into free rows, first come first served: while a row is free and (paged
-    K/V) the pool has the pages its prompt and first tick reach, beside what the running rows
-    (not those `leaving` this tick) will want the tick after. Returns (slots, requests, the
-    cached pages their prompt starts with) per admitted group."""
+    K/V) the pool has the pages its prompt and first tick reach, beside the reserve kept for
+    the running rows (not those `leaving` this tick) and for the ones admitted before it
+    (`_kept`). Returns (slots, requests, the cached pages their prompt starts with) per
+    admitted group."""
     admitted = []
     # Pages kept free for the running rows (`_kept`), so that admitting does not make them
     # preempt one another later (reserve_ratio 1: never).

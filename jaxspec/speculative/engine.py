@@ -783,13 +783,16 @@ class SpecEngine:
       state = self.set_page_table(state, unmapped)
     return state, costs
 
-  def _warm_row(self, state: SpecState, prompt: list[int], max_new: int) -> SpecState:
-    """A greedy one-row state of `prompt` through the program a server runs (prefix-cache
-    engines: `prefill_cached`, with nothing cached)."""
+  def _warm_row(
+    self, state: SpecState, prompt: list[int], max_new: int, rows: int = 1
+  ) -> SpecState:
+    """A greedy state of `prompt`, one row or a group of `rows` choices, through the program a
+    server runs (prefix-cache engines: `prefill_cached`, with nothing cached)."""
     args = SamplingArgs(max_new_tokens=max_new, temperature=0.0)
+    group = [args] * rows if rows > 1 else None
     if self.config.prefix_cache:
-      return self.prefill_cached(state, prompt, args)
-    return self.prefill_row(prompt, args)
+      return self.prefill_cached(state, prompt, group or args)
+    return self.prefill_rows(prompt, group) if group else self.prefill_row(prompt, args)
 
   def empty_state(self) -> SpecState:
     """A batch_size-row state with every row free (done): the start of a slot-served engine."""
@@ -974,10 +977,7 @@ class SpecEngine:
       n = min(size, longest)  # the longest prompt of this bucket that fits
       state = self.insert(state, 0, self._warm_row(state, [0] * n, 1))
       for rows in groups:  # n > 1 choices of one prompt: one prefill per group size
-        args = [SamplingArgs(max_new_tokens=1, temperature=0.0)] * rows
-        group = self.prefill_cached(state, [0] * n, args) if cfg.prefix_cache else None
-        group = self.prefill_rows([0] * n, args) if group is None else group
-        state = self.insert_rows(state, range(rows), group)
+        state = self.insert_rows(state, range(rows), self._warm_row(state, [0] * n, 1, rows))
       if min(_bucket(n, cfg.min_prompt_bucket, cfg.max_len), cfg.prefill_chunk) >= top:
         break
       size *= 2

@@ -14,9 +14,9 @@ requests of mixed lengths (all submitted at once, greedy), and the run reports, 
 * the ratios paged / contiguous.
 
 The paged engine serves the burst once per admission reserve (`--admission_reserves`: the
-share of the running requests' remaining tokens whose pages admission keeps free; 0 keeps only
-the next tick's, 'measured' the share finished requests used): how many run at once against
-how many are preempted and recomputed.
+share of the running requests' remaining tokens whose pages admission keeps free; 0 keeps
+none, 'measured' the share finished requests used): how many run at once against how many are
+preempted and recomputed.
 
 Then, with `--shared_prefix` > 0, the paged engine serves the burst again with every prompt
 behind the same opening of that many tokens (a system prompt), without and with the prefix
