@@ -820,7 +820,7 @@ class SpecEngine:
     its own key and sampling arguments, and its drafter absorbs the same features, so row i
     samples exactly what `prefill_row(prompt, arguments[i])` samples. One compilation per
     group size (and prompt bucket)."""
-    request, n = self._group_request(prompt, self._padded_group(arguments))
+    request, n = self._group_request(prompt, arguments)
     return self._start(request, batch=n, copies=n if n > 1 else 1)
 
   def prefill_cached(
@@ -841,9 +841,7 @@ class SpecEngine:
     if not cfg.prefix_cache:
       raise ConfigError("prefill_cached: this engine has no prefix cache (EngineConfig)")
     group = not isinstance(arguments, SamplingArgs)
-    request, n = self._group_request(
-      prompt, self._padded_group(arguments) if group else [arguments]
-    )
+    request, n = self._group_request(prompt, arguments if group else [arguments])
     pages = [int(p) for p in pages]
     if not all(0 <= p < cfg.num_pages for p in pages):
       raise InputError(f"prefill_cached: page ids must be in [0, {cfg.num_pages}), got {pages}")
@@ -859,7 +857,8 @@ class SpecEngine:
   def _group_request(
     self, prompt: Any, arguments: Sequence[SamplingArgs]
   ) -> tuple[Request, int]:
-    """The Request of one prompt sampled once per SamplingArgs (one value each), and n."""
+    """The Request of one prompt sampled once per SamplingArgs (one value each), padded with
+    copies of the last to `choice_group` rows (dropped at `insert_rows`), and its rows."""
     arguments = list(arguments)
     if not arguments or not all(isinstance(a, SamplingArgs) for a in arguments):
       raise InputError("prefill_rows: give one SamplingArgs per row (at least one)")
@@ -867,6 +866,7 @@ class SpecEngine:
       raise InputError("prefill_rows: parse_special must be the same for every row")
     if len(arguments) == 1:
       return self._request([prompt], arguments[0], 1), 1
+    arguments += arguments[-1:] * (self.choice_group(len(arguments)) - len(arguments))
     per_row = {
       f.name: [getattr(a, f.name) for a in arguments]
       for f in dataclasses.fields(SamplingArgs)
@@ -882,13 +882,6 @@ class SpecEngine:
     """The rows a group prefill of n choices runs: n rounded up to a power of two, at most
     batch_size (one compilation per group size and prompt bucket, not per n)."""
     return min(1 << max(n - 1, 0).bit_length(), max(self.config.batch_size, n))
-
-  def _padded_group(self, arguments: Sequence[SamplingArgs]) -> list[SamplingArgs]:
-    """`arguments` with copies of the last up to `choice_group` rows (rows dropped later)."""
-    arguments = list(arguments)
-    if len(arguments) < 2:
-      return arguments
-    return arguments + arguments[-1:] * (self.choice_group(len(arguments)) - len(arguments))
 
   def insert_rows(self, state: SpecState, slots: Sequence[int], rows: SpecState) -> SpecState:
     """`insert` of row i of a group state (`prefill_rows`) at `slots[i]`, for the first
