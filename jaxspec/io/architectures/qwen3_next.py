@@ -15,6 +15,7 @@ from jaxspec.errors import show
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.qwen3 import mlp_only_layers
 from jaxspec.io.architectures.reader import HFConfigReader
+from jaxspec.io.architectures.tensors import TensorLayout
 
 # A multimodal checkpoint's architecture -> its text model's.
 MULTIMODAL_TEXT = {
@@ -123,6 +124,14 @@ def _write_moe(c: ModelConfig, every_layer: bool) -> dict[str, Any]:
   return hf
 
 
+# Checkpoint names: one `mtp.` module, {pre_fc_norm_*, fc, norm, layers.0.*}, that transformers
+# builds only when asked (Qwen3-Next fuses the Gated DeltaNet input projections).
+_MTP_MODULE = dict(
+  mtp_prefix="mtp.",
+  mtp_names=("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"),
+  mtp_block="layers.0.",
+  unbuilt_mtp="mtp.",
+)
 # Transformers' defaults: a quarter of each head rotated, only the default RoPE, 256-wide heads.
 _HYBRID = dict(
   sliding=True,
@@ -137,6 +146,7 @@ QWEN3_NEXT = Architecture(
   read=lambda r, kw: _read_moe(r, kw, every_layer=False),
   write=lambda c: _write_moe(c, every_layer=False),
   **_HYBRID,
+  tensors=TensorLayout(**_MTP_MODULE, linear_attention=("in_proj_qkvz", "in_proj_ba")),
 )
 QWEN3_5 = Architecture(
   name="Qwen3_5ForCausalLM",
@@ -144,6 +154,7 @@ QWEN3_5 = Architecture(
   read=_read_dense,
   write=_write_dense,
   **_HYBRID,
+  tensors=TensorLayout(**_MTP_MODULE),
 )
 QWEN3_5_MOE = Architecture(
   name="Qwen3_5MoeForCausalLM",
@@ -152,4 +163,5 @@ QWEN3_5_MOE = Architecture(
   write=lambda c: _write_moe(c, every_layer=True),
   dense_width=False,  # every layer is MoE: no dense width
   **_HYBRID,
+  tensors=TensorLayout(**_MTP_MODULE),
 )
