@@ -1,5 +1,5 @@
 """`bench.py cost-curve`: forward cost against T on random models of realistic shape, the
-memory roofline, and projected speedups (formerly `launch/bench.py --mode=cost_curve`)."""
+memory roofline, and projected speedups."""
 
 from __future__ import annotations
 

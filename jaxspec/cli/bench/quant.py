@@ -1,5 +1,5 @@
 """`bench.py quant`: bytes read and time per decode step of random models of realistic
-shape, per weight format (formerly `launch/bench.py --mode=quant_cost`)."""
+shape, per weight format."""
 
 from __future__ import annotations
 
