@@ -80,7 +80,7 @@ def test_qmatmul_section_operands_hold_the_weight():
   what qmatmul's oracle dequantizes is w up to the format's rounding."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from jaxspec.cli.bench import device_qmatmul  # pylint: disable=import-outside-toplevel
+  from launch.benchmarks import device_qmatmul  # pylint: disable=import-outside-toplevel
   from pallas_kernels.qmatmul import check_inputs, dequantize  # pylint: disable=import-outside-toplevel
 
   w = 0.02 * jax.random.normal(jax.random.PRNGKey(0), (256, 384))

@@ -11,9 +11,9 @@ from absl import flags
 import jax
 
 import jaxspec
-from jaxspec.cli import common_flags
-from jaxspec.cli.bench import cost_curve
-from jaxspec.cli.bench import runners
+from launch.cli import common_flags
+from launch.benchmarks import cost_curve
+from launch.benchmarks import runners
 
 FLAGS = flags.FLAGS
 

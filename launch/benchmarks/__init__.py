@@ -15,7 +15,7 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 PROG = "jaxspec"
-EXIT_ERROR = 2  # as jaxspec.cli.run reports a usage error
+EXIT_ERROR = 2  # as launch.cli.run reports a usage error
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
@@ -24,7 +24,7 @@ class Subcommand:
   """One benchmark: its name on the command line, its module and what it measures."""
 
   name: str
-  module: str  # under jaxspec.cli.bench
+  module: str  # under launch.benchmarks
   summary: str
 
 
@@ -132,8 +132,7 @@ SUBCOMMANDS = {
 
 def entry_point() -> str:
   """launch/bench.py of the tree this package was imported from (subprocesses run it)."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-  return os.path.join(root, "launch", "bench.py")
+  return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py")
 
 
 def command(name: str, *args: str) -> list[str]:
@@ -164,10 +163,10 @@ def _error(message: str) -> NoReturn:
 
 
 def run_subcommand(name: str, args: Sequence[str]) -> NoReturn:
-  """Defines subcommand `name`'s flags, then runs it like `jaxspec.cli.run` on `args`."""
+  """Defines subcommand `name`'s flags, then runs it like `launch.cli.run` on `args`."""
   from absl import flags  # pylint: disable=import-outside-toplevel
 
-  from jaxspec import cli  # pylint: disable=import-outside-toplevel
+  from launch import cli  # pylint: disable=import-outside-toplevel
 
   sub = SUBCOMMANDS[name]
   module = importlib.import_module(f"{__name__}.{sub.module}")
