@@ -114,7 +114,7 @@ def test_launch_script_writes_a_policy_generate_accepts(tmp_path):
   assert {g["format"] for g in report["groups"]} == {"mxfp4", "fp8"}
 
 
-@pytest.mark.slow  # a minute of engine compiles; `launch/bench.py quant-profile` runs it on every policy
+@pytest.mark.slow  # a minute of engine compiles; `bench.py quant-profile` runs it per policy
 def test_policy_effect_on_greedy_decoding():
   target, _, _ = _profiled()
   prompts = ["def fib(n):"]
