@@ -76,8 +76,8 @@ def test_greedy_agreement_compares_up_to_the_first_near_tie():
 
 
 def test_qmatmul_section_operands_hold_the_weight():
-  """The qmatmul section's operands (launch/benchmarks/device_qmatmul.py) are the weight in each format:
-  what qmatmul's oracle dequantizes is w up to the format's rounding."""
+  """The qmatmul section's operands (launch/benchmarks/device_qmatmul.py) are the weight in
+  each format: what qmatmul's oracle dequantizes is w up to the format's rounding."""
   import jax  # pylint: disable=import-outside-toplevel
 
   from launch.benchmarks import device_qmatmul  # pylint: disable=import-outside-toplevel
