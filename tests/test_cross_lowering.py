@@ -25,7 +25,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.io.architectures import config_from_hf
 from jaxspec.models.target import TargetModel, param_shapes
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 PLATFORMS = ("tpu", "cuda")
 KINDS = ("plain", "chain", "tree")

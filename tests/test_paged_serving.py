@@ -19,7 +19,8 @@ from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import SamplingOptions, Scheduler
 from jaxspec.serve import admission, handles
 from jaxspec.serve.pages import PageAllocator
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 from tests import near_ties
 

@@ -19,7 +19,8 @@ from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import QueueFull, SamplingOptions, Scheduler, SchedulerClosed
 from jaxspec.serve import handles, ticks
 from jaxspec.serve.ticks import Tick, apply_tick
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.speculative.request import SamplingArgs
 
 from tests import engine_models, near_ties
