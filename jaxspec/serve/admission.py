@@ -12,7 +12,7 @@ newest rows are preempted (their pages freed; they resume later from what they d
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -41,7 +41,9 @@ def parse_admission_reserve(text: str) -> Optional[float]:
   return share
 
 
-def make(engine: SpecEngine, steps_per_tick: int, reserve: Optional[float]) -> Any:
+def make(
+  engine: SpecEngine, steps_per_tick: int, reserve: Optional[float]
+) -> "ContiguousAdmission":
   """The admission policy of `engine`'s K/V: paged (EngineConfig.page_size) or contiguous."""
   if engine.config.page_size:
     return PagedAdmission(engine, steps_per_tick, reserve)
