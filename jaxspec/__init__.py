@@ -17,7 +17,8 @@ from jaxspec.options import RunOptions
 from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecError
 from jaxspec.io.hf import load_model, save_hf
 from jaxspec.models.target import TargetModel
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.speculative.request import Request, SamplingArgs
 from jaxspec.quant import quantize
 

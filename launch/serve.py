@@ -29,6 +29,7 @@ import uvicorn  # pylint: disable=wrong-import-position
 
 from jaxspec import distributed  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
+from jaxspec.serve import admission  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
 from jaxspec.serve import multihost  # pylint: disable=wrong-import-position
 from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=wrong-import-position
@@ -148,7 +149,7 @@ def main(argv):
   del argv
   # First: the backend learns the other processes' devices when it starts.
   joined = distributed.initialize(distributed.config_from_flags())
-  reserve = scheduler_lib.parse_admission_reserve(FLAGS.admission_reserve)
+  reserve = admission.parse_admission_reserve(FLAGS.admission_reserve)
   try:
     loopback = ipaddress.ip_address(FLAGS.host).is_loopback
   except ValueError:

@@ -18,7 +18,8 @@ from scipy import stats as scipy_stats
 from jaxspec.config import ModelConfig
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from tests import near_ties
 
 

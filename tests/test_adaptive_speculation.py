@@ -18,7 +18,8 @@ from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import SamplingOptions, Scheduler
 from jaxspec.serve.speculation import SpeculationPolicy, default_row_buckets
 from jaxspec.speculative import verifiers
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 from tests import near_ties
 

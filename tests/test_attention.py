@@ -263,7 +263,8 @@ def test_state_is_a_pytree_that_jit_donates():
 def test_greedy_speculation_on_an_fp8_cache_equals_plain_decoding_on_it(verify):
   # pylint: disable=import-outside-toplevel
   from jaxspec.drafters.draft_model import DraftModelDrafter
-  from jaxspec.speculative.engine import EngineConfig, SpecEngine
+  from jaxspec.speculative.engine import SpecEngine
+  from jaxspec.speculative.engine_config import EngineConfig
   from tests import engine_models, near_ties
 
   target, draft = engine_models.random_target(), engine_models.random_draft()
@@ -293,7 +294,7 @@ def test_greedy_speculation_on_an_fp8_cache_equals_plain_decoding_on_it(verify):
 
 
 def test_bad_kv_format_is_named():
-  from jaxspec.speculative.engine import EngineConfig  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative.engine_config import EngineConfig  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(ValueError, match="kv_format='int4'"):
     EngineConfig(kv_format="int4")

@@ -22,7 +22,8 @@ from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.models import attention as attention_lib
 from jaxspec.models import target as target_lib
 from jaxspec import sampling
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import NO_LIMIT, ContextRing, FloatKV, RingKV
 from tests import near_ties
 from tests.drafter_models import small_dflash, small_target

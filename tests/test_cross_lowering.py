@@ -25,7 +25,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.io.architectures import config_from_hf
 from jaxspec.models.target import TargetModel, param_shapes
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 PLATFORMS = ("tpu", "cuda")
 KINDS = ("plain", "chain", "tree")
@@ -161,7 +162,7 @@ def _engine(target: TargetModel, draft: TargetModel, kind: str, kv_format: str) 
 
 def trace_step(engine: SpecEngine) -> jax.stages.Traced:
   """The engine's stepping loop traced on this host (for any platform)."""
-  state = engine._abstract_state(engine.config.batch_size)  # pylint: disable=protected-access
+  state = engine._shapes.abstract(engine.config.batch_size)  # pylint: disable=protected-access
   args = (engine.target.params, engine.drafter_params, state, jnp.int32(1))
   return engine._loop.trace(*args)  # pylint: disable=protected-access
 

@@ -17,7 +17,8 @@ import jaxspec
 from jaxspec.drafters.base import PrefillContext
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.models import target as target_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 from tests.drafter_models import (
   dflash_reference_logits,

@@ -24,7 +24,8 @@ from jaxspec.drafters.dflash import (
   target_head,
 )
 from jaxspec.models import target as target_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from tests import near_ties
 from tests.drafter_models import GreedyCheck, prompts, small_dflash, small_target
 

@@ -18,7 +18,8 @@ from configs import tiny_code
 from jaxspec.drafters import registry
 from jaxspec.drafters.base import PrefillContext
 from jaxspec.models.target import TargetModel
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.train import distill, drafter_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,7 +19,8 @@ from jaxspec.drafters.base import PrefillContext, ProposeContext
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.models import target as target_lib
 from jaxspec import sampling
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import FloatKV
 
 from tests.drafter_models import rms as _rms, rope as _rope

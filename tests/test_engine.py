@@ -15,7 +15,8 @@ from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.models import target as target_lib
 from jaxspec.speculative import step as step_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 from tests import engine_models, near_ties
 

@@ -27,7 +27,8 @@ from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
 from jaxspec.quant.formats import QTensor, quantize_weight
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from tests import virtual_devices
 
 SCRIPT = textwrap.dedent(r"""
@@ -40,7 +41,8 @@ SCRIPT = textwrap.dedent(r"""
     from jaxspec.drafters.mtp import MTPDrafter
     from jaxspec.models import target as target_lib
     from jaxspec.models.target import TargetModel
-    from jaxspec.speculative.engine import EngineConfig, SpecEngine
+    from jaxspec.speculative.engine import SpecEngine
+    from jaxspec.speculative.engine_config import EngineConfig
     from jaxspec.speculative.placement import place_on_mesh
     from tests import near_ties
     from tests.drafter_models import prompts, random_params, small_dflash

@@ -194,7 +194,8 @@ MLA_SCRIPT = textwrap.dedent(r"""
     from jaxspec.config import ModelConfig
     from jaxspec.models import target as target_lib
     from jaxspec.models.target import TargetModel
-    from jaxspec.speculative.engine import EngineConfig, SpecEngine
+    from jaxspec.speculative.engine import SpecEngine
+    from jaxspec.speculative.engine_config import EngineConfig
     from tests import near_ties
     from tests.drafter_models import prompts, random_params
 

@@ -30,7 +30,8 @@ from jaxspec.drafters.base import ProposeContext
 from jaxspec.errors import ConfigError
 from jaxspec.io.architectures import config_from_hf, config_to_hf
 from jaxspec.models import target as target_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import DecodingState, SharedKV, SlidingKV
 
 from tests import drafter_models, hf_models, near_ties

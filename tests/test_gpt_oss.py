@@ -28,7 +28,8 @@ import jaxspec
 from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.quant.formats import QTensor
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.io.architectures import config_from_hf, config_to_hf
 
 from tests import drafter_models, engine_models, hf_models, near_ties

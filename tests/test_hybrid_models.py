@@ -25,7 +25,8 @@ from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.errors import ConfigError
 from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import DecodingState, LinearState
 from jaxspec.io.architectures import config_from_hf
 from tests import engine_models, hf_models, near_ties

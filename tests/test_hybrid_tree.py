@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from jaxspec.models import target as target_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import DecodingState, LinearState
 from jaxspec.io.architectures import config_from_hf
 from tests import broken_rules, near_ties

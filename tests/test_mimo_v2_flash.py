@@ -23,7 +23,8 @@ from safetensors import safe_open
 import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.io.architectures import config_from_hf, config_to_hf
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import SlidingKV
 
 from tests import drafter_models, hf_models, near_ties

@@ -29,7 +29,8 @@ from jaxspec.io.architectures import config_from_hf, config_to_hf
 from jaxspec.models import moe
 from jaxspec.plan import arch as plan_arch
 from jaxspec.quant.formats import QTensor
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 from tests import drafter_models, hf_models, near_ties, virtual_devices
 

@@ -21,7 +21,8 @@ from jaxspec.io.hf import load_model
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
 from jaxspec.serve import SamplingOptions, Scheduler
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.speculative.request import SamplingArgs
 from jaxspec.state import LATENT_FORMATS, DecodingState, LatentKV
 from tests import hf_models, near_ties

@@ -10,7 +10,8 @@ import torch
 import jaxspec
 from jaxspec.models import target as target_lib
 from jaxspec.speculative import step as step_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import DecodingState, FloatKV
 
 from tests import engine_models, hf_models, near_ties

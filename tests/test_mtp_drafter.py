@@ -13,7 +13,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import DecodingState
 
 from tests.drafter_models import (

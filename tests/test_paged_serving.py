@@ -17,9 +17,10 @@ import pytest
 import jaxspec
 from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import SamplingOptions, Scheduler
-from jaxspec.serve import scheduler as scheduler_lib
+from jaxspec.serve import admission, handles
 from jaxspec.serve.pages import PageAllocator
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 from tests import near_ties
 
@@ -127,10 +128,10 @@ def test_a_full_admission_reserve_never_preempts(target, burst):
   _check_outputs(target, requests[:32], handles, results, want[:32])
   with pytest.raises(InputError, match="admission_reserve"):
     Scheduler(engine, admission_reserve=1.5)
-  assert scheduler_lib.parse_admission_reserve("measured") is None
-  assert scheduler_lib.parse_admission_reserve("0.25") == 0.25
+  assert admission.parse_admission_reserve("measured") is None
+  assert admission.parse_admission_reserve("0.25") == 0.25
   with pytest.raises(ConfigError, match="share"):
-    scheduler_lib.parse_admission_reserve("all")
+    admission.parse_admission_reserve("all")
 
 
 def test_a_measured_reserve_follows_what_finished_requests_used(burst):
@@ -140,28 +141,28 @@ def test_a_measured_reserve_follows_what_finished_requests_used(burst):
   # pylint: disable=protected-access
   engine, requests, _ = burst
   scheduler = Scheduler(engine)  # not started: its bookkeeping only
-  assert scheduler.reserve_ratio == 1.0
+  assert scheduler._admission.reserve_ratio == 1.0
   ids, options = requests[0]
-  handle = scheduler_lib.RequestHandle(scheduler, ids, dataclasses.replace(options, max_tokens=40))
+  handle = handles.RequestHandle(scheduler, ids, dataclasses.replace(options, max_tokens=40))
   end = len(ids) + 40 + engine.lookahead + 1
-  assert scheduler._kept(len(ids) + 1, handle) == end
+  assert scheduler._admission.kept(len(ids) + 1, handle) == end
   for slot, reason in ((0, "stop"), (1, "cancelled")):  # a cancelled request tells nothing
-    scheduler._active[slot] = scheduler_lib._Slot(handle, 0, len(ids), len(ids) + 1)
+    scheduler._active[slot] = handles.Slot(handle, 0, len(ids), len(ids) + 1)
     handle.generated = [7] * 10  # a quarter of its max_tokens
-    scheduler._release(slot, scheduler_lib.Delta([], None, reason))
-    assert scheduler.reserve_ratio == pytest.approx(1.0 - 0.75 / 8)
-  scheduler.reserve_ratio = 0.5
+    scheduler._release(slot, handles.Delta([], None, reason))
+    assert scheduler._admission.reserve_ratio == pytest.approx(1.0 - 0.75 / 8)
+  scheduler._admission.reserve_ratio = 0.5
   handle.generated = []
-  far = scheduler._kept(len(ids) + 1, handle)
+  far = scheduler._admission.kept(len(ids) + 1, handle)
   assert far == len(ids) + 1 + int(np.ceil(0.5 * (end - len(ids) - 1)))
-  scheduler._active[2] = scheduler_lib._Slot(handle, 0, len(ids), len(ids) + 1)
+  scheduler._active[2] = handles.Slot(handle, 0, len(ids), len(ids) + 1)
   scheduler._requeue([2])
-  assert scheduler.reserve_ratio == 0.75 and handle.preemptions == 1
+  assert scheduler._admission.reserve_ratio == 0.75 and handle.preemptions == 1
   fixed = Scheduler(engine, admission_reserve=0.0)
-  fixed._active[2] = scheduler_lib._Slot(handle, 0, len(ids), len(ids) + 1)
+  fixed._active[2] = handles.Slot(handle, 0, len(ids), len(ids) + 1)
   fixed._requeue([2])
-  assert fixed.reserve_ratio == 0.0  # a fixed reserve stays as set
-  assert fixed._kept(len(ids) + 1, handle) == len(ids) + 1  # nothing kept past its length
+  assert fixed._admission.reserve_ratio == 0.0  # a fixed reserve stays as set
+  assert fixed._admission.kept(len(ids) + 1, handle) == len(ids) + 1  # nothing kept past its length
 
 
 TREE = dict(max_len=96, batch_size=6, verify="tree", tree_budget=6)
@@ -201,7 +202,7 @@ def test_n_choices_from_one_prefill_equal_their_seeds_single_runs(target, tree_e
     assert prefilled == len(ids)  # one prefill for four rows
     singles = []
     for i in range(4):
-      seed = scheduler_lib.choice_seed(11, i)
+      seed = handles.choice_seed(11, i)
       assert group[i].options.seed == seed
       one = SamplingOptions(max_tokens=24, temperature=0.9, seed=seed)
       singles.append(scheduler.submit(ids, one).result()[0])

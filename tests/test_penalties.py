@@ -20,7 +20,8 @@ from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.errors import InputError
 from jaxspec.penalties import Penalties, block_counts
 from jaxspec.speculative import step as step_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 from tests import engine_models
 

@@ -22,7 +22,8 @@ from jaxspec.io import hf
 from jaxspec.serve import SamplingOptions, Scheduler
 from jaxspec.serve.pages import PageAllocator
 from jaxspec.speculative import prefix as prefix_lib
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.speculative.request import SamplingArgs
 
 from tests import near_ties

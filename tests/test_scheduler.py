@@ -17,9 +17,10 @@ import jaxspec
 from jaxspec import distributed
 from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import QueueFull, SamplingOptions, Scheduler, SchedulerClosed
-from jaxspec.serve import scheduler as scheduler_lib
-from jaxspec.serve.scheduler import Tick, apply_tick
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.serve import handles, ticks
+from jaxspec.serve.ticks import Tick, apply_tick
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.speculative.request import SamplingArgs
 
 from tests import engine_models, near_ties
@@ -171,7 +172,7 @@ def test_warmed_choice_groups_compile_nothing_while_serving(target):
     options = SamplingOptions(max_tokens=8, temperature=0.9, seed=5)
     choices = [h.result()[0] for h in s.submit_n(ids, options, 3)]
     assert engine.compile_counts() == compiled
-    seeds = [scheduler_lib.choice_seed(5, i) for i in range(3)]
+    seeds = [handles.choice_seed(5, i) for i in range(3)]
     alone = [s.submit(ids, SamplingOptions(8, 0.9, seed=k)).result()[0] for k in seeds]
   finally:
     s.shutdown(drain=False, timeout=60)
@@ -270,7 +271,7 @@ def test_a_tick_reads_back_only_what_it_produced(monkeypatch):
     gathered.append(host)
     return host
 
-  monkeypatch.setattr(scheduler_lib, "distributed", types.SimpleNamespace(gather=spy))
+  monkeypatch.setattr(ticks, "distributed", types.SimpleNamespace(gather=spy))
   target = engine_models.random_target()
   sizes = {}
   for max_len in (64, 512):

@@ -27,8 +27,9 @@ import pytest
 from jaxspec.drafters import registry
 from jaxspec.serve import app as app_lib
 from jaxspec.serve import background
-from jaxspec.serve import scheduler as scheduler_lib
-from jaxspec.serve.scheduler import Delta, QueueFull, SamplingOptions, Scheduler, SchedulerClosed
+from jaxspec.serve import handles
+from jaxspec.serve.handles import Delta, QueueFull, SamplingOptions, SchedulerClosed
+from jaxspec.serve.scheduler import Scheduler
 from launch.cli import defaults
 
 MODEL = "jaxspec-test"
@@ -157,13 +158,13 @@ def test_n_choices_each_equal_their_seeds_single_request(client, server, schedul
   assert scheduler.metrics()["prompt_tokens_prefilled_total"] == before + prompt_tokens
   assert [c.index for c in out.choices] == [0, 1, 2]
   singles = [
-    client.completions.create(seed=scheduler_lib.choice_seed(5, i), **kw).choices[0]
+    client.completions.create(seed=handles.choice_seed(5, i), **kw).choices[0]
     for i in range(3)
   ]
   assert [c.text for c in out.choices] == [c.text for c in singles]
   assert len({c.text for c in out.choices}) > 1  # different draws
   assert out.usage.completion_tokens == sum(
-    client.completions.create(seed=scheduler_lib.choice_seed(5, i), **kw).usage.completion_tokens
+    client.completions.create(seed=handles.choice_seed(5, i), **kw).usage.completion_tokens
     for i in range(3)
   )
   texts = ["", "", ""]
@@ -184,7 +185,7 @@ def test_best_of_returns_the_most_likely_candidates(client, scheduler):
   kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.9)
   out = client.completions.create(n=2, best_of=3, seed=5, **kw)
   singles = [
-    client.completions.create(seed=scheduler_lib.choice_seed(5, i), logprobs=1, **kw)
+    client.completions.create(seed=handles.choice_seed(5, i), logprobs=1, **kw)
     for i in range(3)
   ]
   means = [math.fsum(s.choices[0].logprobs.token_logprobs) / len(s.choices[0].logprobs.tokens)

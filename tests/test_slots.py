@@ -15,7 +15,8 @@ import pytest
 import jaxspec
 from jaxspec.errors import InputError
 from jaxspec import sampling
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 
 from tests import near_ties
 

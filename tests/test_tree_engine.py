@@ -30,7 +30,8 @@ from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import InputError, TargetModel
 from jaxspec.speculative import step as step_lib, tree_verify, verifiers
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.state import DecodingState
 
 from tests import engine_models, near_ties

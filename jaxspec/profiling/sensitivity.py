@@ -116,7 +116,8 @@ class Evaluator:
 
 def acceptance_length(target: Any, drafter: Any, prompts: Sequence[Any], max_new: int) -> float:
   """Greedy pooled acceptance length of `drafter` on `target` (a quantized one included)."""
-  from jaxspec.speculative.engine import EngineConfig, SpecEngine  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative.engine import SpecEngine  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative.engine_config import EngineConfig  # pylint: disable=import-outside-toplevel
 
   if drafter is None or not prompts:
     return float("nan")
@@ -225,7 +226,8 @@ def policy_effect(
   """What a whole policy does to decoding: the fraction of greedy tokens equal to the
   unquantized target's (up to each prompt's first difference, and overall), and, with a
   drafter, the relative change of its acceptance length."""
-  from jaxspec.speculative.engine import EngineConfig, SpecEngine  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative.engine import SpecEngine  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative.engine_config import EngineConfig  # pylint: disable=import-outside-toplevel
 
   if not prompts:
     return {}

@@ -1,12 +1,12 @@
 """Serving: continuous batching over the engine's slots (scheduler.py)."""
 
-from jaxspec.serve.scheduler import (
+from jaxspec.serve.handles import (
   Delta,
   QueueFull,
   RequestHandle,
   SamplingOptions,
-  Scheduler,
   SchedulerClosed,
 )
+from jaxspec.serve.scheduler import Scheduler
 
 __all__ = ["Delta", "QueueFull", "RequestHandle", "SamplingOptions", "Scheduler", "SchedulerClosed"]

@@ -29,7 +29,7 @@ from starlette import exceptions as starlette_exceptions
 
 from jaxspec.errors import InputError
 from jaxspec.serve import protocol, text
-from jaxspec.serve.scheduler import QueueFull, SamplingOptions, SchedulerClosed
+from jaxspec.serve.handles import QueueFull, SamplingOptions, SchedulerClosed
 
 SSE_DONE = b"data: [DONE]\n\n"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")

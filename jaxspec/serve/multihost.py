@@ -3,10 +3,10 @@
 The engine on a mesh that spans processes is SPMD: every process must make the same engine
 calls (prefill_row, insert, evict, run and the read-back gathers) in the same order, or the
 collectives inside them never meet. So process 0, the leader, serves HTTP and owns the
-`Scheduler`; before each tick runs, the scheduler publishes it (`scheduler.Tick`: the admitted
+`Scheduler`; before each tick runs, the scheduler publishes it (`ticks.Tick`: the admitted
 requests' slots, token ids and sampling arguments, the evicted slots, the steps to run) on a
 `TickChannel`, and every follower `follow`s: it reads the ticks in order and replays them with
-the same `scheduler.apply_tick` (the first, published by `Scheduler.start`, admits nothing and
+the same `ticks.apply_tick` (the first, published by `Scheduler.start`, admits nothing and
 compiles the read-back). A stop tick, published when the scheduler thread ends, lets the
 followers return.
 
@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from jaxspec import distributed
-from jaxspec.serve.scheduler import Tick, apply_tick
+from jaxspec.serve.ticks import Tick, apply_tick
 from jaxspec.speculative.engine import SpecEngine
 
 PREFIX = "jaxspec/serve/tick"

@@ -16,305 +16,40 @@ for the read-back), so nothing compiles while serving. A request's output does n
 its slot or its neighbours: its row has its own PRNG key (from its seed), stop ids and
 sampling parameters (jaxspec/speculative/engine.py).
 
-Results reach callers through a `RequestHandle`: iterate it (`async for` on the event loop that
-submitted it, or plain `for` from a thread without one) to get Deltas until one carries a
-`finish_reason`; `cancel()` from any thread frees the slot at the next tick.
+Results reach callers through a `RequestHandle` (serve/handles.py): iterate it (`async for` on
+the event loop that submitted it, or plain `for` from a thread without one) to get Deltas until
+one carries a `finish_reason`; `cancel()` from any thread frees the slot at the next tick. Each
+tick is a `Tick` (serve/ticks.py), which followers replay in a multi-host run; which requests
+the K/V memory can hold, and which give way, is the admission policy's (serve/admission.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
-import hashlib
 import itertools
-import json
-import queue
 import secrets
 import threading
 import time
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from jaxspec import distributed
-from jaxspec.errors import ConfigError, InputError, JaxspecError
-from jaxspec.serve.pages import PageAllocator
+from jaxspec.errors import InputError
+from jaxspec.serve import admission
+from jaxspec.serve.handles import (
+  Delta,
+  QueueFull,
+  RequestHandle,
+  SamplingOptions,
+  SchedulerClosed,
+  Slot,
+  choice_seed,
+)
 from jaxspec.serve.speculation import SpeculationPolicy
+from jaxspec.serve.ticks import Tick, admit_tick, apply_tick, run_tick
 from jaxspec.speculative.engine import SpecEngine
-from jaxspec.speculative.request import SamplingArgs
 from jaxspec.speculative.step import SpecState
-
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-
-def derived_seed(seed: int, *labels: Any) -> int:
-  """A seed in [0, 2**63) determined by `seed` and `labels` (a hash: streams derived with
-  different labels do not overlap)."""
-  text = ":".join(map(str, (seed, *labels))).encode()
-  return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
-
-
-def parse_admission_reserve(text: str) -> Optional[float]:
-  """A flag's admission reserve (`Scheduler(admission_reserve=)`): None for 'measured', else
-  the share it names, in [0, 1]."""
-  if text == "measured":
-    return None
-  try:
-    share = float(text)
-  except ValueError:
-    share = -1.0
-  if not 0.0 <= share <= 1.0:
-    raise ConfigError(f"admission reserve {text!r}: expected 'measured' or a share in [0, 1]")
-  return share
-
-
-def choice_seed(seed: int, index: int) -> int:
-  """The seed of choice `index` of a request with `n` > 1 and seed `seed`: choice 0 keeps it,
-  so it samples what the request with n = 1 samples; choice i samples what a single request
-  with this seed samples."""
-  return seed if index == 0 else derived_seed(seed, "choice", index)
-
-
-class QueueFull(JaxspecError):
-  """The waiting queue is full (HTTP 429): try again later."""
-
-
-class SchedulerClosed(JaxspecError):
-  """The scheduler is shutting down or stopped (HTTP 503)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingOptions:
-  """What one request asks for (validated by `Scheduler.check`)."""
-
-  max_tokens: int
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  seed: Optional[int] = None  # None: a fresh random seed
-  stop_token_ids: tuple[int, ...] = ()  # beside the engine's (eos) stop ids
-  logprobs: bool = False  # attach the target's log-prob (raw distribution) of each token
-  presence_penalty: float = 0.0  # the adjustments of jaxspec/penalties.py (the engine must be
-  frequency_penalty: float = 0.0  # built with EngineConfig(penalties=True) for other values)
-  repetition_penalty: float = 1.0
-  logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
-  top_logprobs: int = 0  # alternatives per token (at most the engine's EngineConfig.top_logprobs)
-
-  def sampling_args(self, seed: int) -> SamplingArgs:
-    """The engine's sampling arguments for this request, with `seed` (the handle's: drawn at
-    random when `self.seed` is None)."""
-    return SamplingArgs(
-      max_new_tokens=self.max_tokens,
-      temperature=self.temperature,
-      top_k=self.top_k,
-      top_p=self.top_p,
-      seed=seed,
-      stop_token_ids=list(self.stop_token_ids),
-      presence_penalty=self.presence_penalty,
-      frequency_penalty=self.frequency_penalty,
-      repetition_penalty=self.repetition_penalty,
-      logit_bias={str(t): v for t, v in self.logit_bias} or None,
-    )
-
-
-@dataclasses.dataclass
-class Delta:
-  """Tokens a request's row committed since the last Delta (a stop token is not included)."""
-
-  token_ids: list[int]
-  logprobs: Optional[list[float]]
-  finish_reason: Optional[str] = None  # None while running, then one of FINISH_REASONS
-  error: Optional[str] = None
-  # Per token, its top_logprobs most likely alternatives as (token id, log-prob) pairs.
-  top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-
-
-class RequestHandle:
-  """One submitted request: iterate it for its Deltas; `cancel()` from any thread."""
-
-  _ids = itertools.count()
-
-  def __init__(self, scheduler: "Scheduler", prompt_ids: list[int], options: SamplingOptions):
-    self.id = f"req-{next(self._ids)}-{secrets.token_hex(4)}"
-    self.prompt_ids = prompt_ids
-    self.prompt_tokens = len(prompt_ids)
-    self.options = options
-    self.seed = options.seed if options.seed is not None else secrets.randbits(63)
-    self.finish_reason: Optional[str] = None
-    self.submitted = time.perf_counter()
-    self.generated: list[int] = []  # tokens delivered so far (a preempted request resumes)
-    self.preemptions = 0
-    self.group: Optional[list["RequestHandle"]] = None  # n > 1: every choice, until admitted
-    self._scheduler = scheduler
-    self._cancelled = threading.Event()
-    try:
-      self._loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
-      self._queue: Any = asyncio.Queue()
-    except RuntimeError:  # no event loop in this thread: a thread-safe queue
-      self._loop = None
-      self._queue = queue.Queue()
-
-  def row_prompt(self) -> list[int]:
-    """What a row prefills for this request: its prompt, then what it generated before it was
-    preempted (the server recomputes that text's K/V; serve/pages.py)."""
-    return self.prompt_ids + self.generated
-
-  def row_arguments(self) -> SamplingArgs:
-    """The engine's sampling arguments for the row: the tokens still owed, and after a
-    preemption a seed of its own (a resumed sampled request draws afresh from there on)."""
-    owed = self.options.max_tokens - len(self.generated)
-    options = dataclasses.replace(self.options, max_tokens=owed)
-    seed = self.seed
-    if self.preemptions:
-      seed = derived_seed(seed, "preempted", self.preemptions)
-    return options.sampling_args(seed)
-
-  @property
-  def cancelled(self) -> bool:
-    return self._cancelled.is_set()
-
-  def cancel(self) -> None:
-    """Stops the request (thread-safe): its slot is freed at the next tick and its stream
-    ends with finish_reason "cancelled" (unless it had finished already)."""
-    if not self._cancelled.is_set():
-      self._cancelled.set()
-      self._scheduler._wake_up()  # pylint: disable=protected-access
-
-  def _deliver(self, delta: Delta) -> None:
-    """Called by the scheduler thread."""
-    if delta.finish_reason is not None:
-      self.finish_reason = delta.finish_reason
-    if self._loop is None:
-      self._queue.put(delta)
-      return
-    try:
-      self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
-    except RuntimeError:  # the caller's event loop is closed: nobody is listening
-      pass
-
-  async def __aiter__(self) -> AsyncIterator[Delta]:
-    if self._loop is None:
-      raise RuntimeError("this request was submitted outside an event loop: iterate it with for")
-    while True:
-      delta = await self._queue.get()
-      yield delta
-      if delta.finish_reason is not None:
-        return
-
-  def __iter__(self) -> Iterator[Delta]:
-    if self._loop is not None:
-      raise RuntimeError("this request was submitted on an event loop: iterate it with async for")
-    while True:
-      delta = self._queue.get()
-      yield delta
-      if delta.finish_reason is not None:
-        return
-
-  def result(self) -> tuple[list[int], Optional[list[float]], str]:
-    """Blocks until the request finishes (threads without an event loop): (tokens, logprobs,
-    finish_reason)."""
-    tokens: list[int] = []
-    logprobs: Optional[list[float]] = [] if self.options.logprobs else None
-    reason = "error"
-    for delta in self:
-      if delta.error:
-        raise RuntimeError(delta.error)
-      tokens += delta.token_ids
-      if logprobs is not None and delta.logprobs:
-        logprobs += delta.logprobs
-      reason = delta.finish_reason or reason
-    return tokens, logprobs, reason
-
-
-@dataclasses.dataclass(frozen=True)
-class Tick:
-  """One scheduler round's engine calls, all a follower process needs to replay it: set the
-  page tables (paged K/V), prefill and insert each admitted request, evict slots, run `steps`
-  steps (0: none) and read back."""
-
-  # [slot, prompt token ids, SamplingArgs.to_json(), cached pages] per admitted request; n > 1:
-  # [slots, prompt token ids, one SamplingArgs.to_json() per choice, cached pages] (prefilled
-  # once). Cached pages (optional): the pool pages holding the prompt's first pages.
-  admit: list
-  evict: list[int]  # slots to free
-  steps: int
-  stop: bool = False  # the leader's last tick: followers return
-  pages: Optional[list] = None  # paged K/V: every row's page table, set first (None: unchanged)
-  budget: Optional[int] = None  # the steps' speculation budget (None: the engine's full one)
-  live: Optional[list] = None  # the rows the steps run (None: all; SpecEngine.run's rows)
-
-  def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self))
-
-  @classmethod
-  def from_json(cls, text: str) -> "Tick":
-    return cls(**json.loads(text))
-
-
-def apply_tick(
-  engine: SpecEngine, state: SpecState, tick: Tick
-) -> tuple[SpecState, dict[str, np.ndarray] | None]:
-  """`tick`'s engine calls on `state`, in a fixed order (the leader's scheduler and every
-  follower run these, so their collectives match): the new state, and when it ran steps the
-  rows' progress read back to the host (gathered from every process)."""
-  return run_tick(engine, admit_tick(engine, state, tick), tick.steps, tick.budget, tick.live)
-
-
-def admit_tick(engine: SpecEngine, state: SpecState, tick: Tick) -> SpecState:
-  """`apply_tick`'s first half: page tables, prefill + insert each admitted request, evict."""
-  if tick.pages is not None:
-    state = engine.set_page_table(state, np.asarray(tick.pages, np.int32))
-  for slot, ids, arguments, *cached in tick.admit:
-    cached = cached[0] if cached else []
-    group = isinstance(slot, list)  # n > 1: one prefill, a row per choice
-    args = [SamplingArgs(**a) for a in arguments] if group else SamplingArgs(**arguments)
-    if engine.config.prefix_cache:  # reads the cached pages from the pool as it stands
-      rows = engine.prefill_cached(state, ids, args, cached)
-    else:
-      rows = engine.prefill_rows(ids, args) if group else engine.prefill_row(ids, args)
-    state = engine.insert_rows(state, slot, rows) if group else engine.insert(state, slot, rows)
-  if tick.evict:
-    state = engine.evict(state, tick.evict)
-  return state
-
-
-def run_tick(
-  engine: SpecEngine,
-  state: SpecState,
-  steps: int,
-  budget: Optional[int] = None,
-  live: Optional[list] = None,
-) -> tuple[SpecState, dict[str, np.ndarray] | None]:
-  """`apply_tick`'s second half: `steps` steps (0: none) of `budget` over the rows `live`
-  (None: all) and the read-back."""
-  if not steps:
-    return state, None
-  state = engine.run(state, steps, budget, live)
-  return state, read_back(engine, state, engine.window(steps))
-
-
-def read_back(engine: SpecEngine, state: SpecState, window: int) -> dict[str, np.ndarray]:
-  """What a tick produced, on the host: per row the last `window` tokens and log-probs (a
-  tick of k steps commits at most window = 1 + k·(γ+1) of them, the first counting the token
-  sampled at prefill), the lengths, done and stop flags and counters (`SpecEngine.recent`).
-  Its size does not grow with max_len."""
-  return distributed.gather(engine.recent(state, window))
-
-
-@dataclasses.dataclass
-class _Slot:
-  """A request in a row: the row's prompt (the request's, plus what it generated before a
-  preemption), how many tokens this row delivered, its length and counters."""
-
-  handle: RequestHandle
-  sent: int
-  base: int = 0  # tokens of the row's prompt
-  seq_len: int = 0  # the row's length at the last read-back (prefill: base + 1)
-  admitted: int = 0  # admission order: the newest row is preempted first
-  passes: int = 0
-  committed: int = 0
-  accepted: Any = 0  # the row's accept_hist at the last read-back (passes accepting k drafts)
 
 
 class Scheduler:
@@ -357,7 +92,7 @@ class Scheduler:
     self.steps_per_tick = steps_per_tick or engine.config.stream_every
     self.slots = engine.config.batch_size
     self._waiting: collections.deque[RequestHandle] = collections.deque()
-    self._active: list[Optional[_Slot]] = [None] * self.slots
+    self._active: list[Optional[Slot]] = [None] * self.slots
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._state: Optional[SpecState] = None
@@ -367,17 +102,10 @@ class Scheduler:
     self.failure: Optional[str] = None  # set if the scheduler thread died of a bug
     self._counters = collections.Counter()
     self._step_seconds = 0.0
-    cfg = engine.config
-    # Paged K/V: rows hold pages, not max_len slots; admission and growth go by free pages.
-    self._pages = None
-    if cfg.page_size:
-      self._pages = PageAllocator(
-        cfg.num_pages, cfg.page_size, self.slots, cfg.pages_per_row, cfg.prefix_cache
-      )
+    # Paged K/V: rows hold pages, not max_len slots; admission and growth go by free pages
+    # (serve/admission.py; contiguous K/V: a free row is all a request needs).
+    self._admission = admission.make(engine, self.steps_per_tick, admission_reserve)
     self._admissions = itertools.count()
-    # The share of a request's remaining max_tokens kept in reserve at admission.
-    self._measure_reserve = admission_reserve is None
-    self.reserve_ratio = 1.0 if admission_reserve is None else float(admission_reserve)
     # Which speculation budget and row bucket each tick runs (serve/speculation.py).
     # Chains: a shorter budget checks the first drafts of the same chain, so acceptance per
     # draft position predicts every budget (trees with fewer nodes: each is measured).
@@ -477,8 +205,7 @@ class Scheduler:
       RequestHandle(self, ids, dataclasses.replace(options, seed=choice_seed(base, i)))
       for i in range(n)
     ]
-    if self._pages is not None and self._first_pages(handles)[2] > self._pages.num_pages:
-      raise InputError(f"n={n}: the choices' first pages do not fit the KV pool")
+    self._admission.check_group(handles)
     for h in handles:
       h.group = handles
     with self._lock:
@@ -491,19 +218,6 @@ class Scheduler:
       self._wake.notify_all()
     return handles
 
-  def _first_pages(self, handles: list[RequestHandle]) -> tuple[int, int, int, list[int]]:
-    """What admitting a group (one request, or n choices of one prompt) takes: (the positions
-    each row reaches by its first read-back, the prompt's full pages the other choices share
-    with the first, the free pages it takes in all, the cached pages its prompt starts with).
-    A cached page no row holds counts as free, so holding it takes one."""
-    prompt = handles[0].row_prompt()
-    reach = self._reach(len(prompt) + 1, handles[0])
-    pages = self._pages.pages_for(reach)
-    shared = min(len(prompt) // self._pages.page_size, pages)
-    hits = self._pages.lookup(prompt)
-    taken = pages - len(hits) + sum(self._pages.idle(p) for p in hits)
-    return reach, shared, taken + (len(handles) - 1) * (pages - shared), hits
-
   def metrics(self) -> dict[str, float]:
     """Counters and gauges for /metrics."""
     with self._lock:
@@ -511,6 +225,7 @@ class Scheduler:
       c = dict(self._counters)
       waiting = len(self._waiting)
     passes = c.get("target_passes_total", 0)
+    pool = self._admission.metrics()
     return {
       "requests_total": c.get("requests_total", 0),
       "requests_finished_total": c.get("requests_finished_total", 0),
@@ -525,13 +240,13 @@ class Scheduler:
       "batch_occupancy": running / self.slots,
       "slots": self.slots,
       "preemptions_total": c.get("preemptions_total", 0),
-      "admission_reserve": self.reserve_ratio if self._pages else 0.0,
+      "admission_reserve": pool["admission_reserve"],
       "prompt_tokens_prefilled_total": c.get("prompt_tokens_prefilled_total", 0),
-      "kv_pages": self._pages.num_pages if self._pages else 0,
-      "kv_pages_used": self._pages.used if self._pages else 0,
+      "kv_pages": pool["kv_pages"],
+      "kv_pages_used": pool["kv_pages_used"],
       "prefix_cache_hit_tokens_total": c.get("prefix_cache_hit_tokens_total", 0),
-      "prefix_cache_pages": self._pages.cached if self._pages else 0,
-      "prefix_cache_evictions_total": self._pages.evictions if self._pages else 0,
+      "prefix_cache_pages": pool["prefix_cache_pages"],
+      "prefix_cache_evictions_total": pool["prefix_cache_evictions_total"],
       "speculation_budget": self._last_choice[0],
       "row_bucket": self._last_choice[1],
     }
@@ -578,7 +293,7 @@ class Scheduler:
     for h in victims:
       self._finish_waiting(h)
     cancelled = [i for i, s in enumerate(self._active) if s is not None and s.handle.cancelled]
-    preempted = self._grow(cancelled)
+    preempted = self._admission.grow(self._active, cancelled)
     admitted = self._admit(set(cancelled + preempted))
     live = [
       i
@@ -592,7 +307,7 @@ class Scheduler:
     steps = self.steps_per_tick if (rows or live) else 0
     if not (rows or cancelled or preempted or steps):
       return True  # every admitted request was cancelled while it waited
-    pages = None if self._pages is None else self._pages.table().tolist()
+    pages = self._admission.page_table()
     running = list(live)  # the rows this tick steps: the running ones and the admitted ones
     for entry in rows:
       running += entry[0] if isinstance(entry[0], list) else [entry[0]]
@@ -634,8 +349,7 @@ class Scheduler:
       if all(h.cancelled for h in members):
         for slot, handle in zip(slots, members):
           self._finish_waiting(handle)
-          if self._pages is not None:
-            self._pages.release(slot)
+          self._admission.release(slot)
         continue
       prompt = members[0].row_prompt()
       arguments = [h.row_arguments().to_json() for h in members]
@@ -644,76 +358,22 @@ class Scheduler:
       else:  # one prefill for every choice (a cancelled one is evicted next tick)
         rows.append([slots, prompt, arguments, hits])
       order = next(self._admissions)
-      cached = 0
-      if self._pages is not None:  # its full prompt pages serve later prompts (prefix_cache)
-        self._pages.register(slots[0], prompt)
-        cached = len(hits) * self._pages.page_size
+      cached = self._admission.seated(slots[0], prompt, hits)  # prompt tokens from the cache
       with self._lock:
         self._counters["prompt_tokens_prefilled_total"] += len(prompt) - cached
         self._counters["prefix_cache_hit_tokens_total"] += cached
         for slot, handle in zip(slots, members):
-          self._active[slot] = _Slot(handle, 0, len(prompt), len(prompt) + 1, order)
+          self._active[slot] = Slot(handle, 0, len(prompt), len(prompt) + 1, order)
     return rows
 
-  def _reach(self, seq_len: int, handle: RequestHandle) -> int:
-    """The positions a row of length `seq_len` may write before the next read-back: a tick's
-    commits and one verify block past them, never past the request's own end (its prompt,
-    max_tokens and the drafter's lookahead, however often it was preempted)."""
-    verifier = self.engine.verifier
-    ahead = seq_len + self.steps_per_tick * verifier.max_commit + verifier.width
-    return min(ahead, self._end(handle))
-
-  def _end(self, handle: RequestHandle) -> int:
-    """The most positions a request's row may write: its prompt, max_tokens and the
-    drafter's lookahead (however often it was preempted), within max_len."""
-    end = len(handle.prompt_ids) + handle.options.max_tokens + self.engine.lookahead + 1
-    return min(end, self.engine.config.max_len)
-
-  def _kept(self, seq_len: int, handle: RequestHandle) -> int:
-    """The positions admission keeps pages for, for a row of length `seq_len`:
-    `reserve_ratio` of its way to its end."""
-    end = self._end(handle)
-    return min(end, seq_len + int(np.ceil(self.reserve_ratio * max(end - seq_len, 0))))
-
-  def _grow(self, cancelled: list[int]) -> list[int]:
-    """Paged K/V: frees the pages of cancelled rows and gives every other row the pages its
-    next tick may reach, oldest row first; where the pool runs out, preempts the newest rows
-    (frees their pages; they resume later from what they delivered). Returns the preempted."""
-    if self._pages is None:
-      return []
-    for i in cancelled:
-      self._pages.release(i)
-    running = sorted(
-      (s.admitted, i) for i, s in enumerate(self._active) if s is not None and i not in cancelled
-    )
-    preempted: list[int] = []
-    while running:
-      _, slot = running.pop(0)  # the oldest not yet grown
-      s = self._active[slot]
-      while not self._pages.grow(slot, self._reach(s.seq_len, s.handle)):
-        # The newest row gives way; if that is this one, older rows hold the pool (the oldest
-        # always fits: a request needs at most a row of pages, and the pool holds one).
-        newest = running.pop()[1] if running else slot
-        self._pages.release(newest)
-        preempted.append(newest)
-        if newest == slot:
-          break
-    return preempted
-
   def _admit(self, leaving: set[int]) -> list[tuple[list[int], list[RequestHandle], list[int]]]:
-    """Waiting requests into free rows, first come first served: while a row is free and (paged
-    K/V) the pool has the pages its prompt and first tick reach, beside the reserve kept for
-    the running rows (not those `leaving` this tick) and for the ones admitted before it
-    (`_kept`). Returns (slots, requests, the cached pages their prompt starts with) per
-    admitted group."""
+    """Waiting requests into free rows, first come first served: while a row is free and the
+    admission policy has room for it (paged K/V: the pool has the pages its prompt and first
+    tick reach, beside the reserve kept for the running rows, not those `leaving` this tick,
+    and for the ones admitted before it). Returns (slots, requests, the cached pages their
+    prompt starts with) per admitted group."""
     admitted = []
-    # Pages kept free for the running rows (`_kept`), so that admitting does not make them
-    # preempt one another later (reserve_ratio 1: never).
-    reserve = 0
-    if self._pages is not None:
-      for i, s in enumerate(self._active):
-        if s is not None and i not in leaving:
-          reserve += self._pages.shortfall(i, self._kept(s.seq_len, s.handle))
+    reserve = self._admission.reserve(self._active, leaving)
     with self._lock:
       free = [i for i, s in enumerate(self._active) if s is None]
       while free and self._waiting:
@@ -721,23 +381,14 @@ class Scheduler:
         if len(members) > len(free):
           break
         slots = free[: len(members)]
-        if self._pages is not None:
-          busy = admitted or any(
-            s is not None and i not in leaving for i, s in enumerate(self._active)
-          )
-          first = self._first_pages(members)
-          # Pages its rows will want past their first tick, kept from later admissions.
-          later = len(members) * max(
-            self._pages.pages_for(self._kept(len(members[0].row_prompt()) + 1, members[0]))
-            - self._pages.pages_for(first[0]),
-            0,
-          )
-          if first[2] + (reserve + later if busy else 0) > self._pages.free:
-            break
-          hits = self._take_pages(slots, first)
-          reserve += later
-        else:
-          hits = []
+        busy = bool(admitted) or any(
+          s is not None and i not in leaving for i, s in enumerate(self._active)
+        )
+        taken = self._admission.take(slots, members, reserve, busy)
+        if taken is None:
+          break
+        hits, later = taken
+        reserve += later
         del free[: len(members)]
         self._waiting.popleft()
         admitted.append((slots, members, hits))
@@ -745,25 +396,10 @@ class Scheduler:
           h.group = None  # from here on, a request of its own
     return admitted
 
-  def _take_pages(self, slots: list[int], first: tuple[int, int, int, list[int]]) -> list[int]:
-    """The first tick's pages of newly admitted rows, which the pool has (`_admit` checked):
-    the first row holds the cached pages its prompt starts with, the other choices of a group
-    share the first one's full prompt pages (`first`: their `_first_pages`). Returns the cached
-    pages."""
-    reach, shared, _, hits = first
-    self._pages.attach(slots[0], hits)
-    for i, slot in enumerate(slots):
-      if i:
-        self._pages.share(slot, slots[0], shared)
-      grown = self._pages.grow(slot, reach)
-      assert grown, "the caller checked the pool's free pages"
-    return hits
-
   def _requeue(self, preempted: list[int]) -> None:
-    """Preempted requests back at the head of the queue (the newest last), rows freed. A
-    measured admission reserve was too small: it goes halfway to 1."""
-    if preempted and self._measure_reserve:
-      self.reserve_ratio = (1.0 + self.reserve_ratio) / 2
+    """Preempted requests back at the head of the queue (the newest last), rows freed."""
+    if preempted:
+      self._admission.preempted()
     with self._lock:
       for slot in sorted(preempted, key=lambda i: self._active[i].admitted, reverse=True):
         handle = self._active[slot].handle
@@ -779,12 +415,7 @@ class Scheduler:
 
   def _release(self, slot: int, last: Delta) -> None:
     s = self._active[slot]
-    if self._pages is not None:
-      self._pages.release(slot)
-      if self._measure_reserve and last.finish_reason in ("stop", "length"):
-        # The share of its max_tokens it used: a running mean over about 8 requests.
-        used = len(s.handle.generated) / max(s.handle.options.max_tokens, 1)
-        self.reserve_ratio += (min(used, 1.0) - self.reserve_ratio) / 8
+    self._admission.finished(slot, s.handle, last.finish_reason)
     s.handle._deliver(last)  # pylint: disable=protected-access
     with self._lock:
       self._active[slot] = None
@@ -808,7 +439,7 @@ class Scheduler:
       first = int(seq_len[i]) - window  # the slot the window starts at
       start = s.base + s.sent - first
       s.seq_len = int(seq_len[i])
-      held = len(self._pages.pages(i)) * self._pages.page_size if self._pages else None
+      held = self._admission.held(i)
       if held is not None and s.seq_len - 1 > held:
         raise RuntimeError(f"row {i} committed positions its pages do not hold (a page-growth bug)")
       if start < 0:

@@ -30,7 +30,8 @@ from absl import logging
 
 from jaxspec.errors import ConfigError
 from jaxspec.models.target import TargetModel
-from jaxspec.speculative.engine import EngineConfig, SpecEngine
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.train import data as data_lib
 
 _FILES = ("tokens", "lengths", "prompt_lens", "temperature")

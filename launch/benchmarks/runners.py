@@ -16,7 +16,6 @@ import numpy as np
 import jaxspec
 from jaxspec.errors import ConfigError
 from jaxspec.io import hf as hf_io
-from jaxspec.speculative import engine as engine_lib
 
 # jaxspec method → the transformers peer that does the same thing.
 HF_PEERS = {
@@ -252,7 +251,7 @@ class JaxspecRunner:
     cfg = self.engine.config
     seen = set()
     for p in prompts:
-      bucket = engine_lib._bucket(len(p), cfg.min_prompt_bucket, cfg.max_len)  # pylint: disable=protected-access
+      bucket = cfg.prompt_bucket(len(p))
       if bucket not in seen:
         seen.add(bucket)
         self.engine.generate([p], max_new_tokens=2, temperature=1.0)

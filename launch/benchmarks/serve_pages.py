@@ -44,7 +44,7 @@ import numpy as np
 import jaxspec
 from jaxspec.drafters import registry
 from jaxspec.serve import SamplingOptions, Scheduler
-from jaxspec.serve.scheduler import parse_admission_reserve
+from jaxspec.serve.admission import parse_admission_reserve
 from jaxspec.train import data as data_lib
 from launch.cli import common_flags
 from launch.benchmarks.serve import build_engine

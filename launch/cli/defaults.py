@@ -18,6 +18,7 @@ from jaxspec.errors import ConfigError
 from jaxspec.io import hf as hf_io
 from jaxspec.models import target as target_lib
 from jaxspec.speculative import engine as engine_lib
+from jaxspec.speculative.engine_config import EngineConfig
 
 # The fastest method measured on the bundled target (`launch/bench.py generate`, docs/benchmarks.md):
 # (method, verify, tree budget).
@@ -191,6 +192,6 @@ def make_engine(
   `mesh`: the engine's device mesh (None: one device)."""
   drafter = registry.make_drafter(method, target, gamma=gamma, draft_dir=draft_dir)
   tree = dict(verify="tree", tree_budget=tree_budget) if verify == "tree" and drafter else {}
-  cfg = engine_lib.EngineConfig(method=method, **tree, **config)
+  cfg = EngineConfig(method=method, **tree, **config)
   label = f"{method} + tree verification ({tree_budget} nodes)" if tree else method
   return engine_lib.SpecEngine(target, drafter, cfg, mesh=mesh), label
