@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+from collections.abc import Callable
 
 import jax
 import pytest
+
+import jaxspec
+from jaxspec.drafters.base import Drafter
+from jaxspec.models.target import TargetModel
+
+ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 
 # JAX's persistent compilation cache, under pytest's own cache directory (.pytest_cache, ignored
 # by git; `pytest --cache-clear` empties it). Most of the suite's time is XLA compiling, and the
@@ -53,3 +61,17 @@ def _drop_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture(scope="session")
+def target() -> TargetModel:
+  """The bundled target (jaxspec/assets/target), loaded once per process; a module testing
+  another target defines its own `target`. Shared: never modify it in place."""
+  return jaxspec.load_model(os.path.join(ASSETS, "target"))
+
+
+@pytest.fixture(scope="session")
+def bundled_drafter(target: TargetModel) -> Callable[[str], Drafter]:
+  """kind ("eagle3", "dflash", "draft") → the bundled drafter of that kind for the bundled
+  target, each loaded once per process."""
+  return functools.cache(lambda kind: jaxspec.load_drafter(os.path.join(ASSETS, kind), target))
