@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import jaxspec
 from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import SamplingOptions, Scheduler
 from jaxspec.serve.speculation import SpeculationPolicy, default_row_buckets
@@ -27,14 +26,9 @@ MAX_LEN, NEW = 96, 24
 
 
 @pytest.fixture(scope="module")
-def target():
-  return jaxspec.load_model("jaxspec/assets/target", scan_layers=False)
-
-
-@pytest.fixture(scope="module")
-def auto_engine(target):
+def auto_engine(target, bundled_drafter):
   """EAGLE-3 chain (γ = 4): budgets 0, 2, 4 on row buckets 2 and 4."""
-  drafter = jaxspec.load_drafter("jaxspec/assets/eagle3", target)
+  drafter = bundled_drafter("eagle3")
   config = EngineConfig(
     max_len=MAX_LEN, batch_size=4, stream_every=2, speculation="auto", row_buckets=(2,)
   )
@@ -78,9 +72,9 @@ def test_every_budget_and_row_bucket_is_lossless(target, auto_engine):
     auto_engine.run(auto_engine.empty_state(), 1, budget=3)
 
 
-def test_tree_budgets_are_lossless(target):
+def test_tree_budgets_are_lossless(target, bundled_drafter):
   """DFlash + DDTree: a tree of 3 nodes and one of 6 on the same state."""
-  drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
+  drafter = bundled_drafter("dflash")
   config = EngineConfig(
     max_len=MAX_LEN,
     batch_size=2,
@@ -150,7 +144,7 @@ def test_policy_maximises_expected_tokens_per_second():
   assert default_row_buckets(64) == (4, 16) and default_row_buckets(2) == (1,)
 
 
-def test_speculation_config_is_checked(target):
+def test_speculation_config_is_checked(target, bundled_drafter):
   with pytest.raises(ConfigError, match="speculation must be"):
     EngineConfig(speculation="adaptive")
   with pytest.raises(ConfigError, match="needs speculation='auto'"):
@@ -159,7 +153,7 @@ def test_speculation_config_is_checked(target):
     EngineConfig(batch_size=4, row_buckets=(8,))
   with pytest.raises(ConfigError, match="needs a drafter"):
     SpecEngine(target, None, EngineConfig(speculation="auto"))
-  draft = jaxspec.load_drafter("jaxspec/assets/draft", target)
+  draft = bundled_drafter("draft")
   with pytest.raises(ConfigError, match="must propose every step"):
     SpecEngine(target, draft, EngineConfig(speculation="auto", speculation_budgets=(0,)))
 

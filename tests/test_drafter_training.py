@@ -17,7 +17,6 @@ import jaxspec
 from configs import tiny_code
 from jaxspec.drafters import registry
 from jaxspec.drafters.base import PrefillContext
-from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import SpecEngine
 from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.train import distill, drafter_trainer
@@ -25,10 +24,8 @@ from jaxspec.train import distill, drafter_trainer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def target() -> TargetModel:
-  """The bundled target: a random one's continuations carry nothing a few steps can learn."""
-  return jaxspec.load_model(tiny_code.assets_dir("target"))
+# `target`: the bundled one (conftest.py); a random one's continuations carry nothing a few
+# steps can learn.
 
 
 @pytest.fixture(scope="module")

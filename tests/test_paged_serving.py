@@ -14,7 +14,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-import jaxspec
 from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import SamplingOptions, Scheduler
 from jaxspec.serve import admission, handles
@@ -25,11 +24,6 @@ from jaxspec.speculative.engine_config import EngineConfig
 from tests import near_ties
 
 ROWS, MAX_LEN, PAGE = 64, 128, 8
-
-
-@pytest.fixture(scope="module")
-def target():
-  return jaxspec.load_model("jaxspec/assets/target", scan_layers=False)
 
 
 def _requests(target, n: int, seed: int = 0):
@@ -52,10 +46,10 @@ def _requests(target, n: int, seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def burst(target):
+def burst(target, bundled_drafter):
   """An EAGLE-3 chain engine of 64 rows whose pool holds an eighth of what 64 contiguous rows
   reserve, the 64 requests, and what a contiguous engine generates for them."""
-  drafter = jaxspec.load_drafter("jaxspec/assets/eagle3", target)
+  drafter = bundled_drafter("eagle3")
   pages = ROWS * (MAX_LEN // PAGE) // 8
   config = EngineConfig(
     max_len=MAX_LEN, batch_size=ROWS, stream_every=2, page_size=PAGE, kv_pages=pages
@@ -169,9 +163,9 @@ TREE = dict(max_len=96, batch_size=6, verify="tree", tree_budget=6)
 
 
 @pytest.fixture(scope="module")
-def tree_engine(target):
+def tree_engine(target, bundled_drafter):
   """DFlash + DDTree with paged K/V (pages of 8, the full pool), compiled once."""
-  drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
+  drafter = bundled_drafter("dflash")
   return SpecEngine(target, drafter, EngineConfig(**TREE, page_size=PAGE))
 
 
@@ -254,11 +248,11 @@ def test_paging_config_is_checked(target):
     engine.set_page_table(state, np.full((2, 4), 9, np.int32))
 
 
-def test_pallas_kernel_reads_pages(target):
+def test_pallas_kernel_reads_pages(target, bundled_drafter):
   """attention_impl="pallas" on a paged engine: the kernel reads the pool through the page
   table in place (interpret mode on CPU) and generates what the XLA reader generates; pages
   it cannot read (not a power of two ≥ 16 slots) are refused with the reason."""
-  drafter = jaxspec.load_drafter("jaxspec/assets/eagle3", target)
+  drafter = bundled_drafter("eagle3")
   ids = target.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
   prompts, config = [ids, ids[:9]], EngineConfig(max_len=64, batch_size=2, page_size=16)
   outputs = [

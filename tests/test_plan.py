@@ -211,12 +211,7 @@ def test_mla_and_hybrid_state_is_counted_analytically():
     assert fixed == 45 * (3 * (2 * 16 * 128 + 64 * 128) * 2 + 64 * 128 * 128 * 4), source
 
 
-# -- the planner against live arrays on one device -----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def target():
-  return js.load_model(TARGET, scan_layers=False)
+# -- the planner against live arrays on one device (`target`: the bundled one, conftest.py) -----
 
 
 @pytest.mark.parametrize(

@@ -32,13 +32,8 @@ MAX_LEN, PAGE, SYSTEM = 256, 16, 200
 
 
 @pytest.fixture(scope="module")
-def target():
-  return jaxspec.load_model("jaxspec/assets/target", scan_layers=False)
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-  return jaxspec.load_drafter("jaxspec/assets/eagle3", target)
+def drafter(target, bundled_drafter):
+  return bundled_drafter("eagle3")
 
 
 def _text(target) -> list[int]:

@@ -13,7 +13,6 @@ import types
 import numpy as np
 import pytest
 
-import jaxspec
 from jaxspec import distributed
 from jaxspec.errors import ConfigError, InputError
 from jaxspec.serve import QueueFull, SamplingOptions, Scheduler, SchedulerClosed
@@ -36,13 +35,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def target():
-  return jaxspec.load_model("jaxspec/assets/target", scan_layers=False)
-
-
-@pytest.fixture(scope="module")
-def engine(target):
-  drafter = jaxspec.load_drafter("jaxspec/assets/eagle3", target)
+def engine(target, bundled_drafter):
+  drafter = bundled_drafter("eagle3")
   return SpecEngine(target, drafter, EngineConfig(max_len=96, batch_size=3, stream_every=2))
 
 

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-import jaxspec
 from jaxspec.errors import InputError
 from jaxspec import sampling
 from jaxspec.speculative.engine import SpecEngine
@@ -29,19 +28,14 @@ REQUESTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def target():
-  return jaxspec.load_model("jaxspec/assets/target", scan_layers=False)
-
-
 # Plain decoding has the same slot code with less state to move: with the slow tests.
 @pytest.fixture(
   scope="module", params=[pytest.param("plain", marks=pytest.mark.slow), "dflash_tree"]
 )
-def engine(request, target):
+def engine(request, target, bundled_drafter):
   if request.param == "plain":
     return SpecEngine(target, None, EngineConfig(max_len=80, batch_size=3))
-  drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
+  drafter = bundled_drafter("dflash")
   cfg = EngineConfig(max_len=80, batch_size=3, verify="tree", tree_budget=6)
   return SpecEngine(target, drafter, cfg)
 
@@ -100,11 +94,11 @@ def test_logprobs_are_the_targets(engine, target):
   assert np.all(np.asarray(out.logprobs[0]) <= 0)
 
 
-def test_top_logprobs_are_the_targets_alternatives(target):
+def test_top_logprobs_are_the_targets_alternatives(target, bundled_drafter):
   """EngineConfig.top_logprobs: each generated token's K most likely alternatives (a tree
   engine: tokens committed several per step) equal the top K of log softmax of a full forward
   over the text; the token itself is among them with its own log-prob when it ranks."""
-  drafter = jaxspec.load_drafter("jaxspec/assets/dflash", target)
+  drafter = bundled_drafter("dflash")
   config = EngineConfig(max_len=80, batch_size=2, verify="tree", tree_budget=6, top_logprobs=4)
   engine = SpecEngine(target, drafter, config)
   prompts = [target.tokenizer.encode(p) for p in ("def merge_sorted(a, b):\n", "import os\n")]
