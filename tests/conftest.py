@@ -16,14 +16,16 @@ from jaxspec.models.target import TargetModel
 
 ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 
-# JAX's persistent compilation cache, under pytest's own cache directory (.pytest_cache, ignored
-# by git; `pytest --cache-clear` empties it). Most of the suite's time is XLA compiling, and the
-# same programs recur: every engine jits its own functions, so two engines of one configuration
-# compile the same program twice, and `_drop_compiled_programs` below empties the in-memory
-# caches after each module. The disk cache turns those repeats into reads, within a run (across
-# modules and xdist workers) and across runs. A cold or absent cache is only slower: entries are
-# keyed by the program, the compile options and the jax/XLA versions. JAXSPEC_TEST_JAX_CACHE=0
-# turns it off; a path puts it there.
+# JAX's persistent compilation cache, beside the CPU kernels' build cache in the user's cache
+# directory ($XDG_CACHE_HOME or ~/.cache, then jaxspec/jax-compilation-cache), so that every
+# checkout of the machine and every later run share it. Most of the suite's time is XLA
+# compiling, and the same programs recur: every engine jits its own functions, so two engines
+# of one configuration compile the same program twice, and `_drop_compiled_programs` below
+# empties the in-memory caches after each module. The disk cache turns those repeats into
+# reads, within a run (across modules, xdist workers and the subprocesses tests start) and
+# across runs. A cold or absent cache is only slower: entries are keyed by the program, the
+# compile options and the jax/XLA versions. JAXSPEC_TEST_JAX_CACHE=0 turns it off; a path
+# puts it there.
 CACHE_ENV = "JAXSPEC_TEST_JAX_CACHE"
 CACHE_MAX_BYTES = 2 << 30  # a size bound turns on jax's file lock: workers share the directory
 
@@ -34,10 +36,8 @@ def pytest_configure(config: pytest.Config) -> None:
   if where == "0":
     return
   if not where:
-    cache = getattr(config, "cache", None)
-    if cache is None:  # -p no:cacheprovider
-      return
-    where = str(cache.mkdir("jax-compilation-cache"))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    where = os.path.join(base, "jaxspec", "jax-compilation-cache")
   settings = {
     "jax_compilation_cache_dir": where,
     "jax_persistent_cache_min_compile_time_secs": 0,
