@@ -308,7 +308,7 @@ class GatedDeltaNet(nn.Module):
     )
     pdt = dtype_of(c.param_dtype)
     bsz, t = x.shape[:2]
-    if c.architecture == "Qwen3NextForCausalLM":
+    if c.family.linear_projections == "fused":
       qkv, z, b, a = self._split_fused(x)
     else:
       qkv, z, b, a = self._split_plain(x)
