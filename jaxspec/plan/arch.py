@@ -37,7 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxspec.config import ModelConfig
+from jaxspec.family import Family, family_of, supported_architectures
 from jaxspec.io.architectures import (
   MULTIMODAL_TEXT_ARCHITECTURES,
   HFConfigReader,
@@ -48,20 +49,23 @@ from jaxspec.options import RunOptions
 from jaxspec.errors import ConfigError
 from jaxspec.state import DEFAULT_SLACK, KV_FORMATS, DecodingState, logical_axes
 
-DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
-MLA_ARCHITECTURES = (
-  "DeepseekV3ForCausalLM",
-  "DeepseekV2ForCausalLM",
-  "KimiK2ForCausalLM",
-) + DSA_ARCHITECTURES
-HYBRID_ARCHITECTURES = (
-  "Qwen3NextForCausalLM",
-  "Qwen3_5MoeForCausalLM",
-  "Qwen3_5MoeForConditionalGeneration",
-)
-PLANNED_ARCHITECTURES = tuple(
-  dict.fromkeys(SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES)
-)
+# Architectures jaxspec does not build that the planner counts by formula, each with the built
+# architecture whose family (jaxspec.family: MLA, hybrid, ...) it shares.
+FORMULA_ONLY = {
+  "DeepseekV2ForCausalLM": "DeepseekV3ForCausalLM",
+  "KimiK2ForCausalLM": "DeepseekV3ForCausalLM",
+  "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",  # a flat config.json of it
+}
+
+
+def planned_architectures() -> tuple[str, ...]:
+  """Every architecture the planner counts: those jaxspec builds, then FORMULA_ONLY's."""
+  return supported_architectures() + tuple(FORMULA_ONLY)
+
+
+def family(arch: str) -> Family:
+  """The family of a planned architecture (FORMULA_ONLY's: that of the built one it names)."""
+  return family_of(FORMULA_ONLY.get(arch, arch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +134,11 @@ def architecture_of(hf: Mapping[str, Any]) -> str:
   if not isinstance(hf, Mapping):
     raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
   archs = hf.get("architectures") or []
-  if (
-    not isinstance(archs, (list, tuple))
-    or len(archs) != 1
-    or archs[0] not in (PLANNED_ARCHITECTURES)
-  ):
+  planned = planned_architectures()
+  if not isinstance(archs, (list, tuple)) or len(archs) != 1 or archs[0] not in planned:
     raise ConfigError(
       f"the planner cannot count architectures {archs!r}; it knows exactly one of "
-      f"{', '.join(PLANNED_ARCHITECTURES)}"
+      f"{', '.join(planned)}"
     )
   return archs[0]
 
@@ -161,7 +162,7 @@ def model_spec(
     else:
       hf = {**hf["text_config"], "architectures": hf.get("architectures")}
   arch = architecture_of(hf)
-  buildable = arch in SUPPORTED_ARCHITECTURES
+  buildable = arch in supported_architectures()
   if source not in ("auto", "traced", "formula"):
     raise ConfigError(f"source={source!r}; expected 'auto', 'traced' or 'formula'")
   if source == "traced" and not buildable:
@@ -252,7 +253,7 @@ def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) ->
       keys_only=d["cache_heads"] == 1 and d.get("mla", 0) == 1,
     )
   )
-  if spec.architecture in DSA_ARCHITECTURES:
+  if family(spec.architecture).dsa:
     out += indexer_state(spec.hf, batch, max_len, kv_format, dtype)
   if d["linear_layers"]:
     out.append(
@@ -324,7 +325,8 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
     linear_layers=0,
     mtp_layers=r.first_integer(("num_nextn_predict_layers", "mtp_num_hidden_layers"), 0),
   )
-  if arch in MLA_ARCHITECTURES:
+  fam = family(arch)
+  if fam.mla:
     r.require("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     rope, nope = r.integer("qk_rope_head_dim"), r.integer("qk_nope_head_dim")
     d.update(
@@ -337,18 +339,26 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
       moe_layers=(layers - r.integer("first_k_dense_replace", 0)) if experts else 0,
       shared_intermediate=moe_inter * r.integer("n_shared_experts", 0),
     )
-  elif arch in HYBRID_ARCHITECTURES:
-    r.require(
-      "linear_num_key_heads",
-      "linear_num_value_heads",
-      "linear_key_head_dim",
-      "linear_value_head_dim",
-      "linear_conv_kernel_dim",
-    )
-    interval = r.integer("full_attention_interval", 4)
-    full = layers // interval
-    kh, vh = r.integer("linear_num_key_heads"), r.integer("linear_num_value_heads")
-    kd, vd = r.integer("linear_key_head_dim"), r.integer("linear_value_head_dim")
+  elif fam.hybrid:
+    if arch in supported_architectures():  # the built config's numbers, its defaults applied
+      c = config_from_hf(hf)
+      full = sum(t == "full_attention" for t in c.layer_types)
+      kh, vh = c.linear_num_key_heads, c.linear_num_value_heads
+      kd, vd, kernel = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
+      shared = c.shared_expert_intermediate_size
+    else:
+      r.require(
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+      )
+      full = layers // r.integer("full_attention_interval", 4)
+      kh, vh = r.integer("linear_num_key_heads"), r.integer("linear_num_value_heads")
+      kd, vd = r.integer("linear_key_head_dim"), r.integer("linear_value_head_dim")
+      kernel = r.integer("linear_conv_kernel_dim")
+      shared = r.integer("shared_expert_intermediate_size", 0)
     d.update(
       attention_layers=full,
       linear_layers=layers - full,
@@ -357,9 +367,9 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
       linear_key_dim=kd,
       linear_value_dim=vd,
       conv_dim=2 * kh * kd + vh * vd,
-      conv_window=r.integer("linear_conv_kernel_dim") - 1,
+      conv_window=kernel - 1,
       moe_layers=layers if experts else 0,
-      shared_intermediate=r.integer("shared_expert_intermediate_size", 0),
+      shared_intermediate=shared,
     )
   elif experts:
     config = config_from_hf(hf)
@@ -401,7 +411,7 @@ def _gqa_attention(
     vd = r.integer("v_head_dim", hd)
     if sliding:
       kv = r.integer("swa_num_key_value_heads", 2 * kv)
-  gated = arch in HYBRID_ARCHITECTURES and r.flag("attn_output_gate", True)
+  gated = family(arch).hybrid and r.flag("attn_output_gate", True)
   w.stack(
     p,
     n,
@@ -418,7 +428,7 @@ def _gqa_attention(
     w.stack(p, n, "self_attn/v_proj/bias", (kv, hd), ("kv_heads", "head_dim"))
     if arch != "Glm4MoeForCausalLM":
       w.stack(p, n, "self_attn/o_proj/bias", (h,), ("embed",))
-  qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or arch in HYBRID_ARCHITECTURES
+  qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or family(arch).hybrid
   if arch == "MiniMaxM2ForCausalLM":  # per layer: over the whole q (k) projection
     w.stack(p, n, "self_attn/q_norm/scale", (q, hd), ("heads", "head_dim"))
     w.stack(p, n, "self_attn/k_norm/scale", (kv, hd), ("kv_heads", "head_dim"))
@@ -504,7 +514,7 @@ def _ffn(w: _Weights, p: str, n: int, h: int, inter: int):
 def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], arch: str):
   h, e, inter = d["hidden"], d["experts"], d["moe_intermediate"]
   w.stack(p, n, "mlp/router", (h, e), ("embed", None), "float32")  # float32, as HF keeps it
-  if arch == "GptOssForCausalLM":
+  if family(arch).biased_experts:  # gpt-oss: biased, fused and interleaved gate/up
     w.stack(p, n, "mlp/router_bias", (e,), (None,), "float32")
     w.stack(p, n, "mlp/gate_up_proj", (e, h, 2 * inter), ("expert", "embed", "mlp"))
     w.stack(p, n, "mlp/gate_up_bias", (e, 2 * inter), ("expert", "mlp"))
@@ -512,14 +522,14 @@ def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], arch: str):
     w.stack(p, n, "mlp/down_bias", (e, h), ("expert", "embed"))
     return
   biased = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "MiMoV2FlashForCausalLM")
-  if arch in biased or arch in MLA_ARCHITECTURES:
+  if arch in biased or family(arch).mla:
     w.stack(p, n, "mlp/e_score_correction_bias", (e,), (None,), "float32")
   w.stack(p, n, "mlp/gate_proj", (e, h, inter), ("expert", "embed", "mlp"))
   w.stack(p, n, "mlp/up_proj", (e, h, inter), ("expert", "embed", "mlp"))
   w.stack(p, n, "mlp/down_proj", (e, inter, h), ("expert", "mlp", "embed"))
   if d["shared_intermediate"]:
     w.items += _stacked_ffn(f"{p}/mlp/shared_experts", n, h, d["shared_intermediate"], w.dtype)
-  if arch in HYBRID_ARCHITECTURES:
+  if family(arch).hybrid:
     w.stack(p, n, "mlp/shared_expert_gate/kernel", (h, 1), ("embed", None))
 
 
@@ -550,25 +560,26 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
   w = _Weights(param_dtype)
   w.add("embed", (d["vocab"], h), ("vocab", "embed"))
   # Which layers are MoE: the same rules as config_from_hf for the buildable ones.
-  if arch in SUPPORTED_ARCHITECTURES:
+  fam, buildable = family(arch), arch in supported_architectures()
+  if buildable:
     is_moe = config_from_hf(hf).layer_is_moe or (False,) * layers
   elif d["experts"]:
-    first = r.integer("first_k_dense_replace", 0) if arch in MLA_ARCHITECTURES else 0
+    first = r.integer("first_k_dense_replace", 0) if fam.mla else 0
     is_moe = tuple(i >= first for i in range(layers))
   else:
     is_moe = (False,) * layers
-  if arch in HYBRID_ARCHITECTURES:
+  if fam.hybrid:
     interval = r.integer("full_attention_interval", 4)
     kinds = tuple(
       ("full" if (i + 1) % interval == 0 else "linear", m) for i, m in enumerate(is_moe)
     )
-  elif arch in DSA_ARCHITECTURES:
+  elif fam.dsa:
     indexed = config_from_hf(hf).indexer_types
     kinds = tuple(("dsa" if t == "full" else "full", m) for t, m in zip(indexed, is_moe))
   else:
     kinds = tuple(("full", m) for m in is_moe)
   # Sliding and full layers are separate runs (as `ModelConfig.segments`).
-  windows = config_from_hf(hf).layer_windows if arch in SUPPORTED_ARCHITECTURES else ()
+  windows = config_from_hf(hf).layer_windows if buildable else ()
   kinds = tuple((*k, windows[i] if windows else 0) for i, k in enumerate(kinds))
   runs: list[list] = []
   for kind in kinds:
@@ -585,9 +596,9 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
     for norm in ("enorm", "hnorm", "post_norm"):
       w.add(f"{p}/{norm}/scale", (h,), ("embed",))
     block = _Weights(param_dtype)
-    mixer = "dsa" if arch in DSA_ARCHITECTURES else "full"
-    mimo = arch == "MiMoV2FlashForCausalLM"  # a sliding block with a dense MLP
-    _layer(block, f"{p}/block", 1, d, r, arch, mixer, d["experts"] > 0 and not mimo, mimo)
+    mixer = "dsa" if fam.dsa else "full"
+    sliding = fam.mtp_sliding  # MiMo's: a sliding block with a dense MLP
+    _layer(block, f"{p}/block", 1, d, r, arch, mixer, d["experts"] > 0 and not sliding, sliding)
     w.items += [  # one layer, no leading `layers` axis
       Tensor(t.path, t.shape[1:], t.dtype, t.axes[1:]) for t in block.items
     ]
@@ -605,7 +616,7 @@ def _layer(
   w.stack(p, n, "post_attention_layernorm/scale", (h,), ("embed",))
   if mixer == "linear":
     _gated_deltanet(w, p, n, d)
-  elif arch in MLA_ARCHITECTURES:
+  elif family(arch).mla:
     _mla_attention(w, p, n, d, r)
     if mixer == "dsa":
       _indexer(w, p, n, d, r)
