@@ -9,9 +9,9 @@ start + t but can be given explicitly (tree nodes sit at start + depth). Without
 
 Layers are stacked with `nn.scan`, one scan per maximal run of same-kind layers (a dense first
 layer and MoE layers after it make two runs), so compile time does not grow with depth; with
-`config.scan_layers=False` each run is unrolled over per-layer parameters instead (`LayerRun`,
-decoding's layout). Each run carries its own state entry whole and updates it in place at the
-block's slots.
+`config.options.scan_layers=False` each run is unrolled over per-layer parameters instead
+(`LayerRun`, decoding's layout). Each run carries its own state entry whole and updates it in
+place at the block's slots.
 
 Hidden states (batch, length, embed) and logits (batch, length, vocab) carry logical constraints
 (`sharding.constrain_activation`), no-ops unless a mesh is active (`sharding.use_mesh`).
