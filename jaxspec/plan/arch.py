@@ -287,24 +287,27 @@ def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) ->
 # ------------------------------------------------------------------------------------------------
 
 
+def _built(hf: Mapping[str, Any], arch: str) -> ModelConfig | None:
+  """The config jaxspec builds for `hf` (its family's defaults applied); None for FORMULA_ONLY."""
+  return config_from_hf(hf) if arch in supported_architectures() else None
+
+
 def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
   """The numbers the activation and traffic models read (see ModelSpec)."""
   r = HFConfigReader(hf, arch)
   r.require("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
   hidden, layers = r.integer("hidden_size"), r.integer("num_hidden_layers")
   heads = r.integer("num_attention_heads")
-  minimax = arch == "MiniMaxM2ForCausalLM"  # MiniMaxM2Config's defaults: 8 KV heads of 128
-  kv_heads = r.integer("num_key_value_heads", 8 if minimax else heads)
-  head_dim = r.integer("head_dim", 128 if minimax else hidden // heads)
-  experts = r.first_integer(("n_routed_experts", "num_experts", "num_local_experts"), 0)
-  if minimax:
-    experts = r.integer("num_local_experts", 256)
-  moe_inter = r.integer("moe_intermediate_size", 0)
-  if arch in ("GptOssForCausalLM", "MiniMaxM2ForCausalLM"):  # intermediate_size: the experts'
-    moe_inter = r.integer("intermediate_size")
-  top_k = r.first_integer(
-    ("num_experts_per_tok", "experts_per_token", "top_k_experts"), 8 if minimax else 0
-  )
+  c = _built(hf, arch)
+  if c is not None:  # as the family reads them (defaults, the experts' width, ...)
+    kv_heads, head_dim = c.num_kv_heads, c.head_dim
+    experts, moe_inter, top_k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+  else:
+    kv_heads = r.integer("num_key_value_heads", heads)
+    head_dim = r.integer("head_dim", hidden // heads)
+    experts = r.first_integer(("n_routed_experts", "num_experts", "num_local_experts"), 0)
+    moe_inter = r.integer("moe_intermediate_size", 0)
+    top_k = r.first_integer(("num_experts_per_tok", "experts_per_token", "top_k_experts"), 0)
   d: dict[str, Any] = dict(
     hidden=hidden,
     vocab=r.integer("vocab_size"),
@@ -340,8 +343,7 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
       shared_intermediate=moe_inter * r.integer("n_shared_experts", 0),
     )
   elif fam.hybrid:
-    if arch in supported_architectures():  # the built config's numbers, its defaults applied
-      c = config_from_hf(hf)
+    if c is not None:
       full = sum(t == "full_attention" for t in c.layer_types)
       kh, vh = c.linear_num_key_heads, c.linear_num_value_heads
       kd, vd, kernel = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
@@ -406,11 +408,17 @@ def _gqa_attention(
 ):
   h, q, kv, hd = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"]
   vd = hd
-  mimo = arch == "MiMoV2FlashForCausalLM"
-  if mimo:  # sliding layers: their own KV heads (transformers: twice) and sinks; narrow values
-    vd = r.integer("v_head_dim", hd)
-    if sliding:
-      kv = r.integer("swa_num_key_value_heads", 2 * kv)
+  c = _built(r.hf, arch)
+  if c is not None:  # the built config: per layer type shapes (MiMo's sliding layers), biases...
+    hd, kv = c.attention_head_dim(sliding), c.attention_kv_heads(sliding)
+    vd = c.attention_value_dim(sliding)
+    q_bias, o_bias = c.attention_bias, c.attention_out_bias
+    qk_norm = c.qk_norm_type if c.qk_norm else ""
+    sinks = c.attention_sinks or (c.sliding_attention_sinks and sliding)
+  else:  # counted by formula only: its family's
+    q_bias = o_bias = r.flag("attention_bias", False)
+    qk_norm = "per_head" if family(arch).hybrid else ""
+    sinks = False
   gated = family(arch).hybrid and r.flag("attn_output_gate", True)
   w.stack(
     p,
@@ -422,23 +430,19 @@ def _gqa_attention(
   w.stack(p, n, "self_attn/k_proj/kernel", (h, kv, hd), ("embed", "kv_heads", "head_dim"))
   w.stack(p, n, "self_attn/v_proj/kernel", (h, kv, vd), ("embed", "kv_heads", "head_dim"))
   w.stack(p, n, "self_attn/o_proj/kernel", (q, vd, h), ("heads", "head_dim", "embed"))
-  if r.flag("attention_bias", arch == "GptOssForCausalLM"):
+  if q_bias:
     w.stack(p, n, "self_attn/q_proj/bias", (q, hd), ("heads", "head_dim"))
     w.stack(p, n, "self_attn/k_proj/bias", (kv, hd), ("kv_heads", "head_dim"))
     w.stack(p, n, "self_attn/v_proj/bias", (kv, hd), ("kv_heads", "head_dim"))
-    if arch != "Glm4MoeForCausalLM":
-      w.stack(p, n, "self_attn/o_proj/bias", (h,), ("embed",))
-  qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or family(arch).hybrid
-  if arch == "MiniMaxM2ForCausalLM":  # per layer: over the whole q (k) projection
+  if o_bias:
+    w.stack(p, n, "self_attn/o_proj/bias", (h,), ("embed",))
+  if qk_norm == "per_layer":  # over the whole q (k) projection (MiniMax-M2)
     w.stack(p, n, "self_attn/q_norm/scale", (q, hd), ("heads", "head_dim"))
     w.stack(p, n, "self_attn/k_norm/scale", (kv, hd), ("kv_heads", "head_dim"))
-  elif qk_norm or (arch == "Glm4MoeForCausalLM" and r.flag("use_qk_norm", False)):
+  elif qk_norm:
     w.stack(p, n, "self_attn/q_norm/scale", (hd,), ("head_dim",))
     w.stack(p, n, "self_attn/k_norm/scale", (hd,), ("head_dim",))
-  sinks = r.flag("add_full_attention_sink_bias", False) or (
-    sliding and r.flag("add_swa_attention_sink_bias", True)
-  )
-  if arch == "GptOssForCausalLM" or (mimo and sinks):
+  if sinks:
     w.stack(p, n, "self_attn/sinks", (q,), ("heads",))
 
 
@@ -511,7 +515,7 @@ def _ffn(w: _Weights, p: str, n: int, h: int, inter: int):
   w.stack(p, n, "down_proj/kernel", (inter, h), ("mlp", "embed"))
 
 
-def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], arch: str):
+def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader, arch: str):
   h, e, inter = d["hidden"], d["experts"], d["moe_intermediate"]
   w.stack(p, n, "mlp/router", (h, e), ("embed", None), "float32")  # float32, as HF keeps it
   if family(arch).biased_experts:  # gpt-oss: biased, fused and interleaved gate/up
@@ -521,8 +525,8 @@ def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], arch: str):
     w.stack(p, n, "mlp/down_proj", (e, inter, h), ("expert", "mlp", "embed"))
     w.stack(p, n, "mlp/down_bias", (e, h), ("expert", "embed"))
     return
-  biased = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "MiMoV2FlashForCausalLM")
-  if arch in biased or family(arch).mla:
+  c = _built(r.hf, arch)
+  if c.router == "sigmoid" if c is not None else family(arch).mla:  # a routing-bias correction
     w.stack(p, n, "mlp/e_score_correction_bias", (e,), (None,), "float32")
   w.stack(p, n, "mlp/gate_proj", (e, h, inter), ("expert", "embed", "mlp"))
   w.stack(p, n, "mlp/up_proj", (e, h, inter), ("expert", "embed", "mlp"))
@@ -623,6 +627,6 @@ def _layer(
   else:
     _gqa_attention(w, p, n, d, r, arch, sliding)
   if moe:
-    _moe(w, p, n, d, arch)
+    _moe(w, p, n, d, r, arch)
   else:
     w.items += _stacked_ffn(f"{p}/mlp", n, h, d["intermediate"], w.dtype)
