@@ -306,8 +306,8 @@ def _validate_attention(c: Any, family: Family, need: Need) -> None:
   need(
     family.biased_experts
     or not (c.expert_bias or c.swiglu_limit or c.router == "topk_softmax"),
-    "biased experts, the clamped SwiGLU and the top-k-softmax router are features of "
-    f"{_of(lambda f: f.biased_experts)}",
+    "biased experts, the clamped SwiGLU and the top-k-softmax router are gpt-oss features "
+    f"({_of(lambda f: f.biased_experts)})",
   )
   need(
     c.options.attention_impl != "pallas"
