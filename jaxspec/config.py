@@ -283,12 +283,6 @@ class ModelConfig:
     return self.attention_value_dim(self.is_sliding(layer))
 
   @property
-  def is_gemma4(self) -> bool:
-    """Gemma 4's layer layout (sandwich norms and layer scalar, the MoE block beside the MLP),
-    as io/hf.py's tensor map still reads it; model code reads the `family` fields."""
-    return self.family.sandwich_norms
-
-  @property
   def embedding_scale(self) -> float:
     """The factor on token embeddings as they enter the model (Gemma: sqrt(hidden_size));
     drafters that embed tokens with the target's table apply it too."""

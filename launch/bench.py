@@ -5,7 +5,9 @@
   python launch/bench.py generate --random=small --temperatures=0
   python launch/bench.py cost-curve
 
-The subcommands live in jaxspec/cli/bench/ (a launch script cannot import another one).
+The subcommands live in the package launch/benchmarks/ (every launch/*.py is a binary of its
+own; a package under launch/ is a library the scripts share). The repository root goes on
+sys.path first, so that `launch.benchmarks` imports from any working directory.
 """
 
 import os
@@ -13,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxspec.cli import bench  # pylint: disable=wrong-import-position
+from launch import benchmarks  # pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
-  bench.main()
+  benchmarks.main()

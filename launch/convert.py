@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # pylint: disable=wrong-import-position
 
-from jaxspec import cli  # pylint: disable=wrong-import-position
 from jaxspec.io import checkpoint  # pylint: disable=wrong-import-position
+from launch import cli  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(

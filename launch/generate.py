@@ -26,10 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # pylint: disable=wrong-import-position
 
 import jaxspec  # pylint: disable=wrong-import-position
-from jaxspec import cli, distributed  # pylint: disable=wrong-import-position
-from jaxspec.cli import common_flags  # pylint: disable=wrong-import-position
-from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
+from jaxspec import distributed  # pylint: disable=wrong-import-position
 from jaxspec.quant.policy import load_policy  # pylint: disable=wrong-import-position
+from launch import cli  # pylint: disable=wrong-import-position
+from launch.cli import common_flags  # pylint: disable=wrong-import-position
+from launch.cli import defaults  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 defaults.define_model_flags()

@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # pylint: disable=wrong-import-position
 import openai  # pylint: disable=wrong-import-position
 
-from jaxspec import cli  # pylint: disable=wrong-import-position
-from jaxspec.cli import common_flags  # pylint: disable=wrong-import-position
-from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
+from launch import cli  # pylint: disable=wrong-import-position
+from launch.cli import common_flags  # pylint: disable=wrong-import-position
+from launch.cli import defaults  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("url", None, "A running server (loopback only); default: start one here.")

@@ -17,10 +17,11 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxspec import cli, sharding  # pylint: disable=wrong-import-position
-from jaxspec.cli import common_flags  # pylint: disable=wrong-import-position
+from jaxspec import sharding  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.plan import arch, scale  # pylint: disable=wrong-import-position
+from launch import cli  # pylint: disable=wrong-import-position
+from launch.cli import common_flags  # pylint: disable=wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLE_MODELS = (

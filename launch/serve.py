@@ -27,15 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import uvicorn  # pylint: disable=wrong-import-position
 
-from jaxspec import cli, distributed  # pylint: disable=wrong-import-position
-from jaxspec.cli import common_flags  # pylint: disable=wrong-import-position
-from jaxspec.cli import defaults  # pylint: disable=wrong-import-position
+from jaxspec import distributed  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
 from jaxspec.serve import multihost  # pylint: disable=wrong-import-position
 from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=wrong-import-position
 from jaxspec.serve import speculation  # pylint: disable=wrong-import-position
 from jaxspec.speculative import prefix as prefix_lib  # pylint: disable=wrong-import-position
+from launch import cli  # pylint: disable=wrong-import-position
+from launch.cli import common_flags  # pylint: disable=wrong-import-position
+from launch.cli import defaults  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 defaults.define_model_flags()

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from jaxspec import cli
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from launch import cli  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "A named config file, e.g. configs/tiny_code.py:target.", lock_config=True

@@ -15,6 +15,7 @@ Usage:
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from absl import app
@@ -26,9 +27,11 @@ from tokenizers import models
 from tokenizers import pre_tokenizers
 from tokenizers import trainers
 
-from jaxspec import cli
-from jaxspec.io import tokenizer as tok_lib
-from jaxspec.train import data
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxspec.io import tokenizer as tok_lib  # pylint: disable=wrong-import-position
+from jaxspec.train import data  # pylint: disable=wrong-import-position
+from launch import cli  # pylint: disable=wrong-import-position
 
 _ROOT = flags.DEFINE_string("root", None, "Corpus folder; default: the Python stdlib.")
 _SUFFIXES = flags.DEFINE_list(

@@ -11,12 +11,12 @@ import sys
 import pytest
 
 import jaxspec
-from jaxspec.cli import bench
-from jaxspec.cli.bench import cost_curve
-from jaxspec.cli.bench import generate
-from jaxspec.cli.bench import latent
-from jaxspec.cli.bench import quant
-from jaxspec.cli.bench import runners
+from launch import benchmarks
+from launch.benchmarks import cost_curve
+from launch.benchmarks import generate
+from launch.benchmarks import latent
+from launch.benchmarks import quant
+from launch.benchmarks import runners
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What each subcommand's --help must list: a flag of its own.
@@ -43,16 +43,16 @@ OWN_FLAG = {
 }
 
 
-def _bench(*args: str, script: str = "launch/bench.py") -> subprocess.CompletedProcess:
+def _bench(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, os.path.join(REPO, script), *args]
+  cmd = [sys.executable, os.path.join(REPO, "launch", "bench.py"), *args]
   return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_every_subcommand_is_registered_and_importable():
-  assert set(bench.SUBCOMMANDS) == set(OWN_FLAG)
-  for sub in bench.SUBCOMMANDS.values():
-    module = __import__(f"jaxspec.cli.bench.{sub.module}", fromlist=["main"])
+  assert set(benchmarks.SUBCOMMANDS) == set(OWN_FLAG)
+  for sub in benchmarks.SUBCOMMANDS.values():
+    module = __import__(f"launch.benchmarks.{sub.module}", fromlist=["main"])
     assert callable(module.main) and callable(module.define_flags), sub.name
     assert module.__doc__, sub.name
 
@@ -60,8 +60,8 @@ def test_every_subcommand_is_registered_and_importable():
 def test_top_level_help_lists_the_subcommands():
   proc = _bench("--help")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  for name, sub in bench.SUBCOMMANDS.items():
-    assert f"  {name} " in proc.stdout and sub.replaces in proc.stdout, name
+  for name, sub in benchmarks.SUBCOMMANDS.items():
+    assert f"  {name} " in proc.stdout and sub.summary in proc.stdout, name
 
 
 # Runs `bench.py <name> --help` for every subcommand in one interpreter (jax imported once): a
@@ -70,14 +70,14 @@ def test_top_level_help_lists_the_subcommands():
 HELP_ALL = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from jaxspec.cli import bench
-for name in bench.SUBCOMMANDS:
+from launch import benchmarks
+for name in benchmarks.SUBCOMMANDS:
   sys.stdout.flush()
   pid = os.fork()
   if pid == 0:
     code = 3
     try:
-      bench.main([os.path.join(sys.argv[1], "launch", "bench.py"), name, "--help"])
+      benchmarks.main([os.path.join(sys.argv[1], "launch", "bench.py"), name, "--help"])
     except SystemExit as e:
       code = e.code
     finally:
@@ -123,25 +123,18 @@ def test_bad_flag_of_a_subcommand_is_a_one_line_error():
   assert len(lines) == 1 and "--kv_formats" in lines[0], lines
 
 
-def test_old_entry_points_warn_and_forward():
-  """A replaced script (and `bench.py --mode=...`) names its subcommand, then runs it."""
-  proc = _bench("--help", script="launch/bench_kv.py")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "DeprecationWarning" in proc.stderr and "launch/bench.py kv" in proc.stderr
-  assert "--max_lens" in proc.stdout
-  proc = _bench("--mode=cost_curve", "--help")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "launch/bench.py cost-curve" in proc.stderr and "--cost_tokens" in proc.stdout
-  proc = _bench("--mode=bogus")
-  assert proc.returncode == 2 and "--mode=bogus" in proc.stderr, proc.stderr[-3000:]
+def test_no_subcommand_is_a_one_line_error_naming_them():
+  for args in ((), ("--mode=cost_curve",)):
+    proc = _bench(*args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxspec: error: "), lines
+    assert all(name in lines[0] for name in benchmarks.SUBCOMMANDS) and proc.stdout == "", lines
 
 
-def test_legacy_mode_mapping():
-  legacy = bench._legacy_mode  # pylint: disable=protected-access
-  assert legacy([]) == ("generate", [])
-  assert legacy(["--mode", "quant_cost", "--cost_size=tiny"]) == ("quant", ["--cost_size=tiny"])
-  assert bench.command("long", "--job=x")[1:] == [bench.entry_point(), "long", "--job=x"]
-  assert os.path.samefile(bench.entry_point(), os.path.join(REPO, "launch", "bench.py"))
+def test_command_runs_this_tree_s_entry_point():
+  assert benchmarks.command("long", "--job=x")[1:] == [benchmarks.entry_point(), "long", "--job=x"]
+  assert os.path.samefile(benchmarks.entry_point(), os.path.join(REPO, "launch", "bench.py"))
 
 
 # ---- generate, cost-curve, quant -----------------------------------------------------------------

@@ -13,6 +13,7 @@ import transformers
 import jaxspec
 from jaxspec.config import ModelConfig
 from jaxspec.io import hf as hf_io
+from jaxspec.io import safetensors_files
 from jaxspec.models import target as target_lib
 from jaxspec.io.architectures import config_from_hf, config_to_hf
 
@@ -70,7 +71,7 @@ def test_mtp_layers_round_trip_in_deepseek_layout(tmp_path):
   jaxspec.save_hf(model, str(tmp_path))
   config = json.load(open(tmp_path / "config.json"))
   assert config["num_nextn_predict_layers"] == 1
-  names = hf_io._TensorSource(str(tmp_path)).keys()
+  names = safetensors_files.TensorSource(str(tmp_path)).keys()
   for suffix in (
     "enorm.weight",
     "hnorm.weight",
@@ -236,7 +237,7 @@ def test_declared_mtp_layers_absent_from_checkpoint_load_with_warning(tmp_path, 
   hf_model = hf_models.save_hf_model(_glm_declaring_mtp(monkeypatch), str(tmp_path))
   # What transformers writes: the declaration, but no model.layers.{num_hidden_layers}.* tensors.
   assert json.load(open(tmp_path / "config.json"))["num_nextn_predict_layers"] == 1
-  names = hf_io._TensorSource(str(tmp_path)).keys()
+  names = safetensors_files.TensorSource(str(tmp_path)).keys()
   assert "model.layers.2.input_layernorm.weight" in names
   assert not any(n.startswith("model.layers.3.") for n in names)
 

@@ -1,4 +1,4 @@
-"""The launch scripts' command line (jaxspec.cli): one-line errors, exit statuses, --help.
+"""The launch scripts' command line (launch.cli): one-line errors, exit statuses, --help.
 
 Each case runs a script in a subprocess (a few seconds each, mostly the jax import) on tiny
 random models written to a temporary folder.
@@ -13,8 +13,8 @@ import sys
 import pytest
 
 import jaxspec
-from jaxspec import cli
 from jaxspec.io.tokenizer import Tokenizer
+from launch import cli
 from tests import engine_models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -76,11 +76,11 @@ def test_greedy_agreement_compares_up_to_the_first_near_tie():
 
 
 def test_qmatmul_section_operands_hold_the_weight():
-  """The qmatmul section's operands (bench/device_qmatmul.py) are the weight in each format:
-  what qmatmul's oracle dequantizes is w up to the format's rounding."""
+  """The qmatmul section's operands (launch/benchmarks/device_qmatmul.py) are the weight in
+  each format: what qmatmul's oracle dequantizes is w up to the format's rounding."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from jaxspec.cli.bench import device_qmatmul  # pylint: disable=import-outside-toplevel
+  from launch.benchmarks import device_qmatmul  # pylint: disable=import-outside-toplevel
   from pallas_kernels.qmatmul import check_inputs, dequantize  # pylint: disable=import-outside-toplevel
 
   w = 0.02 * jax.random.normal(jax.random.PRNGKey(0), (256, 384))

@@ -543,7 +543,7 @@ def test_the_planner_traces_gemma4(saved):
 
 
 def test_the_assistant_is_found_by_method_name_and_by_kind(saved, pair):
-  from jaxspec.cli import defaults  # pylint: disable=import-outside-toplevel
+  from launch.cli import defaults  # pylint: disable=import-outside-toplevel
   from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
 
   target, _ = pair

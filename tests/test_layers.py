@@ -2,10 +2,12 @@
 
 The package graph is computed from the source (every import statement, lazy ones inside
 functions included) by tools/update_build.py, the same graph BUILD's targets follow: one node per
-package of jaxspec/ and pallas_kernels/ and per module at the root of jaxspec/. The layers it
-must respect are DESIGN.md's: errors and config at the bottom, then state, sharding, quant and
-sampling, models, io, drafters, speculative, and the applications (serve, train, plan,
-profiling, cli) on top; a kernel folder never imports the model that calls it.
+package of jaxspec/ and pallas_kernels/, per module at the root of jaxspec/, and per package the
+launch scripts share (launch/cli/, launch/benchmarks/). The layers it must respect are those of
+docs/architecture.md, "The layout: packages in layers": errors and config at the bottom, then
+state, sharding, quant and sampling, models, io, drafters, speculative, the applications (serve,
+train, plan, profiling), and the scripts' own packages on top, outside the pip package (the
+library never imports them); a kernel folder never imports the model that calls it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ def test_graph_sees_every_package():
     assert target in graph
   assert "jaxspec_state" in graph["jaxspec_models"]  # models read and write the state
   assert "jaxspec_drafters" in graph["jaxspec_speculative"]  # the engine runs the protocol
+
+
+def test_the_library_never_imports_the_scripts_packages():
+  """jaxspec/ and pallas_kernels/ are the pip package: launch/cli and launch/benchmarks sit on
+  top of them, never below."""
+  graph = _generator().package_graph(ROOT)
+  scripts = {t for t in graph if t.startswith("launch_")}
+  assert {"launch_cli", "launch_benchmarks"} <= scripts
+  assert "launch_cli" in graph["launch_benchmarks"]
+  for target, deps in graph.items():
+    if target not in scripts:
+      assert not deps & scripts, f"{target} imports {sorted(deps & scripts)}"
 
 
 def test_one_import_closing_a_cycle_fails(tmp_path):

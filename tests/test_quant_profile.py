@@ -94,7 +94,8 @@ def test_launch_script_writes_a_policy_generate_accepts(tmp_path):
   out = str(tmp_path / "q")
   cmd = [
     sys.executable,
-    os.path.join(ROOT, "launch", "profile_quant.py"),
+    os.path.join(ROOT, "launch", "bench.py"),
+    "quant-profile",
     "--windows=2",
     "--window_len=32",
     "--drafter=none",
@@ -113,7 +114,7 @@ def test_launch_script_writes_a_policy_generate_accepts(tmp_path):
   assert {g["format"] for g in report["groups"]} == {"mxfp4", "fp8"}
 
 
-@pytest.mark.slow  # a minute of engine compiles; launch/profile_quant.py runs it on every policy
+@pytest.mark.slow  # a minute of engine compiles; `bench.py quant-profile` runs it per policy
 def test_policy_effect_on_greedy_decoding():
   target, _, _ = _profiled()
   prompts = ["def fib(n):"]

@@ -24,12 +24,12 @@ import time
 import openai
 import pytest
 
-from jaxspec.cli import defaults
 from jaxspec.drafters import registry
 from jaxspec.serve import app as app_lib
 from jaxspec.serve import background
 from jaxspec.serve import scheduler as scheduler_lib
 from jaxspec.serve.scheduler import Delta, QueueFull, SamplingOptions, Scheduler, SchedulerClosed
+from launch.cli import defaults
 
 MODEL = "jaxspec-test"
 KEY = "sk-test-key"

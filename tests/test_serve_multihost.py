@@ -50,7 +50,7 @@ SCRIPT = test_multihost.DIE_AT_ONCE + textwrap.dedent(r"""
 
 def make_engine(mesh=None):
   """The bundled target's n-gram engine: 2 slots of 64 tokens, one prefill program."""
-  from jaxspec.cli import defaults  # pylint: disable=import-outside-toplevel
+  from launch.cli import defaults  # pylint: disable=import-outside-toplevel
 
   target, _ = defaults.load_target(None)
   engine, _ = defaults.make_engine(

@@ -13,13 +13,16 @@ Targets (all in the one root BUILD, so labels are ``//:name``):
   replaced by ``_`` (``jaxspec/models`` -> ``jaxspec_models``), and one per
   module at the root of ``jaxspec/`` (``jaxspec/state.py`` -> ``jaxspec_state``).
   The root ``jaxspec/__init__.py`` is the public API facade, target ``jaxspec``.
+* one ``py_library`` per package below ``launch/`` or ``tools/`` (code the
+  scripts share, say ``launch/benchmarks`` -> ``launch_benchmarks``): not
+  part of the pip package, but in the same package graph.
 * deps come from each file's imports (absolute and relative, including
   imports inside functions); third-party imports become
   ``requirement("<pip name>")``, standard-library imports are dropped.
   Packages must not import each other in a circle (Bazel forbids cycles, and
-  the layers of DESIGN.md point down only): ``import_cycles`` finds them,
-  ``render`` refuses to write a BUILD while there is one, and
-  tests/test_layers.py fails on one.
+  the layers of docs/architecture.md, "The layout: packages in layers", point
+  down only): ``import_cycles`` finds them, ``render`` refuses to write a
+  BUILD while there is one, and tests/test_layers.py fails on one.
 * one ``py_binary`` per ``launch/*.py`` and ``tools/*.py`` script.
 * one ``py_test`` per ``tests/**/test_*.py``; other ``.py`` files under
   ``tests/`` (conftest, helpers) form ``tests_support``, on which every test
@@ -111,9 +114,11 @@ class _Tree:
 
   def __init__(self, root: str):
     self.root = root
-    self.library_files = [p for top in LIBRARY_ROOTS for p in _walk_py(root, top)]
-    self.binary_files = [
-      p for top in BINARY_ROOTS for p in _walk_py(root, top) if os.path.dirname(p) == top
+    scripts = [p for top in BINARY_ROOTS for p in _walk_py(root, top)]
+    self.binary_files = [p for p in scripts if os.path.dirname(p) in BINARY_ROOTS]
+    # Library files, then the packages the scripts share (launch/benchmarks/, ...).
+    self.library_files = [p for top in LIBRARY_ROOTS for p in _walk_py(root, top)] + [
+      p for p in scripts if os.path.dirname(p) not in BINARY_ROOTS
     ]
     test_files = _walk_py(root, TESTS)
     self.test_files = [p for p in test_files if os.path.basename(p).startswith("test_")]
@@ -306,7 +311,8 @@ def render(root: str = ROOT) -> str:
     raise ImportCycleError(
       "update_build: packages import each other in a circle: "
       + "; ".join(", ".join(c) for c in cycles)
-      + " (imports must point down the layers of DESIGN.md; see tests/test_layers.py)"
+      + " (imports must point down the layers of docs/architecture.md, 'The layout: packages"
+      " in layers'; see tests/test_layers.py)"
     )
 
   has_assets = os.path.isdir(os.path.join(root, ASSETS))

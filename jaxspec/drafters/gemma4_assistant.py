@@ -43,6 +43,7 @@ from jaxspec.drafters.base import check_gamma
 from jaxspec.errors import ConfigError
 from jaxspec.io import drafter_ckpt
 from jaxspec.io import hf as hf_io
+from jaxspec.io import tensor_map
 from jaxspec.io.architectures import config_from_hf as text_config_from_hf
 from jaxspec.io.architectures.reader import HFConfigReader
 from jaxspec.models import attention as attention_lib
@@ -401,7 +402,8 @@ def _entries(config: AssistantConfig) -> list[drafter_ckpt.Entry]:
   if config.ordered_head:
     e.append(("masked_embedding.centroids.weight", ("centroids",), "linear"))
   for i in range(c.num_layers):
-    for name, path, kind in hf_io.layer_entries(c, False, sliding=c.is_sliding(i), kv_shared=True):
+    layer = tensor_map.layer_entries(c, False, sliding=c.is_sliding(i), kv_shared=True)
+    for name, path, kind in layer:
       e.append((f"model.layers.{i}.{name}", (f"layers_{i}", *path), kind))
   return e
 

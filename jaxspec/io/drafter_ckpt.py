@@ -16,9 +16,10 @@ EAGLE-3 (`LlamaForCausalLMEagle3`): a Llama config with `draft_vocab_size`, opti
 optionally `embed_tokens.weight` and SpecForge's `fc_norm.{0,1,2}.weight`.
 
 Loading checks every field of config.json for its type (`io.architectures.HFConfigReader`) and
-every tensor's presence, shape and finiteness, and rejects unknown tensors (`jaxspec.io.hf.
-check_unexpected`; a sharded index is confined to the checkpoint directory as for targets); export
-writes the same layout back, in the dtype the weights were loaded in, so import → export is exact.
+every tensor's presence, shape and finiteness, and rejects unknown tensors
+(`io.safetensors_files.check_unexpected`; a sharded index is confined to the checkpoint directory
+as for targets); export writes the same layout back, in the dtype the weights were loaded in, so
+import → export is exact.
 
 This module reads and writes the checkpoints whole (`load_dflash` / `save_dflash`, `load_eagle3` /
 `save_eagle3`: config.json ↔ drafter config, safetensors ↔ parameter trees, EAGLE-3's vocabulary
@@ -39,18 +40,17 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxspec.errors import ConfigError
+from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.io.architectures.reader import HFConfigReader
 from jaxspec.io import layouts
-from jaxspec.io.hf import (
+from jaxspec.io.hf import read_config
+from jaxspec.io.safetensors_files import (
   INDEX_FILE,
   SINGLE_FILE,
-  CheckpointError,
-  _save_file,
-  _TensorSource,
+  TensorSource,
   check_finite,
   check_unexpected,
-  read_config,
+  write_file,
 )
 
 DFLASH_ARCH = "DFlashDraftModel"
@@ -60,7 +60,7 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 # level (vLLM); see _eagle3_layer_ids.
 EAGLE3_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 
-# (hf suffix, param path, kind); kinds as in jaxspec.io.hf:
+# (hf suffix, param path, kind); kinds as in jaxspec.io.layouts:
 #   same: identical; linear: HF [out, in] ↔ [in, out]; in_heads: HF [heads·D, in] ↔ [in, heads, D];
 #   out_heads: HF [H, heads·D] ↔ [heads, D, H]; bias_heads: HF [heads·D] ↔ [heads, D].
 Entry = tuple[str, tuple[str, ...], str]
@@ -138,7 +138,7 @@ def _dtype_name(dt: np.dtype) -> str:
 
 def tensor_names(model_dir: str) -> set[str]:
   """Names of the tensors stored in a checkpoint directory, any leading 'model.' removed."""
-  src = _TensorSource(model_dir)
+  src = TensorSource(model_dir)
   try:
     return {n[len("model.") :] if n.startswith("model.") else n for n in src.keys()}
   finally:
@@ -153,7 +153,7 @@ def read_checkpoint(
   Accepts names with or without a leading 'model.'; returns (params, extra tensors, dtype).
   Tensors that neither `entries` nor `extra` name raise (`check_unexpected`); so do NaN/Inf.
   """
-  src = _TensorSource(model_dir)
+  src = TensorSource(model_dir)
   try:
     present = src.keys()
     wanted = [hf for hf, _, _ in entries] + list(extra)
@@ -207,7 +207,7 @@ def write_checkpoint(out_dir: str, hf_config: dict, tensors: dict[str, np.ndarra
       os.remove(os.path.join(out_dir, stale))
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
-  _save_file(tensors, os.path.join(out_dir, SINGLE_FILE))
+  write_file(tensors, os.path.join(out_dir, SINGLE_FILE))
 
 
 def detect_kind(hf: dict) -> str:

@@ -54,7 +54,7 @@ def expert_base(hf_name: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Layouts: jaxspec's stored arrays ↔ HF's, per tensor kind (see io/hf.py)
+# Layouts: jaxspec's stored arrays ↔ HF's, per tensor kind (see io/layouts.py)
 # ------------------------------------------------------------------------------------------------
 
 

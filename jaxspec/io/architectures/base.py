@@ -17,6 +17,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.config_checks import ROPE_TYPES
 from jaxspec.family import Family
 from jaxspec.io.architectures.reader import REQUIRED, HFConfigReader
+from jaxspec.io.architectures.tensors import TensorLayout
 
 # Family fields read from config.json: (reader, the shared fields read so far) -> fields to add.
 Reader = Callable[[HFConfigReader, dict[str, Any]], dict[str, Any]]
@@ -46,6 +47,7 @@ class Architecture:
     head_dim: `head_dim` when absent (None: hidden_size // num_attention_heads).
     attention_bias: `attention_bias` when absent.
     mtp_key: the config.json key that states the number of MTP layers, when there are any.
+    tensors: the family's checkpoint tensor names where they differ from Llama / Qwen's.
     attention_layer_types: the `layer_types` entries that mean (non-sliding) attention layers
       of this family (DSA targets write "indexed_attention").
     prepare: config.json → the dict the shared and family readers read, for families whose
@@ -66,6 +68,7 @@ class Architecture:
   head_dim: int | None = None
   attention_bias: bool = False
   mtp_key: str = "num_nextn_predict_layers"
+  tensors: TensorLayout = TensorLayout()
   attention_layer_types: tuple[str, ...] = ("full_attention",)
   prepare: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 

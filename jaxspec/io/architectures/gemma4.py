@@ -26,6 +26,7 @@ from jaxspec.errors import show
 from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.reader import HFConfigReader
+from jaxspec.io.architectures.tensors import TensorLayout, norm_entries
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' defaults (Gemma4TextConfig).
@@ -265,4 +266,24 @@ GEMMA4 = Architecture(
   rotary_fraction=None,
   head_dim=256,
   prepare=_prepare,
+  tensors=TensorLayout(
+    # sandwich norms around the MLP and the layer's output scalar
+    layer_extras=(
+      *norm_entries("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+      ("layer_scalar", ("layer_scalar",), "same"),
+    ),
+    # the MoE block beside the dense MLP: router, stacked experts and their norms
+    moe_beside_mlp=(
+      ("router.proj.weight", ("moe", "router"), "linear"),
+      ("router.scale", ("moe", "router_scale"), "same"),
+      ("router.per_expert_scale", ("moe", "per_expert_scale"), "same"),
+      ("experts.gate_up_proj", ("moe", "gate_up_proj"), "experts_linear"),
+      ("experts.down_proj", ("moe", "down_proj"), "experts_linear"),
+      *norm_entries(
+        "pre_feedforward_layernorm_2",
+        "post_feedforward_layernorm_1",
+        "post_feedforward_layernorm_2",
+      ),
+    ),
+  ),
 )

@@ -29,6 +29,7 @@ from jaxspec.errors import ConfigError, show
 from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.reader import HFConfigReader
+from jaxspec.io.architectures.tensors import TensorLayout
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' defaults (MiMoV2FlashConfig.__post_init__).
@@ -226,4 +227,12 @@ MIMO_V2_FLASH = Architecture(
   rope_theta=DEFAULT_THETA[FULL],
   rotary_fraction=DEFAULT_PARTIAL,
   prepare=_prepare,
+  tensors=TensorLayout(
+    sink="attention_sink_bias",
+    mtp_prefix="model.mtp.layers.{k}.",
+    mtp_names=("enorm", "hnorm", "eh_proj", "final_layernorm"),
+    # the MTP block names the MLP's norm for what it precedes
+    mtp_renames=(("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),),
+    unbuilt_mtp="model.mtp.",
+  ),
 )

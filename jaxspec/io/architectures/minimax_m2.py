@@ -21,6 +21,7 @@ from jaxspec.errors import ConfigError, show
 from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.reader import HFConfigReader
+from jaxspec.io.architectures.tensors import TensorLayout
 
 # MiniMaxM2Config's defaults that differ from the shared ones (read_shared).
 DEFAULT_KV_HEADS = 8
@@ -147,4 +148,8 @@ MINIMAX_M2 = Architecture(
   rope_theta=5000000.0,
   rotary_fraction=1.0,
   head_dim=128,
+  # Mixtral-style expert names (w1 gate, w3 up, w2 down), as published and as transformers saves
+  tensors=TensorLayout(
+    moe_block="block_sparse_moe", router_bias="e_score_correction_bias", experts=("w1", "w3", "w2")
+  ),
 )

@@ -17,6 +17,7 @@ from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.qwen3 import mlp_only_layers
 from jaxspec.io.architectures.reader import HFConfigReader
+from jaxspec.io.architectures.tensors import TensorLayout
 
 # A multimodal checkpoint's architecture -> its text model's.
 MULTIMODAL_TEXT = {
@@ -125,6 +126,14 @@ def _write_moe(c: ModelConfig, every_layer: bool) -> dict[str, Any]:
   return hf
 
 
+# Checkpoint names: one `mtp.` module, {pre_fc_norm_*, fc, norm, layers.0.*}, that transformers
+# builds only when asked (Qwen3-Next fuses the Gated DeltaNet input projections).
+_MTP_MODULE = dict(
+  mtp_prefix="mtp.",
+  mtp_names=("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"),
+  mtp_block="layers.0.",
+  unbuilt_mtp="mtp.",
+)
 # Transformers' defaults: a quarter of each head rotated, only the default RoPE, 256-wide heads.
 _HYBRID = dict(
   sliding=True,
@@ -140,6 +149,7 @@ QWEN3_NEXT = Architecture(
   write=lambda c: _write_moe(c, every_layer=False),
   family=Family(hybrid=True, linear_projections="fused", moe_rule="sparse_step"),
   **_HYBRID,
+  tensors=TensorLayout(**_MTP_MODULE, linear_attention=("in_proj_qkvz", "in_proj_ba")),
 )
 QWEN3_5 = Architecture(
   name="Qwen3_5ForCausalLM",
@@ -148,6 +158,7 @@ QWEN3_5 = Architecture(
   write=_write_dense,
   family=Family(hybrid=True, linear_projections="split"),
   **_HYBRID,
+  tensors=TensorLayout(**_MTP_MODULE),
 )
 QWEN3_5_MOE = Architecture(
   name="Qwen3_5MoeForCausalLM",
@@ -157,4 +168,5 @@ QWEN3_5_MOE = Architecture(
   family=Family(hybrid=True, linear_projections="split"),
   dense_width=False,  # every layer is MoE: no dense width
   **_HYBRID,
+  tensors=TensorLayout(**_MTP_MODULE),
 )

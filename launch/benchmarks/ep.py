@@ -23,7 +23,7 @@ import os
 
 from absl import flags
 
-from jaxspec.cli import common_flags
+from launch.cli import common_flags
 
 DEFAULT_MESH = "data=1,expert=8,tensor=1"
 

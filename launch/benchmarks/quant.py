@@ -1,5 +1,5 @@
 """`bench.py quant`: bytes read and time per decode step of random models of realistic
-shape, per weight format (formerly `launch/bench.py --mode=quant_cost`)."""
+shape, per weight format."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from absl import flags
 import jax
 
 import jaxspec
-from jaxspec.cli import common_flags
-from jaxspec.cli.bench import cost_curve
-from jaxspec.cli.bench import runners
+from launch.cli import common_flags
+from launch.benchmarks import cost_curve
+from launch.benchmarks import runners
 
 FLAGS = flags.FLAGS
 

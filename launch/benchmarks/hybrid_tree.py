@@ -18,12 +18,12 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxspec.cli.bench import gdn as gdn_bench
 from jaxspec.io.architectures import config_from_hf
 from jaxspec.models import gated_deltanet as gdn
 from jaxspec.models import target as target_lib
 from jaxspec.profiling import roofline
 from jaxspec.state import DecodingState
+from launch.benchmarks import gdn as gdn_bench
 
 # tests/test_hybrid_tree.py's small hybrid: 3 Gated DeltaNet layers + 1 full-attention layer.
 HYBRID = dict(

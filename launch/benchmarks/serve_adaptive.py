@@ -29,12 +29,12 @@ from typing import Any, Sequence
 from absl import flags
 
 import jaxspec
-from jaxspec.cli import common_flags
-from jaxspec.cli.bench.serve import build_engine, run_load
 from jaxspec.drafters import registry
 from jaxspec.serve import Scheduler
 from jaxspec.serve.speculation import default_row_buckets
 from jaxspec.train import data as data_lib
+from launch.cli import common_flags
+from launch.benchmarks.serve import build_engine, run_load
 
 FLAGS = flags.FLAGS
 CONFIGS = ("fixed", "fixed+buckets", "auto")

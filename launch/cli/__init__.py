@@ -10,11 +10,12 @@
 * `--help`, `--helpshort`, `--helpfull` print the usage text and exit with status 0 (absl: 1);
 * any other exception is a bug in jaxspec and keeps its traceback.
 
-It lives in the package, not in launch/, because the BUILD manifest (tools/update_build.py)
-makes every launch/*.py a standalone `py_binary`: a helper there would become a binary of its
-own that the scripts cannot depend on, while a jaxspec/ module is a library every binary (and a
-user's own script) can use. For the same reason the benchmarks behind `launch/bench.py` live in
-jaxspec/cli/bench/ and the flags several scripts share in jaxspec/cli/common_flags.py.
+It is a package under launch/, not a launch/*.py module, because the BUILD manifest
+(tools/update_build.py) makes every launch/*.py a standalone `py_binary` that other scripts
+cannot depend on, and every package under launch/ a `py_library` they can. For the same reason
+the benchmarks behind `launch/bench.py` live in launch/benchmarks/, and the flags and defaults
+several scripts share in launch/cli/common_flags.py and launch/cli/defaults.py. None of it is
+part of the pip package: the scripts put the repository root on `sys.path` to import it.
 """
 
 from __future__ import annotations

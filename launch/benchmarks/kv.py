@@ -28,9 +28,9 @@ import numpy as np
 import jaxspec
 from jaxspec import plan
 from jaxspec.profiling import roofline
-from jaxspec.cli import common_flags
 from jaxspec.models import target as target_lib
 from jaxspec.train import data as data_lib
+from launch.cli import common_flags
 
 FLAGS = flags.FLAGS
 

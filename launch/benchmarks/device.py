@@ -46,10 +46,10 @@ from typing import Any, Optional, Sequence
 from absl import flags
 
 import jaxspec
-from jaxspec.cli import bench
-from jaxspec.cli import common_flags
-from jaxspec.cli.bench import device_checks as checks
-from jaxspec.cli.bench import device_decoding
+from launch import benchmarks
+from launch.cli import common_flags
+from launch.benchmarks import device_checks as checks
+from launch.benchmarks import device_decoding
 
 
 SECTIONS = checks.SECTIONS
@@ -135,7 +135,7 @@ def _read_rows(path: str) -> tuple[list[dict], Optional[tuple[str, float]]]:
 def _run_child(name: str, limit: float, work: str, log: Any, cpu: bool) -> tuple[list[dict], dict]:
   """Runs one section in a subprocess; a timeout or a crash becomes a row."""
   rows_file = os.path.join(work, f"rows_{name}.jsonl")
-  cmd = bench.command(
+  cmd = benchmarks.command(
     "device",
     f"--section={name}",
     f"--rows_file={rows_file}",

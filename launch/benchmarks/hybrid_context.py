@@ -34,9 +34,9 @@ import numpy as np
 
 import jaxspec
 from jaxspec import plan
-from jaxspec.cli import common_flags
 from jaxspec.drafters import registry
 from jaxspec.io.architectures import config_from_hf
+from launch.cli import common_flags
 
 
 def define_flags() -> None:

@@ -42,12 +42,12 @@ from absl import flags
 import numpy as np
 
 import jaxspec
-from jaxspec.cli import common_flags
-from jaxspec.cli.bench.serve import build_engine
 from jaxspec.drafters import registry
 from jaxspec.serve import SamplingOptions, Scheduler
 from jaxspec.serve.scheduler import parse_admission_reserve
 from jaxspec.train import data as data_lib
+from launch.cli import common_flags
+from launch.benchmarks.serve import build_engine
 
 FLAGS = flags.FLAGS
 

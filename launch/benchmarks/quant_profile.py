@@ -23,10 +23,10 @@ from absl import flags
 import numpy as np
 
 import jaxspec
-from jaxspec.cli import common_flags
 from jaxspec.drafters import registry
 from jaxspec.profiling import sensitivity as profile_lib
 from jaxspec.quant import policy as policy_lib
+from launch.cli import common_flags
 
 FLAGS = flags.FLAGS
 

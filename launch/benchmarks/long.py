@@ -38,8 +38,8 @@ from typing import Any, Sequence
 from absl import flags
 import numpy as np
 
-from jaxspec.cli import bench
-from jaxspec.cli import common_flags
+from launch import benchmarks
+from launch.cli import common_flags
 
 FLAGS = flags.FLAGS
 
@@ -250,7 +250,7 @@ def _run_job(kind: str, **args: Any) -> dict[str, Any]:
       "fidelity_tokens",
     )
   ]
-  cmd = bench.command("long", f"--job={spec}", *passthrough)
+  cmd = benchmarks.command("long", f"--job={spec}", *passthrough)
   t0 = time.perf_counter()
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_TAG)]

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cli.bench import device_checks as checks
 from jaxspec.profiling import roofline
+from launch.benchmarks import device_checks as checks
 
 FORMATS = ("float", "fp8", "fp8_block", "mxfp4")
 

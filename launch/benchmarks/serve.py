@@ -32,10 +32,10 @@ from absl import flags
 import numpy as np
 
 import jaxspec
-from jaxspec.cli import common_flags
 from jaxspec.drafters import registry
 from jaxspec.serve import SamplingOptions, Scheduler
 from jaxspec.train import data as data_lib
+from launch.cli import common_flags
 
 FLAGS = flags.FLAGS
 

@@ -1,5 +1,5 @@
 """`bench.py cost-curve`: forward cost against T on random models of realistic shape, the
-memory roofline, and projected speedups (formerly `launch/bench.py --mode=cost_curve`)."""
+memory roofline, and projected speedups."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from absl import flags
 import jax
 
 import jaxspec
-from jaxspec.cli import common_flags
-from jaxspec.cli.bench import runners
 from jaxspec.drafters import registry
+from launch.cli import common_flags
+from launch.benchmarks import runners
 
 FLAGS = flags.FLAGS
 
@@ -196,8 +196,48 @@ def run_cost_curves(
   with open(out, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1, default=float)
   png = os.path.splitext(out)[0] + ".png"
-  report["plot"] = png if roofline.plot_curves(curves, bandwidth["best"], png, peak_flops) else None
+  report["plot"] = png if plot_curves(curves, bandwidth["best"], png, peak_flops) else None
   return report
+
+
+def plot_curves(
+  curves: dict[str, Sequence[Any]], bandwidth: float, path: str, flops_per_s: float = 0.0
+) -> bool:
+  """t(T)/t(1) and roofline % against T (`roofline.CostPoint`s), one line per model, as a PNG;
+  with a compute ceiling the second panel also draws each model's attainable % (roofline time
+  over byte time, dashed). False without matplotlib."""
+  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
+
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return False
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+  for name, pts in curves.items():
+    ts = [p.tokens for p in pts]
+    ax1.plot(ts, [p.seconds / pts[0].seconds for p in pts], marker="o", label=name)
+    line = ax2.plot(
+      ts, [100 * p.weight_bytes / bandwidth / p.seconds for p in pts], marker="o", label=name
+    )[0]
+    if flops_per_s:
+      floor = [roofline.roofline_seconds(p, bandwidth, flops_per_s) for p in pts]
+      attainable = [100 * p.weight_bytes / bandwidth / f for p, f in zip(pts, floor)]
+      ax2.plot(ts, attainable, ls="--", color=line.get_color(), lw=0.8)
+  for ax, title in ((ax1, "forward time t(T) / t(1)"), (ax2, "weight-read roofline %")):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per forward (T)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+  ax1.axhline(1.5, color="gray", ls="--", lw=0.8)
+  ax2.axhline(70, color="gray", ls="--", lw=0.8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return True
 
 
 def main(argv: Sequence[str]) -> None:

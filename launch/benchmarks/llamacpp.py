@@ -34,9 +34,9 @@ from typing import Any, Callable, Optional, Sequence
 from absl import flags
 import numpy as np
 
-from jaxspec.cli import common_flags
-from jaxspec.cli.bench import runners
 from jaxspec.errors import ConfigError
+from launch.cli import common_flags
+from launch.benchmarks import runners
 
 FLAGS = flags.FLAGS
 

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
-from jaxspec.cli.bench import device_checks as checks
-from jaxspec.cli.bench import device_qmatmul
 from jaxspec.models import target as target_lib
 from jaxspec.profiling import near_ties
 from jaxspec.profiling import roofline
 from jaxspec.state import DecodingState
+from launch.benchmarks import device_checks as checks
+from launch.benchmarks import device_qmatmul
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,10 +4,6 @@ Each subcommand is a module of this package with `define_flags()` (its absl flag
 only when it runs, so that two subcommands may give a flag different defaults) and
 `main(argv)`; launch/bench.py only dispatches. `python launch/bench.py --help` lists the
 subcommands, `python launch/bench.py <subcommand> --help` the subcommand's flags.
-
-The scripts the subcommands replaced (launch/bench_kv.py, launch/device_check.py,
-tools/bench_hybrid_tree.py, `launch/bench.py --mode=cost_curve`, ...) still run: each prints a
-DeprecationWarning naming its subcommand and forwards to it (`forward`).
 """
 
 from __future__ import annotations
@@ -19,18 +15,17 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 PROG = "jaxspec"
-EXIT_ERROR = 2  # as jaxspec.cli.run reports a usage error
+EXIT_ERROR = 2  # as launch.cli.run reports a usage error
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
 @dataclasses.dataclass(frozen=True)
 class Subcommand:
-  """One benchmark: its name on the command line, its module, what it measures and replaces."""
+  """One benchmark: its name on the command line, its module and what it measures."""
 
   name: str
-  module: str  # under jaxspec.cli.bench
+  module: str  # under launch.benchmarks
   summary: str
-  replaces: str
 
 
 SUBCOMMANDS = {
@@ -40,115 +35,96 @@ SUBCOMMANDS = {
       "generate",
       "generate",
       "methods × temperatures on real prompts, against transformers (tokens/s, τ, speedups)",
-      "launch/bench.py --mode=generate, its default mode",
     ),
     Subcommand(
       "cost-curve",
       "cost_curve",
       "forward cost t(T) against tokens T, the memory roofline, projected speedups",
-      "launch/bench.py --mode=cost_curve",
     ),
     Subcommand(
       "quant",
       "quant",
       "bytes read and time per decode step per weight format (float32, bf16, policies)",
-      "launch/bench.py --mode=quant_cost",
     ),
     Subcommand(
       "quant-profile",
       "quant_profile",
       "quantization sensitivity per layer and module kind, and the policy it implies",
-      "launch/profile_quant.py",
     ),
     Subcommand(
       "kv",
       "kv",
       "plain decoding time against max_len per KV format, and FP8-KV fidelity",
-      "launch/bench_kv.py",
     ),
     Subcommand(
       "long",
       "long",
       "long context (1K-128K): speed, acceptance, fidelity and the feature ring",
-      "launch/bench_long.py",
     ),
     Subcommand(
       "serve",
       "serve",
       "continuous batching: throughput and per-request speed against concurrency",
-      "launch/bench_serve.py",
     ),
     Subcommand(
       "ep",
       "ep",
       "expert-parallel MoE backends against the GSPMD path, on one mesh",
-      "launch/bench_ep.py",
     ),
     Subcommand(
       "compile",
       "compile_time",
       "compile time and per-token decode time against depth (scanned layers)",
-      "launch/compile_bench.py",
     ),
     Subcommand(
       "device",
       "device",
       "the accelerator check: kernels, lossless decoding, cost, speedup (pass/fail table)",
-      "launch/device_check.py",
     ),
     Subcommand(
       "hybrid-context",
       "hybrid_context",
       "decode step cost against context: Gated DeltaNet hybrids against attention",
-      "tools/bench_hybrid_context.py",
     ),
     Subcommand(
       "latent",
       "latent",
       "decode-step attention over MLA's latent cache against an equivalent GQA cache",
-      "no earlier script",
     ),
     Subcommand(
       "gdn",
       "gdn",
       "the gated delta rule: recurrent against chunked form (XLA and Pallas), per call",
-      "tools/bench_gated_deltanet.py",
     ),
     Subcommand(
       "hybrid-tree",
       "hybrid_tree",
       "verify-block cost of tree against chain verification on a hybrid target",
-      "tools/bench_hybrid_tree.py",
     ),
     Subcommand(
       "ordered-head",
       "ordered_head",
       "the Gemma 4 assistant's ordered-embedding head against the full head (262K vocabulary)",
-      "no earlier script",
     ),
     Subcommand(
       "serve-pages",
       "serve_pages",
       "paged against contiguous K/V at one KV memory budget: requests running at once, tokens/s",
-      "no earlier script",
     ),
     Subcommand(
       "serve-adaptive",
       "serve_adaptive",
       "adaptive against fixed speculation on one server at concurrency 1, 4, 16, 64",
-      "no earlier script",
     ),
     Subcommand(
       "tree-calibrate",
       "tree_calibrate",
       "a drafter's sampled-tree acceptance by depth and rank; writes tree_acceptance.json",
-      "no earlier script",
     ),
     Subcommand(
       "llamacpp",
       "llamacpp",
       "jaxspec against llama.cpp on the same weights (GGUF F32/Q8_0/Q4_0), plain and n-gram",
-      "no earlier script",
     ),
   )
 }
@@ -156,8 +132,7 @@ SUBCOMMANDS = {
 
 def entry_point() -> str:
   """launch/bench.py of the tree this package was imported from (subprocesses run it)."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-  return os.path.join(root, "launch", "bench.py")
+  return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py")
 
 
 def command(name: str, *args: str) -> list[str]:
@@ -166,7 +141,7 @@ def command(name: str, *args: str) -> list[str]:
 
 
 def usage(prog: str = "launch/bench.py") -> str:
-  """The top-level help: every subcommand, what it measures and the script it replaces."""
+  """The top-level help: every subcommand and what it measures."""
   width = max(map(len, SUBCOMMANDS))
   lines = [
     f"usage: python {prog} <subcommand> [flags]",
@@ -178,7 +153,6 @@ def usage(prog: str = "launch/bench.py") -> str:
   ]
   for s in SUBCOMMANDS.values():
     lines.append(f"  {s.name:<{width}}  {s.summary}")
-    lines.append(f"  {'':<{width}}  (replaces {s.replaces})")
   return "\n".join(lines)
 
 
@@ -188,38 +162,11 @@ def _error(message: str) -> NoReturn:
   sys.exit(EXIT_ERROR)
 
 
-def _deprecated(old: str, new: str) -> None:
-  print(
-    f"{PROG}: DeprecationWarning: {old} is deprecated; use `python launch/bench.py {new}`",
-    file=sys.stderr,
-    flush=True,
-  )
-
-
-def _legacy_mode(args: list[str]) -> tuple[str, list[str]]:
-  """(subcommand, args) for the old `bench.py [--mode=...] [flags]` (no subcommand)."""
-  mode, rest, i = "generate", [], 0
-  while i < len(args):
-    a = args[i]
-    if a.startswith("--mode="):
-      mode = a.split("=", 1)[1]
-    elif a == "--mode" and i + 1 < len(args):
-      mode, i = args[i + 1], i + 1
-    else:
-      rest.append(a)
-    i += 1
-  names = {"generate": "generate", "cost_curve": "cost-curve", "quant_cost": "quant"}
-  if mode not in names:
-    _error(f"--mode={mode}: expected one of {', '.join(names)} (`bench.py --help` lists the "
-           "subcommands that replace it)")
-  return names[mode], rest
-
-
 def run_subcommand(name: str, args: Sequence[str]) -> NoReturn:
-  """Defines subcommand `name`'s flags, then runs it like `jaxspec.cli.run` on `args`."""
+  """Defines subcommand `name`'s flags, then runs it like `launch.cli.run` on `args`."""
   from absl import flags  # pylint: disable=import-outside-toplevel
 
-  from jaxspec import cli  # pylint: disable=import-outside-toplevel
+  from launch import cli  # pylint: disable=import-outside-toplevel
 
   sub = SUBCOMMANDS[name]
   module = importlib.import_module(f"{__name__}.{sub.module}")
@@ -244,17 +191,8 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
   if args and args[0] in HELP_FLAGS:
     print(usage())
     sys.exit(0)
-  if not args or args[0].startswith("-"):
-    name, rest = _legacy_mode(args)
-    _deprecated("launch/bench.py without a subcommand", name)
-    run_subcommand(name, rest)
-  name = args[0]
-  if name not in SUBCOMMANDS:
-    _error(f"unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)} (--help)")
-  run_subcommand(name, args[1:])
+  if not args or args[0] not in SUBCOMMANDS:
+    given = f"unknown subcommand {args[0]!r}" if args else "no subcommand given"
+    _error(f"{given}; choose one of {', '.join(SUBCOMMANDS)} (--help)")
+  run_subcommand(args[0], args[1:])
 
-
-def forward(old: str, name: str, argv: Optional[Sequence[str]] = None) -> NoReturn:
-  """What a replaced script runs: a DeprecationWarning naming `name`, then `name` itself."""
-  _deprecated(old, name)
-  run_subcommand(name, list(sys.argv if argv is None else argv)[1:])

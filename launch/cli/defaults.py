@@ -1,8 +1,8 @@
 """What the launch scripts run when not told: the bundled target and its best measured method.
 
-Shared by launch/generate.py, launch/serve.py and launch/load_test.py. It lives in the package,
-not in launch/, for the reason jaxspec/cli/__init__.py gives: every launch/*.py is a standalone
-binary that others cannot depend on.
+Shared by launch/generate.py, launch/serve.py and launch/load_test.py. It lives in launch/cli/,
+not in a launch/*.py script, for the reason launch/cli/__init__.py gives: every launch/*.py is a
+standalone binary that others cannot depend on.
 """
 
 from __future__ import annotations

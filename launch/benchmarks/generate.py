@@ -29,11 +29,11 @@ from absl import app, flags
 import numpy as np
 
 import jaxspec
-from jaxspec.cli import common_flags
-from jaxspec.cli.bench import cost_curve
-from jaxspec.cli.bench import runners as runners_lib
 from jaxspec.drafters import registry
 from jaxspec.errors import ConfigError
+from launch.cli import common_flags
+from launch.benchmarks import cost_curve
+from launch.benchmarks import runners as runners_lib
 
 ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 

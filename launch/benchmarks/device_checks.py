@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
-from jaxspec import cli
 from jaxspec.drafters import registry
 from jaxspec.models import target as target_lib
 from jaxspec.profiling import near_ties
 from jaxspec.profiling import roofline
+from launch import cli
 
 
 SECTIONS = ("environment", "pallas", "qmatmul", "lossless", "cost", "speedup")
