@@ -12,7 +12,8 @@ from jaxspec.drafters.dflash import DFlashConfig, DFlashDrafter
 from jaxspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.drafters.registry import load_drafter, make_drafter, save_drafter
-from jaxspec.config import MeshConfig, ModelConfig
+from jaxspec.config import ModelConfig
+from jaxspec.sharding import MeshConfig
 from jaxspec.options import RunOptions
 from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecError
 from jaxspec.io.hf import load_model, save_hf

@@ -32,6 +32,7 @@ replicated instead of raising, so the same rules serve every model size
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -116,6 +117,20 @@ def _as_mesh_axes(value: Any) -> MeshAxes:
   if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
     return tuple(value)
   raise ConfigError(f"a rule's mesh axes must be None, a name or a tuple of names; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh shape and the logical-axis → mesh-axis rules (empty rules = the defaults)."""
+
+  data: int = 1
+  expert: int = 1
+  tensor: int = 1
+  rules: tuple[tuple[str, Any], ...] = ()
+
+  @property
+  def shape(self) -> dict[str, int]:
+    return {"data": self.data, "expert": self.expert, "tensor": self.tensor}
 
 
 def rules_from(config: Any = None) -> Rules:

@@ -275,26 +275,19 @@ def test_run_options_check_every_field(field, value, fragment):
   _raises(jaxspec.ConfigError, fragment, jaxspec.RunOptions().replace, **{field: value})
 
 
-def test_run_options_given_as_config_fields_are_deprecated_but_work():
-  with pytest.warns(DeprecationWarning, match=r"ModelConfig\(attention_impl=..., scan_layers"):
-    config = jaxspec.ModelConfig(**BASE, attention_impl="xla", scan_layers=False)
-  assert config.options == jaxspec.RunOptions(attention_impl="xla", scan_layers=False)
-  assert config == jaxspec.ModelConfig(**BASE, options=config.options)
-  with pytest.warns(DeprecationWarning, match=r"ModelConfig.replace\(moe_backend=...\)"):
-    replaced = config.replace(moe_backend="dense", num_layers=2)
-  assert replaced.options.moe_backend == "dense" and replaced.num_layers == 2
-  assert replaced.options.attention_impl == "xla"  # the other options kept
-  with pytest.warns(DeprecationWarning, match=r"read config.options.linear_chunk"):
-    assert config.linear_chunk == 64
-  with pytest.warns(DeprecationWarning):  # still checked, and named after the architecture
-    _raises(
-      jaxspec.ConfigError,
-      "Qwen3ForCausalLM: unknown attention_impl 'cuda'",
-      jaxspec.ModelConfig,
-      **BASE,
-      attention_impl="cuda",
-    )
-  # The new way: no warning; dtypes stay readable on the config, as drafter configs have them.
+def test_run_options_are_not_config_fields():
+  with pytest.raises(TypeError, match="attention_impl"):
+    jaxspec.ModelConfig(**BASE, attention_impl="xla")
+  config = jaxspec.ModelConfig(**BASE)
+  _raises(
+    jaxspec.ConfigError,
+    "unknown ModelConfig field(s) moe_backend (run options: with_options)",
+    config.replace,
+    moe_backend="dense",
+  )
+  with pytest.raises(AttributeError):
+    config.linear_chunk  # pylint: disable=pointless-statement
+  # Run options: dtypes stay readable on the config, as drafter configs have them.
   config = jaxspec.ModelConfig(**BASE).with_options(attention_impl="xla", dtype="bfloat16")
   assert config.options.attention_impl == "xla" and config.dtype == "bfloat16"
   assert hash(config) != hash(config.with_options(attention_chunk=8))  # a different program
@@ -354,24 +347,15 @@ def test_from_hf_accepts_transformers_dicts_and_refuses_hidden_rope_settings():
 
 
 def test_every_built_architecture_has_one_mapping_module():
-  from jaxspec.config import SUPPORTED_ARCHITECTURES  # pylint: disable=import-outside-toplevel
+  from jaxspec.family import supported_architectures  # pylint: disable=import-outside-toplevel
   from jaxspec.io import architectures  # pylint: disable=import-outside-toplevel
 
-  assert set(architectures.ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
+  assert tuple(architectures.ARCHITECTURES) == supported_architectures()
   for name in hf_models.CONFIGS:
     hf = _hf_dict(name)
     config = config_from_hf(hf)
     assert architectures.ARCHITECTURES[config.architecture].name == hf["architectures"][0]
     assert config_from_hf(config_to_hf(config)) == config
-
-
-def test_model_config_from_hf_and_to_hf_are_deprecated_but_work():
-  hf = _hf_dict("glm4moe_grouped_shared_partial")
-  with pytest.warns(DeprecationWarning, match="use jaxspec.io.architectures.config_from_hf"):
-    config = jaxspec.ModelConfig.from_hf(hf, num_layers=3)
-  assert config == config_from_hf(hf, num_layers=3)
-  with pytest.warns(DeprecationWarning, match="use jaxspec.io.architectures.config_to_hf"):
-    assert config.to_hf() == config_to_hf(config)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ policy and the decoding state in every KV format, within 5% (they agree exactly 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -209,6 +210,42 @@ def test_mla_and_hybrid_state_is_counted_analytically():
     recurrent = (".conv", ".delta", ".ssm")
     fixed = sum(t.nbytes for t in qwen.state(1, 1) if t.path.endswith(recurrent))
     assert fixed == 45 * (3 * (2 * 16 * 128 + 64 * 128) * 2 + 64 * 128 * 128 * 4), source
+
+
+def test_every_hybrid_family_counts_its_tree_snapshots():
+  # Qwen3.5 dense is a hybrid like Qwen3.5-MoE: a verify block keeps a recurrent-state snapshot
+  # per token and linear layer. The planner once kept its own hybrid list without it and
+  # counted none (46 MiB where the engine allocates 3.4 GiB on Qwen3.5-27B).
+  shapes = dict(
+    _BASE,
+    num_hidden_layers=4,
+    full_attention_interval=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+  )
+  dense = arch.model_spec(dict(shapes, architectures=["Qwen3_5ForCausalLM"]))
+  moe = arch.model_spec(
+    dict(
+      shapes,
+      architectures=["Qwen3_5MoeForCausalLM"],
+      num_experts=4,
+      num_experts_per_tok=2,
+      moe_intermediate_size=32,
+      shared_expert_intermediate_size=32,
+    )
+  )
+  sizes = {"data": 1, "expert": 1, "tensor": 1}
+
+  def snapshot_bytes(spec):
+    without = dataclasses.replace(spec, dims={**spec.dims, "linear_layers": 0})
+    return scale.activation_bytes(spec, 2, 8, sizes) - scale.activation_bytes(without, 2, 8, sizes)
+
+  per_layer = (2 * 2 * 8 + 4 * 8) * 3 * 2 + 4 * 8 * 8 * 4  # conv window (bf16) + delta (f32)
+  assert dense.dims["linear_layers"] == moe.dims["linear_layers"] == 2
+  assert snapshot_bytes(dense) == snapshot_bytes(moe) == 8 * 2 * 2 * per_layer > 0
 
 
 # -- the planner against live arrays on one device (`target`: the bundled one, conftest.py) -----

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import configs
 from jaxspec import sharding as sh
-from jaxspec.config import MeshConfig
+from jaxspec.sharding import MeshConfig
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SIZES = {"data": 2, "expert": 2, "tensor": 2}

@@ -330,8 +330,10 @@ def check_pair(config: AssistantConfig, target: ModelConfig) -> None:
   and width whose K/V-computing layers of each of the assistant's layer types have the
   assistant's head widths and KV heads."""
   a = config.text
-  if not target.is_gemma4:
-    raise ConfigError(f"{ARCHITECTURE} drafts for Gemma 4 targets, not {target.architecture}")
+  if target.architecture != a.architecture:
+    raise ConfigError(
+      f"{ARCHITECTURE} drafts for {a.architecture} targets, not {target.architecture}"
+    )
   if a.vocab_size != target.vocab_size:
     raise InputError(
       f"assistant vocabulary ({a.vocab_size}) differs from the target's ({target.vocab_size})"

@@ -65,8 +65,8 @@ def gguf_name(hf_name: str) -> str:
 def check_exportable(config: ModelConfig) -> None:
   """Raises ConfigError unless llama.cpp's qwen3 graph computes what `config` describes."""
   problems = []
-  if config.architecture != "Qwen3ForCausalLM":
-    problems.append(f"architecture {config.architecture} (expected Qwen3ForCausalLM)")
+  if not config.family.gguf_exportable:
+    problems.append(f"architecture {config.architecture} (not of the qwen3 graph's family)")
   if config.is_moe or config.is_hybrid or config.is_mla:
     problems.append("MoE, hybrid or MLA layers")
   if not config.qk_norm:

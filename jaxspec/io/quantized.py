@@ -147,7 +147,7 @@ def is_hf_mxfp4(config: Any, params: Any) -> bool:
   """Whether a gpt-oss model holds exactly gpt-oss's published format: its routed experts
   (and nothing else) MXFP4, so that transformers loads the checkpoint as `quant_method:
   "mxfp4"`."""
-  if config.architecture != "GptOssForCausalLM":
+  if not config.family.hf_mxfp4:
     return False
   leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))
   quantized = [(path_str(p), x) for p, x in leaves if isinstance(x, QTensor)]

@@ -4,7 +4,7 @@ A block of T tokens per sequence sits at slots start[b]..start[b]+T-1 of a layer
 (jaxspec/state/). Query t sees every committed slot before start[b] and, inside the block,
 slot start[b]+u iff block_mask[t, u] (causal when None; an ancestor mask for trees).
 
-Two implementations, chosen by `ModelConfig.attention_impl`:
+Two implementations, chosen by `RunOptions.attention_impl`:
 
 * "xla": the block attends to itself (the [T, T] part, with the block's K/V rounded exactly as
   the cache stores them), then reads the committed prefix in chunks of `attention_chunk` slots

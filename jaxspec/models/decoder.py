@@ -9,9 +9,9 @@ start + t but can be given explicitly (tree nodes sit at start + depth). Without
 
 Layers are stacked with `nn.scan`, one scan per maximal run of same-kind layers (a dense first
 layer and MoE layers after it make two runs), so compile time does not grow with depth; with
-`config.scan_layers=False` each run is unrolled over per-layer parameters instead (`LayerRun`,
-decoding's layout). Each run carries its own state entry whole and updates it in place at the
-block's slots.
+`config.options.scan_layers=False` each run is unrolled over per-layer parameters instead
+(`LayerRun`, decoding's layout). Each run carries its own state entry whole and updates it in
+place at the block's slots.
 
 Hidden states (batch, length, embed) and logits (batch, length, vocab) carry logical constraints
 (`sharding.constrain_activation`), no-ops unless a mesh is active (`sharding.use_mesh`).
@@ -69,9 +69,9 @@ class DecoderLayer(nn.Module):
   MLA targets, models/mla.py) or, with `linear`, a Gated DeltaNet (models/gated_deltanet.py);
   the FFN is dense or MoE.
 
-  Gemma 4 (`config.is_gemma4`) norms each sublayer's output too (sandwich norms), runs its MoE
-  block beside the MLP where `moe`, adds its per-layer input (`per_layer` [B, T, P]) through a
-  gated projection, and scales the layer's output by a learned `layer_scalar`. In targets with
+  Gemma 4's features (`config.family`): sandwich norms (each sublayer's output normed too, the
+  layer's output scaled by a learned `layer_scalar`), the MoE block beside the MLP where `moe`,
+  and its per-layer input (`per_layer` [B, T, P]) added through a gated projection. In targets with
   KV-shared layers the carry holds the block K/V of the run's last layer (`extra`), which the
   shared layers of its type read (`shared`), and `kv_shared` layers compute no K/V."""
 
@@ -121,29 +121,32 @@ class DecoderLayer(nn.Module):
       )
       if extra and source is not None:  # the block K/V this run's last layer leaves
         extra = [source.k.astype(extra[0].dtype), source.v.astype(extra[1].dtype)]
-    if c.is_gemma4:
+    sandwich = c.family.sandwich_norms
+    if sandwich:
       h = h + norm("post_attention_layernorm")(attn_out)
       x = norm("pre_feedforward_layernorm")(h)
-      width = c.intermediate_size * (2 if c.use_double_wide_mlp and self.kv_shared else 1)
+    else:
+      h = h + attn_out
+      x = norm("post_attention_layernorm")(h)
+    width = c.intermediate_size * (2 if c.use_double_wide_mlp and self.kv_shared else 1)
+    if c.family.moe_beside_mlp:
       ffn = MLP(c, width, name="mlp")(x)
       if self.moe:  # the MoE block beside the MLP: routed on the residual, its own norms
         experts = MoE(c, name="moe")(norm("pre_feedforward_layernorm_2")(h), router_input=h)
         ffn = norm("post_feedforward_layernorm_1")(ffn) + norm("post_feedforward_layernorm_2")(
           experts
         )
-      h = h + norm("post_feedforward_layernorm")(ffn)
-      if c.hidden_size_per_layer_input:
-        h = h + self._per_layer_input(h, per_layer, norm)
+    else:
+      ffn = (MoE(c, name="mlp") if self.moe else MLP(c, width, name="mlp"))(x)
+    h = h + (norm("post_feedforward_layernorm")(ffn) if sandwich else ffn)
+    if c.hidden_size_per_layer_input:
+      h = h + self._per_layer_input(h, per_layer, norm)
+    if sandwich:
       scalar = self.param(
         "layer_scalar", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (1,),
         dtype_of(c.param_dtype),
       )
       h = (h * scalar.astype(h.dtype)).astype(h.dtype)
-    else:
-      h = h + attn_out
-      x = norm("post_attention_layernorm")(h)
-      ffn = MoE(c, name="mlp") if self.moe else MLP(c, c.intermediate_size, name="mlp")
-      h = h + ffn(x)
     h = sharding.constrain_activation(h, "embed")
     return (h, kv, layer + 1, *extra), h
 

@@ -22,7 +22,7 @@ pallas_kernels/gated_delta/reference.py (which imports nothing from jaxspec); th
   condensed into one unit-lower-triangular inverse (`unit_lower_inverse`, all matmuls) and a
   few more matmuls; a `lax.scan` over chunks carries S. The form for prefill and long blocks
   (cost O(T·C·D + T·D²) instead of T sequential rank-1 updates). `chunked_impl` picks it or
-  its Pallas kernel (pallas_kernels/gated_delta) by `ModelConfig.linear_attention_impl`.
+  its Pallas kernel (pallas_kernels/gated_delta) by `RunOptions.linear_attention_impl`.
 
 * `tree_recurrent`: the recurrent form over a verify block whose tokens form a tree (each node
   resumes from its parent's state, the root from the committed one); per-node outputs and states.
@@ -95,7 +95,7 @@ def chunked_impl(
   chunk_size: int,
   impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
-  """`chunked` by `ModelConfig.linear_attention_impl`: "pallas" runs the Pallas kernel
+  """`chunked` by `RunOptions.linear_attention_impl`: "pallas" runs the Pallas kernel
   (pallas_kernels/gated_delta, Triton) on CUDA/ROCm, in interpret mode on CPU, and `chunked` on
   TPU and other platforms, chosen when the program is lowered (jaxspec/models/platform.py);
   "auto" and "xla" run `chunked`."""
@@ -308,7 +308,7 @@ class GatedDeltaNet(nn.Module):
     )
     pdt = dtype_of(c.param_dtype)
     bsz, t = x.shape[:2]
-    if c.architecture == "Qwen3NextForCausalLM":
+    if c.family.linear_projections == "fused":
       qkv, z, b, a = self._split_fused(x)
     else:
       qkv, z, b, a = self._split_plain(x)
@@ -344,7 +344,7 @@ class GatedDeltaNet(nn.Module):
       if entry is None or not entry.has_pending:
         raise ConfigError(
           f"a tree block of {t} tokens needs per-node states: at most "
-          f"ModelConfig.linear_snapshots = {c.options.linear_snapshots} tokens"
+          f"RunOptions.linear_snapshots = {c.options.linear_snapshots} tokens"
         )
       tree = tree_structure(block_visibility(block_mask, bsz, t))
       mixed, conv_inputs = tree_causal_conv(qkv, window, conv_w, *tree)

@@ -384,7 +384,7 @@ class Attention(nn.Module):
         k = HeadsRMSNorm((kv_heads, head_dim), k_axes, name="k_norm", **norm)(k)
       elif c.qk_norm:
         k = RMSNorm(head_dim, axis_name="head_dim", name="k_norm", **norm)(k)
-      if c.is_gemma4:  # values RMS-normed, without a scale
+      if c.family.value_norm:  # values RMS-normed, without a scale
         v = rms_normalize(v, c.rms_norm_eps)
       k = sharding.constrain_activation(apply_rope(k, cos, sin), "kv_heads", "head_dim")
       v = sharding.constrain_activation(v, "kv_heads", "head_dim")

@@ -326,7 +326,7 @@ class MoE(nn.Module):
     if c.fused_gate_up:
       ins = (self._expert_param("gate_up_proj", ep.INS_AXES, (e, h, 2 * i), pdt),)
       act = functools.partial(clamped_swiglu, limit=c.swiglu_limit, alpha=c.swiglu_alpha)
-      if c.is_gemma4:
+      if c.family.fused_gate_up == "gate_then_up":
         act = split_geglu
     else:
       ins = tuple(

@@ -138,22 +138,9 @@ class TargetModel:
     return logical_axes(self.config)
 
   def with_config(self, **changes: Any) -> "TargetModel":
-    """Same weights under a changed architecture config (e.g. layer_windows=...).
-
-    Run options given here (deprecated: use `with_options`) are applied as `with_options`
-    would, after ModelConfig.replace's DeprecationWarning.
-    """
-    scan = changes.pop("scan_layers", None)
-    model = dataclasses.replace(self, config=self.config.replace(**changes))
-    if scan is None:
-      return model
-    warnings.warn(
-      "TargetModel.with_config(scan_layers=...) is deprecated; use with_scan_layers or "
-      "with_options(scan_layers=...)",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return model.with_scan_layers(scan)
+    """Same weights under a changed architecture config (e.g. layer_windows=...); run options
+    change through `with_options`."""
+    return dataclasses.replace(self, config=self.config.replace(**changes))
 
   def with_options(self, options: RunOptions | None = None, **changes: Any) -> "TargetModel":
     """Same weights, run differently: `options` (whole) and/or `changes` (RunOptions fields,

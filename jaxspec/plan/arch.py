@@ -37,7 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxspec.config import ModelConfig
+from jaxspec.family import Family, family_of, supported_architectures
 from jaxspec.io.architectures import (
   MULTIMODAL_TEXT_ARCHITECTURES,
   HFConfigReader,
@@ -48,20 +49,23 @@ from jaxspec.options import RunOptions
 from jaxspec.errors import ConfigError
 from jaxspec.state import DEFAULT_SLACK, KV_FORMATS, DecodingState, logical_axes
 
-DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
-MLA_ARCHITECTURES = (
-  "DeepseekV3ForCausalLM",
-  "DeepseekV2ForCausalLM",
-  "KimiK2ForCausalLM",
-) + DSA_ARCHITECTURES
-HYBRID_ARCHITECTURES = (
-  "Qwen3NextForCausalLM",
-  "Qwen3_5MoeForCausalLM",
-  "Qwen3_5MoeForConditionalGeneration",
-)
-PLANNED_ARCHITECTURES = tuple(
-  dict.fromkeys(SUPPORTED_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES)
-)
+# Architectures jaxspec does not build that the planner counts by formula, each with the built
+# architecture whose family (jaxspec.family: MLA, hybrid, ...) it shares.
+FORMULA_ONLY = {
+  "DeepseekV2ForCausalLM": "DeepseekV3ForCausalLM",
+  "KimiK2ForCausalLM": "DeepseekV3ForCausalLM",
+  "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",  # a flat config.json of it
+}
+
+
+def planned_architectures() -> tuple[str, ...]:
+  """Every architecture the planner counts: those jaxspec builds, then FORMULA_ONLY's."""
+  return supported_architectures() + tuple(FORMULA_ONLY)
+
+
+def family(arch: str) -> Family:
+  """The family of a planned architecture (FORMULA_ONLY's: that of the built one it names)."""
+  return family_of(FORMULA_ONLY.get(arch, arch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +134,11 @@ def architecture_of(hf: Mapping[str, Any]) -> str:
   if not isinstance(hf, Mapping):
     raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
   archs = hf.get("architectures") or []
-  if (
-    not isinstance(archs, (list, tuple))
-    or len(archs) != 1
-    or archs[0] not in (PLANNED_ARCHITECTURES)
-  ):
+  planned = planned_architectures()
+  if not isinstance(archs, (list, tuple)) or len(archs) != 1 or archs[0] not in planned:
     raise ConfigError(
       f"the planner cannot count architectures {archs!r}; it knows exactly one of "
-      f"{', '.join(PLANNED_ARCHITECTURES)}"
+      f"{', '.join(planned)}"
     )
   return archs[0]
 
@@ -161,7 +162,7 @@ def model_spec(
     else:
       hf = {**hf["text_config"], "architectures": hf.get("architectures")}
   arch = architecture_of(hf)
-  buildable = arch in SUPPORTED_ARCHITECTURES
+  buildable = arch in supported_architectures()
   if source not in ("auto", "traced", "formula"):
     raise ConfigError(f"source={source!r}; expected 'auto', 'traced' or 'formula'")
   if source == "traced" and not buildable:
@@ -252,7 +253,7 @@ def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) ->
       keys_only=d["cache_heads"] == 1 and d.get("mla", 0) == 1,
     )
   )
-  if spec.architecture in DSA_ARCHITECTURES:
+  if family(spec.architecture).dsa:
     out += indexer_state(spec.hf, batch, max_len, kv_format, dtype)
   if d["linear_layers"]:
     out.append(
@@ -286,24 +287,27 @@ def _formula_state(spec: ModelSpec, batch: int, max_len: int, kv_format: str) ->
 # ------------------------------------------------------------------------------------------------
 
 
+def _built(hf: Mapping[str, Any], arch: str) -> ModelConfig | None:
+  """The config jaxspec builds for `hf` (its family's defaults applied); None for FORMULA_ONLY."""
+  return config_from_hf(hf) if arch in supported_architectures() else None
+
+
 def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
   """The numbers the activation and traffic models read (see ModelSpec)."""
   r = HFConfigReader(hf, arch)
   r.require("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
   hidden, layers = r.integer("hidden_size"), r.integer("num_hidden_layers")
   heads = r.integer("num_attention_heads")
-  minimax = arch == "MiniMaxM2ForCausalLM"  # MiniMaxM2Config's defaults: 8 KV heads of 128
-  kv_heads = r.integer("num_key_value_heads", 8 if minimax else heads)
-  head_dim = r.integer("head_dim", 128 if minimax else hidden // heads)
-  experts = r.first_integer(("n_routed_experts", "num_experts", "num_local_experts"), 0)
-  if minimax:
-    experts = r.integer("num_local_experts", 256)
-  moe_inter = r.integer("moe_intermediate_size", 0)
-  if arch in ("GptOssForCausalLM", "MiniMaxM2ForCausalLM"):  # intermediate_size: the experts'
-    moe_inter = r.integer("intermediate_size")
-  top_k = r.first_integer(
-    ("num_experts_per_tok", "experts_per_token", "top_k_experts"), 8 if minimax else 0
-  )
+  c = _built(hf, arch)
+  if c is not None:  # as the family reads them (defaults, the experts' width, ...)
+    kv_heads, head_dim = c.num_kv_heads, c.head_dim
+    experts, moe_inter, top_k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+  else:
+    kv_heads = r.integer("num_key_value_heads", heads)
+    head_dim = r.integer("head_dim", hidden // heads)
+    experts = r.first_integer(("n_routed_experts", "num_experts", "num_local_experts"), 0)
+    moe_inter = r.integer("moe_intermediate_size", 0)
+    top_k = r.first_integer(("num_experts_per_tok", "experts_per_token", "top_k_experts"), 0)
   d: dict[str, Any] = dict(
     hidden=hidden,
     vocab=r.integer("vocab_size"),
@@ -324,7 +328,8 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
     linear_layers=0,
     mtp_layers=r.first_integer(("num_nextn_predict_layers", "mtp_num_hidden_layers"), 0),
   )
-  if arch in MLA_ARCHITECTURES:
+  fam = family(arch)
+  if fam.mla:
     r.require("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     rope, nope = r.integer("qk_rope_head_dim"), r.integer("qk_nope_head_dim")
     d.update(
@@ -337,18 +342,25 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
       moe_layers=(layers - r.integer("first_k_dense_replace", 0)) if experts else 0,
       shared_intermediate=moe_inter * r.integer("n_shared_experts", 0),
     )
-  elif arch in HYBRID_ARCHITECTURES:
-    r.require(
-      "linear_num_key_heads",
-      "linear_num_value_heads",
-      "linear_key_head_dim",
-      "linear_value_head_dim",
-      "linear_conv_kernel_dim",
-    )
-    interval = r.integer("full_attention_interval", 4)
-    full = layers // interval
-    kh, vh = r.integer("linear_num_key_heads"), r.integer("linear_num_value_heads")
-    kd, vd = r.integer("linear_key_head_dim"), r.integer("linear_value_head_dim")
+  elif fam.hybrid:
+    if c is not None:
+      full = sum(t == "full_attention" for t in c.layer_types)
+      kh, vh = c.linear_num_key_heads, c.linear_num_value_heads
+      kd, vd, kernel = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
+      shared = c.shared_expert_intermediate_size
+    else:
+      r.require(
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+      )
+      full = layers // r.integer("full_attention_interval", 4)
+      kh, vh = r.integer("linear_num_key_heads"), r.integer("linear_num_value_heads")
+      kd, vd = r.integer("linear_key_head_dim"), r.integer("linear_value_head_dim")
+      kernel = r.integer("linear_conv_kernel_dim")
+      shared = r.integer("shared_expert_intermediate_size", 0)
     d.update(
       attention_layers=full,
       linear_layers=layers - full,
@@ -357,9 +369,9 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
       linear_key_dim=kd,
       linear_value_dim=vd,
       conv_dim=2 * kh * kd + vh * vd,
-      conv_window=r.integer("linear_conv_kernel_dim") - 1,
+      conv_window=kernel - 1,
       moe_layers=layers if experts else 0,
-      shared_intermediate=r.integer("shared_expert_intermediate_size", 0),
+      shared_intermediate=shared,
     )
   elif experts:
     config = config_from_hf(hf)
@@ -396,12 +408,18 @@ def _gqa_attention(
 ):
   h, q, kv, hd = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"]
   vd = hd
-  mimo = arch == "MiMoV2FlashForCausalLM"
-  if mimo:  # sliding layers: their own KV heads (transformers: twice) and sinks; narrow values
-    vd = r.integer("v_head_dim", hd)
-    if sliding:
-      kv = r.integer("swa_num_key_value_heads", 2 * kv)
-  gated = arch in HYBRID_ARCHITECTURES and r.flag("attn_output_gate", True)
+  c = _built(r.hf, arch)
+  if c is not None:  # the built config: per layer type shapes (MiMo's sliding layers), biases...
+    hd, kv = c.attention_head_dim(sliding), c.attention_kv_heads(sliding)
+    vd = c.attention_value_dim(sliding)
+    q_bias, o_bias = c.attention_bias, c.attention_out_bias
+    qk_norm = c.qk_norm_type if c.qk_norm else ""
+    sinks = c.attention_sinks or (c.sliding_attention_sinks and sliding)
+  else:  # counted by formula only: its family's
+    q_bias = o_bias = r.flag("attention_bias", False)
+    qk_norm = "per_head" if family(arch).hybrid else ""
+    sinks = False
+  gated = family(arch).hybrid and r.flag("attn_output_gate", True)
   w.stack(
     p,
     n,
@@ -412,23 +430,19 @@ def _gqa_attention(
   w.stack(p, n, "self_attn/k_proj/kernel", (h, kv, hd), ("embed", "kv_heads", "head_dim"))
   w.stack(p, n, "self_attn/v_proj/kernel", (h, kv, vd), ("embed", "kv_heads", "head_dim"))
   w.stack(p, n, "self_attn/o_proj/kernel", (q, vd, h), ("heads", "head_dim", "embed"))
-  if r.flag("attention_bias", arch == "GptOssForCausalLM"):
+  if q_bias:
     w.stack(p, n, "self_attn/q_proj/bias", (q, hd), ("heads", "head_dim"))
     w.stack(p, n, "self_attn/k_proj/bias", (kv, hd), ("kv_heads", "head_dim"))
     w.stack(p, n, "self_attn/v_proj/bias", (kv, hd), ("kv_heads", "head_dim"))
-    if arch != "Glm4MoeForCausalLM":
-      w.stack(p, n, "self_attn/o_proj/bias", (h,), ("embed",))
-  qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or arch in HYBRID_ARCHITECTURES
-  if arch == "MiniMaxM2ForCausalLM":  # per layer: over the whole q (k) projection
+  if o_bias:
+    w.stack(p, n, "self_attn/o_proj/bias", (h,), ("embed",))
+  if qk_norm == "per_layer":  # over the whole q (k) projection (MiniMax-M2)
     w.stack(p, n, "self_attn/q_norm/scale", (q, hd), ("heads", "head_dim"))
     w.stack(p, n, "self_attn/k_norm/scale", (kv, hd), ("kv_heads", "head_dim"))
-  elif qk_norm or (arch == "Glm4MoeForCausalLM" and r.flag("use_qk_norm", False)):
+  elif qk_norm:
     w.stack(p, n, "self_attn/q_norm/scale", (hd,), ("head_dim",))
     w.stack(p, n, "self_attn/k_norm/scale", (hd,), ("head_dim",))
-  sinks = r.flag("add_full_attention_sink_bias", False) or (
-    sliding and r.flag("add_swa_attention_sink_bias", True)
-  )
-  if arch == "GptOssForCausalLM" or (mimo and sinks):
+  if sinks:
     w.stack(p, n, "self_attn/sinks", (q,), ("heads",))
 
 
@@ -501,25 +515,25 @@ def _ffn(w: _Weights, p: str, n: int, h: int, inter: int):
   w.stack(p, n, "down_proj/kernel", (inter, h), ("mlp", "embed"))
 
 
-def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], arch: str):
+def _moe(w: _Weights, p: str, n: int, d: Mapping[str, int], r: HFConfigReader, arch: str):
   h, e, inter = d["hidden"], d["experts"], d["moe_intermediate"]
   w.stack(p, n, "mlp/router", (h, e), ("embed", None), "float32")  # float32, as HF keeps it
-  if arch == "GptOssForCausalLM":
+  if family(arch).biased_experts:  # gpt-oss: biased, fused and interleaved gate/up
     w.stack(p, n, "mlp/router_bias", (e,), (None,), "float32")
     w.stack(p, n, "mlp/gate_up_proj", (e, h, 2 * inter), ("expert", "embed", "mlp"))
     w.stack(p, n, "mlp/gate_up_bias", (e, 2 * inter), ("expert", "mlp"))
     w.stack(p, n, "mlp/down_proj", (e, inter, h), ("expert", "mlp", "embed"))
     w.stack(p, n, "mlp/down_bias", (e, h), ("expert", "embed"))
     return
-  biased = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "MiMoV2FlashForCausalLM")
-  if arch in biased or arch in MLA_ARCHITECTURES:
+  c = _built(r.hf, arch)
+  if c.router == "sigmoid" if c is not None else family(arch).mla:  # a routing-bias correction
     w.stack(p, n, "mlp/e_score_correction_bias", (e,), (None,), "float32")
   w.stack(p, n, "mlp/gate_proj", (e, h, inter), ("expert", "embed", "mlp"))
   w.stack(p, n, "mlp/up_proj", (e, h, inter), ("expert", "embed", "mlp"))
   w.stack(p, n, "mlp/down_proj", (e, inter, h), ("expert", "mlp", "embed"))
   if d["shared_intermediate"]:
     w.items += _stacked_ffn(f"{p}/mlp/shared_experts", n, h, d["shared_intermediate"], w.dtype)
-  if arch in HYBRID_ARCHITECTURES:
+  if family(arch).hybrid:
     w.stack(p, n, "mlp/shared_expert_gate/kernel", (h, 1), ("embed", None))
 
 
@@ -550,25 +564,26 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
   w = _Weights(param_dtype)
   w.add("embed", (d["vocab"], h), ("vocab", "embed"))
   # Which layers are MoE: the same rules as config_from_hf for the buildable ones.
-  if arch in SUPPORTED_ARCHITECTURES:
+  fam, buildable = family(arch), arch in supported_architectures()
+  if buildable:
     is_moe = config_from_hf(hf).layer_is_moe or (False,) * layers
   elif d["experts"]:
-    first = r.integer("first_k_dense_replace", 0) if arch in MLA_ARCHITECTURES else 0
+    first = r.integer("first_k_dense_replace", 0) if fam.mla else 0
     is_moe = tuple(i >= first for i in range(layers))
   else:
     is_moe = (False,) * layers
-  if arch in HYBRID_ARCHITECTURES:
+  if fam.hybrid:
     interval = r.integer("full_attention_interval", 4)
     kinds = tuple(
       ("full" if (i + 1) % interval == 0 else "linear", m) for i, m in enumerate(is_moe)
     )
-  elif arch in DSA_ARCHITECTURES:
+  elif fam.dsa:
     indexed = config_from_hf(hf).indexer_types
     kinds = tuple(("dsa" if t == "full" else "full", m) for t, m in zip(indexed, is_moe))
   else:
     kinds = tuple(("full", m) for m in is_moe)
   # Sliding and full layers are separate runs (as `ModelConfig.segments`).
-  windows = config_from_hf(hf).layer_windows if arch in SUPPORTED_ARCHITECTURES else ()
+  windows = config_from_hf(hf).layer_windows if buildable else ()
   kinds = tuple((*k, windows[i] if windows else 0) for i, k in enumerate(kinds))
   runs: list[list] = []
   for kind in kinds:
@@ -585,9 +600,9 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
     for norm in ("enorm", "hnorm", "post_norm"):
       w.add(f"{p}/{norm}/scale", (h,), ("embed",))
     block = _Weights(param_dtype)
-    mixer = "dsa" if arch in DSA_ARCHITECTURES else "full"
-    mimo = arch == "MiMoV2FlashForCausalLM"  # a sliding block with a dense MLP
-    _layer(block, f"{p}/block", 1, d, r, arch, mixer, d["experts"] > 0 and not mimo, mimo)
+    mixer = "dsa" if fam.dsa else "full"
+    sliding = fam.mtp_sliding  # MiMo's: a sliding block with a dense MLP
+    _layer(block, f"{p}/block", 1, d, r, arch, mixer, d["experts"] > 0 and not sliding, sliding)
     w.items += [  # one layer, no leading `layers` axis
       Tensor(t.path, t.shape[1:], t.dtype, t.axes[1:]) for t in block.items
     ]
@@ -605,13 +620,13 @@ def _layer(
   w.stack(p, n, "post_attention_layernorm/scale", (h,), ("embed",))
   if mixer == "linear":
     _gated_deltanet(w, p, n, d)
-  elif arch in MLA_ARCHITECTURES:
+  elif family(arch).mla:
     _mla_attention(w, p, n, d, r)
     if mixer == "dsa":
       _indexer(w, p, n, d, r)
   else:
     _gqa_attention(w, p, n, d, r, arch, sliding)
   if moe:
-    _moe(w, p, n, d, arch)
+    _moe(w, p, n, d, r, arch)
   else:
     w.items += _stacked_ffn(f"{p}/mlp", n, h, d["intermediate"], w.dtype)

@@ -95,7 +95,7 @@ ACCELERATORS: dict[str, tuple[str, float]] = {
   "v6e": ("TPU v6e 32 GB", 32e9),
 }
 
-ATTENTION_CHUNK = 256  # ModelConfig.attention_chunk: keys per online-softmax chunk
+ATTENTION_CHUNK = 256  # RunOptions.attention_chunk: keys per online-softmax chunk
 DFLASH_TAPS = 5  # target layers a published DFlash drafter reads
 DFLASH_LAYERS_PER = 6  # target layers per DFlash drafter layer (published: 4–8)
 EAGLE3_DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary (SpecForge's default)

@@ -87,7 +87,7 @@ def routing_margins(model: target_lib.TargetModel, ids: Any) -> np.ndarray:
   if not config.num_experts:
     return np.full((b, t), np.inf)
   margins = np.full((b, t), np.inf)
-  # The scanned layout (model.config.scan_layers) stacks the per-layer values; make it so.
+  # The scanned layout (model.config.options.scan_layers) stacks the per-layer values; make it so.
   params = model.with_scan_layers(True).params
   scanned = config.with_options(scan_layers=True)
   for stack, sown in _intermediates(scanned, params, tokens).items():

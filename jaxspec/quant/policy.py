@@ -53,10 +53,6 @@ ROLES = (
 )
 NEVER = ("embed", "norm", "bias")
 DEFAULT_POLICY = (("experts", "mxfp4"), ("attention", "fp8"), ("router", "fp8"))
-# Architectures whose published checkpoints keep the router in float (MiMo-V2-Flash: transformers'
-# `_keep_in_fp32_modules_strict`; MiniMax-M2: the FP8 release's `modules_to_not_convert`): their
-# default policy leaves it so (`default_policy`); an explicit policy may still quantize it.
-FLOAT_ROUTER_ARCHITECTURES = ("MiMoV2FlashForCausalLM", "MiniMaxM2ForCausalLM")
 _LINEAR = ("experts", "shared_experts", "mlp", "attention", "router", "lm_head", "mtp")
 # Policies by name (`load_policy`): "fp8" and "mxfp4" put every linear layer in that format
 # (llama.cpp's whole-model Q8_0 / Q4_0 counterparts, as the llama.cpp race compares them).
@@ -267,8 +263,11 @@ def quantize_params(
 
 def default_policy(config: Any = None) -> tuple[tuple[str, str], ...]:
   """The policy `quantize` applies when given none: DEFAULT_POLICY, without the router rule
-  for the architectures whose published checkpoints keep the router float."""
-  if getattr(config, "architecture", None) in FLOAT_ROUTER_ARCHITECTURES:
+  for the families whose published checkpoints keep the router float (`Family.float_router`:
+  MiMo-V2-Flash, whose transformers class keeps it in fp32, and MiniMax-M2, whose FP8 release
+  leaves it unconverted); an explicit policy may still quantize it."""
+  family = getattr(config, "family", None)
+  if family is not None and family.float_router:
     return tuple(rule for rule in DEFAULT_POLICY if rule[0] != "router")
   return DEFAULT_POLICY
 

@@ -29,7 +29,7 @@ class LinearState(Kind):
   conv [L, B, K−1, C]: the conv window (the last K−1 inputs of the q/k/v channels, activation
   dtype); ssm [L, B, H, Dk, Dv] float32: the delta-rule state; both after the committed tokens.
 
-  A forward over a block of T ≤ `ModelConfig.linear_snapshots` tokens without `valid` lengths
+  A forward over a block of T ≤ `RunOptions.linear_snapshots` tokens without `valid` lengths
   (decode, chain verification) leaves the state as it was and fills the *pending* fields:
   pending_conv [L, B, K−1+T, C] (the window before the block, then the block's conv inputs;
   rows a..a+K−2 are the window after a tokens) and pending_ssm [L, B, T+1, H, Dk, Dv] (the

@@ -4,7 +4,8 @@
 understand rather than guessing; `config_to_hf` writes one back. Each architecture family is one
 small module here (its fields and defaults), registered in `ARCHITECTURES`; what every family
 shares is read and written once, in `base.py`. A new architecture is a new module and a line
-in the table (and, in jaxspec.config, a name in SUPPORTED_ARCHITECTURES).
+in the table; building the table registers each record's `Family` (jaxspec.family), which is
+what `ModelConfig` validates against and model code branches on.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jaxspec import config as config_lib
-from jaxspec.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxspec import family as family_lib
+from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError, show
-from jaxspec.options import option_names
 from jaxspec.io.architectures import (
   deepseek_v3,
   gemma4,
@@ -63,7 +63,8 @@ MULTIMODAL_TEXT_ARCHITECTURES = {
   **deepseek_v3.MULTIMODAL_TEXT,
   **gemma4.MULTIMODAL_TEXT,
 }
-assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES), "a built architecture lacks a mapping"
+for _arch in ARCHITECTURES.values():
+  family_lib.register(_arch.name, _arch.family)
 
 
 def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -99,11 +100,10 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
   if not isinstance(archs, (list, tuple)) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
     raise ConfigError(
       f"unsupported architectures {show(archs)} in config.json; jaxspec supports exactly one "
-      f"of {', '.join(SUPPORTED_ARCHITECTURES)}"
+      f"of {', '.join(ARCHITECTURES)}"
     )
   arch = ARCHITECTURES[archs[0]]
-  # (run options given as fields are still accepted, with ModelConfig's DeprecationWarning)
-  known = {f.name for f in dataclasses.fields(ModelConfig)} | set(option_names())
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
   unknown = sorted(set(overrides) - known)
   if unknown:
     raise ConfigError(
@@ -125,6 +125,3 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   hf.update(arch.write(config))
   return hf
 
-
-# The deprecated ModelConfig.from_hf / to_hf delegate here (config cannot import this layer).
-config_lib.register_hf_mapping(config_from_hf, config_to_hf)

@@ -1,9 +1,10 @@
 """What every architecture's config.json shares, and the record each family registers.
 
-An `Architecture` names one HF `architectures` entry and the few facts that make the shared
-fields differ between families (RoPE defaults, whether a dense MLP width is stated, whether
-sliding layers are allowed); its `read` and `write` add the family's own fields. The shared part
-is read and written here, once, so that a new family (DeepSeek-V3, MiniMax, Gemma, ...) is one
+An `Architecture` names one HF `architectures` entry, its family's mechanisms (`Family`: what
+model code branches on) and the few facts that make the shared config.json fields differ between
+families (RoPE defaults, whether a dense MLP width is stated, whether sliding layers are
+allowed); its `read` and `write` add the family's own fields. The shared part is read and
+written here, once, so that a new family (DeepSeek-V3, MiniMax, Gemma, ...) is one
 small module in this package plus a line in its table (`__init__.py`).
 """
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from jaxspec.config import ROPE_TYPES, ModelConfig
+from jaxspec.config import ModelConfig
+from jaxspec.config_checks import ROPE_TYPES
+from jaxspec.family import Family
 from jaxspec.io.architectures.reader import REQUIRED, HFConfigReader
 from jaxspec.io.architectures.tensors import TensorLayout
 
@@ -28,6 +31,8 @@ class Architecture:
 
   Attributes:
     name: the `architectures` entry (and `ModelConfig.architecture`).
+    family: the mechanisms the family brings (jaxspec.family; the default: none beyond a
+      plain pre-norm decoder), registered under `name` by this package's `__init__`.
     model_type: config.json's `model_type`.
     read: the family's fields (MoE, windows, linear layers, ...), after the shared ones.
     write: the family's config.json keys, after the shared ones.
@@ -53,6 +58,7 @@ class Architecture:
   model_type: str
   read: Reader
   write: Writer
+  family: Family = Family()
   dense_width: bool = True
   sliding: bool = False
   rope_theta: float = 10000.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxspec.config import ModelConfig
+from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.glm4_moe import read_deepseek_moe, write_deepseek_moe
 from jaxspec.io.architectures.reader import HFConfigReader
@@ -104,8 +105,12 @@ def _write_dsa(c: ModelConfig, glm: bool) -> dict[str, Any]:
   return hf
 
 
-_MLA = dict(dense_width=True, rotary_fraction=None)
-_DSA = dict(_MLA, attention_layer_types=("full_attention", "indexed_attention"))
+_MLA = dict(dense_width=True, rotary_fraction=None, family=Family(mla=True))
+_DSA = dict(
+  _MLA,
+  attention_layer_types=("full_attention", "indexed_attention"),
+  family=Family(mla=True, dsa=True),
+)
 DEEPSEEK_V3 = Architecture(
   name="DeepseekV3ForCausalLM", model_type="deepseek_v3", read=_read_v3, write=_write_v3, **_MLA
 )

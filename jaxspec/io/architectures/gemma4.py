@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import show
+from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.reader import HFConfigReader
 from jaxspec.io.architectures.tensors import TensorLayout, norm_entries
@@ -34,6 +35,21 @@ DEFAULT_FULL_PARTIAL = 0.25
 DEFAULT_GLOBAL_HEAD_DIM = 512
 DEFAULT_WINDOW = 512
 MULTIMODAL_TEXT = {"Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
+FAMILY = Family(
+  windowed=True,
+  fused_gate_up="gate_then_up",
+  sandwich_norms=True,
+  moe_beside_mlp=True,
+  embedding_scale=True,
+  value_norm=True,
+  unit_attention_scale=True,
+  per_type_rope=True,
+  global_attention=True,
+  kv_sharing=True,
+  per_layer_inputs=True,
+  logit_softcapping=True,
+  rope_types=("proportional",),
+)
 
 
 def _default_types(n: int) -> list[str]:
@@ -244,6 +260,7 @@ GEMMA4 = Architecture(
   model_type="gemma4_text",
   read=_read,
   write=_write,
+  family=FAMILY,
   sliding=True,
   rope_theta=DEFAULT_THETA[FULL],
   rotary_fraction=None,

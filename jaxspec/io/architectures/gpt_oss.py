@@ -7,6 +7,7 @@ from typing import Any
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError, show
+from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.reader import HFConfigReader
 
@@ -76,6 +77,7 @@ GPT_OSS = Architecture(
   model_type="gpt_oss",
   read=_read,
   write=_write,
+  family=Family(windowed=True, fused_gate_up="interleaved", biased_experts=True, hf_mxfp4=True),
   sliding=True,
   rope_theta=150000.0,
   rotary_fraction=None,

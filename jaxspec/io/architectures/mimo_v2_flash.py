@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError, show
+from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.reader import HFConfigReader
 from jaxspec.io.architectures.tensors import TensorLayout
@@ -221,6 +222,7 @@ MIMO_V2_FLASH = Architecture(
   model_type="mimo_v2_flash",
   read=_read,
   write=_write,
+  family=Family(windowed=True, float_router=True, mtp_sliding=True),
   sliding=True,
   rope_theta=DEFAULT_THETA[FULL],
   rotary_fraction=DEFAULT_PARTIAL,

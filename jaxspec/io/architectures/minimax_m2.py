@@ -18,6 +18,7 @@ from typing import Any
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError, show
+from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.reader import HFConfigReader
 from jaxspec.io.architectures.tensors import TensorLayout
@@ -143,6 +144,7 @@ MINIMAX_M2 = Architecture(
   model_type="minimax_m2",
   read=_read,
   write=_write,
+  family=Family(float_router=True),
   rope_theta=5000000.0,
   rotary_fraction=1.0,
   head_dim=128,

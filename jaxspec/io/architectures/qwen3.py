@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxspec.config import ModelConfig
+from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.reader import HFConfigReader
 
@@ -61,6 +62,7 @@ QWEN3 = Architecture(
   model_type="qwen3",
   read=_read_dense,
   write=lambda c: {},
+  family=Family(gguf_exportable=True),
   rotary_fraction=None,
 )
 QWEN3_MOE = Architecture(
@@ -68,5 +70,6 @@ QWEN3_MOE = Architecture(
   model_type="qwen3_moe",
   read=_read_moe,
   write=_write_moe,
+  family=Family(moe_rule="sparse_step"),
   rotary_fraction=None,
 )

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxspec.config import LAYER_TYPES, ModelConfig
+from jaxspec.config import ModelConfig
+from jaxspec.config_checks import LAYER_TYPES
 from jaxspec.errors import show
+from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
 from jaxspec.io.architectures.qwen3 import mlp_only_layers
 from jaxspec.io.architectures.reader import HFConfigReader
@@ -145,6 +147,7 @@ QWEN3_NEXT = Architecture(
   model_type="qwen3_next",
   read=lambda r, kw: _read_moe(r, kw, every_layer=False),
   write=lambda c: _write_moe(c, every_layer=False),
+  family=Family(hybrid=True, linear_projections="fused", moe_rule="sparse_step"),
   **_HYBRID,
   tensors=TensorLayout(**_MTP_MODULE, linear_attention=("in_proj_qkvz", "in_proj_ba")),
 )
@@ -153,6 +156,7 @@ QWEN3_5 = Architecture(
   model_type="qwen3_5_text",
   read=_read_dense,
   write=_write_dense,
+  family=Family(hybrid=True, linear_projections="split"),
   **_HYBRID,
   tensors=TensorLayout(**_MTP_MODULE),
 )
@@ -161,6 +165,7 @@ QWEN3_5_MOE = Architecture(
   model_type="qwen3_5_moe_text",
   read=lambda r, kw: _read_moe(r, kw, every_layer=True),
   write=lambda c: _write_moe(c, every_layer=True),
+  family=Family(hybrid=True, linear_projections="split"),
   dense_width=False,  # every layer is MoE: no dense width
   **_HYBRID,
   tensors=TensorLayout(**_MTP_MODULE),
