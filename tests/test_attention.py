@@ -1,5 +1,5 @@
 """Attention over the decoding state: chunked XLA path and Pallas kernel against dense attention,
-and the FP8 KV cache (jaxspec/models/attention.py, jaxspec/state.py)."""
+and the FP8 KV cache (jaxspec/models/attention.py, jaxspec/state/kv.py)."""
 
 from __future__ import annotations
 

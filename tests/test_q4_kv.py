@@ -1,4 +1,4 @@
-"""The Q4_0 KV cache (jaxspec/state.py, issue 16 part 1): llama.cpp's format bit for bit,
+"""The Q4_0 KV cache (jaxspec/state/kv.py, issue 16 part 1): llama.cpp's format bit for bit,
 attention over it equal to attention over its dequantized values, and lossless speculation on
 it."""
 

@@ -11,7 +11,7 @@ Targets (all in the one root BUILD, so labels are ``//:name``):
 * one ``py_library`` per package (folder) of ``jaxspec/``, ``pallas_kernels/`` and
   ``configs/`` that holds ``.py`` files, named after the folder with ``/``
   replaced by ``_`` (``jaxspec/models`` -> ``jaxspec_models``), and one per
-  module at the root of ``jaxspec/`` (``jaxspec/state.py`` -> ``jaxspec_state``).
+  module at the root of ``jaxspec/`` (``jaxspec/config.py`` -> ``jaxspec_config``).
   The root ``jaxspec/__init__.py`` is the public API facade, target ``jaxspec``.
 * one ``py_library`` per package below ``launch/`` or ``tools/`` (code the
   scripts share, say ``launch/benchmarks`` -> ``launch_benchmarks``): not

@@ -21,7 +21,7 @@ to it explicitly; its caches live in a `state` pytree that the engine threads th
                                returns its q) instead of following the argmax
   param_axes()                 logical axes of `params`, for placing them on a device mesh
                                (default None: replicated); its state's arrays are named by
-                               `AXES` tables on the state structs (jaxspec/state.py)
+                               `AXES` tables on the state structs (jaxspec/state/)
 
 Sequence bookkeeping shared by all of them: `tokens[b, :seq_len[b]]` is the committed text; its
 last token (the root of the next draft) is sampled but not yet in the target's KV cache.

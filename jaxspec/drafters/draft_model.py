@@ -61,7 +61,7 @@ class DraftModelDrafter(Drafter):
       raise ConfigError("DraftModelDrafter needs the draft model's ModelConfig")
     if "linear_attention" in self.config.layer_types:
       # Its propose re-runs committed tokens from an earlier slot; a recurrent state cannot
-      # rewind to it (jaxspec/state.py: LinearState).
+      # rewind to it (jaxspec/state/linear.py: LinearState).
       raise ConfigError("a draft model with linear-attention layers is not supported")
     check_gamma("DraftModelDrafter", self.gamma)
 

@@ -34,8 +34,8 @@ positions past a sequence's valid length are kept out of the state.
 
 `GatedDeltaNet` is the layer: in-projections, a causal depthwise conv1d (window K) over the
 q/k/v channels with SiLU, the rule, a gated RMSNorm (norm(o) · silu(z)) and the out-projection.
-Its decoding state (jaxspec/state.py: `LinearState`) holds the conv window and S, a fixed number
-of bytes per sequence whatever the context length.
+Its decoding state (jaxspec/state/linear.py: `LinearState`) holds the conv window and S, a
+fixed number of bytes per sequence whatever the context length.
 """
 
 from __future__ import annotations

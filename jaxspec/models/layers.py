@@ -283,7 +283,7 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 class Attention(nn.Module):
   """GQA self-attention of a block over [committed prefix in the decoding state; the block].
 
-  `kv` is this layer segment's state entry (jaxspec/state.py) or None (no cache: the block
+  `kv` is this layer segment's state entry (jaxspec/state/) or None (no cache: the block
   attends to itself only); `layer` indexes the segment's stacked layers; `window` is this
   layer's sliding window, if any. gpt-oss adds learned per-head sink logits (`sinks`);
   MiMo-V2-Flash's `sliding` layers have their own KV head count and sinks

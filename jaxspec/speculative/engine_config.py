@@ -40,7 +40,7 @@ class EngineConfig:
     its request (`stop_token_ids`); a static shape, so a larger capacity is one compilation.
   stream_every: steps per host round trip in `stream`.
   kv_format: how the target's KV cache is stored: "float" (the activation dtype) or "fp8"
-    (E4M3 with a float32 scale per token and KV head; see jaxspec/state.py).
+    (E4M3 with a float32 scale per token and KV head; see jaxspec/state/kv.py).
   tree_budget: draft nodes per tree, the root excluded (the target verifies budget + 1 tokens).
   tree_topk: tokens kept per draft position when building the tree; 0 = min(budget, 8).
   tree_chain_seed: insert the drafter's full top-1 chain before best-first expansion.

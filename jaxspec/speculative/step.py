@@ -1,7 +1,7 @@
 """The compiled program of the engine: state, prefill, step, loop, row operations, read-back.
 
 `SpecState` holds everything a generation needs (token buffer, lengths, the target's decoding
-state (jaxspec/state.py), the drafter's state, per-row keys, stop ids and sampling parameters,
+state (jaxspec/state/), the drafter's state, per-row keys, stop ids and sampling parameters,
 stop flags, statistics) as one pytree. Every function here is pure and jit-able with static
 shapes; jaxspec/speculative/engine.py jits them once per shape bucket and donates the state.
 
