@@ -27,7 +27,9 @@ ASSETS = os.path.join(os.path.dirname(jaxspec.__file__), "assets")
 # compile options and the jax/XLA versions. JAXSPEC_TEST_JAX_CACHE=0 turns it off; a path
 # puts it there.
 CACHE_ENV = "JAXSPEC_TEST_JAX_CACHE"
-CACHE_MAX_BYTES = 2 << 30  # a size bound turns on jax's file lock: workers share the directory
+# No size bound: with one, jax takes a file lock and sums the directory's sizes on every write,
+# so two workers writing thousands of entries wait on each other for minutes. Without it each
+# entry is one file write (jax recompiles, with a warning, if it ever reads a torn entry).
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,7 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
     "jax_compilation_cache_dir": where,
     "jax_persistent_cache_min_compile_time_secs": 0,
     "jax_persistent_cache_min_entry_size_bytes": -1,
-    "jax_compilation_cache_max_size": CACHE_MAX_BYTES,
+    "jax_compilation_cache_max_size": -1,
   }
   for name, value in settings.items():
     jax.config.update(name, value)
