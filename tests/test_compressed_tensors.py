@@ -161,6 +161,14 @@ def kimi(tmp_path_factory):
   return _build(tmp_path_factory.mktemp("kimi"), "deepseek_v3_qlora_grouped_yarn", KIMI_QC)
 
 
+@pytest.fixture(scope="module")
+def kimi_model(kimi):
+  return jaxspec.load_model(kimi[0])
+
+
+IDS = np.random.default_rng(0).integers(0, 96, (2, 11))  # one shape: one compile per model
+
+
 def _reference_logits(float_dir: str, ids: np.ndarray) -> np.ndarray:
   import transformers  # pylint: disable=import-outside-toplevel
 
@@ -175,9 +183,9 @@ def _qtensors(params) -> list:
   return [x for x in jax.tree_util.tree_leaves(params, is_leaf=is_q) if is_q(x)]
 
 
-def test_kimi_int4_experts_match_transformers_on_the_dequantized_weights(kimi):
-  q_dir, float_dir = kimi
-  model = jaxspec.load_model(q_dir)
+def test_kimi_int4_experts_match_transformers_on_the_dequantized_weights(kimi, kimi_model):
+  _, float_dir = kimi
+  model = kimi_model
   qs = _qtensors(model.params)
   # Routed experts only (2 MoE layers × gate/up/down), packed: attention, shared experts, the
   # dense layer and lm_head are in `ignore`.
@@ -185,17 +193,15 @@ def test_kimi_int4_experts_match_transformers_on_the_dequantized_weights(kimi):
   layer = model.params["layers_1"]["0"]
   assert isinstance(layer["mlp"]["gate_proj"], quant.QTensor)
   assert not isinstance(layer["self_attn"]["o_proj"]["kernel"], quant.QTensor)
-  ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 11))
-  ref = _reference_logits(float_dir, ids)
-  near_ties.assert_logits_match(model, ids, np.asarray(model.logits(ids)), ref, atol=1e-4)
+  ref = _reference_logits(float_dir, IDS)
+  near_ties.assert_logits_match(model, IDS, np.asarray(model.logits(IDS)), ref, atol=1e-4)
 
 
-def test_int4_format_equals_the_package_dequantization(kimi):
+def test_int4_format_equals_the_package_dequantization(kimi, kimi_model):
   """The loaded QTensor of one expert = compressed-tensors' unpack × scale; its stored bytes
   are the published int32 words."""
   q_dir, _ = kimi
-  model = jaxspec.load_model(q_dir)
-  w = model.params["layers_1"]["0"]["mlp"]["down_proj"]  # [E, I, H] stacked
+  w = kimi_model.params["layers_1"]["0"]["mlp"]["down_proj"]  # [E, I, H] stacked
   src = safetensors_files.TensorSource(q_dir)
   base = "model.layers.1.mlp.experts.5.down_proj"
   packed, scale = src.get(f"{base}.weight_packed"), src.get(f"{base}.weight_scale")
@@ -218,8 +224,7 @@ def test_nibbles_read_high_first_break_the_logits(kimi, tmp_path):
   shutil.copytree(float_dir, tmp_path / "float")
   _quantize_copy(str(tmp_path / "float"), swapped, KIMI_QC, high_first=True)
   model = jaxspec.load_model(swapped)
-  ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 11))
-  gap = np.abs(np.asarray(model.logits(ids)) - _reference_logits(str(tmp_path / "float"), ids))
+  gap = np.abs(np.asarray(model.logits(IDS)) - _reference_logits(str(tmp_path / "float"), IDS))
   assert gap.max() > 1e-2
 
 
@@ -266,9 +271,9 @@ def test_unsupported_schemes_are_refused_by_name(kimi, tmp_path, key, value, mat
     jaxspec.load_model(str(bad))
 
 
-def test_int4_saves_back_as_compressed_tensors(kimi, tmp_path):
+def test_int4_saves_back_as_compressed_tensors(kimi, kimi_model, tmp_path):
   q_dir, _ = kimi
-  model = jaxspec.load_model(q_dir)
+  model = kimi_model
   jaxspec.save_hf(model, str(tmp_path))
   with open(tmp_path / "config.json") as f:
     qc = json.load(f)["quantization_config"]
@@ -278,8 +283,44 @@ def test_int4_saves_back_as_compressed_tensors(kimi, tmp_path):
   src = safetensors_files.TensorSource(q_dir)
   np.testing.assert_array_equal(load_file(str(tmp_path / "model.safetensors"))[name], src.get(name))
   again = jaxspec.load_model(str(tmp_path))
-  ids = np.arange(9)[None] % model.config.vocab_size
-  np.testing.assert_array_equal(np.asarray(again.logits(ids)), np.asarray(model.logits(ids)))
+  np.testing.assert_array_equal(np.asarray(again.logits(IDS)), np.asarray(model.logits(IDS)))
+
+
+def test_kimi_k25_wrapper_reads_its_text_config_quantization(kimi, kimi_model, tmp_path):
+  """Kimi-K2.5 as published: the text model under `language_model.*`, a vision tower and
+  projector beside it, quantization_config inside text_config, its ignore list (as Moonshot's
+  wrapper checkpoints publish it) naming modules by their stored, prefixed names."""
+  q_dir, _ = kimi
+  src = safetensors_files.TensorSource(q_dir)
+  rename = lambda n: "language_model." + (n if n.startswith("model.") else "lm_head." + n[8:])
+  tensors = {rename(n): src.get(n) for n in src.keys()}
+  tensors["vision_tower.encoder.blocks.0.wqkv.weight"] = np.zeros((6, 2), np.float32)
+  tensors["mm_projector.proj.0.weight"] = np.zeros((2, 2), np.float32)
+  os.makedirs(tmp_path / "k25")
+  safetensors_files.write_file(tensors, str(tmp_path / "k25" / "model.safetensors"))
+  with open(os.path.join(q_dir, "config.json")) as f:
+    text = json.load(f)
+  qc = dict(text.pop("quantization_config"))
+  qc["ignore"] = [
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+    "re:.*lm_head.*",
+    "re:.*vision_tower.*",
+    "re:.*mm_projector.*",
+  ]
+  config = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "text_config": dict(text, model_type="kimi_k2", quantization_config=qc),
+    "vision_config": {"patch_size": 14},
+  }
+  with open(tmp_path / "k25" / "config.json", "w") as f:
+    json.dump(config, f)
+  with pytest.warns(UserWarning, match="vision-tower"):
+    model = jaxspec.load_model(str(tmp_path / "k25"))
+  assert [x.format for x in _qtensors(model.params)] == ["int4"] * 6
+  np.testing.assert_array_equal(np.asarray(model.logits(IDS)), np.asarray(kimi_model.logits(IDS)))
 
 
 @pytest.mark.parametrize("name", ["glm4moe_grouped_shared_partial", "qwen3_gqa_bias_headdim"])
@@ -301,12 +342,6 @@ def test_static_activation_scales_are_refused():
   qc["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
   with pytest.raises(jaxspec.ConfigError, match="input_activations.*static"):
     ct.parse(qc)
-
-
-def test_quantization_config_is_read_from_text_config():
-  """Kimi-K2.5: the multimodal wrapper's text_config carries it."""
-  assert ct.quantization_config({"text_config": {"quantization_config": KIMI_QC}}) is KIMI_QC
-  assert ct.quantization_config({"quantization_config": FP8_QC, "text_config": {}}) is FP8_QC
 
 
 def test_each_shard_header_is_parsed_once(tmp_path, monkeypatch):

@@ -73,15 +73,6 @@ class CTConfig:
   ignore: tuple[str, ...]
 
 
-def quantization_config(hf_config: dict) -> Optional[dict]:
-  """config.json's `quantization_config`, or its `text_config`'s (multimodal wrappers)."""
-  qc = hf_config.get("quantization_config")
-  text = hf_config.get("text_config")
-  if qc is None and isinstance(text, dict):
-    qc = text.get("quantization_config")
-  return qc
-
-
 def _refuse(key: str, value: Any, why: str) -> ConfigError:
   return ConfigError(f"compressed-tensors quantization_config {key} = {value!r}: {why}")
 

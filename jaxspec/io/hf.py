@@ -343,7 +343,7 @@ def load_model(
     model_dir,
     config,
     extra_layers_ok=fewer_layers,
-    quantization=compressed_tensors.quantization_config(hf_config),
+    quantization=architectures.text_config(hf_config).get("quantization_config"),
   )
   params = jax.tree_util.tree_map(jnp.asarray, params)
   tokenizer = None
