@@ -344,6 +344,28 @@ def test_static_activation_scales_are_refused():
     ct.parse(qc)
 
 
+def test_planner_counts_int4_bytes_and_jaxspec_int4_saves_as_compressed_tensors(kimi, tmp_path):
+  """The planner's "int4_experts" policy (Kimi-K2's layout) = the bytes of the model
+  jaxspec.quantize makes (4-bit values + a bf16 scale per 32 inputs); that model saves as a
+  pack-quantized checkpoint and reads back to the same packed weights."""
+  from jaxspec.plan import arch, scale  # pylint: disable=import-outside-toplevel
+
+  _, float_dir = kimi
+  float_model = jaxspec.load_model(float_dir)
+  model = jaxspec.quantize(float_model, scale.POLICIES["int4_experts"])
+  with open(os.path.join(float_dir, "config.json")) as f:
+    spec = arch.model_spec(json.load(f), param_dtype=model.config.param_dtype)
+  planned = scale.params_by_format(spec, "int4_experts", {"data": 1})
+  live = quant.bytes_by_format(model.params)
+  assert planned == live and set(live) == {"int4", "none"}
+  jaxspec.save_hf(model, str(tmp_path))
+  again = jaxspec.load_model(str(tmp_path))
+  for a, b in zip(_qtensors(model.params), _qtensors(again.params)):
+    assert a.layout == b.layout and a.shape == b.shape
+    np.testing.assert_array_equal(np.asarray(a.values), np.asarray(b.values))
+    np.testing.assert_array_equal(np.asarray(b.dequantize()), np.asarray(a.dequantize()))
+
+
 def test_each_shard_header_is_parsed_once(tmp_path, monkeypatch):
   """8 shards × 200 tensors: one header parse and one open per shard, not per tensor."""
   shards, per = 8, 200
