@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.compressors import pack_to_int32, unpack_from_int32
 from safetensors.numpy import load_file, save_file
 
 import jaxspec
