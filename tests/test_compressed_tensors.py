@@ -256,6 +256,7 @@ def test_ignore_list_is_honoured(kimi, tmp_path):
     ("num_bits", 8, "num_bits"),
     ("actorder", "group", "actorder"),
     ("strategy", "tensor", "strategy"),
+    ("targets", ["Embedding"], "Embedding.*names no module"),
   ],
 )
 def test_unsupported_schemes_are_refused_by_name(kimi, tmp_path, key, value, match):
@@ -264,7 +265,8 @@ def test_unsupported_schemes_are_refused_by_name(kimi, tmp_path, key, value, mat
   shutil.copytree(q_dir, bad)
   with open(bad / "config.json") as f:
     cfg = json.load(f)
-  cfg["quantization_config"]["config_groups"]["group_0"]["weights"][key] = value
+  group = cfg["quantization_config"]["config_groups"]["group_0"]
+  (group if key == "targets" else group["weights"])[key] = value
   with open(bad / "config.json", "w") as f:
     json.dump(cfg, f)
   with pytest.raises(jaxspec.ConfigError, match=match):

@@ -163,6 +163,8 @@ def entries(qc: dict, src: Any, needed: list) -> dict:
   quantizes; CheckpointError where the checkpoint stores a module otherwise than its config
   says (quantized against the `ignore` list, or float though targeted)."""
   cfg = parse(qc)
+  weights = [src.stored_name(hf) for hf, *_ in needed if hf.endswith(".weight")]
+  _check_named_targets(cfg, [w[: -len(".weight")] for w in weights])
   names = src.keys()
   out = {}
   for hf, path, _, kind in needed:
@@ -188,6 +190,21 @@ def entries(qc: dict, src: Any, needed: list) -> dict:
       )
     out[hf] = (METHOD, stored, scheme)
   return out
+
+
+def _check_named_targets(cfg: CTConfig, modules: list[str]) -> None:
+  """A plain target other than "Linear" must name a module: it could be a module class jaxspec
+  does not know (e.g. "Embedding"), which would otherwise silently match nothing."""
+  known = set(modules)
+  for s in cfg.schemes:
+    for t in s.targets:
+      if not t.startswith("re:") and t != "Linear" and t not in known:
+        raise _refuse(
+          f"config_groups.{s.name}.targets",
+          t,
+          "names no module of this model (jaxspec matches module names, 're:' regexes and the "
+          "class 'Linear')",
+        )
 
 
 def import_weight(
