@@ -369,7 +369,8 @@ def test_planner_counts_int4_bytes_and_jaxspec_int4_saves_as_compressed_tensors(
 
 
 def test_each_shard_header_is_parsed_once(tmp_path, monkeypatch):
-  """8 shards × 200 tensors: one header parse and one open per shard, not per tensor."""
+  """8 shards × 200 tensors: one header parse and one open per shard, not per tensor (each
+  read parsed its shard's whole header before: time quadratic in a shard's tensor count)."""
   shards, per = 8, 200
   weight_map = {}
   for s in range(shards):
@@ -398,3 +399,4 @@ def test_each_shard_header_is_parsed_once(tmp_path, monkeypatch):
     assert float(src.get(name)[0, 0]) == int(name.rsplit(".", 1)[1])
   src.close()
   assert len(calls) == 2 * shards and set(calls.values()) == {1}
+
