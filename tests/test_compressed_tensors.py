@@ -339,6 +339,19 @@ def test_fp8_channel_matches_transformers_on_the_dequantized_weights(tmp_path, n
   near_ties.assert_logits_match(model, ids, np.asarray(model.logits(ids)), ref, atol=1e-4)
 
 
+def test_w4a16_dense_int4_matches_transformers(tmp_path):
+  """A RedHat-style W4A16 Qwen3: every Linear but lm_head INT4 (q/k/v per head, o_proj over
+  heads, the MLP) through the dense matmul seam."""
+  qc = dict(KIMI_QC, ignore=["lm_head"])
+  q_dir, float_dir = _build(tmp_path, "qwen3_gqa_bias_headdim", qc)
+  model = jaxspec.load_model(q_dir)
+  qs = _qtensors(model.params)
+  assert len(qs) == 2 * 7 and all(x.format == "int4" for x in qs)  # 2 layers × q/k/v/o/MLP
+  ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (2, 10))
+  ref = _reference_logits(float_dir, ids)
+  near_ties.assert_logits_match(model, ids, np.asarray(model.logits(ids)), ref, atol=1e-4)
+
+
 def test_static_activation_scales_are_refused():
   qc = json.loads(json.dumps(FP8_QC))
   qc["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
