@@ -295,7 +295,7 @@ def test_kimi_k25_wrapper_reads_its_text_config_quantization(kimi, kimi_model, t
   q_dir, _ = kimi
   src = safetensors_files.TensorSource(q_dir)
   rename = lambda n: "language_model." + (n if n.startswith("model.") else "lm_head." + n[8:])
-  tensors = {rename(n): src.get(n) for n in src.keys()}
+  tensors = {rename(n): src.get(n) for n in src.keys()}  # noqa: SIM118 (a TensorSource)
   tensors["vision_tower.encoder.blocks.0.wqkv.weight"] = np.zeros((6, 2), np.float32)
   tensors["mm_projector.proj.0.weight"] = np.zeros((2, 2), np.float32)
   os.makedirs(tmp_path / "k25")
@@ -412,4 +412,3 @@ def test_each_shard_header_is_parsed_once(tmp_path, monkeypatch):
     assert float(src.get(name)[0, 0]) == int(name.rsplit(".", 1)[1])
   src.close()
   assert len(calls) == 2 * shards and set(calls.values()) == {1}
-

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class Scheme:
   format: str  # PACKED or FLOAT
   targets: tuple[str, ...]
   strategy: str
-  group: Optional[int] = None  # PACKED "group"
+  group: int | None = None  # PACKED "group"
 
   @property
   def stored(self) -> tuple[str, ...]:
@@ -148,7 +148,7 @@ def _matches(module: str, target: str, linear: bool) -> bool:
   return target == module or (target == "Linear" and linear)
 
 
-def scheme_of(cfg: CTConfig, module: str, linear: bool) -> Optional[Scheme]:
+def scheme_of(cfg: CTConfig, module: str, linear: bool) -> Scheme | None:
   """The scheme a module (its stored name) is quantized by, or None (kept in float)."""
   if any(_matches(module, i, linear) for i in cfg.ignore):
     return None

@@ -30,13 +30,14 @@ import numpy as np
 
 from jaxspec.errors import CheckpointError
 from jaxspec.io import layouts
-from jaxspec.io.safetensors_files import read_header
+from jaxspec.io import safetensors_files
 from jaxspec.quant.formats import QTensor, check_mxfp4_scales
 from jaxspec.quant.policy import path_str, role_of
 
 QUANT_METHOD = "jaxspec"
 HF_MXFP4_METHOD = "mxfp4"  # gpt-oss: MXFP4 experts, everything else unquantized
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+read_raw = safetensors_files.read_raw  # F8_E4M3 tensors straight from a file's bytes
 
 
 def base_name(hf_name: str) -> str:
@@ -254,18 +255,3 @@ def check_scales(scales: np.ndarray, name: str) -> None:
   """Refuses scales that are not finite (a damaged checkpoint would dequantize to NaN)."""
   if not np.isfinite(np.asarray(scales, np.float32)).all():
     raise CheckpointError(f"{name} holds non-finite scales")
-
-
-def read_raw(path: str, name: str, dtype: np.dtype) -> np.ndarray:
-  """A tensor read straight from a safetensors file's bytes as `dtype` (for dtypes such as
-  F8_E4M3 that the numpy reader cannot return); loaders read through TensorSource.raw, which
-  parses each file's header once."""
-  header = read_header(path)
-  info = header["tensors"].get(name)
-  if info is None:
-    raise CheckpointError(f"{path} holds no tensor {name}")
-  begin, end = info["data_offsets"]
-  with open(path, "rb") as f:
-    f.seek(header["data_start"] + begin)
-    data = f.read(end - begin)
-  return np.frombuffer(data, np.uint8).view(dtype).reshape(info["shape"])

@@ -245,18 +245,8 @@ class TensorSource:
   def raw(self, name: str, dtype: Any) -> np.ndarray:
     """Tensor `name` read from its file's bytes as `dtype` (for F8_E4M3 and BF16, which the
     numpy reader cannot return), under its stored name."""
-    path, stored = self.file_of[name], self.stored_name(name)
-    header = self.header(path)
-    info = header["tensors"].get(stored)
-    if info is None:
-      raise CheckpointError(f"{path} holds no tensor {stored}")
-    begin, end = info["data_offsets"]
-    with open(path, "rb") as f:
-      f.seek(header["data_start"] + begin)
-      data = f.read(end - begin)
-    if len(data) != end - begin:
-      raise CheckpointError(f"cannot read tensor {name} from {path} (truncated?)")
-    return np.frombuffer(data, np.uint8).view(dtype).reshape(info["shape"])
+    path = self.file_of[name]
+    return read_raw(path, self.stored_name(name), dtype, self.header(path))
 
   def get(self, name: str) -> np.ndarray:
     f = self._handle(name)
@@ -282,6 +272,22 @@ def open_safetensors(path: str):
     return safe_open(path, framework="numpy")
   except (SafetensorError, OSError, ValueError) as e:
     raise CheckpointError(f"cannot read safetensors file {path} (truncated or corrupt?): {e}")
+
+
+def read_raw(path: str, name: str, dtype: Any, header: dict | None = None) -> np.ndarray:
+  """Tensor `name` of the safetensors file `path` read from its bytes as `dtype` (for dtypes
+  such as F8_E4M3 that the numpy reader cannot return); `header`: the file's, if already read."""
+  header = header or read_header(path)
+  info = header["tensors"].get(name)
+  if info is None:
+    raise CheckpointError(f"{path} holds no tensor {name}")
+  begin, end = info["data_offsets"]
+  with open(path, "rb") as f:
+    f.seek(header["data_start"] + begin)
+    data = f.read(end - begin)
+  if len(data) != end - begin:
+    raise CheckpointError(f"cannot read tensor {name} from {path} (truncated?)")
+  return np.frombuffer(data, np.uint8).view(dtype).reshape(info["shape"])
 
 
 def read_header(path: str) -> dict:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
 
+
 def fp8_quantize(x: jax.Array, axes: tuple[int, ...] = (-1,)) -> tuple[jax.Array, jax.Array]:
   """x → (E4M3 values like x, float32 scales with `axes` removed): one scale per vector along
   `axes` (the head dim of a KV vector; a weight's contraction axes, per output channel).

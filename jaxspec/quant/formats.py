@@ -58,7 +58,8 @@ class QTensor:
 
   values / scales: the stored arrays. format: "mxfp4", "fp8", "fp8_block" or "int4". axes: the
   contraction axes as negative indices into the dequantized array (so a stack of layers or
-  experts in front does not change them); MXFP4 blocks run along the last of them. dtype: what dequantizing gives.
+  experts in front does not change them); MXFP4 blocks run along the last of them. dtype:
+  what dequantizing gives.
   """
 
   values: jax.Array
