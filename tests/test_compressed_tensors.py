@@ -197,6 +197,21 @@ def test_kimi_int4_experts_match_transformers_on_the_dequantized_weights(kimi, k
   near_ties.assert_logits_match(model, IDS, np.asarray(model.logits(IDS)), ref, atol=1e-4)
 
 
+@pytest.mark.slow  # an engine build and its decode compile: ~2 min on 2 busy cores
+def test_kimi_int4_cached_greedy_equals_the_full_forward_argmax(kimi, kimi_model):
+  """Cached greedy decoding (the MoE decode path reads only the selected int4 experts) = the
+  argmax of transformers' uncached forward over jaxspec's own output."""
+  from jaxspec.speculative.engine import SpecEngine  # pylint: disable=import-outside-toplevel
+  from jaxspec.speculative.engine_config import EngineConfig  # pylint: disable=import-outside-toplevel
+
+  prompt = IDS[0, :7].tolist()
+  engine = SpecEngine(kimi_model, None, EngineConfig(max_len=32, batch_size=1, use_eos=False))
+  got = engine.generate([prompt], max_new_tokens=10).tokens[0]
+  full = _reference_logits(kimi[1], np.asarray([prompt + list(got)[:-1]]))
+  want = full[0, len(prompt) - 1 :].argmax(-1).tolist()
+  near_ties.assert_greedy_match(kimi_model, [prompt], [want], [got])
+
+
 def test_int4_format_equals_the_package_dequantization(kimi, kimi_model):
   """The loaded QTensor of one expert = compressed-tensors' unpack × scale; its stored bytes
   are the published int32 words."""
