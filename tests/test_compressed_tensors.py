@@ -427,3 +427,13 @@ def test_each_shard_header_is_parsed_once(tmp_path, monkeypatch):
     assert float(src.get(name)[0, 0]) == int(name.rsplit(".", 1)[1])
   src.close()
   assert len(calls) == 2 * shards and set(calls.values()) == {1}
+
+
+def test_raw_reads_find_tensors_under_their_stored_prefixed_names(tmp_path):
+  """A wrapper checkpoint's F8 tensor (`language_model.model.*`) read under its text name."""
+  w = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4).astype(F8)
+  name = "language_model.model.layers.0.mlp.down_proj.weight"
+  safetensors_files.write_file({name: w}, str(tmp_path / safetensors_files.SINGLE_FILE))
+  src = safetensors_files.TensorSource(str(tmp_path))
+  got = src.raw("model.layers.0.mlp.down_proj.weight", F8)
+  np.testing.assert_array_equal(got.view(np.uint8), w.view(np.uint8))
