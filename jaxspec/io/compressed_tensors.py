@@ -173,12 +173,13 @@ def entries(qc: dict, src: Any, needed: list) -> dict:
     base = hf[: -len(".weight")]
     module = src.stored_name(hf)[: -len(".weight")]
     linear = kind in _LINEAR_KINDS and (path[-1] == "kernel" or path[-1].startswith("#"))
-    scheme = scheme_of(cfg, module, linear)
+    scheme = scheme_of(cfg, module, linear) if linear else None
     if scheme is None:
       if f"{base}.weight_packed" in names or f"{base}.weight_scale" in names:
         raise CheckpointError(
           f"{module} is stored quantized, but the compressed-tensors config keeps it in float "
-          f"(no target matches it, or `ignore` does)"
+          f"(no target matches it, or `ignore` does; jaxspec reads quantized projections "
+          f"only: embeddings, norms and MoE routers stay float)"
         )
       continue
     stored = tuple(f"{base}.{s}" for s in scheme.stored)
