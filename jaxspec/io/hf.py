@@ -289,7 +289,9 @@ def _without_absent_mtp_layers(
   checkpoint holding some but not all MTP tensors is left alone, so that `load_params` names
   the missing ones.
   """
-  names = TensorSource(model_dir, quiet=True).keys()
+  src = TensorSource(model_dir, quiet=True)
+  names = src.keys()
+  src.close()
   prefixes = tuple(mtp_prefix(config, k) for k in range(config.num_mtp_layers))
   if any(name.startswith(prefixes) for name in names):
     return config, hf_config
