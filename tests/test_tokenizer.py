@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
 import tokenizers
 from tokenizers import models as tk_models
 
+from jaxspec.errors import CheckpointError
 from jaxspec.io import tokenizer as tok_lib
 from jaxspec.io.tokenizer import EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, Tokenizer
+from jaxspec.serve import text as text_lib
 from jaxspec.train import data
 
 TRICKY = [
@@ -178,3 +181,61 @@ def test_hugging_face_compat(tmp_path, tok):
   assert direct.mask_token_id == tok.mask_id
   ids = direct.encode("a" + EOS_TOKEN + "b")
   assert direct.decode(ids, skip_special_tokens=True) == "ab"
+
+
+# ---- chat templates as transformers saves them ----------------------------------------------
+
+TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+  "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def test_chat_template_jinja_is_read_and_written_as_transformers_does(tmp_path, tok):
+  """transformers >= 4.47 saves the template to chat_template.jinja: jaxspec reads the file
+  (over tokenizer_config.json's key, as transformers does), writes it back on save_hf, and
+  renders what transformers renders."""
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=g-import-not-at-top
+
+  hf = tok.to_hf()
+  hf.chat_template = TEMPLATE
+  hf.bos_token = EOS_TOKEN
+  published = tmp_path / "published"
+  hf.save_pretrained(str(published))
+  assert (published / tok_lib.CHAT_TEMPLATE_FILE).is_file()
+  # A stale template left in tokenizer_config.json: the file must win.
+  config_path = published / tok_lib.TOKENIZER_CONFIG_FILE
+  config = json.loads(config_path.read_text())
+  assert "chat_template" not in config
+  config_path.write_text(json.dumps({**config, "chat_template": "stale {{ messages }}"}))
+  loaded = Tokenizer.from_dir(published)
+  assert loaded.chat_template == TEMPLATE
+  found = tok_lib.read_chat_template(published)
+  assert found.path.endswith(tok_lib.CHAT_TEMPLATE_FILE) and found.tokens["bos_token"] == EOS_TOKEN
+  reference = PreTrainedTokenizerFast.from_pretrained(str(published))
+  assert reference.chat_template == TEMPLATE
+  want = reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+  assert text_lib.load_chat_template(str(published)).render(MESSAGES) == want
+
+  exported = tmp_path / "exported"
+  loaded.save_hf(exported)
+  assert (exported / tok_lib.CHAT_TEMPLATE_FILE).read_text() == TEMPLATE
+  assert PreTrainedTokenizerFast.from_pretrained(str(exported)).chat_template == TEMPLATE
+  # A tokenizer without a template removes a stale file it would otherwise leave in charge.
+  tok.save_hf(exported)
+  assert not (exported / tok_lib.CHAT_TEMPLATE_FILE).exists()
+
+
+def test_chat_template_in_tokenizer_config_is_read_when_there_is_no_file(tmp_path, tok):
+  tok.save_hf(tmp_path)
+  config_path = tmp_path / tok_lib.TOKENIZER_CONFIG_FILE
+  config = json.loads(config_path.read_text())
+  named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": TEMPLATE}]
+  config_path.write_text(json.dumps({**config, "chat_template": named}))
+  assert Tokenizer.from_dir(tmp_path).chat_template == TEMPLATE
+  config_path.write_text(json.dumps({**config, "chat_template": 7}))
+  with pytest.raises(CheckpointError, match="chat_template must be a string"):
+    Tokenizer.from_dir(tmp_path)
+  config_path.write_text(json.dumps(config))
+  assert Tokenizer.from_dir(tmp_path).chat_template is None
