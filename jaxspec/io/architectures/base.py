@@ -114,6 +114,9 @@ def read_shared(r: HFConfigReader, arch: Architecture) -> tuple[HFConfigReader, 
     pad_token_id=r.integer("pad_token_id", None),
     bos_token_id=r.integer("bos_token_id", None),
     num_mtp_layers=r.first_integer(("num_nextn_predict_layers", "num_mtp_layers"), 0),
+    # jaxspec's own keys, written when an MTP layer keeps its own embedding / head (hf.py)
+    mtp_own_embed=r.flag("mtp_own_embed", False),
+    mtp_own_head=r.flag("mtp_own_head", False),
   )
 
 
@@ -158,5 +161,8 @@ def write_shared(config: ModelConfig, arch: Architecture) -> dict[str, Any]:
     hf["bos_token_id"] = c.bos_token_id
   if c.num_mtp_layers:
     hf[arch.mtp_key] = c.num_mtp_layers
+  for key in ("mtp_own_embed", "mtp_own_head"):
+    if getattr(c, key):
+      hf[key] = True
   return hf
 
