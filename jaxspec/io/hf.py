@@ -370,7 +370,8 @@ def load_model(
   options: RunOptions | None = None,
   **config_overrides: Any,
 ) -> target_lib.TargetModel:
-  """Loads config.json, the safetensors weights and tokenizer.json (when present).
+  """Loads config.json, the safetensors weights and the tokenizer (when present: tokenizer.json
+  or Kimi's tiktoken.model, with the chat template).
 
   The layout is decoding's unless asked: by default (`scan_layers=False`) each layer keeps its
   own weight buffers, read in place instead of copied out of a stack every step (a 2-3x
@@ -408,10 +409,10 @@ def load_model(
     equal_mtp_copies=equal_copies,
   )
   params = jax.tree_util.tree_map(jnp.asarray, params)
-  tokenizer = None
-  if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-    from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
+  tokenizer = None
+  if tokenizer_lib.has_tokenizer(model_dir):  # tokenizer.json, or Kimi's tiktoken.model
     tokenizer = tokenizer_lib.Tokenizer.from_dir(model_dir)
   return target_lib.TargetModel(config, params, tokenizer, hf_config)
 

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import tokenizers
 
 from jaxspec.errors import CheckpointError
+from jaxspec.io import tiktoken_files
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -38,6 +39,12 @@ TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 _ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 
 _T = TypeVar("_T")
+
+
+def has_tokenizer(model_dir: str | os.PathLike[str]) -> bool:
+  """Whether a model directory holds a tokenizer `Tokenizer.from_dir` reads."""
+  names = (TOKENIZER_FILE, tiktoken_files.TIKTOKEN_FILE)
+  return any(os.path.isfile(os.path.join(model_dir, n)) for n in names)
 
 
 def bundled_tokenizer_path() -> str:
@@ -153,12 +160,16 @@ class Tokenizer:
 
   @classmethod
   def from_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
-    """Loads `tokenizer.json` and the chat template (`read_chat_template`) from a model
-    directory (Hugging Face layout)."""
+    """Loads `tokenizer.json` (else Kimi's `tiktoken.model`: `tiktoken_files`) and the chat
+    template (`read_chat_template`) from a model directory (Hugging Face layout)."""
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
       raise FileNotFoundError(f"model directory not found: {model_dir!r}")
     path = os.path.join(model_dir, TOKENIZER_FILE)
+    tiktoken_path = os.path.join(model_dir, tiktoken_files.TIKTOKEN_FILE)
+    if not os.path.isfile(path) and os.path.isfile(tiktoken_path):  # Kimi's layout
+      backend = tiktoken_files.load_tiktoken_dir(model_dir)
+      return cls(backend, tiktoken_path, read_chat_template(model_dir).template)
     if not os.path.isfile(path):
       found = sorted(os.listdir(model_dir))[:20]
       raise FileNotFoundError(
