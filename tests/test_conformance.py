@@ -346,3 +346,17 @@ def test_planner_counts_the_traced_model(built, name):
 def test_family_specifics(built, name):
   b = built(name)
   b.row.extra(b)
+
+
+def test_published_llama_3_1_is_planned_from_the_traced_model():
+  """configs/hf/llama_3_1_8b_instruct.json (the release config.json): read with its llama3
+  RoPE, traced by the planner, its formula agreeing, exactly the checkpoint's 8030261248."""
+  repo = os.path.join(os.path.dirname(__file__), "..")
+  with open(os.path.join(repo, "configs", "hf", "llama_3_1_8b_instruct.json")) as f:
+    hf = json.load(f)
+  traced = plan_arch.model_spec(hf)
+  assert traced.counted == "traced" and traced.num_params == 8030261248
+  as_table = lambda spec: {w.path: (w.shape, w.dtype, w.axes) for w in spec.weights}
+  assert as_table(traced) == as_table(plan_arch.model_spec(hf, source="formula"))
+  scaling = dict(traced.config.rope_scaling)
+  assert scaling["rope_type"] == "llama3" and scaling["original_max_position_embeddings"] == 8192
