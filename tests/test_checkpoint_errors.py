@@ -159,8 +159,8 @@ BAD_CONFIGS = {
     "yarn RoPE scaling needs original_max_position_embeddings",
   ),
   "per_layer_type_rope": (
-    _set(rope_parameters={"full_attention": {"rope_type": "llama3", "factor": 8.0}}),
-    "RoPE type 'llama3' in rope_parameters.full_attention",
+    _set(rope_parameters={"full_attention": {"rope_type": "longrope", "factor": 8.0}}),
+    "RoPE type 'longrope' in rope_parameters.full_attention",
   ),
   "rope_parameters_not_object": (
     _set(rope_parameters=[10000.0]),
