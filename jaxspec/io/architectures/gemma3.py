@@ -177,7 +177,8 @@ def _write(c: ModelConfig) -> dict[str, Any]:
       FULL: full,
     },
     partial_rotary_factor=None,
-    query_pre_attn_scalar=c.query_pre_attn_scalar,
+    # (an integer, as transformers' strict Gemma3TextConfig requires)
+    query_pre_attn_scalar=int(q) if (q := c.query_pre_attn_scalar) == int(q) else q,
     final_logit_softcapping=c.final_logit_softcapping or None,
     attn_logit_softcapping=None,
   )
