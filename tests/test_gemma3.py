@@ -159,6 +159,45 @@ def test_config_reads_both_spellings_and_the_wrappers_defaults(saved):
   assert big.layer_windows == tuple(1024 if t == SLIDING else 0 for t in want.layer_types)
   assert (big.rope_theta, big.sliding_rope_theta) == (1e6, 1e4)
   assert (big.query_pre_attn_scalar, big.eos_token_ids) == (256.0, (1, 106))
+  # gemma-3-1b-it's config.json as published (a null rope_scaling: the full layers unscaled).
+  small = config_from_hf(GEMMA_3_1B)
+  want = transformers.Gemma3TextConfig(**GEMMA_3_1B)
+  assert small.layer_windows == tuple(512 if t == SLIDING else 0 for t in want.layer_types)
+  assert small.layer_windows[:6] == (512,) * 5 + (0,) and small.rope_scaling == ()
+  assert (small.num_kv_heads, small.head_dim, small.sliding_rope_theta) == (1, 256, 1e4)
+
+
+GEMMA_3_1B = {
+  "architectures": ["Gemma3ForCausalLM"],
+  "attention_bias": False,
+  "attention_dropout": 0.0,
+  "attn_logit_softcapping": None,
+  "bos_token_id": 2,
+  "cache_implementation": "hybrid",
+  "eos_token_id": [1, 106],
+  "final_logit_softcapping": None,
+  "head_dim": 256,
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 1152,
+  "initializer_range": 0.02,
+  "intermediate_size": 6912,
+  "max_position_embeddings": 32768,
+  "model_type": "gemma3_text",
+  "num_attention_heads": 4,
+  "num_hidden_layers": 26,
+  "num_key_value_heads": 1,
+  "pad_token_id": 0,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_local_base_freq": 10000,
+  "rope_scaling": None,
+  "rope_theta": 1000000,
+  "sliding_window": 512,
+  "sliding_window_pattern": 6,
+  "torch_dtype": "bfloat16",
+  "use_cache": True,
+  "vocab_size": 262144,
+}
 
 
 @pytest.mark.parametrize(
