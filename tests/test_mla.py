@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.eagle3 import Eagle3Drafter
