@@ -129,10 +129,12 @@ class Reference:
     positions = np.arange(x.shape[0])
     q = (q_lat @ p("wq_b.weight").T).reshape(-1, heads, dim)
     k = _layer_norm(x @ p("wk.weight").T, p("k_norm.weight"), p("k_norm.bias"), INDEX_NORM_EPS)
-    q = np.concatenate([_rope(q[..., :dr], positions, self.theta, self.index_interleave),
-                        q[..., dr:]], -1)
-    k = np.concatenate([_rope(k[..., :dr], positions, self.theta, self.index_interleave),
-                        k[..., dr:]], -1)
+    q = np.concatenate(
+      [_rope(q[..., :dr], positions, self.theta, self.index_interleave), q[..., dr:]], -1
+    )
+    k = np.concatenate(
+      [_rope(k[..., :dr], positions, self.theta, self.index_interleave), k[..., dr:]], -1
+    )
     w = x @ p("weights_proj.weight").T * heads**-0.5  # [T, H]
     qk = np.maximum(np.einsum("thd,sd->ths", q, k), 0.0) * dim**-0.5
     return np.einsum("th,ths->ts", w, qk)
@@ -194,7 +196,10 @@ class Reference:
         out[t] += weights[t, j] * (down[ex] @ h)
     shared = "shared_experts."
     return out + swiglu(
-      x, p(shared + "gate_proj.weight"), p(shared + "up_proj.weight"), p(shared + "down_proj.weight")
+      x,
+      p(shared + "gate_proj.weight"),
+      p(shared + "up_proj.weight"),
+      p(shared + "down_proj.weight"),
     )
 
   def forward(self, ids: np.ndarray) -> tuple[np.ndarray, Trace]:

@@ -32,7 +32,7 @@ def _full_forward(reference: Any) -> Callable[[np.ndarray], np.ndarray]:
   or `reference` itself when it is already such a function."""
   if not hasattr(reference, "config"):  # a plain callable
     return lambda ids: np.asarray(reference(ids), np.float32)
-  import torch  # noqa: PLC0415  (only these tests need it)
+  import torch  # only these comparisons need it
 
   def forward(ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():

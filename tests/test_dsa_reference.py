@@ -37,9 +37,13 @@ CASES = {
   "glm_moe_dsa": (
     "GlmMoeDsaConfig",
     "GlmMoeDsaForCausalLM",
-    dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"], index_n_heads=2),
+    {"num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"], "index_n_heads": 2},
   ),
-  "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(num_hidden_layers=2, index_n_heads=4)),
+  "deepseek_v32": (
+    "DeepseekV32Config",
+    "DeepseekV32ForCausalLM",
+    {"num_hidden_layers": 2, "index_n_heads": 4},
+  ),
 }
 
 
@@ -64,8 +68,10 @@ class Case:
     self.want = np.stack([logits for logits, _ in runs])
     # [2, LENGTH]: the smallest gap at the top-k boundary over the layers (0: an exact tie).
     self.gaps = np.stack(
-      [np.min([dsa_reference.boundary_gaps(s, TOPK) for s in trace.scores.values()], 0)
-       for _, trace in runs]
+      [
+        np.min([dsa_reference.boundary_gaps(s, TOPK) for s in trace.scores.values()], 0)
+        for _, trace in runs
+      ]
     )
 
   def first_tie(self) -> np.ndarray:
@@ -108,7 +114,9 @@ def test_logits_equal_the_reference_past_topk(case):
   # The comparison sees the choice: breaking ties the other way, or keeping every key, moves
   # the logits past top-k (and only there).
   for other in (case.last_wins, case.dense):
-    moved = np.stack([np.abs(other.forward(row)[0] - w).max(-1) for row, w in zip(case.ids, case.want)])
+    moved = np.stack(
+      [np.abs(other.forward(row)[0] - w).max(-1) for row, w in zip(case.ids, case.want)]
+    )
     assert moved[:, :TOPK].max() < 1e-9
     assert moved[:, TOPK:].max() > 0.1
 
@@ -135,7 +143,9 @@ def test_cached_decoding_equals_the_reference(glm):
   out, pos = [], 0
   for t in (TOPK - 1, LENGTH - TOPK, 1):
     start = jnp.full((2,), pos, jnp.int32)
-    res = target_lib.forward(model.config, model.params, jnp.asarray(ids[:, pos : pos + t]), start, state)
+    res = target_lib.forward(
+      model.config, model.params, jnp.asarray(ids[:, pos : pos + t]), start, state
+    )
     state = res.state.commit(jnp.full((2,), t, jnp.int32))
     out.append(np.asarray(res.logits))
     pos += t
@@ -153,8 +163,11 @@ def test_transformers_equals_the_reference_until_the_first_exact_tie(case):
   assert diff.max() > 0.1  # the deviation this check documents; revisit if it disappears
 
 
-@pytest.mark.xfail(reason="transformers 5.24 breaks exact index-score ties with torch.topk, whose "
-                   "order depends on the sequence length (issue 49)", strict=False)
+@pytest.mark.xfail(
+  reason="transformers 5.24 breaks exact index-score ties with torch.topk, whose "
+  "order depends on the sequence length (issue 49)",
+  strict=False,
+)
 def test_transformers_is_length_invariant_past_topk(case):
   shorter = hf_models.hf_logits(case.hf, case.ids[:, :PREFIX])
   np.testing.assert_allclose(shorter, hf_models.hf_logits(case.hf, case.ids)[:, :PREFIX], atol=1e-4)
