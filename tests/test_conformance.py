@@ -17,9 +17,11 @@ assertions. To add a family, append a row; every check below runs on it:
   (h) the planner: its formula agrees with the traced model, whose parameter count is
       transformers'.
 
-Each row's HF model, checkpoint, jaxspec model and engines are built once (lazily, by
-`_build`) and shared by the checks, so a row compiles one logits program, one plain and one
-speculative engine and one quantized model.
+Each row's HF model, checkpoint and jaxspec model are built once (lazily, by the `built`
+fixture) and shared by the checks, as are its plain engine's outputs, so a row compiles one
+logits program, one plain and one speculative engine and one quantized model. The engine and
+quantization checks of a row run with the slow tests only where its `slow` says so (another
+row or module covers the same path in the default suite); `pytest -m slow` runs them all.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ class Row:
     kwargs: the config's keyword arguments (tiny: 2 layers, vocab < 128).
     refused: (config.json key, value) pairs that must raise a ConfigError naming the key.
     extra: the family's own assertions, given the row's `Built`.
-    slow: the checks ("greedy", "speculation": each compiles an engine for the row) that run
-      only with the slow tests, where the default suite's other rows cover the same path.
+    slow: the checks ("greedy", "speculation": each compiles an engine for the row;
+      "quantize") that run only with the slow tests, where the default suite covers the same
+      path with another row or module.
   """
 
   name: str
@@ -165,7 +168,7 @@ ROWS = (
     "LlamaForCausalLM",
     dict(_DENSE, attention_bias=True, tie_word_embeddings=False),
     refused=(("mlp_bias", True), ("hidden_act", "gelu"), ("rope_parameters", _LONGROPE)),
-    slow=("greedy", "speculation"),  # llama3_rope decodes Llama in the default suite
+    slow=("greedy", "speculation", "quantize"),  # llama3_rope runs Llama's in the default suite
   ),
   # Llama 3.1's RoPE over 16 original positions; head_dim stated apart from hidden / heads.
   Row(
@@ -220,7 +223,7 @@ ROWS = (
     "Qwen3ForCausalLM",
     dict(_DENSE, head_dim=8, attention_bias=True, tie_word_embeddings=True),
     refused=(("use_sliding_window", True), ("rope_parameters", _LONGROPE)),
-    slow=("greedy", "speculation"),  # as the rest of the suite's Qwen3 targets
+    slow=("greedy", "speculation", "quantize"),  # as the rest of the suite's Qwen3 targets
   ),
 )
 BY_NAME = {row.name: row for row in ROWS}
@@ -320,7 +323,7 @@ def test_speculative_decoding_is_lossless(built, name):
   near_ties.assert_greedy_match(b.model, b.prompts, b.plain_tokens, spec.tokens)
 
 
-@names
+@pytest.mark.parametrize("name", _rows("quantize"))
 def test_default_quantize_policy(built, name, tmp_path):
   """FP8 attention (the default policy's for a dense model): finite logits near the float
   ones (but not equal), and the checkpoint jaxspec writes reads back to the same logits."""
