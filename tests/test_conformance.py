@@ -217,6 +217,21 @@ ROWS = (
     extra=_qwen2_biases,
     slow=("greedy", "speculation"),  # its biases are the full forward's, checked in (a)
   ),
+  # Qwen2 with its sliding layers switched on: layer 1 slides over 8 positions, layer 0 not.
+  Row(
+    "qwen2_sliding",
+    "Qwen2Config",
+    "Qwen2ForCausalLM",
+    dict(
+      _DENSE,
+      use_sliding_window=True,
+      sliding_window=8,
+      max_window_layers=1,
+      tie_word_embeddings=True,
+    ),
+    refused=(("sliding_window", 0),),
+    slow=("greedy", "speculation", "quantize"),  # gpt-oss decodes mixed windows by default
+  ),
   Row(
     "qwen3",
     "Qwen3Config",
