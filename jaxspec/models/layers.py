@@ -235,10 +235,11 @@ def _llama3_frequencies(inv: jax.Array, s: dict) -> jax.Array:
   """Llama 3.1's banded scaling of the default frequencies `inv` (see rope_frequencies)."""
   factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
   original = s["original_max_position_embeddings"]
-  wavelength = 2 * math.pi / inv
+  # Reciprocal-then-multiply, as transformers' `scalar / tensor` computes (bit for bit).
+  wavelength = (1.0 / inv) * (2 * math.pi)
   long = wavelength > original / low
   scaled = jnp.where(long, inv / factor, inv)
-  smooth = (original / wavelength - low) / (high - low)
+  smooth = ((1.0 / wavelength) * original - low) / (high - low)
   blended = (1 - smooth) * scaled / factor + smooth * scaled
   between = ~(wavelength < original / high) & ~long
   return jnp.where(between, blended, scaled)

@@ -132,13 +132,13 @@ class HFConfigReader:
     default_partial: float | None = None,
     allowed: tuple[str, ...] = ("default",),
   ) -> tuple[float, float | None]:
-    """(rope_theta, partial_rotary_factor) of a config that must use the default RoPE.
+    """(rope_theta, partial_rotary_factor) of a config whose RoPE types are all `allowed`.
 
     transformers reads RoPE from `rope_parameters` (v5), the legacy `rope_scaling` (which it
     prefers when both are set) and the top-level `rope_theta` / `partial_rotary_factor` (used
-    where the dict lacks them); a dict may also be nested per layer type. jaxspec implements
-    only the default RoPE, so any other type in any of these places raises, naming it; and a
-    setting given twice with different values raises too, since whichever a reader picks, the
+    where the dict lacks them); a dict may also be nested per layer type. A type not in
+    `allowed` in any of these places raises, naming it (the scaling itself is read by
+    `rope_scaling`); and a setting given twice with different values raises too, since whichever a reader picks, the
     other was meant. `default_partial` None means the architecture ignores the factor (Qwen3),
     so it is neither read nor checked and None is returned.
     """
