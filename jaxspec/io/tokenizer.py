@@ -39,13 +39,24 @@ class Tokenizer:
   Attributes:
     backend: the wrapped `tokenizers.Tokenizer`.
     source: where it was loaded from (used in messages), or None.
+    chat_template: the model's chat template (Jinja) when it came with the tokenizer (a GGUF
+      file's `tokenizer.chat_template`), else None (a HF directory keeps it in its own files).
+    special_tokens: the template's special token strings (`bos_token`, `eos_token`, ...).
   """
 
-  def __init__(self, backend: tokenizers.Tokenizer, source: str | None = None):
+  def __init__(
+    self,
+    backend: tokenizers.Tokenizer,
+    source: str | None = None,
+    chat_template: str | None = None,
+    special_tokens: dict[str, str] | None = None,
+  ):
     if not isinstance(backend, tokenizers.Tokenizer):
       raise TypeError(f"expected a tokenizers.Tokenizer, got {type(backend).__name__}")
     self.backend = backend
     self.source = source
+    self.chat_template = chat_template
+    self.special_tokens = dict(special_tokens or {})
     self._fingerprint: str | None = None
 
   # ---- construction ---------------------------------------------------------
@@ -229,6 +240,9 @@ class Tokenizer:
     ):
       if self.token_to_id(tok) is not None:
         cfg[key] = tok
+    cfg.update(self.special_tokens)  # the model's own, when it states them (a GGUF file)
+    if self.chat_template is not None:
+      cfg["chat_template"] = self.chat_template
     return cfg
 
   def save_hf(self, model_dir: str | os.PathLike[str]) -> None:
