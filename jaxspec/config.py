@@ -46,7 +46,7 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
   # RoPE scaling, normalized by io.architectures' HFConfigReader.rope_scaling: () = none, else
-  # sorted (name, value) pairs of "linear" or "yarn" (models/layers.py: rope_frequencies).
+  # sorted (name, value) pairs of a scaling type (models/layers.py: rope_frequencies).
   rope_scaling: tuple[tuple[str, Any], ...] = ()
   partial_rotary_factor: float = 1.0
   attention_bias: bool = False  # biases on q/k/v projections

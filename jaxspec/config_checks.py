@@ -24,7 +24,7 @@ LAYER_TYPES = ("full_attention", "linear_attention")
 INDEXER_TYPES = ("full", "shared")
 # RoPE variants jaxspec computes (layers.rope_frequencies); families add theirs (Family.rope_types:
 # Gemma 4's "proportional").
-ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
+ROPE_TYPES = ("default", "linear", "yarn", "dynamic", "llama3")
 ROUTERS = ("softmax", "sigmoid", "topk_softmax", "gemma4")
 
 # ModelConfig fields → the config.json key users see, for messages about values read from it.

@@ -116,9 +116,9 @@ def small_ckpt(tmp_path):
 
 def test_unsupported_architecture_is_named(small_ckpt):
   cfg = json.load(open(small_ckpt / "config.json"))
-  cfg["architectures"] = ["LlamaForCausalLM"]
+  cfg["architectures"] = ["PhiForCausalLM"]
   json.dump(cfg, open(small_ckpt / "config.json", "w"))
-  with pytest.raises(jaxspec.ConfigError, match="LlamaForCausalLM"):
+  with pytest.raises(jaxspec.ConfigError, match="PhiForCausalLM"):
     jaxspec.load_model(str(small_ckpt))
 
 

@@ -389,7 +389,7 @@ def test_bad_inputs_are_config_errors():
   with pytest.raises(ConfigError, match="axis=size"):
     scale.plan(spec, "expert8")
   with pytest.raises(ConfigError, match="cannot count"):
-    arch.model_spec({"architectures": ["LlamaForCausalLM"]})
+    arch.model_spec({"architectures": ["PhiForCausalLM"]})
   with pytest.raises(ConfigError, match="accelerator"):
     scale.plan(spec, "data=1").margin("a100")
 

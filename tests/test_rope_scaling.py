@@ -57,6 +57,14 @@ SCALINGS = {
     "mscale_all_dim": 0.7,
   },
   "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+  # Llama 3.1's bands at θ 5000, head_dim 16: one pair kept, two blended, five divided.
+  "llama3": {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+  },
   "yarn_attention_factor": {
     "rope_type": "yarn",
     "factor": 2.0,
@@ -135,6 +143,14 @@ def test_legacy_rope_scaling_key_and_unsupported_types():
         "rope_scaling": {"rope_type": "linear", "factor": 3.0},
       }
     )
+  llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+  # original_max_position_embeddings defaults to max_position_embeddings, as in transformers.
+  read = dict(config_from_hf({**base, "rope_parameters": llama3}).rope_scaling)
+  assert read["original_max_position_embeddings"] == QWEN3["max_position_embeddings"]
+  with pytest.raises(jaxspec.ConfigError, match="llama3 RoPE scaling needs low_freq_factor"):
+    config_from_hf({**base, "rope_parameters": {**llama3, "low_freq_factor": None}})
+  with pytest.raises(jaxspec.ConfigError, match="high_freq_factor > low_freq_factor"):
+    config_from_hf({**base, "rope_parameters": {**llama3, "high_freq_factor": 1.0}})
   with pytest.raises(jaxspec.ConfigError, match="linear RoPE scaling needs a factor"):
     config_from_hf({**base, "rope_parameters": {"rope_type": "linear"}})
   with pytest.raises(jaxspec.ConfigError, match="rope_scaling must be"):

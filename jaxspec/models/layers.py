@@ -174,6 +174,9 @@ def rope_frequencies(rotary_dim: int, theta: float, scaling: tuple = ()) -> tupl
   linear ramp between the dimensions that turn `beta_fast` and `beta_slow` times over
   `original_max_position_embeddings`, and scales cos/sin by the attention factor
   (0.1 · ln(factor) + 1 unless given): transformers' `_compute_yarn_parameters`, in float32.
+  "llama3" (Llama 3.1) divides by `factor` the frequencies whose wavelength exceeds
+  original_max_position_embeddings / low_freq_factor, keeps those shorter than
+  original_max_position_embeddings / high_freq_factor, and blends the two linearly between.
   "dynamic" (NTK) raises θ to θ · (factor · L / M − (factor − 1))^(d / (d − 2)) for a context of
   L tokens (M = max_position_embeddings), with L fixed at the whole extended context M · factor,
   as vLLM does. transformers recomputes θ in every forward from the longest position in it, so
@@ -197,6 +200,8 @@ def rope_frequencies(rotary_dim: int, theta: float, scaling: tuple = ()) -> tupl
   factor = s["factor"]
   if kind == "linear":
     return (1.0 / base) / factor, 1.0
+  if kind == "llama3":
+    return _llama3_frequencies(1.0 / base, s), 1.0
   if kind != "yarn":
     raise ValueError(f"unknown RoPE scaling {kind!r}")
 
@@ -224,6 +229,19 @@ def rope_frequencies(rotary_dim: int, theta: float, scaling: tuple = ()) -> tupl
   extrapolated = 1 - ramp
   inv = (1.0 / (factor * base)) * (1 - extrapolated) + (1.0 / base) * extrapolated
   return inv, float(attention)
+
+
+def _llama3_frequencies(inv: jax.Array, s: dict) -> jax.Array:
+  """Llama 3.1's banded scaling of the default frequencies `inv` (see rope_frequencies)."""
+  factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+  original = s["original_max_position_embeddings"]
+  wavelength = 2 * math.pi / inv
+  long = wavelength > original / low
+  scaled = jnp.where(long, inv / factor, inv)
+  smooth = (original / wavelength - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  between = ~(wavelength < original / high) & ~long
+  return jnp.where(between, blended, scaled)
 
 
 def rope_tables(

@@ -21,8 +21,11 @@ from jaxspec.io.architectures import (
   gemma4,
   glm4_moe,
   gpt_oss,
+  llama,
+  mistral,
   mimo_v2_flash,
   minimax_m2,
+  qwen2,
   qwen3,
   qwen3_next,
 )
@@ -44,6 +47,9 @@ ARCHITECTURES: dict[str, Architecture] = {
   for a in (
     qwen3.QWEN3,
     qwen3.QWEN3_MOE,
+    llama.LLAMA,
+    mistral.MISTRAL,
+    qwen2.QWEN2,
     glm4_moe.GLM4_MOE,
     gpt_oss.GPT_OSS,
     qwen3_next.QWEN3_NEXT,
@@ -88,8 +94,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
 
   Every field is type-checked as it is read (see `HFConfigReader`): vocab_size, hidden_size,
   num_hidden_layers, num_attention_heads and intermediate_size are required, the rest default
-  as in transformers when absent or null. RoPE is the default, linear or YaRN type
-  (`ROPE_TYPES`), stated consistently wherever the config states it (`HFConfigReader.rope`,
+  as in transformers when absent or null. RoPE is the default type or one of the scalings in
+  `ROPE_TYPES`, stated consistently wherever the config states it (`HFConfigReader.rope`,
   `rope_scaling`). `overrides` are ModelConfig fields applied last (`options=RunOptions(...)`
   for how to run it); the result is validated as a whole.
   """

@@ -184,9 +184,11 @@ class HFConfigReader:
 
   def rope_scaling(self, max_position_embeddings: int) -> tuple[tuple[str, Any], ...]:
     """The RoPE scaling settings (after `rope`), normalized: () for the default RoPE, else
-    sorted (name, value) pairs of "linear" (factor) or "yarn" (factor,
-    original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale,
-    mscale_all_dim, truncate), with transformers' defaults filled in. Every place the config
+    sorted (name, value) pairs of "linear" (factor), "dynamic" (factor,
+    max_position_embeddings), "llama3" (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) or "yarn" (factor, original_max_position_embeddings,
+    beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate), with
+    transformers' defaults filled in. Every place the config
     states a scaling must state the same one."""
     found = {}
     for label, d in self._rope_sources:
@@ -218,6 +220,31 @@ class HFConfigReader:
       # Dynamic NTK: the base for the whole extended context, max_position_embeddings × factor.
       length = int(max_position_embeddings)
       return (("factor", factor), ("max_position_embeddings", length), ("rope_type", "dynamic"))
+    if rope_type == "llama3":  # factor and both band factors required, as transformers
+      missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if d.get(k) is None]
+      if missing:
+        raise self.error(f"{label}: llama3 RoPE scaling needs {', '.join(missing)}")
+      low, high = number("low_freq_factor", None), number("high_freq_factor", None)
+      if not high > low:  # else the blend between the two wavelengths is undefined
+        raise self.error(
+          f"{label}: llama3 RoPE scaling needs high_freq_factor > low_freq_factor, got "
+          f"{high} and {low}"
+        )
+      original = d.get("original_max_position_embeddings")
+      if original is None:  # transformers' fallback
+        original = max_position_embeddings
+      if not is_int(original) or original < 1:
+        raise self.error(
+          f"{label}.original_max_position_embeddings must be a positive integer, got "
+          f"{show(original)}"
+        )
+      return (
+        ("factor", number("factor", None)),
+        ("high_freq_factor", high),
+        ("low_freq_factor", low),
+        ("original_max_position_embeddings", int(original)),
+        ("rope_type", "llama3"),
+      )
     original = d.get("original_max_position_embeddings")
     if not is_int(original) or original < 1:
       raise self.error(
@@ -244,3 +271,4 @@ class HFConfigReader:
         }.items()
       )
     )
+
