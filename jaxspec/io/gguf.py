@@ -15,10 +15,9 @@ What the converter (llama.cpp's convert_hf_to_gguf.py) changed is undone here:
 * `gemma3`: RMSNorm weights are stored as 1 + w (llama.cpp's plain RMSNorm): 1 is taken off.
 * `qwen3moe`: the experts are stored stacked ([E, out, in]): each HF expert is one slice.
 
-Weights are dequantized with the `gguf` package (`gguf.quants.dequantize`, the reference
-llama.cpp's own Python tools use): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (and the
-other types it knows). The package is an optional dependency (`pip install gguf`, or
-`pip install jaxspec[gguf]`), imported when a file is opened.
+The file itself is parsed and dequantized by `jaxspec.io.gguf_file`: F32, F16, BF16, Q8_0,
+Q4_0 and Q4_1 in numpy, the K-quants (Q4_K, Q5_K, Q6_K) and other ggml types with the optional
+gguf package (`pip install gguf`, or `jaxspec[gguf]`).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxspec.errors import CheckpointError, ConfigError
-from jaxspec.io import gguf_tokenizer
+from jaxspec.io import gguf_file, gguf_tokenizer
 
 SUFFIX = ".gguf"
 
@@ -76,17 +75,6 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 def is_gguf(path: str) -> bool:
   """Whether `path` names a GGUF file (by its suffix; the file is checked when opened)."""
   return isinstance(path, str) and path.lower().endswith(SUFFIX)
-
-
-def import_gguf() -> Any:
-  """The `gguf` package, or a CheckpointError saying how to install it."""
-  try:
-    import gguf  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise CheckpointError(
-      "reading a .gguf file needs the gguf package: pip install gguf (or jaxspec[gguf])"
-    ) from None
-  return gguf
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,29 +292,16 @@ class GGUFTensorSource:
 
   def shape(self, name: str) -> tuple[int, ...]:
     gname, expert = self._names[name]
-    shape = tuple(int(d) for d in reversed(self._ckpt.tensors[gname].shape))
+    shape = self._ckpt.file.tensors[gname].shape
     return shape[1:] if expert is not None else shape
-
-  def _dequantized(self, gname: str) -> np.ndarray:
-    if self._cached is not None and self._cached[0] == gname:
-      return self._cached[1]
-    t = self._ckpt.tensors[gname]
-    gguf = import_gguf()
-    try:
-      w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-    except (NotImplementedError, ValueError) as e:
-      raise CheckpointError(
-        f"{self._ckpt.path}: cannot dequantize {gname} ({t.tensor_type.name}): {e}"
-      ) from None
-    w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-    self._cached = (gname, w)
-    return w
 
   def get(self, name: str) -> np.ndarray:
     gname, expert = self._names[name]
-    w = self._dequantized(gname)
     if expert is not None:
-      return w[expert]
+      if self._cached is None or self._cached[0] != gname:
+        self._cached = (gname, self._ckpt.file.read(gname))
+      return self._cached[1][expert]
+    w = self._ckpt.file.read(gname)
     meta, config = self._ckpt.meta, self._ckpt.hf_config
     if self._unpermute and gname.endswith(("attn_q.weight", "attn_k.weight")):
       key = "num_attention_heads" if gname.endswith("attn_q.weight") else "num_key_value_heads"
@@ -345,22 +320,9 @@ class GGUFCheckpoint:
   def __init__(self, path: str):
     if not os.path.isfile(path):
       raise CheckpointError(f"GGUF file {path!r} does not exist")
-    gguf = import_gguf()
-    try:
-      reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, KeyError, IndexError) as e:
-      raise CheckpointError(f"cannot read GGUF file {path} (truncated or not GGUF?): {e}") from None
     self.path = path
-    self.tensors = {t.name: t for t in reader.tensors}
-    fields = {}
-    for key, field in reader.fields.items():
-      if key.startswith("GGUF."):
-        continue
-      try:
-        fields[key] = field.contents()
-      except (ValueError, IndexError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read GGUF metadata {key}: {e}") from None
-    self.meta = Metadata(path, fields, set(self.tensors))
+    self.file = gguf_file.GGUFFile(path)
+    self.meta = Metadata(path, self.file.fields, set(self.file.tensors))
     self.hf_config = hf_config(self.meta)
 
   def tensor_source(self, unpermute: bool = True) -> GGUFTensorSource:

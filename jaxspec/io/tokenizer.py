@@ -63,10 +63,17 @@ class Tokenizer:
 
   @classmethod
   def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
-    """Loads a `tokenizer.json` file (or a directory containing one)."""
+    """Loads a `tokenizer.json` file (or a directory containing one, or a GGUF file's)."""
     path = os.fspath(path)
     if os.path.isdir(path):
       return cls.from_dir(path)
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+      from jaxspec.io import gguf  # pylint: disable=import-outside-toplevel
+
+      tokenizer = gguf.GGUFCheckpoint(path).tokenizer()
+      if tokenizer is None:
+        raise ValueError(f"GGUF file {path!r} carries no tokenizer jaxspec can build")
+      return tokenizer
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file not found: {path!r}")
     try:

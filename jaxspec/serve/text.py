@@ -281,6 +281,16 @@ def _raise_template_error(message: str) -> None:
   raise InputError(f"the chat template refused the messages: {message}")
 
 
+def chat_template_of(tokenizer: Any) -> ChatTemplate:
+  """The chat template of a loaded model's tokenizer: the one it carries (a GGUF file's), else
+  the one in its directory (`load_chat_template`), else the default."""
+  own = getattr(tokenizer, "chat_template", None)
+  if isinstance(own, str):
+    return ChatTemplate(own, getattr(tokenizer, "special_tokens", None))
+  source = getattr(tokenizer, "source", None)
+  return load_chat_template(os.path.dirname(source) if source else None)
+
+
 def load_chat_template(model_dir: str | None) -> ChatTemplate:
   """The template in `model_dir`/tokenizer_config.json, else the default one.
 
