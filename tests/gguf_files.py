@@ -70,6 +70,13 @@ def gguf_tensors(hf_tensors: dict, arch: str, config: dict) -> dict[str, np.ndar
       out[gguf_io.GLOBAL_NAMES[name]] = w
       continue
     layer, rest = _LAYER.fullmatch(name).groups()
+    if rest == "mlp.experts.gate_up_proj":  # transformers' fused experts: [E, 2 * I, H]
+      gate, up = np.split(w, 2, axis=1)
+      out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = gate, up
+      continue
+    if rest == "mlp.experts.down_proj":
+      out[f"blk.{layer}.ffn_down_exps.weight"] = w
+      continue
     m = _EXPERT.fullmatch(rest)
     if m:
       experts.setdefault((layer, m.group(2)), {})[int(m.group(1))] = w
@@ -121,8 +128,9 @@ def write_gguf(
   rope = config.get("rope_parameters") or {}
   writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
   writer.add_vocab_size(config["vocab_size"])
-  if config.get("num_experts"):
-    writer.add_expert_count(config["num_experts"])
+  experts = config.get("num_experts") or config.get("num_local_experts")
+  if experts:
+    writer.add_expert_count(experts)
     writer.add_expert_used_count(config["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
   if config.get("sliding_window"):
