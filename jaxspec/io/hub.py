@@ -47,6 +47,7 @@ def resolve(name: str, patterns: tuple[str, ...] = CHECKPOINT_PATTERNS) -> str:
     return name
   try:
     import huggingface_hub  # pylint: disable=import-outside-toplevel
+    from huggingface_hub import constants as hub_constants  # pylint: disable=import-outside-toplevel
     from huggingface_hub import errors as hub_errors  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise CheckpointError(
@@ -54,7 +55,7 @@ def resolve(name: str, patterns: tuple[str, ...] = CHECKPOINT_PATTERNS) -> str:
       "(pip install huggingface_hub)"
     ) from None
   offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
-  cache = os.environ.get("HF_HUB_CACHE") or huggingface_hub.constants.HF_HUB_CACHE
+  cache = os.environ.get("HF_HUB_CACHE") or hub_constants.HF_HUB_CACHE
   single = _REPO_FILE.fullmatch(name)
   try:
     if single:
@@ -67,7 +68,8 @@ def resolve(name: str, patterns: tuple[str, ...] = CHECKPOINT_PATTERNS) -> str:
     )
   except (hub_errors.HfHubHTTPError, hub_errors.LocalEntryNotFoundError, OSError, ValueError) as e:
     where = "in the local hub cache (HF_HUB_OFFLINE is set)" if offline else "on the hub"
+    first = str(e).splitlines()[0] if str(e) else ""
     raise CheckpointError(
-      f"{name!r} is not a local path and was not found {where} (cache: {cache}): "
-      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+      f"{name!r} does not exist locally, and as a hub id it was not found {where} "
+      f"(cache: {cache}): {type(e).__name__}: {first}"
     ) from None
