@@ -105,6 +105,12 @@ class ModelConfig:
   shared_expert_intermediate_size: int = 0
   # Multi-token-prediction layers stored after the main layers (DeepSeek-V3 layout).
   num_mtp_layers: int = 0
+  # Whether the MTP layers read their own token embedding / LM head (the `embed_tokens` and
+  # `shared_head.head` that DeepSeek-V3 and GLM publish in each MTP layer) instead of the
+  # main model's. Set at load when a published copy differs from the main tensor
+  # (io/hf.py: `load_model`); equal copies are shared, never held twice.
+  mtp_own_embed: bool = False
+  mtp_own_head: bool = False
   # Multi-head Latent Attention (Family.mla; kv_lora_rank 0: not MLA). Keys and values
   # come from a per-token latent of kv_lora_rank values plus one shared RoPE key of
   # qk_rope_head_dim; head_dim is qk_nope_head_dim + qk_rope_head_dim, values have v_head_dim.

@@ -96,6 +96,8 @@ _BOOLS = (
   "sliding_attention_sinks",
   "attention_k_eq_v",
   "use_double_wide_mlp",
+  "mtp_own_embed",
+  "mtp_own_head",
 )
 
 Need = Callable[[bool, str], None]

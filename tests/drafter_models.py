@@ -28,10 +28,13 @@ def rms(x, w, eps=1e-6):
   return w * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
 
 
-def rope(x, pos, theta):
-  """float64 rotate-half RoPE over the whole head; x [T, H, D], pos [T]."""
+def rope(x, pos, theta, inv_freq=None):
+  """float64 rotate-half RoPE over the whole head; x [T, H, D], pos [T]; `inv_freq` [D / 2]
+  replaces the default frequencies (a scaled RoPE's, from transformers)."""
   d = x.shape[-1]
-  f = np.asarray(pos, np.float64)[:, None] / theta ** (np.arange(0, d, 2) / d)
+  if inv_freq is None:
+    inv_freq = 1.0 / theta ** (np.arange(0, d, 2) / d)
+  f = np.asarray(pos, np.float64)[:, None] * np.asarray(inv_freq, np.float64)
   emb = np.concatenate([f, f], -1)
   cos, sin = np.cos(emb)[:, None], np.sin(emb)[:, None]
   return x * cos + np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
@@ -201,6 +204,12 @@ def dflash_reference_logits(drafter, target, taps, block, qpos, visible):
   return rms(x, p["norm"]["scale"]) @ np.asarray(target.params["lm_head"]["kernel"], np.float64)
 
 
+def hf_rope_parameters(theta: float, scaling: tuple) -> dict:
+  """transformers' rope_parameters for a RoPE base and a normalized jaxspec scaling."""
+  extra = {k: v for k, v in scaling if v is not None and k != "max_position_embeddings"}
+  return {"rope_type": "default", **extra, "rope_theta": theta}
+
+
 def transformers_dflash(drafter):
   """transformers' DFlash-architecture model (MuseGlimmerAssistant) holding `drafter`'s
   weights in float32, or None when the installed transformers has no such model."""
@@ -220,7 +229,7 @@ def transformers_dflash(drafter):
     num_key_value_heads=c.num_kv_heads,
     head_dim=c.head_dim,
     rms_norm_eps=c.rms_norm_eps,
-    rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+    rope_parameters=hf_rope_parameters(c.rope_theta, c.rope_scaling),
     layer_types=["full_attention"] * c.num_layers,
     block_size=c.block_size,
     mask_token_id=c.mask_token_id,

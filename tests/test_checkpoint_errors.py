@@ -159,8 +159,8 @@ BAD_CONFIGS = {
     "yarn RoPE scaling needs original_max_position_embeddings",
   ),
   "per_layer_type_rope": (
-    _set(rope_parameters={"full_attention": {"rope_type": "llama3", "factor": 8.0}}),
-    "RoPE type 'llama3' in rope_parameters.full_attention",
+    _set(rope_parameters={"full_attention": {"rope_type": "longrope", "factor": 8.0}}),
+    "RoPE type 'longrope' in rope_parameters.full_attention",
   ),
   "rope_parameters_not_object": (
     _set(rope_parameters=[10000.0]),
@@ -592,9 +592,15 @@ def test_non_finite_drafter_weight_is_named(saved, tmp_path, target):
     ),
     (
       "dflash",
-      _set(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+      _set(rope_scaling={"rope_type": "yarn", "factor": 4.0}),  # read, but incomplete
       jaxspec.ConfigError,
-      "RoPE type 'yarn' in rope_scaling",
+      "yarn RoPE scaling needs original_max_position_embeddings",
+    ),
+    (
+      "dflash",
+      _set(rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+      jaxspec.ConfigError,
+      "RoPE type 'longrope' in rope_scaling",
     ),
     ("eagle3", _set(rms_norm_eps=0), jaxspec.ConfigError, "rms_norm_eps must be positive, got 0.0"),
     (

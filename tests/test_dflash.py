@@ -128,6 +128,10 @@ def test_sliding_windows_and_context_ring(target, drafter, greedy):
 
 def test_matches_transformers_dflash_model(target, drafter):
   """transformers' DFlash-architecture model (MuseGlimmerAssistant) on the same weights."""
+  _check_against_transformers(target, drafter)
+
+
+def _check_against_transformers(target, drafter):
   torch = pytest.importorskip("torch")
   pytest.importorskip("transformers")
   model = transformers_dflash(drafter)
@@ -314,3 +318,22 @@ def test_mismatched_targets_are_refused(target, drafter):
     DFlashDrafter.for_target(target, c.replace(mask_token_id=64, vocab_size=0), draft)
   with pytest.raises(ValueError, match="context_window"):
     dataclasses.replace(drafter, context_window=2)
+
+
+def test_yarn_rope_drafter_as_published_matches_transformers(tmp_path, target, drafter):
+  """Kimi's DFlash drafters state YaRN in config.json: read, applied (transformers' model with
+  the same rope_parameters agrees) and written back."""
+  tensors, config = _published(drafter)
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
+  path = str(tmp_path / "yarn")
+  _write(path, tensors, {**config, "rope_scaling": yarn})
+  loaded = jaxspec.load_drafter(path, target, gamma=drafter.gamma)
+  scaling = dict(loaded.config.rope_scaling)
+  assert scaling["rope_type"] == "yarn" and scaling["factor"] == 4.0
+  _check_against_transformers(target, loaded)
+  jaxspec.save_drafter(loaded, str(tmp_path / "out"))
+  back = jaxspec.load_drafter(str(tmp_path / "out"), target, gamma=drafter.gamma)
+  assert back.config == loaded.config
+  _write(path, tensors, {**config, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+  with pytest.raises(jaxspec.ConfigError, match="RoPE type 'longrope'"):
+    jaxspec.load_drafter(path, target)

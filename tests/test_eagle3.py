@@ -53,9 +53,10 @@ def greedy(target, drafter):
   return GreedyCheck(target, drafter)
 
 
-def reference_chain(drafter, target, taps, tokens, drafts):
+def reference_chain(drafter, target, taps, tokens, drafts, inv_freq=None):
   """EAGLE-3 inference written out: context entries (f_i, t_{i+1}) for i < n−1, then the chain
-  from (f_{n−1}, root) feeding back its own hidden. Returns target-vocab log-probs [γ, V]."""
+  from (f_{n−1}, root) feeding back its own hidden. Returns target-vocab log-probs [γ, V].
+  `inv_freq`: a scaled RoPE's frequencies (default: the plain RoPE of rope_theta)."""
   c = drafter.config
   p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), drafter.params["draft"])
   m = p["midlayer"]
@@ -74,7 +75,10 @@ def reference_chain(drafter, target, taps, tokens, drafts):
 
   ctx_in = attn_in(np.asarray(tokens[1:n]), f[: n - 1])  # entries 0..n−2
   keys = _rope(
-    np.einsum("th,hnd->tnd", ctx_in, a["k_proj"]["kernel"]), np.arange(n - 1), c.rope_theta
+    np.einsum("th,hnd->tnd", ctx_in, a["k_proj"]["kernel"]),
+    np.arange(n - 1),
+    c.rope_theta,
+    inv_freq,
   )
   vals = np.einsum("th,hnd->tnd", ctx_in, a["v_proj"]["kernel"])
   hid, tok = f[n - 1], tokens[n]
@@ -83,10 +87,10 @@ def reference_chain(drafter, target, taps, tokens, drafts):
     x = attn_in(np.asarray([tok]), hid[None])
     pos = np.asarray([n - 1 + j])
     keys = np.concatenate(
-      [keys, _rope(np.einsum("th,hnd->tnd", x, a["k_proj"]["kernel"]), pos, c.rope_theta)]
+      [keys, _rope(np.einsum("th,hnd->tnd", x, a["k_proj"]["kernel"]), pos, c.rope_theta, inv_freq)]
     )
     vals = np.concatenate([vals, np.einsum("th,hnd->tnd", x, a["v_proj"]["kernel"])])
-    q = _rope(np.einsum("th,hnd->tnd", x, a["q_proj"]["kernel"]), pos, c.rope_theta)
+    q = _rope(np.einsum("th,hnd->tnd", x, a["q_proj"]["kernel"]), pos, c.rope_theta, inv_freq)
     k, v = np.repeat(keys, groups, 1), np.repeat(vals, groups, 1)
     s = np.einsum("qnd,knd->nqk", q, k) / np.sqrt(c.head_dim)
     w = np.exp(s - s.max(-1, keepdims=True))
@@ -364,3 +368,85 @@ def test_layer_ids_follow_each_keys_convention(tmp_path, target, drafter):
   _write(path, tensors, {**nested_only, "eagle_aux_hidden_state_layer_ids": [0, 2, 3]})
   with pytest.raises(jaxspec.ConfigError, match="embedding"):
     jaxspec.load_drafter(path, target)
+
+
+# ---- heads as published for Llama-3.1 targets: llama3 RoPE, yuhuili's pytorch_model.bin -------
+
+LLAMA3_ROPE = {
+  "rope_type": "llama3",
+  "factor": 8.0,
+  "low_freq_factor": 1.0,
+  "high_freq_factor": 4.0,
+  "original_max_position_embeddings": 8,
+}
+
+
+def _hf_inv_freq(c, rope: dict) -> np.ndarray:
+  """transformers' inverse frequencies of a scaled RoPE (the reference)."""
+  from transformers import LlamaConfig  # pylint: disable=import-outside-toplevel
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # pylint: disable=import-outside-toplevel
+
+  hf = LlamaConfig(
+    hidden_size=c.hidden_size,
+    num_attention_heads=c.num_heads,
+    head_dim=c.head_dim,
+    max_position_embeddings=2048,
+    rope_parameters={**rope, "rope_theta": c.rope_theta},
+  )
+  inv, attention = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+  assert attention == 1.0
+  return inv.numpy().astype(np.float64)
+
+
+class _CodePayload:
+  """Unpickling this runs os.mkdir: what a malicious pytorch_model.bin could hold."""
+
+  def __init__(self, marker: str):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (os.mkdir, (self.marker,))
+
+
+def test_yuhuili_pytorch_bin_with_llama3_rope(tmp_path, target, drafter):
+  """A head in yuhuili's layout (LlamaForCausalLMEagle3 config with llama3 rope_scaling,
+  draft_vocab_size, d2t/t2d, weights in pytorch_model.bin): read weights-only, its chain equal to
+  the written-out recomputation with transformers' llama3 frequencies, exported as safetensors."""
+  torch = pytest.importorskip("torch")
+  tensors, config = _published(drafter)
+  config = {**config, "rope_scaling": dict(LLAMA3_ROPE), "max_position_embeddings": 2048}
+  path = tmp_path / "yuhuili"
+  path.mkdir()
+  torch.save({k: torch.from_numpy(v.copy()) for k, v in tensors.items()}, path / "pytorch_model.bin")
+  (path / "config.json").write_text(json.dumps(config))
+  loaded = jaxspec.load_drafter(str(path), target, gamma=GAMMA)
+  assert dict(loaded.config.rope_scaling) == {**LLAMA3_ROPE}
+  for name, v in (("fc", "fc.weight"), ("lm_head", "lm_head.weight")):
+    np.testing.assert_array_equal(np.asarray(loaded.params["draft"][name]["kernel"]), tensors[v].T)
+
+  toks = np.asarray(prompts(1, 64)[0] + [7], np.int32)
+  out, prop = _propose_after_prefill(target, loaded, toks)
+  drafts, taps = np.asarray(prop.tokens[0]), np.asarray(out.taps[:, 0], np.float64)
+  inv = _hf_inv_freq(loaded.config, LLAMA3_ROPE)
+  want = reference_chain(loaded, target, taps, toks, drafts, inv_freq=inv)
+  _finite_close(np.asarray(prop.logprobs[0]), want)
+  plain = reference_chain(loaded, target, taps, toks, drafts)
+  assert not np.allclose(plain[np.isfinite(plain)], want[np.isfinite(want)], atol=1e-3)
+
+  jaxspec.save_drafter(loaded, str(tmp_path / "out"))
+  assert os.path.exists(tmp_path / "out" / "model.safetensors")
+  back = jaxspec.load_drafter(str(tmp_path / "out"), target, gamma=GAMMA)
+  assert back.config == loaded.config
+
+
+def test_a_pickle_with_a_code_payload_is_refused(tmp_path, target, drafter):
+  torch = pytest.importorskip("torch")
+  tensors, config = _published(drafter)
+  marker = str(tmp_path / "payload_ran")
+  state = {k: torch.from_numpy(v.copy()) for k, v in tensors.items()}
+  state["fc.weight"] = _CodePayload(marker)
+  torch.save(state, tmp_path / "pytorch_model.bin")
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(jaxspec.CheckpointError, match="pytorch_model.bin: refusing"):
+    jaxspec.load_drafter(str(tmp_path), target)
+  assert not os.path.exists(marker)

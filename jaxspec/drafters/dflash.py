@@ -102,6 +102,8 @@ class DFlashConfig:
   num_target_layers: int = 0
   rms_norm_eps: float = 1e-6
   rope_theta: float = 1e6
+  # RoPE scaling as ModelConfig.rope_scaling (() = none; YaRN in Kimi's DFlash drafters).
+  rope_scaling: tuple[tuple[str, Any], ...] = ()
   attention_bias: bool = False
   layer_windows: tuple[int, ...] = ()
   dtype: str = "float32"
@@ -384,7 +386,8 @@ class DFlashModel(nn.Module):
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", c.param_dtype)
 
   def _rope(self, positions: jax.Array):
-    return rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+    c = self.config
+    return rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
 
   def context_kv(self, feats: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """feats [B, T, n_taps·H_t] at positions [B, T] → per-layer K, V [L, B, T, K, D]."""

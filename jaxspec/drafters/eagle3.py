@@ -77,6 +77,8 @@ class Eagle3Config:
   target_hidden_size: int = 0
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
+  # RoPE scaling as ModelConfig.rope_scaling (() = none; llama3 in Llama-3.1 heads).
+  rope_scaling: tuple[tuple[str, Any], ...] = ()
   fc_norm: bool = False
   norm_output: bool = True
   has_embedding: bool = False
@@ -226,7 +228,8 @@ class Eagle3Model(nn.Module):
     )
 
   def _rope(self, positions: jax.Array):
-    return rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+    c = self.config
+    return rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
 
   def __call__(self, emb: jax.Array, hidden: jax.Array, kv: Any, start: jax.Array):
     """A causal block of (emb, hidden) pairs at positions start.. → (h, logits, kv)."""

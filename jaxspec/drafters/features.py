@@ -149,6 +149,7 @@ def layer_config(config: Any, **fields: Any) -> ModelConfig:
     intermediate_size=config.intermediate_size,
     rms_norm_eps=config.rms_norm_eps,
     rope_theta=config.rope_theta,
+    rope_scaling=config.rope_scaling,
     options=RunOptions(dtype=config.dtype, param_dtype=config.param_dtype),
     **fields,
   )
@@ -168,6 +169,7 @@ def sized_like(target: TargetModel, **sizes: Optional[int]) -> dict[str, Any]:
     target_hidden_size=tc.hidden_size,
     rms_norm_eps=tc.rms_norm_eps,
     rope_theta=tc.rope_theta,
+    rope_scaling=tc.rope_scaling,
     dtype=tc.dtype,
   )
   fields.update({k: v for k, v in sizes.items() if v})

@@ -13,7 +13,9 @@ EAGLE-3 (`LlamaForCausalLMEagle3`): a Llama config with `draft_vocab_size`, opti
 `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
 `midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`,
 `norm.weight`, `lm_head.weight`, `d2t` (int64) and `t2d` (bool) for a reduced vocabulary,
-optionally `embed_tokens.weight` and SpecForge's `fc_norm.{0,1,2}.weight`.
+optionally `embed_tokens.weight` and SpecForge's `fc_norm.{0,1,2}.weight`. yuhuili's heads
+(e.g. EAGLE3-LLaMA3.1-Instruct-8B) ship the same tensors as a `pytorch_model.bin`, read with
+the weights-only unpickler (`io.torch_bin`); SpecForge's as safetensors.
 
 Loading checks every field of config.json for its type (`io.architectures.HFConfigReader`) and
 every tensor's presence, shape and finiteness, and rejects unknown tensors
@@ -40,6 +42,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxspec.config_checks import ROPE_TYPES
 from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.io.architectures.reader import HFConfigReader
 from jaxspec.io import layouts
@@ -52,6 +55,7 @@ from jaxspec.io.safetensors_files import (
   check_unexpected,
   write_file,
 )
+from jaxspec.io.torch_bin import BIN_FILE, TorchBinSource
 
 DFLASH_ARCH = "DFlashDraftModel"
 GEMMA4_ASSISTANT_ARCH = "Gemma4AssistantForCausalLM"
@@ -136,9 +140,20 @@ def _dtype_name(dt: np.dtype) -> str:
   return np.dtype(dt).name
 
 
+def open_tensors(model_dir: str) -> TensorSource | TorchBinSource:
+  """The tensors of a drafter directory: its safetensors, else a `pytorch_model.bin` (yuhuili's
+  EAGLE-3 heads) read by the weights-only unpickler (`io.torch_bin`: no pickled code runs)."""
+  has_safetensors = any(
+    os.path.exists(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE)
+  )
+  if not has_safetensors and os.path.isfile(os.path.join(model_dir, BIN_FILE)):
+    return TorchBinSource(model_dir)
+  return TensorSource(model_dir)
+
+
 def tensor_names(model_dir: str) -> set[str]:
   """Names of the tensors stored in a checkpoint directory, any leading 'model.' removed."""
-  src = TensorSource(model_dir)
+  src = open_tensors(model_dir)
   try:
     return {n[len("model.") :] if n.startswith("model.") else n for n in src.keys()}
   finally:
@@ -153,7 +168,7 @@ def read_checkpoint(
   Accepts names with or without a leading 'model.'; returns (params, extra tensors, dtype).
   Tensors that neither `entries` nor `extra` name raise (`check_unexpected`); so do NaN/Inf.
   """
-  src = TensorSource(model_dir)
+  src = open_tensors(model_dir)
   try:
     present = src.keys()
     wanted = [hf for hf, _, _ in entries] + list(extra)
@@ -242,7 +257,7 @@ def dflash_config_from_hf(hf: dict, source: str = "config.json") -> dict[str, An
   """DFlashConfig fields from a DFlash config.json (target_layer_ids None: the default).
 
   Every field is type-checked (ConfigError naming it, prefixed with `source`); the sizes are
-  required, RoPE must be the default type (`HFConfigReader.rope`).
+  required, RoPE as `_layer_from_hf` reads it.
   """
   r = HFConfigReader(hf, f"DFlash checkpoint {source}")
   r.require("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
@@ -283,11 +298,14 @@ def dflash_config_from_hf(hf: dict, source: str = "config.json") -> dict[str, An
 
 
 def _layer_from_hf(r: HFConfigReader) -> dict[str, Any]:
-  """The decoder-layer fields every drafter config has (SwiGLU with SiLU, default RoPE)."""
+  """The decoder-layer fields every drafter config has (SwiGLU with SiLU; RoPE default or
+  scaled as the targets' are: linear, dynamic, YaRN as Kimi's DFlash drafters state it,
+  llama3 as Llama-3.1 EAGLE-3 heads do)."""
   if r.string("hidden_act", "silu") != "silu":
     raise r.error(f"hidden_act {r.hf['hidden_act']!r} is not supported (only 'silu')")
   hidden = r.integer("hidden_size")
   heads = r.integer("num_attention_heads")
+  theta, _ = r.rope(10000.0, allowed=ROPE_TYPES)
   return dict(
     hidden_size=hidden,
     num_heads=heads,
@@ -295,7 +313,8 @@ def _layer_from_hf(r: HFConfigReader) -> dict[str, Any]:
     head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
     intermediate_size=r.integer("intermediate_size"),
     rms_norm_eps=_positive(r, "rms_norm_eps", 1e-6),
-    rope_theta=r.rope(10000.0)[0],
+    rope_theta=theta,
+    rope_scaling=r.rope_scaling(r.integer("max_position_embeddings", 32768)),
   )
 
 
@@ -311,6 +330,18 @@ def _layer_to_hf(config: Any) -> dict[str, Any]:
     rms_norm_eps=config.rms_norm_eps,
     rope_theta=config.rope_theta,
   )
+
+
+def _rope_to_hf(hf: dict, config: Any) -> None:
+  """Writes the drafter's RoPE into `hf` (its checkpoint's own config.json, other keys kept):
+  a scaling the checkpoint did not state, and the base in `rope_parameters`."""
+  if config.rope_scaling and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+    scaling = {
+      k: v for k, v in config.rope_scaling if v is not None and k != "max_position_embeddings"
+    }
+    hf["rope_parameters"] = scaling
+  if isinstance(hf.get("rope_parameters"), dict):
+    hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": config.rope_theta}
 
 
 def _positive(r: HFConfigReader, key: str, default: float) -> float:
@@ -345,8 +376,7 @@ def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
     use_sliding_window=bool(windows),
     tie_word_embeddings=False,
   )
-  if "rope_parameters" in hf:
-    hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": config.rope_theta}
+  _rope_to_hf(hf, config)
   if config.vocab_size:
     hf["vocab_size"] = config.vocab_size
   if config.num_target_layers:
@@ -374,7 +404,7 @@ def eagle3_config_from_hf(
   """Eagle3Config fields from an EAGLE-3 config.json (target_layer_ids None: the default).
 
   Every field is type-checked (ConfigError naming it, prefixed with `source`); the sizes are
-  required, RoPE must be the default type (`HFConfigReader.rope`).
+  required, RoPE as `_layer_from_hf` reads it.
   """
   r = HFConfigReader(hf, f"EAGLE-3 checkpoint {source}")
   r.require("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -444,8 +474,7 @@ def eagle3_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
     hf["fc_norm"] = config.fc_norm
   if not config.norm_output or "norm_output" in hf:
     hf["norm_output"] = config.norm_output
-  if "rope_parameters" in hf:
-    hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": config.rope_theta}
+  _rope_to_hf(hf, config)
   hf.setdefault("tie_word_embeddings", False)
   hf.setdefault("torch_dtype", config.param_dtype)
   return hf

@@ -14,9 +14,11 @@ CheckpointError (for the shard index); both name the file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import warnings
+from collections.abc import Collection
 from typing import Any, Callable
 
 import jax
@@ -39,13 +41,14 @@ from jaxspec.io.safetensors_files import (
   text_name,
   write_file,
 )
-from jaxspec.io.tensor_map import mtp_prefix, tensor_layout, tensor_map
+from jaxspec.io.tensor_map import mtp_copies, mtp_prefix, tensor_layout, tensor_map
 from jaxspec.models import decoder as decoder_lib
 from jaxspec.models import target as target_lib
 from jaxspec.quant.formats import QTensor
 from jaxspec.quant.policy import contraction_axes
 
 MAX_SHARD_BYTES = 2 * 1024**3
+_LOG = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,6 +113,22 @@ def _layer_index(name: str) -> int | None:
   return int(m.group(1)) if m else None
 
 
+def differing_mtp_copies(src: TensorSource, copies: dict[str, str]) -> list[str]:
+  """The MTP layers' published embedding / head copies (`tensor_map.mtp_copies`) present in
+  `src` that differ from the main tensor they copy (in shape, dtype or any value)."""
+  main: dict[str, np.ndarray] = {}
+  out = []
+  for name, of in copies.items():
+    if name not in src.file_of or of not in src.file_of:
+      continue
+    if of not in main:
+      main[of] = src.get(of)
+    copy = src.get(name)
+    if copy.dtype != main[of].dtype or not np.array_equal(copy, main[of]):
+      out.append(name)
+  return out
+
+
 def load_params(
   model_dir: str,
   config: ModelConfig,
@@ -117,6 +136,7 @@ def load_params(
   extra_layers_ok: bool = False,
   quantization: dict | None = None,
   source: Any = None,
+  equal_mtp_copies: Collection[str] | None = None,
 ) -> Any:
   """Reads the parameters of `config` from a HF checkpoint directory (numpy, param_dtype).
 
@@ -130,8 +150,14 @@ def load_params(
   when the config has no MTP layer (undeclared, or `num_mtp_layers=0` asked for), a KV-shared
   layer's K/V and, with `extra_layers_ok` (the caller asked for fewer layers than stored), the
   layers past the ones loaded: those warn.
+
+  The MTP layers' published embedding / head (`tensor_map.mtp_copies`) that `config` shares
+  with the main model are skipped when equal to the main tensors (compared here, unless the
+  caller already found `equal_mtp_copies` equal); one that differs raises, since sharing it
+  would draft with the wrong weights (`load_model` gives such layers their own instead).
   """
   depth = config.num_layers + config.num_mtp_layers
+  copies = mtp_copies(config)
 
   def ignorable(name: str) -> bool:
     if config.tie_word_embeddings and name == "lm_head.weight":
@@ -156,6 +182,16 @@ def load_params(
     else np.dtype(config.param_dtype)
   )
   params: dict = {}
+  unchecked = {n: of for n, of in copies.items() if n not in (equal_mtp_copies or ())}
+  differing = differing_mtp_copies(src, unchecked)
+  if differing:
+    src.close()
+    raise CheckpointError(
+      f"checkpoint in {model_dir}: MTP tensor(s) {differing} differ from the main model's "
+      f"({sorted({copies[n] for n in differing})}), which this config shares with its MTP "
+      f"layers; load it with load_model (it gives such layers their own) or set "
+      f"mtp_own_embed / mtp_own_head"
+    )
   needed = list(tensor_map(config))
   quantized = _quantized_entries(quantization, src, needed)
   missing = [hf for hf, *_ in needed if hf not in src.file_of and hf not in quantized]
@@ -169,6 +205,7 @@ def load_params(
   try:
     expected = [hf for hf, *_ in needed if hf not in quantized]
     expected += [n for names in quantized.values() for n in names[1]]
+    expected += list(copies)  # shared with the main tensors, found equal above
     check_unexpected(model_dir, src.keys(), expected, "the config", ignorable)
     stacks: dict = {}
     for hf, path, layer_idx, kind in needed:
@@ -298,13 +335,49 @@ def _without_absent_mtp_layers(
   return config.replace(num_mtp_layers=0), hf_config
 
 
+def _mtp_embeddings(model_dir: str, config: ModelConfig) -> tuple[ModelConfig, list[str]]:
+  """Shares or keeps the MTP layers' published embedding and LM head.
+
+  DeepSeek-V3 / V3.1 / V3.2 / R1 and GLM-4.5-4.7 publish `embed_tokens.weight` and
+  `shared_head.head.weight` in each MTP layer. A copy equal to the main model's tensor is
+  shared (read once, held once); if any layer's copy differs, the MTP layers read their own
+  (`mtp_own_embed` / `mtp_own_head`), as vLLM's MTP model loads them. Returns the config and
+  the copies found equal; the choice is logged.
+  """
+  copies = mtp_copies(config)
+  if not copies:
+    return config, []
+  src = TensorSource(model_dir, quiet=True)
+  try:
+    differing = differing_mtp_copies(src, copies)
+    present = [n for n in copies if n in src.file_of]
+  finally:
+    src.close()
+  layout = tensor_layout(config)
+  own_embed = config.mtp_own_embed or any(n.endswith(layout.mtp_embed) for n in differing)
+  own_head = config.mtp_own_head or any(n.endswith(layout.mtp_head) for n in differing)
+  if (own_embed, own_head) != (config.mtp_own_embed, config.mtp_own_head):
+    config = config.replace(mtp_own_embed=own_embed, mtp_own_head=own_head)
+  equal = [n for n in present if n not in differing]
+  if present:
+    what = lambda own: "its own (the published copy differs)" if own else "the main model's"
+    _LOG.info(
+      "%s: the MTP layers read %s embedding and %s LM head",
+      model_dir,
+      what(own_embed),
+      what(own_head),
+    )
+  return config, equal
+
+
 def load_model(
   model_dir: str,
   scan_layers: bool = False,
   options: RunOptions | None = None,
   **config_overrides: Any,
 ) -> target_lib.TargetModel:
-  """Loads config.json, the safetensors weights and tokenizer.json (when present).
+  """Loads config.json, the safetensors weights and the tokenizer (when present: tokenizer.json
+  or Kimi's tiktoken.model, with the chat template).
 
   `model_dir` is a checkpoint directory, a GGUF file (`jaxspec.io.gguf`: config, weights and
   tokenizer from the one file) or a hub id (`org/name`, `org/name/file.gguf`: resolved through
@@ -323,7 +396,10 @@ def load_model(
   MTP layers that config.json declares but the checkpoint holds none of (what transformers'
   `save_pretrained` writes) are dropped with a warning: `config.num_mtp_layers` is then 0 and
   the returned `hf_config` says so too. With an explicit `num_mtp_layers` override they are
-  required, as are the rest of a partially present MTP layer set.
+  required, as are the rest of a partially present MTP layer set. The embedding and LM head
+  that DeepSeek / GLM MTP layers publish are shared with the main ones when equal, else the
+  layers keep their own (`_mtp_embeddings`; logged at INFO), so a published checkpoint keeps
+  its MTP drafter.
   """
   model_dir = hub.resolve(model_dir)
   if options is not None:
@@ -336,18 +412,20 @@ def load_model(
   config = config.with_options(scan_layers=scan_layers)
   if config.num_mtp_layers and "num_mtp_layers" not in config_overrides:
     config, hf_config = _without_absent_mtp_layers(model_dir, config, hf_config)
+  config, equal_copies = _mtp_embeddings(model_dir, config)
   fewer_layers = bool({"num_layers", "num_mtp_layers"} & set(config_overrides))
   params = load_params(
     model_dir,
     config,
     extra_layers_ok=fewer_layers,
     quantization=hf_config.get("quantization_config"),
+    equal_mtp_copies=equal_copies,
   )
   params = jax.tree_util.tree_map(jnp.asarray, params)
-  tokenizer = None
-  if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-    from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from jaxspec.io import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
+  tokenizer = None
+  if tokenizer_lib.has_tokenizer(model_dir):  # tokenizer.json, or Kimi's tiktoken.model
     tokenizer = tokenizer_lib.Tokenizer.from_dir(model_dir)
   return target_lib.TargetModel(config, params, tokenizer, hf_config)
 
@@ -397,6 +475,11 @@ def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
     if expert is not None:
       w = w[expert]
     out[hf] = np.ascontiguousarray(layouts.to_hf_layout(w, kind))
+  # The MTP layers' copies of the main embedding / head, written as DeepSeek and GLM publish
+  # them (vLLM and SGLang read an MTP layer's embedding from its own tensor).
+  for name, of in mtp_copies(config).items():
+    if of in out:
+      out[name] = out[of]
   return out
 
 

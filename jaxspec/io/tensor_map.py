@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import ConfigError
 from jaxspec.io.architectures import ARCHITECTURES
 from jaxspec.io.architectures.tensors import Entry, TensorLayout
 
@@ -189,6 +190,16 @@ def _mtp_entries(config: ModelConfig) -> list[Entry]:
     (f"{eh_proj}.weight", ("eh_proj", "kernel"), "linear"),
     (f"{post_norm}.weight", ("post_norm", "scale"), "same"),
   ]
+  for own, name, entry in (
+    (config.mtp_own_embed, layout.mtp_embed, (("embed",), "same")),
+    (config.mtp_own_head, layout.mtp_head, (("head", "kernel"), "linear")),
+  ):
+    if own and not name:
+      raise ConfigError(
+        f"{config.architecture}: its MTP layers hold no embedding or head of their own"
+      )
+    if own:
+      e.append((name, *entry))
   layer = layer_entries(
     config, config.mtp_is_moe, indexer=config.is_dsa, sliding=config.mtp_sliding
   )
@@ -226,6 +237,22 @@ def tensor_map(config: ModelConfig) -> Iterator[tuple[str, tuple, int | None, st
   for k in range(config.num_mtp_layers):
     for hf, path, kind in _mtp_entries(config):
       yield f"{mtp_prefix(config, k)}{hf}", (f"mtp_{k}", *path), None, kind
+
+
+def mtp_copies(config: ModelConfig) -> dict[str, str]:
+  """{an MTP layer's published embedding / LM head: the main tensor it copies} for the copies
+  `config` shares with the main model (DeepSeek-V3 and GLM publish `embed_tokens.weight` and
+  `shared_head.head.weight` in each MTP layer; `TensorLayout.mtp_embed` / `mtp_head`)."""
+  layout = tensor_layout(config)
+  main_embed = "model.embed_tokens.weight"
+  main_head = main_embed if config.tie_word_embeddings else "lm_head.weight"
+  out = {}
+  for k in range(config.num_mtp_layers):
+    if layout.mtp_embed and not config.mtp_own_embed:
+      out[mtp_prefix(config, k) + layout.mtp_embed] = main_embed
+    if layout.mtp_head and not config.mtp_own_head:
+      out[mtp_prefix(config, k) + layout.mtp_head] = main_head
+  return out
 
 
 def mtp_prefix(config: ModelConfig, k: int) -> str:

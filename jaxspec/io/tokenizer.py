@@ -5,10 +5,16 @@ jaxspec's own models use a byte-level BPE tokenizer (launch/train_tokenizer.py),
 the library: `<|endoftext|>` (end of a document; the EOS id), `<|pad|>` (batch padding)
 and `<|mask|>` (the placeholder DFlash drafters fill in). Their ids are looked up by
 string, so any Hugging Face `tokenizer.json` loads; a token it lacks reads as `None`.
+
+A model directory's chat template travels with its tokenizer (`read_chat_template`): in
+`chat_template.jinja` (what transformers >= 4.47 saves) or, in older layouts, under
+`tokenizer_config.json`'s `chat_template`; the file wins, as in transformers. `save_hf` writes
+it back to `chat_template.jinja`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,20 +23,100 @@ from typing import Any, TypeVar
 
 import tokenizers
 
+from jaxspec.errors import CheckpointError
+from jaxspec.io import tiktoken_files
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN)
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# tokenizer_config.json's token strings a chat template reads (`{{ bos_token }}`, ...).
+TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 _ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 
 _T = TypeVar("_T")
 
 
+def has_tokenizer(model_dir: str | os.PathLike[str]) -> bool:
+  """Whether a model directory holds a tokenizer `Tokenizer.from_dir` reads."""
+  names = (TOKENIZER_FILE, tiktoken_files.TIKTOKEN_FILE)
+  return any(os.path.isfile(os.path.join(model_dir, n)) for n in names)
+
+
 def bundled_tokenizer_path() -> str:
   """Returns the path of the tokenizer.json shipped with jaxspec (stdlib-trained)."""
   return os.path.join(_ASSETS_DIR, TOKENIZER_FILE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplateSource:
+  """A model directory's chat template as published.
+
+  Attributes:
+    template: the Jinja source, or None when the directory has none.
+    tokens: tokenizer_config.json's bos/eos/pad/unk token strings (templates read them).
+    path: the file the template came from, or None.
+  """
+
+  template: str | None = None
+  tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+  path: str | None = None
+
+
+def _read_json_object(path: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      obj = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path}: cannot read it as JSON: {e}") from None
+  if not isinstance(obj, dict):
+    raise CheckpointError(f"{path}: must hold a JSON object, got {type(obj).__name__}")
+  return obj
+
+
+def read_chat_template(model_dir: str | os.PathLike[str] | None) -> ChatTemplateSource:
+  """The chat template of a model directory, with transformers' precedence.
+
+  `chat_template.jinja` (transformers >= 4.47 saves the template there, beside
+  tokenizer_config.json) wins over tokenizer_config.json's `chat_template`, which is either a
+  string or, for named templates, a list of {"name", "template"} whose "default" is used. The
+  token strings come from tokenizer_config.json either way (a plain string or the AddedToken
+  form {"content": ...}).
+  """
+  if model_dir is None:
+    return ChatTemplateSource()
+  model_dir = os.fspath(model_dir)
+  config_path = os.path.join(model_dir, TOKENIZER_CONFIG_FILE)
+  config = _read_json_object(config_path) if os.path.isfile(config_path) else {}
+  tokens = {}
+  for key in TEMPLATE_TOKEN_KEYS:
+    value = config.get(key)
+    if isinstance(value, dict):
+      value = value.get("content")
+    if isinstance(value, str):
+      tokens[key] = value
+  jinja_path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
+  if os.path.isfile(jinja_path):
+    try:
+      with open(jinja_path, encoding="utf-8") as f:
+        return ChatTemplateSource(f.read(), tokens, jinja_path)
+    except (OSError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"{jinja_path}: cannot read it as UTF-8 text: {e}") from None
+  template = config.get("chat_template")
+  if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    template = named.get("default")
+  if template is None:
+    return ChatTemplateSource(None, tokens)
+  if not isinstance(template, str):
+    raise CheckpointError(
+      f"{config_path}: chat_template must be a string, got {type(template).__name__}"
+    )
+  return ChatTemplateSource(template, tokens, config_path)
 
 
 class Tokenizer:
@@ -39,9 +125,11 @@ class Tokenizer:
   Attributes:
     backend: the wrapped `tokenizers.Tokenizer`.
     source: where it was loaded from (used in messages), or None.
-    chat_template: the model's chat template (Jinja) when it came with the tokenizer (a GGUF
-      file's `tokenizer.chat_template`), else None (a HF directory keeps it in its own files).
-    special_tokens: the template's special token strings (`bos_token`, `eos_token`, ...).
+    chat_template: the model's chat template (Jinja source): its directory's
+      (`read_chat_template`) or a GGUF file's `tokenizer.chat_template`; written back by
+      `save_hf`.
+    special_tokens: the template's token strings (`bos_token`, `eos_token`, ...) when the
+      tokenizer states them itself (a GGUF file's); a directory's are read with its template.
   """
 
   def __init__(
@@ -84,17 +172,24 @@ class Tokenizer:
 
   @classmethod
   def from_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
-    """Loads `tokenizer.json` from a model directory (Hugging Face layout)."""
+    """Loads `tokenizer.json` (else Kimi's `tiktoken.model`: `tiktoken_files`) and the chat
+    template (`read_chat_template`) from a model directory (Hugging Face layout)."""
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
       raise FileNotFoundError(f"model directory not found: {model_dir!r}")
     path = os.path.join(model_dir, TOKENIZER_FILE)
+    tiktoken_path = os.path.join(model_dir, tiktoken_files.TIKTOKEN_FILE)
+    if not os.path.isfile(path) and os.path.isfile(tiktoken_path):  # Kimi's layout
+      backend = tiktoken_files.load_tiktoken_dir(model_dir)
+      return cls(backend, tiktoken_path, read_chat_template(model_dir).template)
     if not os.path.isfile(path):
       found = sorted(os.listdir(model_dir))[:20]
       raise FileNotFoundError(
         f"no {TOKENIZER_FILE} in model directory {model_dir!r} (found: {found})"
       )
-    return cls.from_file(path)
+    tok = cls.from_file(path)
+    tok.chat_template = read_chat_template(model_dir).template
+    return tok
 
   @classmethod
   def from_str(cls, json_str: str) -> Tokenizer:
@@ -248,12 +343,11 @@ class Tokenizer:
       if self.token_to_id(tok) is not None:
         cfg[key] = tok
     cfg.update(self.special_tokens)  # the model's own, when it states them (a GGUF file)
-    if self.chat_template is not None:
-      cfg["chat_template"] = self.chat_template
     return cfg
 
   def save_hf(self, model_dir: str | os.PathLike[str]) -> None:
-    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
+    """Writes tokenizer.json, tokenizer_config.json, special_tokens_map.json and, when the
+    tokenizer has one, the chat template to chat_template.jinja (as transformers saves it)."""
     model_dir = os.fspath(model_dir)
     os.makedirs(model_dir, exist_ok=True)
     self.save(os.path.join(model_dir, TOKENIZER_FILE))
@@ -263,6 +357,12 @@ class Tokenizer:
       with open(os.path.join(model_dir, name), "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
+    jinja_path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
+    if self.chat_template is not None:
+      with open(jinja_path, "w", encoding="utf-8") as f:
+        f.write(self.chat_template)
+    elif os.path.exists(jinja_path):  # a stale template would win over this tokenizer's none
+      os.remove(jinja_path)
 
   def to_hf(self) -> Any:
     """Returns a `transformers.PreTrainedTokenizerFast` with special tokens set."""

@@ -307,7 +307,9 @@ class MTPLayer(nn.Module):
   """A multi-token-prediction module (DeepSeek-V3 / GLM, and Qwen3.5 / Qwen3-Next's `mtp.*`).
 
   h' = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) → a full-attention decoder block →
-  post_norm; the shared LM head turns it into logits for token i+2. Hybrid targets name the
+  post_norm; the shared LM head turns it into logits for token i+2. The embedding and head are
+  the main model's unless the config gives the layer its own (`mtp_own_embed` / `mtp_own_head`:
+  a published checkpoint whose MTP copies differ from the main tensors). Hybrid targets name the
   pieces fc, pre_fc_norm_embedding, pre_fc_norm_hidden and norm, use zero-centred norms, and
   feed the *normed* output to the next draft (see `Decoder.mtp_forward`).
   """
@@ -325,6 +327,28 @@ class MTPLayer(nn.Module):
     # Full attention, also in hybrid targets; in DSA targets with its own indexer.
     self.block = DecoderLayer(c, c.mtp_is_moe, indexer=c.is_dsa, sliding=c.mtp_sliding)
     self.post_norm = norm()
+    # The layer's own embedding / LM head, when its published copy differs from the main one.
+    if c.mtp_own_embed:
+      self.embed = self.param(
+        "embed",
+        nn.with_logical_partitioning(normal_init(), ("vocab", "embed")),
+        (c.vocab_size, c.hidden_size),
+        dtype_of(c.param_dtype),
+      )
+    if c.mtp_own_head:
+      self.head = Dense(
+        (c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, param_dtype=c.param_dtype
+      )
+
+  def own_embedding(self, tokens: jax.Array) -> jax.Array:
+    """Token embeddings from the layer's own table (`config.mtp_own_embed`)."""
+    c = self.config
+    h = scaled_rows(self.embed, tokens, c.embedding_scale)
+    return sharding.constrain_activation(h.astype(dtype_of(c.dtype)), "embed")
+
+  def own_logits(self, h: jax.Array) -> jax.Array:
+    """Logits before capping from the layer's own LM head (`config.mtp_own_head`)."""
+    return self.head(h).astype(jnp.float32)
 
   def __call__(
     self,
@@ -419,11 +443,13 @@ class Decoder(nn.Module):
     out = (proj + table.reshape(b, t, c.num_layers, width)) * jnp.asarray(2.0**-0.5, dt)
     return jnp.moveaxis(out.astype(dt), 2, 0)
 
-  def head(self, h: jax.Array) -> jax.Array:
+  def head(self, h: jax.Array, mtp: "MTPLayer | None" = None) -> jax.Array:
     """Final-normed hidden → float32 logits [B, T, V] with the (tied or untied) LM head, split
-    over the vocabulary as the head is."""
+    over the vocabulary as the head is; with `mtp`, that MTP layer's own head if it has one."""
     c = self.config
-    if c.tie_word_embeddings:
+    if mtp is not None and c.mtp_own_head:
+      logits = mtp.own_logits(h)
+    elif c.tie_word_embeddings:
       dt = dtype_of(c.dtype)
       logits = jnp.einsum(
         "bth,vh->btv", h.astype(dt), self.embed.astype(dt), preferred_element_type=jnp.float32
@@ -566,12 +592,12 @@ class Decoder(nn.Module):
     c = self.config
     cos, sin = self._rope(positions, (c.sliding_rope_theta or None) if c.mtp_sliding else None)
     kv = None if state is None else state.segments[0]
-    h, normed, kv = self.mtp[k](
-      self.embed_tokens(tokens), prev_hidden, kv, cos, sin, start, block_mask, positions
-    )
+    layer = self.mtp[k]
+    emb = layer.own_embedding(tokens) if c.mtp_own_embed else self.embed_tokens(tokens)
+    h, normed, kv = layer(emb, prev_hidden, kv, cos, sin, start, block_mask, positions)
     if state is not None:
       state = state.replace(segments=(kv,))
-    return self.head(normed), normed if self.config.is_hybrid else h, state
+    return self.head(normed, layer), normed if self.config.is_hybrid else h, state
 
   def init_all(self, tokens: jax.Array) -> Any:
     """Touches every parameter (main stack and MTP layers) so that `init` creates them all."""

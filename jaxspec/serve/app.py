@@ -206,9 +206,7 @@ class _Server:
         "model_not_found",
       )
 
-  def submit(
-    self, ids: list[int], options: SamplingOptions, req: Any, **job: Any
-  ) -> list[_Job]:
+  def submit(self, ids: list[int], options: SamplingOptions, req: Any, **job: Any) -> list[_Job]:
     """The request's jobs: one per choice (`n`, or best_of candidates), submitted together
     (one prefill)."""
     count = getattr(req, "candidates", req.n)
@@ -489,9 +487,10 @@ def create_app(
 ) -> fastapi.FastAPI:
   """The FastAPI app serving `scheduler` (already started) as the model `model_name`.
 
-  `chat_template`: None = the tokenizer's own (a GGUF file's), else the one in its directory
-  (tokenizer_config.json), else text.DEFAULT_CHAT_TEMPLATE. The caller owns the scheduler: it starts it before serving and
-  shuts it down (draining) after the HTTP server stops.
+  `chat_template`: None = the tokenizer's own (its directory's chat_template.jinja, else
+  tokenizer_config.json's; a GGUF file's), else text.DEFAULT_CHAT_TEMPLATE. The caller owns the
+  scheduler: it starts it before serving and shuts it down (draining) after the HTTP server
+  stops.
   """
   server = _Server(scheduler, model_name, api_key, max_body_bytes, chat_template)
   counts: collections.Counter = collections.Counter()

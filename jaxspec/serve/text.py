@@ -8,9 +8,9 @@ The scheduler streams token ids; the HTTP layer must send text. Three things sta
 * `StopMatcher` finds stop strings in that text. The stop string and everything after it are
   never returned; while streaming, a tail that could be the start of a stop string is held
   back and released once it turns out not to be one.
-* `ChatTemplate` renders a chat's messages to one prompt string: the checkpoint's
-  `tokenizer_config.json` `chat_template` (a Jinja template, run in a sandbox) when it has one,
-  else `DEFAULT_CHAT_TEMPLATE`.
+* `ChatTemplate` renders a chat's messages to one prompt string: the checkpoint's template
+  (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`; a Jinja template,
+  run in a sandbox) when it has one, else `DEFAULT_CHAT_TEMPLATE`.
 
 `TextStream` ties the first two together per request and keeps each token's log-prob and its
 offset in the returned text, so the log-probs a response reports belong to the text it returns.
@@ -19,7 +19,6 @@ offset in the returned text, so the log-probs a response reports belong to the t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -28,6 +27,7 @@ import jinja2
 import jinja2.sandbox
 
 from jaxspec.errors import CheckpointError, InputError
+from jaxspec.io import tokenizer as tokenizer_lib
 
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence yields
 # Prompt tokens decoded before the first generated token: tokenizers that drop a leading space
@@ -282,42 +282,25 @@ def _raise_template_error(message: str) -> None:
 
 
 def chat_template_of(tokenizer: Any) -> ChatTemplate:
-  """The chat template of a loaded model's tokenizer: the one it carries (a GGUF file's), else
-  the one in its directory (`load_chat_template`), else the default."""
+  """The chat template of a loaded model's tokenizer: the one it carries (its directory's, or
+  a GGUF file's with the token strings the file states), else the one in its directory
+  (`load_chat_template`), else the default."""
   own = getattr(tokenizer, "chat_template", None)
-  if isinstance(own, str):
-    return ChatTemplate(own, getattr(tokenizer, "special_tokens", None))
+  tokens = getattr(tokenizer, "special_tokens", None)
+  if isinstance(own, str) and tokens:
+    return ChatTemplate(own, tokens)
   source = getattr(tokenizer, "source", None)
   return load_chat_template(os.path.dirname(source) if source else None)
 
 
 def load_chat_template(model_dir: str | None) -> ChatTemplate:
-  """The template in `model_dir`/tokenizer_config.json, else the default one.
+  """The chat template of `model_dir` (`tokenizer_lib.read_chat_template`: its
+  chat_template.jinja, else tokenizer_config.json's), else the default one.
 
   The config's bos/eos/pad/unk token strings are passed to the template as HF does
   (`bos_token`, `eos_token`, ...), since templates use them.
   """
-  path = os.path.join(model_dir, "tokenizer_config.json") if model_dir else None
-  if not path or not os.path.isfile(path):
+  found = tokenizer_lib.read_chat_template(model_dir)
+  if found.template is None:
     return ChatTemplate()
-  try:
-    with open(path, encoding="utf-8") as f:
-      config = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{path}: cannot read it as JSON: {e}") from None
-  source = config.get("chat_template")
-  if isinstance(source, list):  # HF's named templates: [{"name": "default", "template": ...}]
-    named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-    source = named.get("default")
-  if source is None:
-    return ChatTemplate()
-  if not isinstance(source, str):
-    raise CheckpointError(f"{path}: chat_template must be a string, got {type(source).__name__}")
-  special = {}
-  for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-    value = config.get(key)
-    if isinstance(value, dict):  # AddedToken form: {"content": "<s>", ...}
-      value = value.get("content")
-    if isinstance(value, str):
-      special[key] = value
-  return ChatTemplate(source, special)
+  return ChatTemplate(found.template, found.tokens)

@@ -80,11 +80,10 @@ def read_shared(r: HFConfigReader, arch: Architecture) -> tuple[HFConfigReader, 
   if arch.dense_width:
     required.append("intermediate_size")
   r.require(*required)
-  sliding = r.flag("use_sliding_window", False) or any(
-    t not in arch.attention_layer_types for t in r.strings("layer_types", ())
-  )
-  if sliding and not arch.sliding:
-    raise r.error("sliding-window attention layers are not supported")
+  other = sorted({t for t in r.strings("layer_types", ()) if t not in arch.attention_layer_types})
+  if not arch.sliding and (r.flag("use_sliding_window", False) or other):
+    stated = f"layer_types {other}" if other else "use_sliding_window=true"
+    raise r.error(f"sliding-window attention layers ({stated}) are not supported")
   if r.string("hidden_act", "silu") != "silu":
     raise r.error(f"hidden_act {r.hf['hidden_act']!r} is not supported (only 'silu')")
   if arch.default_rope and not (r.mapping("rope_parameters") or r.mapping("rope_scaling")):
@@ -114,6 +113,9 @@ def read_shared(r: HFConfigReader, arch: Architecture) -> tuple[HFConfigReader, 
     pad_token_id=r.integer("pad_token_id", None),
     bos_token_id=r.integer("bos_token_id", None),
     num_mtp_layers=r.first_integer(("num_nextn_predict_layers", "num_mtp_layers"), 0),
+    # jaxspec's own keys, written when an MTP layer keeps its own embedding / head (hf.py)
+    mtp_own_embed=r.flag("mtp_own_embed", False),
+    mtp_own_head=r.flag("mtp_own_head", False),
   )
 
 
@@ -158,5 +160,8 @@ def write_shared(config: ModelConfig, arch: Architecture) -> dict[str, Any]:
     hf["bos_token_id"] = c.bos_token_id
   if c.num_mtp_layers:
     hf[arch.mtp_key] = c.num_mtp_layers
+  for key in ("mtp_own_embed", "mtp_own_head"):
+    if getattr(c, key):
+      hf[key] = True
   return hf
 

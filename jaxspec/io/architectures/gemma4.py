@@ -13,8 +13,12 @@ layers (`use_double_wide_mlp`); GELU-tanh (`hidden_activation`); tied embeddings
 beside every layer's MLP (`enable_moe_block`: `num_experts`, `top_k_experts`,
 `moe_intermediate_size`; experts stored fused as `experts.gate_up_proj` [E, 2I, H]).
 
-Refused by name: bidirectional attention, other RoPE types, per-layer overrides other than the
-full layers' head width and KV heads.
+`use_bidirectional_attention: "vision"` (what every published Gemma 4 config states) is read as
+causal text decoding: it makes image tokens attend to each other both ways, and jaxspec builds
+no vision tower, so text tokens stay causal, as in transformers on text-only input.
+
+Refused by name: bidirectional attention over all tokens ("all"), other RoPE types, per-layer
+overrides other than the full layers' head width and KV heads.
 """
 
 from __future__ import annotations
@@ -164,13 +168,12 @@ def _read(r: HFConfigReader, kw: dict[str, Any]) -> dict[str, Any]:
   bad = sorted(set(types) - {SLIDING, FULL})
   if bad or len(types) != n:
     raise r.error(
-      f"layer_types must name {SLIDING!r} or {FULL!r} for each of the {n} layers, got "
-      f"{show(types)}"
+      f"layer_types must name {SLIDING!r} or {FULL!r} for each of the {n} layers, got {show(types)}"
     )
-  if r.hf.get("use_bidirectional_attention") is not None:
+  if r.hf.get("use_bidirectional_attention") not in (None, "vision"):
     raise r.error(
       f"use_bidirectional_attention={show(r.hf['use_bidirectional_attention'])} is not "
-      "supported (causal text decoding only)"
+      'supported (causal text decoding only; "vision" is read as causal text)'
     )
   moe = r.flag("enable_moe_block", False)
   experts = dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)

@@ -234,5 +234,7 @@ MIMO_V2_FLASH = Architecture(
     # the MTP block names the MLP's norm for what it precedes
     mtp_renames=(("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),),
     unbuilt_mtp="model.mtp.",
+    mtp_embed="",  # the MTP layers read the main embedding and head
+    mtp_head="",
   ),
 )

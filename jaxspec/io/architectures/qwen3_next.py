@@ -133,6 +133,8 @@ _MTP_MODULE = dict(
   mtp_names=("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"),
   mtp_block="layers.0.",
   unbuilt_mtp="mtp.",
+  mtp_embed="",  # the module reads the main embedding and head
+  mtp_head="",
 )
 # Transformers' defaults: a quarter of each head rotated, only the default RoPE, 256-wide heads.
 _HYBRID = dict(

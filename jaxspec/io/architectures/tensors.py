@@ -46,6 +46,10 @@ class TensorLayout:
       norm `pre_mlp_layernorm`).
     unbuilt_mtp: the prefix of MTP tensors that transformers does not build and that a config
       without MTP layers skips with a warning ("": such tensors are an error).
+    mtp_embed, mtp_head: the token embedding and LM head each MTP layer holds as published
+      (DeepSeek-V3 / GLM: `embed_tokens.weight`, `shared_head.head.weight`; "": none). A copy
+      equal to the main model's tensor is shared with it; one that differs is the layer's own
+      (`ModelConfig.mtp_own_embed` / `mtp_own_head`).
   """
 
   sink: str = "sinks"
@@ -60,3 +64,5 @@ class TensorLayout:
   mtp_block: str = ""
   mtp_renames: tuple[tuple[str, str], ...] = ()
   unbuilt_mtp: str = ""
+  mtp_embed: str = "embed_tokens.weight"
+  mtp_head: str = "shared_head.head.weight"

@@ -1,0 +1,362 @@
+"""One conformance table: the same checks for every dense target family, against transformers.
+
+Each row of `ROWS` is a `Row`: a name, the transformers config and model classes, the tiny
+config kwargs (hidden ≤ 64, 2 layers, vocab < 128), the (key, value) pairs a config.json must
+be refused for (the ConfigError names the key), and an optional hook for the family's own
+assertions. To add a family, append a row; every check below runs on it:
+
+  (a) logits within 1e-4 of transformers' (random weights perturbed away from HF's init);
+  (b) config.json read, written back (config_to_hf) and read by transformers: the same config;
+  (c) the row's unsupported keys refused by name;
+  (d) save_hf → transformers loads it, same logits;
+  (e) cached greedy decoding (SpecEngine, no drafter) = the argmax of transformers' full
+      (uncached) forward over jaxspec's output, token by token;
+  (f) lossless speculation: a small DFlash drafter's DDTree output = plain greedy decoding;
+  (g) `jaxspec.quantize`'s default policy: runs, logits finite and near the float ones, and
+      the quantized checkpoint reads back to the same logits;
+  (h) the planner: its formula agrees with the traced model, whose parameter count is
+      transformers'.
+
+Each row's HF model, checkpoint, jaxspec model and engines are built once (lazily, by
+`_build`) and shared by the checks, so a row compiles one logits program, one plain and one
+speculative engine and one quantized model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jaxspec
+from jaxspec.errors import ConfigError
+from jaxspec.io.architectures import config_from_hf, config_to_hf
+from jaxspec.plan import arch as plan_arch
+from jaxspec.quant.formats import QTensor
+from jaxspec.speculative.engine import SpecEngine
+from jaxspec.speculative.engine_config import EngineConfig
+from jaxspec.state import DecodingState, SlidingKV
+
+from tests import drafter_models, hf_models, near_ties
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One family's configuration and what is particular to it.
+
+  Attributes:
+    name: the test id.
+    config_cls, model_cls: the transformers class names that build the reference.
+    kwargs: the config's keyword arguments (tiny: 2 layers, vocab < 128).
+    refused: (config.json key, value) pairs that must raise a ConfigError naming the key.
+    extra: the family's own assertions, given the row's `Built`.
+    slow: the checks ("greedy", "speculation": each compiles an engine for the row) that run
+      only with the slow tests, where the default suite's other rows cover the same path.
+  """
+
+  name: str
+  config_cls: str
+  model_cls: str
+  kwargs: dict[str, Any]
+  refused: tuple[tuple[str, Any], ...] = ()
+  extra: Callable[["Built"], None] | None = None
+  slow: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Built:
+  """A row's reference model, its checkpoint directory and the jaxspec model read from it."""
+
+  row: Row
+  hf: transformers.PreTrainedModel
+  path: str
+  model: jaxspec.TargetModel
+
+  @property
+  def hf_config(self) -> dict[str, Any]:
+    with open(os.path.join(self.path, "config.json")) as f:
+      return json.load(f)
+
+  def ids(self, shape=(2, 24), seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, self.model.config.vocab_size, shape)
+
+  @functools.cached_property
+  def engine_config(self) -> EngineConfig:
+    return EngineConfig(max_len=48, batch_size=2, use_eos=False)
+
+  @functools.cached_property
+  def prompts(self) -> list[list[int]]:
+    return drafter_models.prompts(2, self.model.config.vocab_size)
+
+  @functools.cached_property
+  def plain_tokens(self) -> list[list[int]]:
+    """Cached greedy decoding of `prompts` by the plain engine (24 new tokens each)."""
+    engine = SpecEngine(self.model, None, self.engine_config)
+    return [list(t) for t in engine.generate(self.prompts, max_new_tokens=24).tokens]
+
+
+def _differs_from_hf(b: Built, model: jaxspec.TargetModel) -> None:
+  """`model` (the row's weights under a changed config) moves the logits off transformers'."""
+  ids = b.ids()
+  assert np.abs(np.asarray(model.logits(ids)) - hf_models.hf_logits(b.hf, ids)).max() > 1e-3
+
+
+def _llama3_scaling_matters(b: Built) -> None:
+  assert dict(b.model.config.rope_scaling)["rope_type"] == "llama3"
+  _differs_from_hf(b, b.model.with_config(rope_scaling=()))
+
+
+def _mistral_window(b: Built) -> None:
+  """Every layer slides: the decoding state is rings only, and the window is what the logits
+  depend on (the prompts plus 24 tokens span 4 windows)."""
+  c = b.model.config
+  assert c.layer_windows == (8, 8)
+  state = DecodingState.create(c, 1, b.engine_config.max_len, "float", slack=4)
+  assert all(isinstance(s, SlidingKV) for s in state.segments)
+  _differs_from_hf(b, b.model.with_config(layer_windows=(0, 0)))
+
+
+def _qwen2_biases(b: Built) -> None:
+  """q/k/v biased, o_proj not; published configs' sliding keys read as transformers does."""
+  attn = b.model.with_scan_layers(True).params["layers_0"]["self_attn"]
+  assert "bias" in attn["k_proj"] and "bias" not in attn["o_proj"]
+  published = {**b.hf_config, "use_sliding_window": False, "sliding_window": 4096}
+  published.pop("layer_types", None)
+  assert config_from_hf(published).layer_windows == (0, 0)
+  windowed = config_from_hf({**published, "use_sliding_window": True, "max_window_layers": 1})
+  assert windowed.layer_windows == (0, 4096)
+
+
+def _qwen3_norms(b: Built) -> None:
+  assert b.model.config.qk_norm
+  _differs_from_hf(b, b.model.with_config(qk_norm=False))
+
+
+_DENSE = dict(
+  vocab_size=96,
+  hidden_size=32,
+  intermediate_size=64,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  max_position_embeddings=256,
+)
+_LONGROPE = {"rope_type": "longrope", "factor": 2.0, "rope_theta": 10000.0}
+
+ROWS = (
+  Row(
+    "llama",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    dict(_DENSE, attention_bias=True, tie_word_embeddings=False),
+    refused=(("mlp_bias", True), ("hidden_act", "gelu"), ("rope_parameters", _LONGROPE)),
+    slow=("greedy", "speculation"),  # llama3_rope decodes Llama in the default suite
+  ),
+  # Llama 3.1's RoPE over 16 original positions; head_dim stated apart from hidden / heads.
+  Row(
+    "llama3_rope",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    dict(
+      _DENSE,
+      head_dim=16,
+      tie_word_embeddings=True,
+      rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+      },
+    ),
+    refused=(
+      ("low_freq_factor", None),  # (read inside rope_parameters: see _with)
+      ("high_freq_factor", 0.5),
+    ),
+    extra=_llama3_scaling_matters,
+    slow=("speculation",),
+  ),
+  Row(
+    "mistral_sliding",
+    "MistralConfig",
+    "MistralForCausalLM",
+    dict(_DENSE, sliding_window=8, rope_theta=1000.0, tie_word_embeddings=False),
+    refused=(("sliding_window", 0), ("hidden_act", "gelu")),
+    extra=_mistral_window,
+  ),
+  Row(
+    "qwen2",
+    "Qwen2Config",
+    "Qwen2ForCausalLM",
+    dict(_DENSE, tie_word_embeddings=False),
+    refused=(
+      ("use_sliding_window", "no"),
+      ("layer_types", ["sliding_attention", "full_attention"]),
+      ("layer_types", ["full_attention", "linear_attention"]),
+    ),
+    extra=_qwen2_biases,
+    slow=("greedy", "speculation"),  # its biases are the full forward's, checked in (a)
+  ),
+  Row(
+    "qwen3",
+    "Qwen3Config",
+    "Qwen3ForCausalLM",
+    dict(_DENSE, head_dim=8, attention_bias=True, tie_word_embeddings=True),
+    refused=(("use_sliding_window", True), ("rope_parameters", _LONGROPE)),
+    extra=_qwen3_norms,
+    slow=("greedy", "speculation"),  # as the rest of the suite's Qwen3 targets
+  ),
+)
+BY_NAME = {row.name: row for row in ROWS}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Callable[[str], Built]:
+  """Row name → its Built, made on first use and shared by every check of the module."""
+
+  @functools.cache
+  def build(name: str) -> Built:
+    row = BY_NAME[name]
+    hf = hf_models.build_hf_model_from(row.config_cls, row.model_cls, row.kwargs, seed=3)
+    path = str(tmp_path_factory.mktemp(name))
+    hf.save_pretrained(path)
+    return Built(row, hf, path, jaxspec.load_model(path))
+
+  return build
+
+
+def _with(hf: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+  """config.json `hf` with `key` set to `value`; a RoPE parameter is set inside
+  rope_parameters, where the config states it."""
+  rope = hf.get("rope_parameters") or {}
+  if key in rope and key != "rope_type":
+    return {**hf, "rope_parameters": {**rope, key: value}}
+  return {**hf, key: value}
+
+
+names = pytest.mark.parametrize("name", [row.name for row in ROWS])
+
+
+def _rows(check: str) -> list[Any]:
+  """Every row's name, marked slow where the row says so for `check`."""
+  return [
+    pytest.param(row.name, marks=[pytest.mark.slow] if check in row.slow else [])
+    for row in ROWS
+  ]
+
+
+@names
+def test_logits_match_transformers(built, name):
+  b = built(name)
+  ids = b.ids()
+  ref = hf_models.hf_logits(b.hf, ids)
+  near_ties.assert_logits_match(b.model, ids, b.model.logits(ids), ref, atol=1e-4)
+
+
+@names
+def test_config_round_trip_through_transformers(built, name):
+  b = built(name)
+  c = config_from_hf(b.hf_config)
+  written = config_to_hf(c)
+  assert config_from_hf(written) == c
+  # transformers reads what jaxspec wrote as the same model.
+  theirs = getattr(transformers, b.row.config_cls)(**written).to_dict()
+  assert config_from_hf({**theirs, "architectures": written["architectures"]}) == c
+
+
+@pytest.mark.parametrize(
+  "name,key,value",
+  [(row.name, key, value) for row in ROWS for key, value in row.refused],
+)
+def test_unsupported_keys_are_refused_by_name(built, name, key, value):
+  hf = built(name).hf_config
+  with pytest.raises(ConfigError, match=re.escape(key)):
+    config_from_hf(_with(hf, key, value))
+
+
+@names
+def test_save_hf_loads_in_transformers(built, name, tmp_path):
+  b = built(name)
+  jaxspec.save_hf(b.model, str(tmp_path))
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+  assert type(back).__name__ == b.row.model_cls
+  ids = b.ids(seed=1)
+  np.testing.assert_allclose(
+    hf_models.hf_logits(back.eval(), ids), hf_models.hf_logits(b.hf, ids), atol=1e-5
+  )
+
+
+@pytest.mark.parametrize("name", _rows("greedy"))
+def test_cached_greedy_is_the_full_forward_argmax(built, name):
+  b = built(name)
+  for prompt, tokens in zip(b.prompts, b.plain_tokens):
+    assert len(tokens) == 24
+    near_ties.assert_greedy_is_full_forward_argmax(b.hf, prompt, tokens, model=b.model)
+
+
+@pytest.mark.parametrize("name", _rows("speculation"))
+def test_speculative_decoding_is_lossless(built, name):
+  """DFlash DDTree verification (6 nodes) produces plain greedy decoding's tokens."""
+  b = built(name)
+  drafter = drafter_models.small_dflash(b.model, target_layer_ids=(0, 1))
+  cfg = dataclasses.replace(b.engine_config, verify="tree", tree_budget=6)
+  spec = SpecEngine(b.model, drafter, cfg).generate(b.prompts, max_new_tokens=24)
+  near_ties.assert_greedy_match(b.model, b.prompts, b.plain_tokens, spec.tokens)
+
+
+@names
+def test_default_quantize_policy(built, name, tmp_path):
+  """FP8 attention (the default policy's for a dense model): finite logits near the float
+  ones (but not equal), and the checkpoint jaxspec writes reads back to the same logits."""
+  b = built(name)
+  q = jaxspec.quantize(b.model)
+  kernel = q.with_scan_layers(True).params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+  assert isinstance(kernel, QTensor) and kernel.format == "fp8"
+  ids = b.ids(seed=4)
+  logits = np.asarray(q.logits(ids))
+  ref = hf_models.hf_logits(b.hf, ids)
+  assert np.isfinite(logits).all()
+  assert 1e-5 < np.abs(logits - ref).max() < 0.25 * np.abs(ref).max()
+  jaxspec.save_hf(q, str(tmp_path))
+  again = jaxspec.load_model(str(tmp_path))
+  np.testing.assert_array_equal(np.asarray(again.logits(ids)), logits)
+
+
+@names
+def test_planner_counts_the_traced_model(built, name):
+  b = built(name)
+  traced = plan_arch.model_spec(b.hf_config)
+  assert traced.counted == "traced"
+  as_table = lambda spec: {w.path: (w.shape, w.dtype, w.axes) for w in spec.weights}
+  assert as_table(traced) == as_table(plan_arch.model_spec(b.hf_config, source="formula"))
+  assert traced.num_params == sum(p.numel() for p in b.hf.parameters())
+
+
+@pytest.mark.parametrize("name", [row.name for row in ROWS if row.extra])
+def test_family_specifics(built, name):
+  b = built(name)
+  b.row.extra(b)
+
+
+def test_published_llama_3_1_is_planned_from_the_traced_model():
+  """configs/hf/llama_3_1_8b_instruct.json (the release config.json): read with its llama3
+  RoPE, traced by the planner, its formula agreeing, exactly the checkpoint's 8030261248."""
+  repo = os.path.join(os.path.dirname(__file__), "..")
+  with open(os.path.join(repo, "configs", "hf", "llama_3_1_8b_instruct.json")) as f:
+    hf = json.load(f)
+  traced = plan_arch.model_spec(hf)
+  assert traced.counted == "traced" and traced.num_params == 8030261248
+  as_table = lambda spec: {w.path: (w.shape, w.dtype, w.axes) for w in spec.weights}
+  assert as_table(traced) == as_table(plan_arch.model_spec(hf, source="formula"))
+  scaling = dict(traced.config.rope_scaling)
+  assert scaling["rope_type"] == "llama3" and scaling["original_max_position_embeddings"] == 8192
