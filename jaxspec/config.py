@@ -142,6 +142,8 @@ class ModelConfig:
   vocab_size_per_layer_input: int = 0
   final_logit_softcapping: float = 0.0
   use_double_wide_mlp: bool = False
+  # Gemma 3 (Family.query_scalar): the softmax scale is query_pre_attn_scalar^-0.5 (0: head_dim's).
+  query_pre_attn_scalar: float = 0.0
   # The dense MLP's activation (HIDDEN_ACTS).
   hidden_act: str = "silu"
   # Special tokens.
@@ -217,8 +219,9 @@ class ModelConfig:
 
   @property
   def norm_offset(self) -> float:
-    """RMSNorm weights are stored as w with scale 1 + w (zero-centred) in hybrid targets."""
-    return 1.0 if self.is_hybrid else 0.0
+    """RMSNorm weights are stored as w with scale 1 + w (zero-centred) in hybrid targets and
+    families with `centred_norms` (Gemma 3)."""
+    return 1.0 if self.is_hybrid or self.family.centred_norms else 0.0
 
   @property
   def attention_output_gate(self) -> bool:
@@ -352,9 +355,12 @@ class ModelConfig:
   def attention_scale(self) -> float:
     """The softmax scale: head_dim^-0.5, times mscale(factor, mscale_all_dim)² under DeepSeek's
     YaRN (MLA targets; transformers' `yarn_apply_mscale`); 1 for Gemma 4, whose q/k norms
-    set the scale (`family.unit_attention_scale`)."""
+    set the scale (`family.unit_attention_scale`); query_pre_attn_scalar^-0.5 where stated
+    (Gemma 3)."""
     if self.family.unit_attention_scale:
       return 1.0
+    if self.query_pre_attn_scalar:
+      return self.query_pre_attn_scalar**-0.5
     scale = self.head_dim**-0.5
     s = dict(self.rope_scaling)
     if self.is_mla and s.get("rope_type", "default") != "default" and s.get("mscale_all_dim"):

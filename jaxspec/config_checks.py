@@ -344,8 +344,9 @@ def _validate_moe(c: Any, family: Family, need: Need) -> None:
 
 
 def _validate_gemma4(c: Any, family: Family, need: Need) -> None:
-  """Gemma 4's mechanisms (global attention shapes, KV sharing, per-layer inputs, soft-capping,
-  the MoE block beside the MLP): only in families that have them, and consistent."""
+  """Gemma's mechanisms (global attention shapes, KV sharing, per-layer inputs, soft-capping,
+  the MoE block beside the MLP, Gemma 3's query scalar): only in families that have them, and
+  consistent."""
   need(
     c.hidden_act in HIDDEN_ACTS,
     f"hidden_act must be one of {HIDDEN_ACTS}, got {show(c.hidden_act)}",
@@ -353,6 +354,13 @@ def _validate_gemma4(c: Any, family: Family, need: Need) -> None:
   need(
     is_real(c.final_logit_softcapping) and c.final_logit_softcapping >= 0,
     f"final_logit_softcapping must be ≥ 0 (0: none), got {show(c.final_logit_softcapping)}",
+  )
+  need(
+    is_real(c.query_pre_attn_scalar)
+    and math.isfinite(c.query_pre_attn_scalar)
+    and c.query_pre_attn_scalar >= 0,
+    f"query_pre_attn_scalar must be a finite number ≥ 0 (0: head_dim), got "
+    f"{show(c.query_pre_attn_scalar)}",
   )
   features = (
     (
@@ -379,6 +387,12 @@ def _validate_gemma4(c: Any, family: Family, need: Need) -> None:
       (c.final_logit_softcapping,),
       "logit soft-capping (final_logit_softcapping)",
       lambda f: f.logit_softcapping,
+    ),
+    (
+      family.query_scalar,
+      (c.query_pre_attn_scalar,),
+      "the softmax scale query_pre_attn_scalar^-0.5 (query_pre_attn_scalar)",
+      lambda f: f.query_scalar,
     ),
   )
   for has, values, what, feature in features:

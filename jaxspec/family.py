@@ -50,13 +50,16 @@ class Family:
     float_router: published checkpoints keep the router in float, so the default quantization
       policy leaves it so.
     mtp_sliding: MTP blocks use the sliding layers' attention and a dense MLP (MiMo-V2-Flash).
-    sandwich_norms: each sublayer's output normed too and the layer's output scaled by a learned
-      scalar (Gemma 4).
+    sandwich_norms: each sublayer's output normed too (Gemma 3, Gemma 4).
+    layer_scalar: the layer's output scaled by a learned scalar (Gemma 4).
+    centred_norms: every RMSNorm (q/k norms included) stores w and scales by 1 + w, without
+      hybrid's other mechanisms (Gemma 3).
     moe_beside_mlp: the MoE block runs beside every layer's dense MLP, routed by the "gemma4"
       router on the residual, in every layer or in none (Gemma 4).
     embedding_scale: token embeddings scaled by sqrt(hidden_size) as they enter the model.
     value_norm: values RMS-normed without a scale before they are stored.
     unit_attention_scale: the q/k norms set the softmax scale (1, not head_dim^-0.5).
+    query_scalar: the softmax scale is query_pre_attn_scalar^-0.5, a config value (Gemma 3).
     per_type_rope: sliding layers turn whole heads with their own base and no scaling; full
       layers are turned over their own head width by `rope_scaling`.
     global_attention: full layers with their own head width and KV heads, values equal to keys.
@@ -79,10 +82,13 @@ class Family:
   float_router: bool = False
   mtp_sliding: bool = False
   sandwich_norms: bool = False
+  layer_scalar: bool = False
+  centred_norms: bool = False
   moe_beside_mlp: bool = False
   embedding_scale: bool = False
   value_norm: bool = False
   unit_attention_scale: bool = False
+  query_scalar: bool = False
   per_type_rope: bool = False
   global_attention: bool = False
   kv_sharing: bool = False

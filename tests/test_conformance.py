@@ -3,7 +3,8 @@
 Each row of `ROWS` is a `Row`: a name, the transformers config and model classes, the tiny
 config kwargs (hidden ≤ 64, 2 layers, vocab < 128), the (key, value) pairs a config.json must
 be refused for (the ConfigError names the key), and an optional hook for the family's own
-assertions. To add a family, append a row; every check below runs on it:
+assertions; a multimodal wrapper's row names the text model jaxspec builds from it
+(`text_model`). To add a family, append a row; every check below runs on it:
 
   (a) logits within 1e-4 of transformers' (random weights perturbed away from HF's init);
   (b) config.json read, written back (config_to_hf) and read by transformers: the same config;
@@ -29,6 +30,7 @@ import functools
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +63,8 @@ class Row:
     extra: the family's own assertions, given the row's `Built`.
     slow: the checks ("greedy", "speculation": each compiles an engine for the row) that run
       only with the slow tests, where the default suite's other rows cover the same path.
+    text_model: for a multimodal wrapper, the (config, model) classes of its text model, which
+      jaxspec builds and `save_hf` writes; the reference's vision tower is not counted.
   """
 
   name: str
@@ -70,6 +74,7 @@ class Row:
   refused: tuple[tuple[str, Any], ...] = ()
   extra: Callable[["Built"], None] | None = None
   slow: tuple[str, ...] = ()
+  text_model: tuple[str, str] = ()
 
 
 @dataclasses.dataclass
@@ -152,6 +157,38 @@ _DENSE = dict(
 )
 _LONGROPE = {"rope_type": "longrope", "factor": 2.0, "rope_theta": 10000.0}
 
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+_GEMMA3 = dict(
+  _DENSE,
+  head_dim=8,
+  sliding_window=4,
+  query_pre_attn_scalar=12,
+  layer_types=[_SLIDING, _FULL],
+  rope_parameters={
+    _SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+    _FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+  },
+)
+_SIGLIP = dict(
+  hidden_size=16,
+  intermediate_size=32,
+  num_hidden_layers=1,
+  num_attention_heads=2,
+  image_size=16,
+  patch_size=8,
+)
+
+
+def _gemma3_rings(b: Built) -> None:
+  """The sliding layer keeps a ring; the softmax scale is query_pre_attn_scalar's and the
+  full layer's RoPE linearly scaled (tests/test_gemma3.py has the rest)."""
+  c = b.model.config
+  state = DecodingState.create(c, 1, b.engine_config.max_len, "float", slack=4)
+  assert [isinstance(s, SlidingKV) for s in state.segments] == [True, False]
+  _differs_from_hf(b, b.model.with_config(query_pre_attn_scalar=0.0))
+  _differs_from_hf(b, b.model.with_config(rope_scaling=()))
+
+
 ROWS = (
   Row(
     "llama",
@@ -216,6 +253,27 @@ ROWS = (
     extra=_qwen3_norms,
     slow=("greedy", "speculation"),  # as the rest of the suite's Qwen3 targets
   ),
+  Row(
+    "gemma3",
+    "Gemma3TextConfig",
+    "Gemma3ForCausalLM",
+    _GEMMA3,
+    refused=(
+      ("attn_logit_softcapping", 50.0),
+      ("use_bidirectional_attention", True),
+      ("hidden_activation", "gelu"),
+    ),
+    extra=_gemma3_rings,
+  ),
+  # The text model of the multimodal wrapper as transformers saves it (language_model.model.*).
+  Row(
+    "gemma3_multimodal",
+    "Gemma3Config",
+    "Gemma3ForConditionalGeneration",
+    dict(text_config=_GEMMA3, vision_config=_SIGLIP, mm_tokens_per_image=4),
+    slow=("greedy", "speculation"),  # the gemma3 row's engines
+    text_model=("Gemma3TextConfig", "Gemma3ForCausalLM"),
+  ),
 )
 BY_NAME = {row.name: row for row in ROWS}
 
@@ -230,7 +288,9 @@ def built(tmp_path_factory) -> Callable[[str], Built]:
     hf = hf_models.build_hf_model_from(row.config_cls, row.model_cls, row.kwargs, seed=3)
     path = str(tmp_path_factory.mktemp(name))
     hf.save_pretrained(path)
-    return Built(row, hf, path, jaxspec.load_model(path))
+    with warnings.catch_warnings():  # a wrapper's vision tower, left out
+      warnings.simplefilter("ignore" if row.text_model else "default")
+      return Built(row, hf, path, jaxspec.load_model(path))
 
   return build
 
@@ -270,7 +330,8 @@ def test_config_round_trip_through_transformers(built, name):
   written = config_to_hf(c)
   assert config_from_hf(written) == c
   # transformers reads what jaxspec wrote as the same model.
-  theirs = getattr(transformers, b.row.config_cls)(**written).to_dict()
+  config_cls = (b.row.text_model or (b.row.config_cls,))[0]
+  theirs = getattr(transformers, config_cls)(**written).to_dict()
   assert config_from_hf({**theirs, "architectures": written["architectures"]}) == c
 
 
@@ -289,7 +350,7 @@ def test_save_hf_loads_in_transformers(built, name, tmp_path):
   b = built(name)
   jaxspec.save_hf(b.model, str(tmp_path))
   back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-  assert type(back).__name__ == b.row.model_cls
+  assert type(back).__name__ == (b.row.text_model or (None, b.row.model_cls))[1]
   ids = b.ids(seed=1)
   np.testing.assert_allclose(
     hf_models.hf_logits(back.eval(), ids), hf_models.hf_logits(b.hf, ids), atol=1e-5
@@ -339,7 +400,11 @@ def test_planner_counts_the_traced_model(built, name):
   assert traced.counted == "traced"
   as_table = lambda spec: {w.path: (w.shape, w.dtype, w.axes) for w in spec.weights}
   assert as_table(traced) == as_table(plan_arch.model_spec(b.hf_config, source="formula"))
-  assert traced.num_params == sum(p.numel() for p in b.hf.parameters())
+  counted = b.hf.parameters()
+  if b.row.text_model:  # the text model and its head (once where tied)
+    head = b.hf.get_output_embeddings().parameters()
+    counted = {id(p): p for p in (*b.hf.get_decoder().parameters(), *head)}.values()
+  assert traced.num_params == sum(p.numel() for p in counted)
 
 
 @pytest.mark.parametrize("name", [row.name for row in ROWS if row.extra])

@@ -486,9 +486,12 @@ def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
 def save_hf(
   model: target_lib.TargetModel, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES
 ) -> None:
-  """Writes config.json, model.safetensors (sharded with an index when large) and tokenizer."""
+  """Writes config.json, model.safetensors (sharded with an index when large) and tokenizer.
+
+  The model of a multimodal checkpoint is written as its text model (the config.json of its
+  `text_config`), since only that is built."""
   os.makedirs(out_dir, exist_ok=True)
-  hf_config = dict(model.hf_config or {})
+  hf_config = dict(architectures.text_config(model.hf_config or {}))
   hf_config.update(architectures.config_to_hf(model.config))
   is_q = lambda x: isinstance(x, QTensor)
   leaves = jax.tree_util.tree_leaves(model.params, is_leaf=is_q)

@@ -152,8 +152,10 @@ VISION_PREFIXES = (
   "model.embed_vision.",
   "model.embed_audio.",
   "model.mm_projector.",
+  "model.multi_modal_projector.",  # Gemma 3's
   "vision_tower.",
   "mm_projector.",
+  "multi_modal_projector.",
 )
 
 

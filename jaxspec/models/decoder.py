@@ -69,9 +69,9 @@ class DecoderLayer(nn.Module):
   MLA targets, models/mla.py) or, with `linear`, a Gated DeltaNet (models/gated_deltanet.py);
   the FFN is dense or MoE.
 
-  Gemma 4's features (`config.family`): sandwich norms (each sublayer's output normed too, the
-  layer's output scaled by a learned `layer_scalar`), the MoE block beside the MLP where `moe`,
-  and its per-layer input (`per_layer` [B, T, P]) added through a gated projection. In targets with
+  Gemma's features (`config.family`): sandwich norms (each sublayer's output normed too), the
+  layer's output scaled by a learned `layer_scalar` (Gemma 4), the MoE block beside the MLP
+  where `moe`, and Gemma 4's per-layer input (`per_layer` [B, T, P]) added through a gated projection. In targets with
   KV-shared layers the carry holds the block K/V of the run's last layer (`extra`), which the
   shared layers of its type read (`shared`), and `kv_shared` layers compute no K/V."""
 
@@ -141,7 +141,7 @@ class DecoderLayer(nn.Module):
     h = h + (norm("post_feedforward_layernorm")(ffn) if sandwich else ffn)
     if c.hidden_size_per_layer_input:
       h = h + self._per_layer_input(h, per_layer, norm)
-    if sandwich:
+    if c.family.layer_scalar:
       scalar = self.param(
         "layer_scalar", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (1,),
         dtype_of(c.param_dtype),

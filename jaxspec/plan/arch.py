@@ -295,14 +295,17 @@ def _built(hf: Mapping[str, Any], arch: str) -> ModelConfig | None:
 def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
   """The numbers the activation and traffic models read (see ModelSpec)."""
   r = HFConfigReader(hf, arch)
-  r.require("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-  hidden, layers = r.integer("hidden_size"), r.integer("num_hidden_layers")
-  heads = r.integer("num_attention_heads")
   c = _built(hf, arch)
   if c is not None:  # as the family reads them (defaults, the experts' width, ...)
+    hidden, layers, heads, vocab = c.hidden_size, c.num_layers, c.num_heads, c.vocab_size
     kv_heads, head_dim = c.num_kv_heads, c.head_dim
+    intermediate = r.integer("intermediate_size", c.intermediate_size)
     experts, moe_inter, top_k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
   else:
+    r.require("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    hidden, layers = r.integer("hidden_size"), r.integer("num_hidden_layers")
+    heads, vocab = r.integer("num_attention_heads"), r.integer("vocab_size")
+    intermediate = r.integer("intermediate_size", 0)
     kv_heads = r.integer("num_key_value_heads", heads)
     head_dim = r.integer("head_dim", hidden // heads)
     experts = r.first_integer(("n_routed_experts", "num_experts", "num_local_experts"), 0)
@@ -310,13 +313,13 @@ def _dims(hf: Mapping[str, Any], arch: str) -> dict[str, int]:
     top_k = r.first_integer(("num_experts_per_tok", "experts_per_token", "top_k_experts"), 0)
   d: dict[str, Any] = dict(
     hidden=hidden,
-    vocab=r.integer("vocab_size"),
+    vocab=vocab,
     layers=layers,
     heads=heads,
     kv_heads=kv_heads,
     head_dim=head_dim,
     q_width=heads * head_dim,
-    intermediate=r.integer("intermediate_size", 0),
+    intermediate=intermediate,
     experts=experts,
     top_k=top_k if experts else 0,
     moe_intermediate=moe_inter,
@@ -607,7 +610,8 @@ def formula_weights(hf: Mapping[str, Any], param_dtype: str = "bfloat16") -> tup
       Tensor(t.path, t.shape[1:], t.dtype, t.axes[1:]) for t in block.items
     ]
   w.add("norm/scale", (h,), ("embed",))
-  if not r.flag("tie_word_embeddings", False):
+  tied = config_from_hf(hf).tie_word_embeddings if buildable else None
+  if not (r.flag("tie_word_embeddings", False) if tied is None else tied):
     w.add("lm_head/kernel", (h, d["vocab"]), ("embed", "vocab"))
   return tuple(w.items)
 
@@ -630,3 +634,8 @@ def _layer(
     _moe(w, p, n, d, r, arch)
   else:
     w.items += _stacked_ffn(f"{p}/mlp", n, h, d["intermediate"], w.dtype)
+  if family(arch).sandwich_norms:  # the MLP's input and output norms (Gemma)
+    for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+      w.stack(p, n, f"{norm}/scale", (h,), ("embed",))
+  if family(arch).layer_scalar:
+    w.stack(p, n, "layer_scalar", (1,), (None,))

@@ -18,6 +18,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError, show
 from jaxspec.io.architectures import (
   deepseek_v3,
+  gemma3,
   gemma4,
   glm4_moe,
   gpt_oss,
@@ -60,6 +61,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     deepseek_v3.GLM_MOE_DSA,
     mimo_v2_flash.MIMO_V2_FLASH,
     minimax_m2.MINIMAX_M2,
+    gemma3.GEMMA3,
     gemma4.GEMMA4,
   )
 }
@@ -67,6 +69,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 MULTIMODAL_TEXT_ARCHITECTURES = {
   **qwen3_next.MULTIMODAL_TEXT,
   **deepseek_v3.MULTIMODAL_TEXT,
+  **gemma3.MULTIMODAL_TEXT,
   **gemma4.MULTIMODAL_TEXT,
 }
 for _arch in ARCHITECTURES.values():

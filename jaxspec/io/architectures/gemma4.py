@@ -43,6 +43,7 @@ FAMILY = Family(
   windowed=True,
   fused_gate_up="gate_then_up",
   sandwich_norms=True,
+  layer_scalar=True,
   moe_beside_mlp=True,
   embedding_scale=True,
   value_norm=True,
