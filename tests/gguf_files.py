@@ -126,6 +126,7 @@ def write_gguf(
   writer.add_rope_dimension_count(config["head_dim"])
   writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
   rope = config.get("rope_parameters") or {}
+  rope = rope.get("full_attention", rope)  # Gemma 3: per layer type (sliding: llama.cpp's 10000)
   writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
   writer.add_vocab_size(config["vocab_size"])
   experts = config.get("num_experts") or config.get("num_local_experts")

@@ -48,14 +48,25 @@ MODELS = {
     transformers.Qwen3MoeForCausalLM,
     dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
   ),
+  # llama.cpp's gemma3 graph: every 6th layer full, the query scaled by 1/sqrt(head_dim).
+  "gemma3": (
+    transformers.Gemma3TextConfig,
+    transformers.Gemma3ForCausalLM,
+    dict(num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=32, tie_word_embeddings=True),
+  ),
 }
 
 
 def _hf_model(arch: str, seed: int = 0) -> tuple[transformers.PreTrainedModel, dict]:
   config_cls, model_cls, extra = MODELS[arch]
   torch.manual_seed(seed)
-  config = config_cls(**_COMMON, **extra)
+  config = config_cls(**{**_COMMON, **extra})
   model = model_cls(config).eval()
+  if arch == "gemma3":  # (1 + w) norms are zero at init: make the stored 1 + w count
+    with torch.no_grad():
+      for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+          p.normal_(0, 0.3)
   if arch == "qwen2":  # q/k/v biases are zero at init: make them count
     with torch.no_grad():
       for layer in model.model.layers:
@@ -74,11 +85,13 @@ def _write(tmp_path, arch: str, qtype: str) -> str:
 
 def _reference_logits(path: str) -> np.ndarray:
   """transformers' logits on the same file. It reads neither qwen3.attention.key_length nor
-  qwen3moe.expert_feed_forward_length (its defaults stand instead): those are given to it."""
+  qwen3moe.expert_feed_forward_length, and gives gemma3 its config class's query scale (256)
+  where llama.cpp uses 1/sqrt(head_dim): those are given to it."""
   arch = os.path.basename(path).split("-")[0]
   given = {
     "qwen3": dict(head_dim=_COMMON["head_dim"]),
     "qwen3moe": dict(moe_intermediate_size=MODELS["qwen3moe"][2]["moe_intermediate_size"]),
+    "gemma3": dict(query_pre_attn_scalar=MODELS["gemma3"][2]["query_pre_attn_scalar"]),
   }.get(arch, {})
   ref = transformers.AutoModelForCausalLM.from_pretrained(
     os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **given
@@ -148,7 +161,14 @@ def _gguf_name(hf_name: str) -> str:
 
 @pytest.mark.parametrize(
   "arch, qtype",
-  [("llama", "Q4_1"), ("qwen2", "F16"), ("qwen3", "Q4_K"), ("qwen3", "Q8_0"), ("qwen3moe", "Q6_K")],
+  [
+    ("llama", "Q4_1"),
+    ("qwen2", "F16"),
+    ("qwen3", "Q4_K"),
+    ("qwen3", "Q8_0"),
+    ("qwen3moe", "Q6_K"),
+    ("gemma3", "Q5_K"),
+  ],
 )
 def test_logits_equal_transformers_on_the_same_file(tmp_path, arch, qtype):
   path = _write(tmp_path, arch, qtype)
