@@ -195,9 +195,17 @@ def test_config_from_metadata(tmp_path):
   path = _write(tmp_path, "qwen3moe", "F32")
   cfg = gguf_io.GGUFCheckpoint(path).hf_config
   assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
-  assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 256)
+  assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (
+    4,
+    2,
+    256,
+  )
   assert cfg["norm_topk_prob"] is True and cfg["tie_word_embeddings"] is False
-  assert (cfg["head_dim"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]) == (32, 1, pytest.approx(1e-6))
+  assert (cfg["head_dim"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]) == (
+    32,
+    1,
+    pytest.approx(1e-6),
+  )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,10 +222,18 @@ def _tiny_vocab() -> dict:
   tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + symbols
   tokens += [m.replace(" ", "") for m in merges]
   types = [3, 3, 3] + [1] * (len(tokens) - 3)
-  template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+  template = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+  )
   return dict(
-    tokens=tokens, types=types, merges=merges, pre="smollm", template=template,
-    bos_token_id=1, eos_token_id=2, padding_token_id=2,
+    tokens=tokens,
+    types=types,
+    merges=merges,
+    pre="smollm",
+    template=template,
+    bos_token_id=1,
+    eos_token_id=2,
+    padding_token_id=2,
   )
 
 
@@ -240,7 +256,9 @@ def test_tokenizer_equals_transformers(tmp_path):
   assert tok.encode("2024") == [tok.token_to_id(c) for c in "2024"]  # smollm: digit by digit
   assert tok.chat_template == vocab["template"]
   assert tok.special_tokens["eos_token"] == "<|im_end|>"
-  assert jaxspec.io.tokenizer.Tokenizer.from_file(path).encode("hello world") == tok.encode("hello world")
+  assert jaxspec.io.tokenizer.Tokenizer.from_file(path).encode("hello world") == tok.encode(
+    "hello world"
+  )
 
 
 def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
@@ -249,7 +267,9 @@ def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
   vocab = dict(_tiny_vocab(), pre="mystery-bpe")
   config["vocab_size"] = len(vocab["tokens"])
   model.resize_token_embeddings(config["vocab_size"])
-  gguf_files.write_gguf(path, "llama", config, {k: v.numpy() for k, v in model.state_dict().items()}, tokenizer=vocab)
+  gguf_files.write_gguf(
+    path, "llama", config, {k: v.numpy() for k, v in model.state_dict().items()}, tokenizer=vocab
+  )
   with pytest.raises(ConfigError, match="mystery-bpe"):
     jaxspec.load_model(path)
 
@@ -261,7 +281,8 @@ def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
 
 def test_bad_files_raise_named_errors(tmp_path):
   path = _write(tmp_path, "qwen3", "Q8_0")
-  data = open(path, "rb").read()
+  with open(path, "rb") as f:
+    data = f.read()
   truncated = tmp_path / "truncated.gguf"
   truncated.write_bytes(data[: len(data) - 1000])
   with pytest.raises(CheckpointError, match="truncated"):
@@ -277,7 +298,11 @@ def test_bad_files_raise_named_errors(tmp_path):
 def test_unsupported_architecture_and_rope_freqs_are_refused(tmp_path):
   writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
   writer.add_block_count(1)
-  for w in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+  for w in (
+    writer.write_header_to_file,
+    writer.write_kv_data_to_file,
+    writer.write_tensors_to_file,
+  ):
     w()
   writer.close()
   with pytest.raises(ConfigError, match="'phi2'"):

@@ -25,7 +25,9 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _tiny() -> jaxspec.TargetModel:
-  config = roofline.dense_config(hidden=32, layers=1, intermediate=64, vocab=64, head_dim=16, kv_heads=1)
+  config = roofline.dense_config(
+    hidden=32, layers=1, intermediate=64, vocab=64, head_dim=16, kv_heads=1
+  )
   return jaxspec.TargetModel.random(config.with_options(scan_layers=False), seed=5)
 
 

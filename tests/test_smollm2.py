@@ -106,7 +106,13 @@ def _hf_logits(model, ids) -> np.ndarray:
 def test_config_as_published(smol):
   c = smol.config
   assert c.architecture == "LlamaForCausalLM"
-  assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
+  assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
+    30,
+    576,
+    9,
+    3,
+    64,
+  )
   assert (c.vocab_size, c.intermediate_size, c.tie_word_embeddings) == (49152, 1536, True)
   assert c.rope_theta == 100000.0 and c.eos_token_ids == (2,)
 
@@ -114,7 +120,11 @@ def test_config_as_published(smol):
 def test_tokenizer_and_chat_template_equal_transformers(smol, reference):
   _, _, ref_tok = reference
   tok = smol.tokenizer
-  for text in (PROMPT, "héllo wörld 🤗 — 2024-12-07, x^2 + y^2", "<|im_start|>user\nhi<|im_end|>\n"):
+  for text in (
+    PROMPT,
+    "héllo wörld 🤗 — 2024-12-07, x^2 + y^2",
+    "<|im_start|>user\nhi<|im_end|>\n",
+  ):
     ids = tok.encode(text)
     assert ids == ref_tok(text, add_special_tokens=False)["input_ids"], text
     assert tok.decode(ids) == ref_tok.decode(ids) == text
@@ -132,8 +142,10 @@ def test_logits_equal_transformers(smol, reference):
   got, want = np.asarray(smol.logits(ids)), _hf_logits(ref_model, ids)
   err = np.abs(got - want).max()
   top1 = (got.argmax(-1) == want.argmax(-1)).mean()
-  print(f"SmolLM2 logits over {ids.shape[1]} tokens: max |Δ| {err:.3g} "
-        f"(|logit| up to {np.abs(want).max():.1f}), top-1 agreement {top1:.3f}")
+  print(
+    f"SmolLM2 logits over {ids.shape[1]} tokens: max |Δ| {err:.3g} "
+    f"(|logit| up to {np.abs(want).max():.1f}), top-1 agreement {top1:.3f}"
+  )
   assert err < 5e-4 and top1 == 1.0
 
 

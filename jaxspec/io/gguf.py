@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,19 +83,19 @@ def is_gguf(path: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _llama_extra(meta: "Metadata") -> dict[str, Any]:
+def _llama_extra(meta: Metadata) -> dict[str, Any]:
   return dict(attention_bias=False, mlp_bias=False)
 
 
-def _qwen2_extra(meta: "Metadata") -> dict[str, Any]:
+def _qwen2_extra(meta: Metadata) -> dict[str, Any]:
   return dict(use_sliding_window=False)
 
 
-def _qwen3_extra(meta: "Metadata") -> dict[str, Any]:
+def _qwen3_extra(meta: Metadata) -> dict[str, Any]:
   return dict(attention_bias=meta.has_tensor("blk.0.attn_q.bias"))
 
 
-def _qwen3moe_extra(meta: "Metadata") -> dict[str, Any]:
+def _qwen3moe_extra(meta: Metadata) -> dict[str, Any]:
   # llama.cpp's qwen3moe graph puts experts in every layer and renormalizes the top-k weights.
   return dict(
     _qwen3_extra(meta),
@@ -107,7 +108,7 @@ def _qwen3moe_extra(meta: "Metadata") -> dict[str, Any]:
   )
 
 
-def _gemma3_extra(meta: "Metadata") -> dict[str, Any]:
+def _gemma3_extra(meta: Metadata) -> dict[str, Any]:
   layers = meta.arch_int("block_count")
   hidden, heads = meta.arch_int("embedding_length"), meta.arch_int("attention.head_count")
   head_dim = meta.arch_int("attention.key_length", hidden // heads)
@@ -126,13 +127,16 @@ def _gemma3_extra(meta: "Metadata") -> dict[str, Any]:
 
 # GGUF architecture → (HF architectures entry, model_type, its own config keys, whether the norm
 # weights are stored as 1 + w, whether q/k rows are permuted for llama.cpp's RoPE).
-ARCHITECTURES: dict[str, tuple[str, str, Callable[["Metadata"], dict], bool, bool]] = {
+ARCHITECTURES: dict[str, tuple[str, str, Callable[[Metadata], dict], bool, bool]] = {
   "llama": ("LlamaForCausalLM", "llama", _llama_extra, False, True),
   "qwen2": ("Qwen2ForCausalLM", "qwen2", _qwen2_extra, False, False),
   "qwen3": ("Qwen3ForCausalLM", "qwen3", _qwen3_extra, False, False),
   "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", _qwen3moe_extra, False, False),
   "gemma3": ("Gemma3ForCausalLM", "gemma3_text", _gemma3_extra, True, False),
 }
+
+
+_REQUIRED = object()
 
 
 class Metadata:
@@ -150,8 +154,9 @@ class Metadata:
         raise ConfigError(f"{self.path}: GGUF metadata lacks {key}")
       return default
     value = self.fields[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, float):
-      raise ConfigError(f"{self.path}: GGUF metadata {key} = {value!r} is not a {kind}")
+    if isinstance(value, bool) or not isinstance(value, kind):
+      what = {str: "a string", int: "an integer"}.get(kind, "a number")
+      raise ConfigError(f"{self.path}: GGUF metadata {key} = {value!r} is not {what}")
     return value
 
   def string(self, key: str, default: Any = None) -> Any:
@@ -169,9 +174,6 @@ class Metadata:
 
   def has_tensor(self, name: str) -> bool:
     return name in self.tensor_names
-
-
-_REQUIRED = object()
 
 
 def _rope_scaling(meta: Metadata) -> dict[str, Any] | None:
@@ -280,7 +282,7 @@ class GGUFTensorSource:
   `jaxspec.io.hf.load_params` reads a GGUF as it reads a safetensors checkpoint.
   """
 
-  def __init__(self, checkpoint: "GGUFCheckpoint", unpermute: bool = True):
+  def __init__(self, checkpoint: GGUFCheckpoint, unpermute: bool = True):
     self._ckpt = checkpoint
     self._names = _hf_names(checkpoint.meta, checkpoint.hf_config)
     self.file_of = {k: checkpoint.path for k in self._names}

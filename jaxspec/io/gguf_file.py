@@ -28,9 +28,32 @@ from jaxspec.errors import CheckpointError
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # Metadata value types: struct format of the scalars; 8 = string, 9 = array.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-          6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_SCALARS = {
+  0: "B",
+  1: "b",
+  2: "H",
+  3: "h",
+  4: "I",
+  5: "i",
+  6: "f",
+  7: "?",
+  10: "Q",
+  11: "q",
+  12: "d",
+}
+_NUMPY = {
+  0: np.uint8,
+  1: np.int8,
+  2: np.uint16,
+  3: np.int16,
+  4: np.uint32,
+  5: np.int32,
+  6: np.float32,
+  7: np.bool_,
+  10: np.uint64,
+  11: np.int64,
+  12: np.float64,
+}
 STRING, ARRAY = 8, 9
 # ggml types dequantized here: id → (name, elements per block, bytes per block).
 NATIVE_TYPES = {
@@ -199,7 +222,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     rows = raw.reshape(-1, len(raw) // max(int(np.prod(shape[:-1], dtype=np.int64)), 1))
     out = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(ggml_type))
     return np.asarray(out, np.float32).reshape(shape)
-  name, block, size = NATIVE_TYPES[ggml_type]
+  name, _, size = NATIVE_TYPES[ggml_type]
   if name == "F32":
     return raw.view(np.float32).reshape(shape).copy()
   if name == "F16":

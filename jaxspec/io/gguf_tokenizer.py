@@ -132,14 +132,14 @@ def from_metadata(meta: Any, path: str) -> Tokenizer | None:
   backend.add_special_tokens(
     [
       AddedToken(tok, special=True, normalized=False)
-      for tok, t in zip(tokens, types)
+      for tok, t in zip(tokens, types, strict=True)
       if t == CONTROL and set(tok) <= alphabet
     ]
   )
   backend.add_tokens(
     [
       AddedToken(tok, special=False, normalized=False)
-      for tok, t in zip(tokens, types)
+      for tok, t in zip(tokens, types, strict=True)
       if t == USER_DEFINED and tok in vocab
     ]
   )
