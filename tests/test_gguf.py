@@ -21,6 +21,8 @@ from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.io import gguf as gguf_io
 from jaxspec.io import gguf_file
 from jaxspec.io import hf as hf_io
+from jaxspec.io.tokenizer import Tokenizer
+from jaxspec.serve import text as text_lib
 
 gguf = pytest.importorskip("gguf")
 from tests import gguf_files  # pylint: disable=wrong-import-position
@@ -237,15 +239,20 @@ def _tiny_vocab() -> dict:
   )
 
 
-def test_tokenizer_equals_transformers(tmp_path):
-  path = str(tmp_path / "tok.gguf")
+def _write_with_vocab(path: str, vocab: dict) -> None:
   model, config = _hf_model("llama")
-  vocab = _tiny_vocab()
   config["vocab_size"] = len(vocab["tokens"])
   model.resize_token_embeddings(config["vocab_size"])
   tensors = {k: v.numpy() for k, v in model.state_dict().items()}
   gguf_files.write_gguf(path, "llama", config, tensors, "F32", tokenizer=vocab)
-  tok = jaxspec.load_model(path).tokenizer
+
+
+def test_tokenizer_and_chat_template_equal_transformers(tmp_path):
+  path = str(tmp_path / "tok.gguf")
+  vocab = _tiny_vocab()
+  _write_with_vocab(path, vocab)
+  model = jaxspec.load_model(path)
+  tok = model.tokenizer
   ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
   for text in ("hello world", "<|im_start|>user\nhello 2024<|im_end|>", "héllo, wörld!"):
     ids = tok.encode(text)
@@ -254,22 +261,24 @@ def test_tokenizer_equals_transformers(tmp_path):
   assert tok.encode("hello") == [vocab["tokens"].index("hello")]
   assert tok.encode("<|im_end|>") == [2]  # a control token stays whole
   assert tok.encode("2024") == [tok.token_to_id(c) for c in "2024"]  # smollm: digit by digit
-  assert tok.chat_template == vocab["template"]
   assert tok.special_tokens["eos_token"] == "<|im_end|>"
-  assert jaxspec.io.tokenizer.Tokenizer.from_file(path).encode("hello world") == tok.encode(
-    "hello world"
-  )
+  assert Tokenizer.from_file(path).encode("hello world") == tok.encode("hello world")
+  chat = [{"role": "user", "content": "hello"}]
+  want = ref.apply_chat_template(chat, tokenize=False)
+  assert text_lib.chat_template_of(tok).render(chat, add_generation_prompt=False) == want
+  # Written back as a HF directory (chat_template.jinja, the special tokens), transformers
+  # reads the same tokenizer and template.
+  out = str(tmp_path / "hf")
+  jaxspec.save_hf(model, out)
+  saved = transformers.AutoTokenizer.from_pretrained(out)
+  assert saved.apply_chat_template(chat, tokenize=False) == want
+  assert saved("hello world 42")["input_ids"] == tok.encode("hello world 42")
+  assert saved.eos_token == "<|im_end|>"
 
 
 def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
   path = str(tmp_path / "tok.gguf")
-  model, config = _hf_model("llama")
-  vocab = dict(_tiny_vocab(), pre="mystery-bpe")
-  config["vocab_size"] = len(vocab["tokens"])
-  model.resize_token_embeddings(config["vocab_size"])
-  gguf_files.write_gguf(
-    path, "llama", config, {k: v.numpy() for k, v in model.state_dict().items()}, tokenizer=vocab
-  )
+  _write_with_vocab(path, dict(_tiny_vocab(), pre="mystery-bpe"))
   with pytest.raises(ConfigError, match="mystery-bpe"):
     jaxspec.load_model(path)
 
