@@ -18,6 +18,7 @@ import transformers
 
 import jaxspec
 from jaxspec.errors import CheckpointError, ConfigError
+from jaxspec.io import checkpoint
 from jaxspec.io import gguf as gguf_io
 from jaxspec.io import gguf_file
 from jaxspec.io import hf as hf_io
@@ -191,6 +192,14 @@ def test_llama_permutation_left_in_place_fails(tmp_path):
     model = jaxspec.TargetModel(config, params)
     err = np.abs(np.asarray(model.logits(IDS)) - ref).max()
     assert (err < 1e-4) == close, (unpermute, err)
+
+
+def test_convert_writes_the_gguf_as_a_hf_directory(tmp_path):
+  path = _write(tmp_path, "qwen3moe", "Q4_0")
+  model = checkpoint.convert(path, str(tmp_path / "hf"), "hf")
+  back = jaxspec.load_model(str(tmp_path / "hf"))
+  assert back.config == model.config
+  np.testing.assert_array_equal(np.asarray(back.logits(IDS)), np.asarray(model.logits(IDS)))
 
 
 def test_config_from_metadata(tmp_path):
