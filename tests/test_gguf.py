@@ -10,6 +10,7 @@ order read the wrong way round fails it; the llama permutation left in place fai
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import jaxspec
 from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.io import checkpoint
 from jaxspec.io import gguf as gguf_io
-from jaxspec.io import gguf_file
+from jaxspec.io import gguf_file, gguf_tokenizer
 from jaxspec.io import hf as hf_io
 from jaxspec.io.tokenizer import Tokenizer
 from jaxspec.serve import text as text_lib
@@ -226,8 +227,6 @@ def test_config_from_metadata(tmp_path):
 
 def _tiny_vocab() -> dict:
   """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, two control tokens."""
-  from jaxspec.io import gguf_tokenizer  # pylint: disable=import-outside-toplevel
-
   symbols = [gguf_tokenizer.byte_alphabet()[b] for b in range(256)]
   merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "r l", "Ġwo rl"]
   tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + symbols
@@ -328,3 +327,21 @@ def test_unsupported_architecture_and_rope_freqs_are_refused(tmp_path):
   meta = gguf_io.Metadata("x.gguf", {"general.architecture": "llama"}, {"rope_freqs.weight"})
   with pytest.raises(ConfigError, match="rope_freqs"):
     gguf_io.hf_config(meta)
+
+
+def test_k_quants_without_the_gguf_package_say_how_to_install_it(monkeypatch):
+  rng = np.random.default_rng(3)
+  data, t = gguf_files.encode(rng.standard_normal((1, 256)).astype(np.float32), "Q4_K", rng)
+  monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+  with pytest.raises(CheckpointError, match="needs the gguf package: pip install gguf"):
+    gguf_file.dequantize(data.reshape(-1), int(t), (1, 256))
+  # The block formats read in numpy need no package.
+  q8, t8 = gguf_files.encode(np.ones((1, 32), np.float32), "Q8_0", rng)
+  np.testing.assert_allclose(gguf_file.dequantize(q8.reshape(-1), int(t8), (1, 32)), 1.0, atol=1e-2)
+
+
+def test_sentencepiece_vocabulary_loads_without_a_tokenizer_and_says_so():
+  fields = {"general.architecture": "gemma3", "tokenizer.ggml.model": "llama"}
+  meta = gguf_io.Metadata("g.gguf", fields, set())
+  with pytest.warns(UserWarning, match="'llama'.*without a tokenizer"):
+    assert gguf_tokenizer.from_metadata(meta, "g.gguf") is None
