@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 
 from jaxspec.io import gguf as gguf_io
+from jaxspec.io import gguf_tokenizer
 
 T = gguf.GGMLQuantizationType
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -89,6 +90,29 @@ def gguf_tensors(hf_tensors: dict, arch: str, config: dict) -> dict[str, np.ndar
   for (layer, proj), ws in experts.items():
     out[f"blk.{layer}.{by_proj[proj]}"] = np.stack([ws[e] for e in range(len(ws))])
   return out
+
+
+def tiny_vocab() -> dict:
+  """`write_gguf`'s tokenizer: a byte-level BPE vocabulary (the 256 byte symbols, a few merges,
+  three control tokens), llama.cpp's smollm pre-tokenizer and a ChatML template."""
+  symbols = [gguf_tokenizer.byte_alphabet()[b] for b in range(256)]
+  merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "r l", "Ġwo rl"]
+  tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *symbols]
+  tokens += [m.replace(" ", "") for m in merges]
+  template = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+  )
+  return {
+    "tokens": tokens,
+    "types": [3, 3, 3] + [1] * (len(tokens) - 3),
+    "merges": merges,
+    "pre": "smollm",
+    "template": template,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "padding_token_id": 2,
+  }
 
 
 def add_tokenizer(writer, tokens, types, merges, pre="default", template=None, **ids) -> None:

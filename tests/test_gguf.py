@@ -225,28 +225,6 @@ def test_config_from_metadata(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-def _tiny_vocab() -> dict:
-  """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, two control tokens."""
-  symbols = [gguf_tokenizer.byte_alphabet()[b] for b in range(256)]
-  merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "r l", "Ġwo rl"]
-  tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + symbols
-  tokens += [m.replace(" ", "") for m in merges]
-  types = [3, 3, 3] + [1] * (len(tokens) - 3)
-  template = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-  )
-  return dict(
-    tokens=tokens,
-    types=types,
-    merges=merges,
-    pre="smollm",
-    template=template,
-    bos_token_id=1,
-    eos_token_id=2,
-    padding_token_id=2,
-  )
-
-
 def _write_with_vocab(path: str, vocab: dict) -> None:
   model, config = _hf_model("llama")
   config["vocab_size"] = len(vocab["tokens"])
@@ -257,7 +235,7 @@ def _write_with_vocab(path: str, vocab: dict) -> None:
 
 def test_tokenizer_and_chat_template_equal_transformers(tmp_path):
   path = str(tmp_path / "tok.gguf")
-  vocab = _tiny_vocab()
+  vocab = gguf_files.tiny_vocab()
   _write_with_vocab(path, vocab)
   model = jaxspec.load_model(path)
   tok = model.tokenizer
@@ -286,7 +264,7 @@ def test_tokenizer_and_chat_template_equal_transformers(tmp_path):
 
 def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
   path = str(tmp_path / "tok.gguf")
-  _write_with_vocab(path, dict(_tiny_vocab(), pre="mystery-bpe"))
+  _write_with_vocab(path, dict(gguf_files.tiny_vocab(), pre="mystery-bpe"))
   with pytest.raises(ConfigError, match="mystery-bpe"):
     jaxspec.load_model(path)
 
