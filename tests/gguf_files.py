@@ -59,13 +59,13 @@ def encode(w: np.ndarray, qtype_name: str, rng: np.random.Generator) -> tuple[np
 
 def gguf_tensors(hf_tensors: dict, arch: str, config: dict) -> dict[str, np.ndarray]:
   """llama.cpp's float tensors of HF-named ones: its names, permutations and stacking."""
-  sandwich = arch == "gemma3"
-  names = gguf_io.SANDWICH_LAYER_NAMES if sandwich else gguf_io.LAYER_NAMES
+  record = gguf_io.ARCHITECTURES[arch]
+  names = gguf_io.SANDWICH_LAYER_NAMES if record.sandwich else gguf_io.LAYER_NAMES
   experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
   out = {}
   for name, w in hf_tensors.items():
     w = np.asarray(w, np.float32)
-    if sandwich and name.endswith("norm.weight"):
+    if record.norms_plus_one and name.endswith("norm.weight"):
       w = w + 1.0
     if name in gguf_io.GLOBAL_NAMES:
       out[gguf_io.GLOBAL_NAMES[name]] = w
@@ -82,7 +82,7 @@ def gguf_tensors(hf_tensors: dict, arch: str, config: dict) -> dict[str, np.ndar
     if m:
       experts.setdefault((layer, m.group(2)), {})[int(m.group(1))] = w
       continue
-    if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+    if record.permuted_qk and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
       heads = config["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"]
       w = permute_rows(w, heads)
     out[f"blk.{layer}.{names[rest]}"] = w

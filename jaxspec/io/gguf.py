@@ -22,6 +22,7 @@ gguf package (`pip install gguf`, or `jaxspec[gguf]`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any
@@ -125,14 +126,36 @@ def _gemma3_extra(meta: Metadata) -> dict[str, Any]:
   )
 
 
-# GGUF architecture → (HF architectures entry, model_type, its own config keys, whether the norm
-# weights are stored as 1 + w, whether q/k rows are permuted for llama.cpp's RoPE).
-ARCHITECTURES: dict[str, tuple[str, str, Callable[[Metadata], dict], bool, bool]] = {
-  "llama": ("LlamaForCausalLM", "llama", _llama_extra, False, True),
-  "qwen2": ("Qwen2ForCausalLM", "qwen2", _qwen2_extra, False, False),
-  "qwen3": ("Qwen3ForCausalLM", "qwen3", _qwen3_extra, False, False),
-  "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", _qwen3moe_extra, False, False),
-  "gemma3": ("Gemma3ForCausalLM", "gemma3_text", _gemma3_extra, True, False),
+@dataclasses.dataclass(frozen=True)
+class GGUFArchitecture:
+  """How one llama.cpp architecture maps onto its HF class.
+
+  Attributes:
+    hf_name: the HF `architectures` entry (a jaxspec architecture).
+    model_type: config.json's `model_type`.
+    extra: the family's own config.json keys, from the metadata.
+    permuted_qk: q/k rows interleaved per head for llama.cpp's RoPE (undone on read).
+    norms_plus_one: RMSNorm weights stored as 1 + w (Gemma's zero-centred norms).
+    sandwich: Gemma's four norms per layer (`SANDWICH_LAYER_NAMES`).
+  """
+
+  hf_name: str
+  model_type: str
+  extra: Callable[[Metadata], dict[str, Any]]
+  permuted_qk: bool = False
+  norms_plus_one: bool = False
+  sandwich: bool = False
+
+
+# llama.cpp's `general.architecture` → its HF mapping.
+ARCHITECTURES = {
+  "llama": GGUFArchitecture("LlamaForCausalLM", "llama", _llama_extra, permuted_qk=True),
+  "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", _qwen2_extra),
+  "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", _qwen3_extra),
+  "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", "qwen3_moe", _qwen3moe_extra),
+  "gemma3": GGUFArchitecture(
+    "Gemma3ForCausalLM", "gemma3_text", _gemma3_extra, norms_plus_one=True, sandwich=True
+  ),
 }
 
 
@@ -202,7 +225,7 @@ def hf_config(meta: Metadata) -> dict[str, Any]:
       f"{meta.path} holds rope_freqs.weight (RoPE frequency factors, as llama.cpp stores "
       "Llama 3.1's llama3 scaling): jaxspec cannot recover the rope_scaling it was made from"
     )
-  name, model_type, extra, _, _ = ARCHITECTURES[meta.arch]
+  arch = ARCHITECTURES[meta.arch]
   hidden, heads = meta.arch_int("embedding_length"), meta.arch_int("attention.head_count")
   tokens = meta.get("tokenizer.ggml.tokens")
   vocab = meta.arch_int("vocab_size", len(tokens) if tokens else None)
@@ -210,8 +233,8 @@ def hf_config(meta: Metadata) -> dict[str, Any]:
     "attention.key_length", meta.arch_int("rope.dimension_count", hidden // heads)
   )
   config: dict[str, Any] = {
-    "architectures": [name],
-    "model_type": model_type,
+    "architectures": [arch.hf_name],
+    "model_type": arch.model_type,
     "vocab_size": vocab,
     "hidden_size": hidden,
     "num_hidden_layers": meta.arch_int("block_count"),
@@ -230,7 +253,7 @@ def hf_config(meta: Metadata) -> dict[str, Any]:
     value = meta.get(f"tokenizer.ggml.{key}_token_id")
     if value is not None:
       config[f"{'pad' if key == 'padding' else key}_token_id"] = int(value)
-  config.update(extra(meta))
+  config.update(arch.extra(meta))
   return config
 
 
@@ -248,7 +271,7 @@ def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _hf_names(meta: Metadata, config: dict[str, Any]) -> dict[str, tuple[str, int | None]]:
   """HF tensor name → (GGUF tensor name, expert index or None) for every tensor of the file."""
-  sandwich = meta.arch == "gemma3"
+  sandwich = ARCHITECTURES[meta.arch].sandwich
   layer_names = {v: k for k, v in (SANDWICH_LAYER_NAMES if sandwich else LAYER_NAMES).items()}
   global_names = {v: k for k, v in GLOBAL_NAMES.items()}
   experts = config.get("num_experts", 0)
@@ -286,7 +309,8 @@ class GGUFTensorSource:
     self._ckpt = checkpoint
     self._names = _hf_names(checkpoint.meta, checkpoint.hf_config)
     self.file_of = {k: checkpoint.path for k in self._names}
-    self._unpermute = unpermute and ARCHITECTURES[checkpoint.meta.arch][4]
+    self._arch = ARCHITECTURES[checkpoint.meta.arch]
+    self._unpermute = unpermute and self._arch.permuted_qk
     self._cached: tuple[str, np.ndarray] | None = None  # the last stacked expert tensor read
 
   def keys(self) -> set[str]:
@@ -304,11 +328,11 @@ class GGUFTensorSource:
         self._cached = (gname, self._ckpt.file.read(gname))
       return self._cached[1][expert]
     w = self._ckpt.file.read(gname)
-    meta, config = self._ckpt.meta, self._ckpt.hf_config
+    config = self._ckpt.hf_config
     if self._unpermute and gname.endswith(("attn_q.weight", "attn_k.weight")):
       key = "num_attention_heads" if gname.endswith("attn_q.weight") else "num_key_value_heads"
       w = unpermute_rows(w, config[key])
-    if ARCHITECTURES[meta.arch][3] and gname.endswith("norm.weight"):
+    if self._arch.norms_plus_one and gname.endswith("norm.weight"):
       w = w - 1.0  # stored as 1 + w
     return w
 
