@@ -32,7 +32,7 @@ def _full_forward(reference: Any) -> Callable[[np.ndarray], np.ndarray]:
   or `reference` itself when it is already such a function."""
   if not hasattr(reference, "config"):  # a plain callable
     return lambda ids: np.asarray(reference(ids), np.float32)
-  import torch  # noqa: PLC0415  (only these tests need it)
+  import torch  # only these comparisons need it
 
   def forward(ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
@@ -52,9 +52,12 @@ def assert_greedy_is_full_forward_argmax(
   """Greedy `tokens` (jaxspec's cached decoding of `prompt`) are the argmax of the reference's
   full forward over prompt + tokens (teacher forcing), token by token.
 
-  transformers' cached `generate` is not always its own full forward (sliding windows and MLA
-  with prompts several windows long), so the uncached forward is the oracle. `reference` is a
-  transformers model (called with use_cache=False) or a function ids [1, S] → logits [1, S, V].
+  Stronger than comparing with transformers' `generate`: each token is judged on the same
+  context, so one near-tie does not end the comparison, and there is no generation config to
+  get wrong (`generate` given `pad_token_id` and no attention_mask masks every prompt token
+  equal to the pad id: with pad_token_id=0 a random prompt holding token 0 decodes
+  differently, which issue 49 took for a cache bug). `reference` is a transformers model
+  (called with use_cache=False, no mask) or a function ids [1, S] → logits [1, S, V].
 
   Every position gets the same context in both, so each token is judged on its own: it must be
   the reference's argmax, or within LOGIT_GAP of its top logit (a genuine near-tie: either

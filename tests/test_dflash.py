@@ -321,10 +321,21 @@ def test_mismatched_targets_are_refused(target, drafter):
 
 
 def test_yarn_rope_drafter_as_published_matches_transformers(tmp_path, target, drafter):
-  """Kimi's DFlash drafters state YaRN in config.json: read, applied (transformers' model with
-  the same rope_parameters agrees) and written back."""
+  """Kimi's DFlash drafters state YaRN in config.json (SpecForge's kimi-k2.7-code-dflash.json:
+  both type keys, beta_fast / beta_slow, mscale = mscale_all_dim = 1; lengths scaled down
+  here): read, applied (transformers' model with the same rope_parameters agrees) and written
+  back."""
   tensors, config = _published(drafter)
-  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
+  yarn = {
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "factor": 4.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4,
+    "rope_type": "yarn",
+    "type": "yarn",
+  }
   path = str(tmp_path / "yarn")
   _write(path, tensors, {**config, "rope_scaling": yarn})
   loaded = jaxspec.load_drafter(path, target, gamma=drafter.gamma)

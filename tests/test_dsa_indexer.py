@@ -184,6 +184,10 @@ def test_select_topk_keeps_the_highest_visible():
   np.testing.assert_array_equal(select_topk(scores, some, 9), some)  # k past N
   batched = select_topk(jnp.stack([scores, -scores]), jnp.stack([every, every]), 1)
   np.testing.assert_array_equal(batched, [[[0, 0, 0, 1, 0]], [[0, 1, 0, 0, 0]]])
+  # Exact ties (keys whose every head's q·k is negative score 0): the earlier key wins.
+  tied = jnp.array([[-1.0, 0.0, 2.0, 0.0, 0.0]])
+  np.testing.assert_array_equal(select_topk(tied, every, 2), [[0, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(select_topk(tied, every, 3), [[0, 1, 1, 1, 0]])
 
 
 # --------------------------------------------------------------------------------------------------

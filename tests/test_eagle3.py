@@ -408,16 +408,42 @@ class _CodePayload:
     return (os.mkdir, (self.marker,))
 
 
-def test_yuhuili_pytorch_bin_with_llama3_rope(tmp_path, target, drafter):
-  """A head in yuhuili's layout (LlamaForCausalLMEagle3 config with llama3 rope_scaling,
-  draft_vocab_size, d2t/t2d, weights in pytorch_model.bin): read weights-only, its chain equal to
-  the written-out recomputation with transformers' llama3 frequencies, exported as safetensors."""
+def _llama31_target(seed: int = 7):
+  """A tiny Llama-3.1 target (LlamaForCausalLM, llama3 RoPE) as wide as the Qwen3 `target`."""
+  from jaxspec.io.architectures import config_from_hf  # pylint: disable=import-outside-toplevel
+  from tests.drafter_models import random_params  # pylint: disable=import-outside-toplevel
+
+  hf = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "rope_scaling": dict(LLAMA3_ROPE),
+  }
+  config = config_from_hf(hf)
+  return target_lib.TargetModel(config, random_params(target_lib.param_shapes(config), seed))
+
+
+def test_yuhuili_pytorch_bin_with_llama3_rope_on_a_llama_target(tmp_path, drafter):
+  """A head for a Llama-3.1 target in yuhuili's layout (LlamaForCausalLMEagle3 config with
+  llama3 rope_scaling as SpecForge's llama3 configs state it, draft_vocab_size, d2t/t2d,
+  weights in pytorch_model.bin): read weights-only, its chain equal to the written-out
+  recomputation with transformers' llama3 frequencies, exported as safetensors."""
   torch = pytest.importorskip("torch")
+  target = _llama31_target()
   tensors, config = _published(drafter)
   config = {**config, "rope_scaling": dict(LLAMA3_ROPE), "max_position_embeddings": 2048}
   path = tmp_path / "yuhuili"
   path.mkdir()
-  torch.save({k: torch.from_numpy(v.copy()) for k, v in tensors.items()}, path / "pytorch_model.bin")
+  torch.save(
+    {k: torch.from_numpy(v.copy()) for k, v in tensors.items()}, path / "pytorch_model.bin"
+  )
   (path / "config.json").write_text(json.dumps(config))
   loaded = jaxspec.load_drafter(str(path), target, gamma=GAMMA)
   assert dict(loaded.config.rope_scaling) == {**LLAMA3_ROPE}

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.eagle3 import Eagle3Drafter
@@ -132,16 +131,19 @@ def test_latent_cache_bytes_per_token_and_layer():
   assert sum(x.nbytes for x in jax.tree_util.tree_leaves(full.segments)) == (2 * 8 * 40) * 4 * (2 * 16 * cfg.num_layers)  # K+V per head
 
 
-def test_greedy_decoding_equals_transformers_generate(pairs):
+def test_greedy_decoding_is_transformers_full_forward_argmax(pairs):
+  """Cached greedy decoding (grouped routing, YaRN) of a prompt holding token 0 is the argmax of
+  transformers' uncached forward over prompt + output (see near_ties for why not `generate`)."""
   hf, model = pairs["deepseek_v3_qlora_grouped_yarn"]
-  ids = _ids(model.config.vocab_size, (1, 7), seed=3)
-  with torch.no_grad():
-    want = hf.generate(
-      torch.as_tensor(ids), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
-    )[0, 7:].tolist()
+  ids = _ids(model.config.vocab_size, (1, 14), seed=7)
+  assert 0 in ids
   engine = SpecEngine(model, None, EngineConfig(max_len=32, batch_size=1, use_eos=False))
   got = engine.generate([ids[0].tolist()], max_new_tokens=10).tokens[0]
-  near_ties.assert_greedy_match(model, [ids[0].tolist()], [want], [got])
+  near_ties.assert_greedy_is_full_forward_argmax(hf, ids[0], got, model)
+  broken = list(got)
+  broken[3] = int(np.argmin(hf_models.hf_logits(hf, np.asarray([list(ids[0]) + got[:3]]))[0, -1]))
+  with pytest.raises(AssertionError, match="token 3"):
+    near_ties.assert_greedy_is_full_forward_argmax(hf, ids[0], broken, model)
 
 
 def test_config_errors_name_the_field():

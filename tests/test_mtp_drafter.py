@@ -1,16 +1,24 @@
-"""The MTP drafter: greedy equality, exact sampled distribution, cache bookkeeping, errors."""
+"""The MTP drafter: greedy equality, exact sampled distribution, cache bookkeeping, errors; MTP
+layers as DeepSeek and GLM publish them (their own embedding and head copies)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import shutil
+import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 import jaxspec
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.mtp import MTPDrafter
+from jaxspec.io import hf as hf_io
+from jaxspec.io import safetensors_files
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import SpecEngine
@@ -164,8 +172,6 @@ def _glm_with_mtp() -> ModelConfig:
 def published(tmp_path_factory):
   """(model, dir): a GLM target saved in the published layout, sharded with an index so that
   the MTP layer's copies sit in another file than the main embedding and head."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jaxspec.io import hf as hf_io  # pylint: disable=import-outside-toplevel
 
   cfg = _glm_with_mtp()
   model = TargetModel(cfg, random_params(target_lib.param_shapes(cfg), 5, factor=2.0))
@@ -186,9 +192,6 @@ def _inputs(vocab: int):
 
 
 def test_published_mtp_copies_equal_to_the_main_tensors_are_shared(published, caplog):
-  import logging  # pylint: disable=import-outside-toplevel
-  import warnings  # pylint: disable=import-outside-toplevel
-  from jaxspec.io import safetensors_files  # pylint: disable=import-outside-toplevel
 
   model, d = published
   src = safetensors_files.TensorSource(d)
@@ -211,9 +214,6 @@ def test_published_mtp_copies_equal_to_the_main_tensors_are_shared(published, ca
 
 def _perturb_copies(src_dir: str, dst_dir: str) -> dict:
   """A copy of the checkpoint whose MTP embedding and head differ from the main ones."""
-  import shutil  # pylint: disable=import-outside-toplevel
-  from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
-  from jaxspec.io import safetensors_files  # pylint: disable=import-outside-toplevel
 
   shutil.copytree(src_dir, dst_dir, dirs_exist_ok=True)
   src = safetensors_files.TensorSource(dst_dir)
@@ -235,7 +235,6 @@ def test_published_mtp_copies_that_differ_are_the_layers_own(published, tmp_path
   """The MTP layer drafts with its own embedding and head (as vLLM loads them): its logits
   equal those of the shared-tensor model whose main embedding and head are those copies, the
   main model's logits stay the main tensors'. Read with a shared config, it is refused."""
-  from jaxspec.io import hf as hf_io  # pylint: disable=import-outside-toplevel
 
   model, d = published
   changed = _perturb_copies(d, str(tmp_path))

@@ -29,7 +29,7 @@ import numpy as np
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
 from jaxspec.options import RunOptions
-from jaxspec.io import architectures, gguf, hub, layouts
+from jaxspec.io import architectures, compressed_tensors, gguf, hub, layouts
 from jaxspec.io import quantized as quantized_io
 from jaxspec.io.safetensors_files import (
   INDEX_FILE,
@@ -215,9 +215,17 @@ def load_params(
       full = _get_path(shapes, path)
       per_layer = full.shape[1:] if layer_idx is not None else full.shape
       per_item = per_layer[1:] if expert is not None else per_layer
-      if hf in quantized and quantized[hf][0] == "fp8_block":  # stored per weight and expert
-        block = tuple(int(b) for b in quantization["weight_block_size"])
-        q = quantized_io.import_fp8_block(src, hf, kind, tuple(per_item), block, config.param_dtype)
+      if hf in quantized and quantized[hf][0] in _PER_WEIGHT:  # stored per weight and expert
+        if quantized[hf][0] == "fp8_block":
+          block = tuple(int(b) for b in quantization["weight_block_size"])
+          q = quantized_io.import_fp8_block(
+            src, hf, kind, tuple(per_item), block, config.param_dtype
+          )
+        else:
+          axes = contraction_axes(_get_path(axes_tree, path))
+          q = compressed_tensors.import_weight(
+            src, hf, quantized[hf][2], kind, tuple(per_item), axes, config.param_dtype
+          )
         slot = stacks.setdefault(path, {})
         if expert is None:
           slot[layer_idx] = q
@@ -272,13 +280,20 @@ def load_params(
   return params if config.options.scan_layers else decoder_lib.unstack_layer_params(config, params)
 
 
+# Formats stored one tensor set per weight and per expert (stacked as they are read).
+_PER_WEIGHT = ("fp8_block", compressed_tensors.METHOD)
+
+
 def _quantized_entries(quantization: dict | None, src: "TensorSource", needed: list) -> dict:
-  """{hf name: (format, stored names, base)} of the weights a jaxspec-quantized checkpoint
-  holds quantized (none unless config.json's quantization_config says quant_method jaxspec)."""
+  """{hf name: (format, stored names, base)} of the weights a quantized checkpoint holds
+  quantized, by its quantization_config (jaxspec's own, gpt-oss MXFP4, block FP8; for
+  compressed-tensors the base is the weight's config group, `compressed_tensors.entries`)."""
   method = (quantization or {}).get("quant_method")
   if method is None:
     return {}
   names, out = src.keys(), {}
+  if method == compressed_tensors.METHOD:
+    return compressed_tensors.entries(quantization, src, needed)
   if method == "fp8" and quantization.get("weight_block_size"):
     for hf, *_ in needed:
       if f"{hf}_scale_inv" in names:
@@ -287,8 +302,8 @@ def _quantized_entries(quantization: dict | None, src: "TensorSource", needed: l
   if method not in (quantized_io.QUANT_METHOD, quantized_io.HF_MXFP4_METHOD):
     raise CheckpointError(
       f"quantization_config quant_method {method!r} is not supported (jaxspec reads its own "
-      f"{quantized_io.QUANT_METHOD!r} checkpoints, gpt-oss's 'mxfp4' ones and block-scaled "
-      f"'fp8' ones)"
+      f"{quantized_io.QUANT_METHOD!r} checkpoints, gpt-oss's 'mxfp4' ones, block-scaled "
+      f"'fp8' ones and {compressed_tensors.METHOD!r} INT4 / FP8 ones)"
     )
   for hf, path, _, _ in needed:
     expert = path[-1].startswith("#")
@@ -317,7 +332,9 @@ def _without_absent_mtp_layers(
   checkpoint holding some but not all MTP tensors is left alone, so that `load_params` names
   the missing ones.
   """
-  names = TensorSource(model_dir, quiet=True).keys()
+  src = TensorSource(model_dir, quiet=True)
+  names = src.keys()
+  src.close()
   prefixes = tuple(mtp_prefix(config, k) for k in range(config.num_mtp_layers))
   if any(name.startswith(prefixes) for name in names):
     return config, hf_config
@@ -418,7 +435,7 @@ def load_model(
     model_dir,
     config,
     extra_layers_ok=fewer_layers,
-    quantization=hf_config.get("quantization_config"),
+    quantization=architectures.text_config(hf_config).get("quantization_config"),
     equal_mtp_copies=equal_copies,
   )
   params = jax.tree_util.tree_map(jnp.asarray, params)
@@ -460,10 +477,13 @@ def export_tensors(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
     if isinstance(w, QTensor):  # stored in its format (io/quantized.py)
       if layer_idx is not None:
         w = w.replace(values=w.values[layer_idx], scales=w.scales[layer_idx])
-      if w.format == "fp8_block":  # as imported: one tensor per weight and expert
+      if w.format in ("fp8_block", "int4"):  # one tensor set per weight and expert
         if expert is not None:
           w = w.replace(values=w.values[expert], scales=w.scales[expert])
-        out.update(quantized_io.export_fp8_block(w, hf))
+        if w.format == "int4":  # compressed-tensors' pack-quantized layout
+          out.update(compressed_tensors.export_weight(w, hf, kind))
+        else:
+          out.update(quantized_io.export_fp8_block(w, hf))
         continue
       if expert is None:
         out.update(quantized_io.export_qtensor(w, kind, quantized_io.base_name(hf)))
@@ -494,11 +514,20 @@ def save_hf(
   hf_config = dict(architectures.text_config(model.hf_config or {}))
   hf_config.update(architectures.config_to_hf(model.config))
   is_q = lambda x: isinstance(x, QTensor)
+  tensors = export_tensors(model.config, model.params)
   leaves = jax.tree_util.tree_leaves(model.params, is_leaf=is_q)
   used = sorted({x.format for x in leaves if is_q(x)})
   if "fp8_block" in used:  # an imported block-scaled FP8 checkpoint: its own config
     if used != ["fp8_block"]:
       raise ConfigError(f"cannot save block-scaled FP8 weights beside {used} in one checkpoint")
+  elif "int4" in used:  # compressed-tensors pack-quantized, as Kimi-K2 publishes
+    groups = sorted({x.layout[0] for x in leaves if is_q(x) and x.format == "int4"})
+    if used != ["int4"] or len(groups) > 1:
+      raise ConfigError(
+        f"cannot save int4 weights beside {used} (groups {groups}) in one checkpoint"
+      )
+    modules = [n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed")]
+    hf_config["quantization_config"] = compressed_tensors.export_config(modules, groups[0])
   elif quantized_io.is_hf_mxfp4(model.config, model.params):
     hf_config["quantization_config"] = quantized_io.hf_mxfp4_config()
   elif used:
@@ -512,7 +541,6 @@ def save_hf(
     hf_config.pop("quantization_config", None)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
-  tensors = export_tensors(model.config, model.params)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name in sorted(tensors):

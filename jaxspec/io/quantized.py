@@ -22,8 +22,6 @@ values are multiplied by) load as "fp8_block" weights, kept as stored and writte
 
 from __future__ import annotations
 
-import json
-import struct
 from typing import Any, Optional
 
 import jax
@@ -32,12 +30,14 @@ import numpy as np
 
 from jaxspec.errors import CheckpointError
 from jaxspec.io import layouts
+from jaxspec.io import safetensors_files
 from jaxspec.quant.formats import QTensor, check_mxfp4_scales
 from jaxspec.quant.policy import path_str, role_of
 
 QUANT_METHOD = "jaxspec"
 HF_MXFP4_METHOD = "mxfp4"  # gpt-oss: MXFP4 experts, everything else unquantized
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+read_raw = safetensors_files.read_raw  # F8_E4M3 tensors straight from a file's bytes
 
 
 def base_name(hf_name: str) -> str:
@@ -202,7 +202,7 @@ def import_qtensor(
     check_mxfp4_scales(scales, names[1])
     values, scales = _mx_from_hf(blocks, scales, kind, shape)
   else:
-    raw = read_raw(src.file_of[names[0]], names[0], F8)
+    raw = src.raw(names[0], F8)
     values, scales = _fp8_from_hf(raw, src.get(names[1]).astype(np.float32), kind, shape)
   q = QTensor(values, scales, fmt, tuple(axes), dtype)
   if q.shape != tuple(shape):
@@ -217,7 +217,7 @@ def import_fp8_block(
   want = layouts.hf_shape(shape, kind)
   if src.shape(name) != want:
     raise CheckpointError(f"tensor {name} has shape {list(src.shape(name))}, expected {list(want)}")
-  values = read_raw(src.file_of[name], name, F8)
+  values = src.raw(name, F8)
   scales = src.get(f"{name}_scale_inv").astype(np.float32)
   grid = tuple(-(-n // b) for n, b in zip(want, block))
   if scales.shape != grid:
@@ -237,17 +237,21 @@ def export_fp8_block(q: QTensor, name: str) -> dict[str, np.ndarray]:
   }
 
 
-def read_raw(path: str, name: str, dtype: np.dtype) -> np.ndarray:
-  """A tensor read straight from a safetensors file's bytes as `dtype` (for dtypes such as
-  F8_E4M3 that the numpy reader cannot return)."""
-  with open(path, "rb") as f:
-    (size,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(size))
-    info = header.get(name)
-    if info is None:
-      raise CheckpointError(f"{path} holds no tensor {name}")
-    begin, end = info["data_offsets"]
-    f.seek(8 + size + begin)
-    data = f.read(end - begin)
-  arr = np.frombuffer(data, np.uint8).view(dtype)
-  return arr.reshape(info["shape"])
+def import_fp8_channel(
+  raw: np.ndarray,
+  scales: np.ndarray,
+  kind: str,
+  shape: tuple[int, ...],
+  axes: tuple[int, ...],
+  dtype: str,
+) -> QTensor:
+  """An FP8 weight stored HF [out, in] with one float32 scale per output channel [out] (e.g.
+  compressed-tensors' float-quantized "channel" strategy) as an "fp8" QTensor of `shape`."""
+  values, scales = _fp8_from_hf(raw, scales, kind, shape)
+  return QTensor(values, np.ascontiguousarray(scales), "fp8", tuple(axes), dtype)
+
+
+def check_scales(scales: np.ndarray, name: str) -> None:
+  """Refuses scales that are not finite (a damaged checkpoint would dequantize to NaN)."""
+  if not np.isfinite(np.asarray(scales, np.float32)).all():
+    raise CheckpointError(f"{name} holds non-finite scales")

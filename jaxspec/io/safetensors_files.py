@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -173,6 +174,8 @@ class TensorSource:
   def __init__(self, model_dir: str, quiet: bool = False):
     single = os.path.join(model_dir, SINGLE_FILE)
     index = os.path.join(model_dir, INDEX_FILE)
+    self._handles: dict[str, Any] = {}  # shard path → open handle (its header parsed once)
+    self._headers: dict[str, dict] = {}  # shard path → its JSON header, for raw reads
     if os.path.exists(index):
       self.file_of = _read_weight_map(model_dir, index)
       missing = sorted({v for v in self.file_of.values() if not os.path.exists(v)})
@@ -182,7 +185,6 @@ class TensorSource:
       self.file_of = {k: single for k in self._keys(single)}
     else:
       raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
-    self._handles: dict[str, Any] = {}
     self._stored: dict[str, str] = {}  # name read → name in the files (multimodal layout)
     if any(text_name(k) is not None for k in self.file_of):
       self._text_only(model_dir, quiet)
@@ -210,39 +212,50 @@ class TensorSource:
         stacklevel=4,
       )
 
-  @staticmethod
-  def _open(path: str):
-    try:
-      return safe_open(path, framework="numpy")
-    except (SafetensorError, OSError, ValueError) as e:
-      raise CheckpointError(f"cannot read safetensors file {path} (truncated or corrupt?): {e}")
+  def _open(self, path: str):
+    """The open safetensors handle of `path`: its header parsed once per shard, however many
+    tensors are read from it (Kimi-K2's index names ~70K tensors in 64 shards)."""
+    if path not in self._handles:
+      self._handles[path] = open_safetensors(path).__enter__()
+    return self._handles[path]
 
   def _keys(self, path: str) -> list[str]:
-    with self._open(path) as f:
-      return list(f.keys())
+    return list(self._open(path).keys())
 
   def keys(self) -> set[str]:
     return set(self.file_of)
 
+  def stored_name(self, name: str) -> str:
+    """The name `name` (read under the text layout's names) has in the files."""
+    return self._stored.get(name, name)
+
   def shape(self, name: str) -> tuple[int, ...]:
     try:
-      return tuple(self._handle(name).get_slice(self._stored.get(name, name)).get_shape())
+      return tuple(self._handle(name).get_slice(self.stored_name(name)).get_shape())
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(f"cannot read tensor {name} from {self.file_of[name]}: {e}") from None
 
   def _handle(self, name: str):
+    return self._open(self.file_of[name])
+
+  def header(self, path: str) -> dict:
+    """The JSON header of shard `path` (parsed once)."""
+    if path not in self._headers:
+      self._headers[path] = read_header(path)
+    return self._headers[path]
+
+  def raw(self, name: str, dtype: Any) -> np.ndarray:
+    """Tensor `name` read from its file's bytes as `dtype` (for F8_E4M3 and BF16, which the
+    numpy reader cannot return), under its stored name."""
     path = self.file_of[name]
-    if path not in self._handles:
-      self._handles[path] = self._open(path).__enter__()
-    return self._handles[path]
+    return read_raw(path, self.stored_name(name), dtype, self.header(path))
 
   def get(self, name: str) -> np.ndarray:
     f = self._handle(name)
-    stored = self._stored.get(name, name)
+    stored = self.stored_name(name)
     try:
       if f.get_slice(stored).get_dtype() == "BF16":
-        with safe_open(self.file_of[name], framework="flax") as fj:
-          return np.asarray(fj.get_tensor(stored))
+        return self.raw(name, ml_dtypes.bfloat16)
       return f.get_tensor(stored)
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(
@@ -253,6 +266,43 @@ class TensorSource:
     for h in self._handles.values():
       h.__exit__(None, None, None)
     self._handles.clear()
+
+
+def open_safetensors(path: str):
+  """safe_open(path) for numpy; CheckpointError naming a file that is not valid safetensors."""
+  try:
+    return safe_open(path, framework="numpy")
+  except (SafetensorError, OSError, ValueError) as e:
+    raise CheckpointError(f"cannot read safetensors file {path} (truncated or corrupt?): {e}")
+
+
+def read_raw(path: str, name: str, dtype: Any, header: dict | None = None) -> np.ndarray:
+  """Tensor `name` of the safetensors file `path` read from its bytes as `dtype` (for dtypes
+  such as F8_E4M3 that the numpy reader cannot return); `header`: the file's, if already read."""
+  header = header or read_header(path)
+  info = header["tensors"].get(name)
+  if info is None:
+    raise CheckpointError(f"{path} holds no tensor {name}")
+  begin, end = info["data_offsets"]
+  with open(path, "rb") as f:
+    f.seek(header["data_start"] + begin)
+    data = f.read(end - begin)
+  if len(data) != end - begin:
+    raise CheckpointError(f"cannot read tensor {name} from {path} (truncated?)")
+  return np.frombuffer(data, np.uint8).view(dtype).reshape(info["shape"])
+
+
+def read_header(path: str) -> dict:
+  """{"tensors": name → {dtype, shape, data_offsets}, "data_start": byte offset} of a
+  safetensors file."""
+  try:
+    with open(path, "rb") as f:
+      (size,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(size))
+  except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"cannot read safetensors file {path} (truncated or corrupt?): {e}")
+  header.pop("__metadata__", None)
+  return {"tensors": header, "data_start": 8 + size}
 
 
 def write_file(tensors: dict[str, np.ndarray], path: str) -> None:

@@ -13,6 +13,13 @@ DeepSeek-V3.2 (`ModelConfig.indexer_rope_interleave`). Scores are float32; a que
 among keys it may see, so causal and tree masks apply before the top-k, and it keeps every key
 it sees when it sees at most `index_topk`.
 
+Exact ties are common: a key whose q·k is negative for every head scores exactly 0, and with
+few heads several keys of a query tie at the top-k boundary. The published code leaves that
+choice to torch.topk; here the EARLIER key wins (lax.top_k keeps the lower index, and keys are
+laid out in position order: committed slots, then the block, whose tree nodes follow their
+ancestors), so a query's choice never depends on later tokens. tests/test_dsa_reference.py
+checks this against a numpy reference, and why transformers differs there.
+
 Cost with a decoding state: every call scores the block's T queries against all `max_len` slots
 of the layer's `IndexerKeys` (an [B, T, max_len] float32 score array and a top-k over max_len +
 T entries per query), independent of the live length. The index keys are small (one
@@ -39,6 +46,7 @@ def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
   """bool [..., N]: the min(k, N) highest `scores` [..., N] among the `visible` entries.
 
   Invisible entries are never kept; a row with at most k visible entries keeps all of them.
+  On equal scores the lower index wins.
   """
   n = scores.shape[-1]
   k = min(k, n)

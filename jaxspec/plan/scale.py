@@ -84,6 +84,7 @@ POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
     ("attention", "fp8"),
   ),
   "mxfp4_fp8": DEFAULT_POLICY,  # MXFP4 experts, FP8 attention and router (MiMo × TileRT)
+  "int4_experts": (("experts", "int4"),),  # Kimi-K2's published INT4 experts (group 32)
 }
 
 # Memory per device in bytes, as published (decimal GB: slightly less than the devices report).

@@ -48,16 +48,18 @@ E2M1_VALUES = np.array(
 _MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 _TIE_GOES_UP = np.array([False, True, False, True, False, True, False])
 
-FORMATS = ("mxfp4", "fp8")
+FORMATS = ("mxfp4", "fp8", "int4")
+INT4_GROUP = 32  # values per scale when jaxspec quantizes to int4 (Kimi-K2's group)
 
 
 @flax.struct.dataclass
 class QTensor:
   """A quantized weight (see the module docstring).
 
-  values / scales: the stored arrays. format: "mxfp4" or "fp8". axes: the contraction axes as
-  negative indices into the dequantized array (so a stack of layers or experts in front does
-  not change them); MXFP4 blocks run along the last of them. dtype: what dequantizing gives.
+  values / scales: the stored arrays. format: "mxfp4", "fp8", "fp8_block" or "int4". axes: the
+  contraction axes as negative indices into the dequantized array (so a stack of layers or
+  experts in front does not change them); MXFP4 blocks run along the last of them. dtype:
+  what dequantizing gives.
   """
 
   values: jax.Array
@@ -65,7 +67,8 @@ class QTensor:
   format: str = flax.struct.field(pytree_node=False)
   axes: tuple[int, ...] = flax.struct.field(pytree_node=False)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
-  # "fp8_block" only: (HF tensor kind, the matrix's jaxspec shape, (block_out, block_in)).
+  # "fp8_block": (HF tensor kind, the matrix's jaxspec shape, (block_out, block_in)).
+  # "int4": (group, the contraction axes' sizes).
   layout: tuple = flax.struct.field(pytree_node=False, default=())
 
   @property
@@ -74,6 +77,8 @@ class QTensor:
       return tuple(self.values.shape)
     if self.format == "fp8_block":
       return (*self.values.shape[:-2], *self.layout[1])
+    if self.format == "int4":
+      return _int4_shape(tuple(self.values.shape[:-1]), self.layout[1], self.axes)
     moved = (*self.values.shape[:-2], self.values.shape[-2] * 2 * self.values.shape[-1])
     return _unmove_shape(moved, self.axes[-1])
 
@@ -89,6 +94,8 @@ class QTensor:
       return codecs.fp8_dequantize(self.values, self.scales, dtype, self.axes)
     if self.format == "fp8_block":
       return fp8_block_dequantize(self.values, self.scales, self.layout, dtype)
+    if self.format == "int4":
+      return int4_dequantize(self.values, self.scales, self.layout, self.axes, dtype)
     return mxfp4_dequantize(self.values, self.scales, self.axes[-1], dtype)
 
 
@@ -205,6 +212,40 @@ def fp8_block_dequantize(
 
 
 # ------------------------------------------------------------------------------------------------
+# INT4 with group scales (compressed-tensors pack-quantized; jaxspec.quantize)
+# ------------------------------------------------------------------------------------------------
+
+
+def _int4_shape(other: tuple, cdims: tuple, axes: tuple[int, ...]) -> tuple[int, ...]:
+  """The weight's shape from its non-contraction dims and contraction dims (put back at
+  `axes`, negative indices), undoing the move of `int4_quantize`."""
+  n = len(other) + len(cdims)
+  at = {n + a: d for a, d in zip(axes, cdims)}
+  rest = iter(other)
+  return tuple(at[i] if i in at else next(rest) for i in range(n))
+
+
+def int4_quantize(w: jax.Array, axes: tuple[int, ...], group: int = INT4_GROUP) -> QTensor:
+  """A float weight → an "int4" QTensor: contraction axes `axes` moved last and flattened,
+  quantized in groups of `group` along them (codecs.int4_quantize), scales bf16."""
+  moved = jnp.moveaxis(w, axes, tuple(range(-len(axes), 0)))
+  cdims = tuple(int(d) for d in moved.shape[moved.ndim - len(axes) :])
+  flat = moved.reshape(*moved.shape[: moved.ndim - len(axes)], -1)
+  values, scales = codecs.int4_quantize(flat, group)
+  return QTensor(values, scales, "int4", tuple(axes), str(jnp.dtype(w.dtype)), (group, cdims))
+
+
+def int4_dequantize(
+  values: jax.Array, scales: jax.Array, layout: tuple, axes: tuple[int, ...], dtype: Any
+) -> jax.Array:
+  """The float weight of an "int4" QTensor's stored arrays, in jaxspec's layout."""
+  group, cdims = layout
+  flat = codecs.int4_dequantize(values, scales, int(np.prod(cdims)), group, dtype)
+  moved = flat.reshape(*flat.shape[:-1], *cdims)
+  return jnp.moveaxis(moved, tuple(range(-len(axes), 0)), axes)
+
+
+# ------------------------------------------------------------------------------------------------
 # Quantizing one weight
 # ------------------------------------------------------------------------------------------------
 
@@ -218,6 +259,8 @@ def quantize_weight(w: Any, fmt: str, axes: tuple[int, ...]) -> QTensor:
   w = jnp.asarray(w)
   if fmt == "fp8":
     values, scales = codecs.fp8_quantize(w, axes)
+  elif fmt == "int4":
+    return int4_quantize(w, tuple(axes))
   else:
     values, scales = mxfp4_quantize(w, axes[-1])
   return QTensor(values, scales, fmt, tuple(axes), str(jnp.dtype(w.dtype)))
@@ -229,7 +272,8 @@ def stored_axes(logical: tuple, fmt: str, axes: tuple[int, ...]) -> tuple[tuple,
 
   fp8: values as the weight, scales without the contraction axes. mxfp4: the contraction axis
   moved last and cut into blocks (the blocks keep its name, the 16 bytes of a block have none);
-  scales name one entry per block.
+  scales name one entry per block. int4: the contraction axes moved last and flattened
+  (named as the contraction axis when there is one, else unnamed), in values and scales alike.
   """
   n = len(logical)
   if fmt == "fp8":
@@ -239,6 +283,10 @@ def stored_axes(logical: tuple, fmt: str, axes: tuple[int, ...]) -> tuple[tuple,
     c = axes[-1] + n
     moved = tuple(logical[:c]) + tuple(logical[c + 1 :]) + (logical[c],)
     return moved + (None,), moved
+  if fmt == "int4":
+    other = tuple(a for i, a in enumerate(logical) if i - n not in axes)
+    k = logical[n + axes[0]] if len(axes) == 1 else None
+    return other + (k,), other + (k,)
   raise ConfigError(f"no stored layout for format {fmt!r}; expected one of {FORMATS}")
 
 
