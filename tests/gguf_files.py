@@ -115,6 +115,28 @@ def tiny_vocab() -> dict:
   }
 
 
+def rope_freqs(config: dict) -> np.ndarray | None:
+  """llama.cpp converter's `rope_freqs.weight` of a Llama 3 config (llama3 RoPE), else None:
+  each frequency's divisor, computed in float32 branch by branch as the converter does."""
+  rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+  if rope.get("rope_type") != "llama3":
+    return None
+  dim, base = config["head_dim"], rope["rope_theta"]
+  factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+  old = rope["original_max_position_embeddings"]
+  out = []
+  for freq in 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float32) / dim):
+    wavelen = 2 * np.pi / freq
+    if wavelen < old / high:
+      out.append(1.0)
+    elif wavelen > old / low:
+      out.append(factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
+
+
 def add_tokenizer(writer, tokens, types, merges, pre="default", template=None, **ids) -> None:
   writer.add_tokenizer_model("gpt2")
   writer.add_tokenizer_pre(pre)
@@ -162,7 +184,10 @@ def write_gguf(
     writer.add_sliding_window(config["sliding_window"])
   if tokenizer is not None:
     add_tokenizer(writer, **tokenizer)
-  for name, w in gguf_tensors(hf_tensors, arch, config).items():
+  tensors = gguf_tensors(hf_tensors, arch, config)
+  if rope_freqs(config) is not None:
+    tensors["rope_freqs.weight"] = rope_freqs(config)
+  for name, w in tensors.items():
     data, t = encode(w, qtype, rng)
     writer.add_tensor(name, data, raw_dtype=t)
   writer.write_header_to_file()

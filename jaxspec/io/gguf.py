@@ -14,6 +14,8 @@ What the converter (llama.cpp's convert_hf_to_gguf.py) changed is undone here:
   llama.cpp's RoPE kernel): un-permuted, so that HF's rotate-half RoPE applies.
 * `gemma3`: RMSNorm weights are stored as 1 + w (llama.cpp's plain RMSNorm): 1 is taken off.
 * `qwen3moe`: the experts are stored stacked ([E, out, in]): each HF expert is one slice.
+* Llama 3's "llama3" RoPE scaling is stored as per-frequency divisors (`rope_freqs.weight`):
+  read back as the rope_scaling that gives exactly those divisors, else refused.
 
 The file itself is parsed and dequantized by `jaxspec.io.gguf_file`: F32, F16, BF16, Q8_0,
 Q4_0 and Q4_1 in numpy, the K-quants (Q4_K, Q5_K, Q6_K) and other ggml types with the optional
@@ -71,6 +73,9 @@ EXPERT_NAMES = {
   "ffn_up_exps.weight": "up_proj",
   "ffn_down_exps.weight": "down_proj",
 }
+# Tensors read into the config, not the weights: Llama 3's RoPE frequency divisors.
+ROPE_FREQS = "rope_freqs.weight"
+DERIVED = frozenset({ROPE_FREQS})
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -213,17 +218,45 @@ def _rope_scaling(meta: Metadata) -> dict[str, Any] | None:
   raise ConfigError(f"{meta.path}: {meta.arch}.rope.scaling.type {kind!r} is not supported")
 
 
-def hf_config(meta: Metadata) -> dict[str, Any]:
-  """The config.json dict a HF checkpoint of the same model would hold."""
+def llama3_divisors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+  """What llama.cpp's converter stores as `rope_freqs.weight` for Llama 3's "llama3" RoPE
+  scaling: each frequency's divisor (1 above the high band, `factor` below the low one, a
+  smooth blend between)."""
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old = scaling["original_max_position_embeddings"]
+  wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  smooth = np.clip((old / wavelen - low) / (high - low), 0.0, 1.0)
+  return 1.0 / ((1.0 - smooth) / factor + smooth)
+
+
+def _llama3_scaling(meta: Metadata, divisors: np.ndarray, head_dim: int, theta: float) -> dict:
+  """The rope_scaling behind a `rope_freqs.weight`: Llama 3's published band factors (1, 4,
+  8192 original positions) with the stored maximum as `factor`, accepted only when they
+  reproduce every stored divisor (any other tensor is refused, not approximated)."""
+  scaling = {
+    "rope_type": "llama3",
+    "factor": float(np.max(divisors)),
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+  }
+  want = llama3_divisors(theta, head_dim, scaling)
+  if divisors.shape != want.shape or not np.allclose(divisors, want, rtol=1e-4, atol=0):
+    raise ConfigError(
+      f"{meta.path}: rope_freqs.weight holds RoPE frequency factors that Llama 3's llama3 "
+      f"scaling (low_freq_factor 1, high_freq_factor 4, 8192 original positions) does not "
+      f"give; jaxspec cannot recover the rope_scaling they were made from"
+    )
+  return scaling
+
+
+def hf_config(meta: Metadata, rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+  """The config.json dict a HF checkpoint of the same model would hold (`rope_freqs`: the
+  file's `rope_freqs.weight`, when it has one)."""
   if meta.arch not in ARCHITECTURES:
     raise ConfigError(
       f"{meta.path}: GGUF architecture {meta.arch!r} is not supported; jaxspec reads "
       f"{', '.join(ARCHITECTURES)}"
-    )
-  if meta.has_tensor("rope_freqs.weight"):
-    raise ConfigError(
-      f"{meta.path} holds rope_freqs.weight (RoPE frequency factors, as llama.cpp stores "
-      "Llama 3.1's llama3 scaling): jaxspec cannot recover the rope_scaling it was made from"
     )
   arch = ARCHITECTURES[meta.arch]
   hidden, heads = meta.arch_int("embedding_length"), meta.arch_int("attention.head_count")
@@ -254,6 +287,10 @@ def hf_config(meta: Metadata) -> dict[str, Any]:
     if value is not None:
       config[f"{'pad' if key == 'padding' else key}_token_id"] = int(value)
   config.update(arch.extra(meta))
+  if rope_freqs is not None:
+    if config["rope_scaling"] is not None:
+      raise ConfigError(f"{meta.path} states both rope.scaling.type and rope_freqs.weight")
+    config["rope_scaling"] = _llama3_scaling(meta, rope_freqs, head_dim, config["rope_theta"])
   return config
 
 
@@ -277,7 +314,7 @@ def _hf_names(meta: Metadata, config: dict[str, Any]) -> dict[str, tuple[str, in
   experts = config.get("num_experts", 0)
   out: dict[str, tuple[str, int | None]] = {}
   unknown = []
-  for name in sorted(meta.tensor_names):
+  for name in sorted(meta.tensor_names - DERIVED):
     if name in global_names:
       out[global_names[name]] = (name, None)
       continue
@@ -349,7 +386,8 @@ class GGUFCheckpoint:
     self.path = path
     self.file = gguf_file.GGUFFile(path)
     self.meta = Metadata(path, self.file.fields, set(self.file.tensors))
-    self.hf_config = hf_config(self.meta)
+    rope_freqs = self.file.read(ROPE_FREQS) if ROPE_FREQS in self.file.tensors else None
+    self.hf_config = hf_config(self.meta, rope_freqs)
 
   def tensor_source(self, unpermute: bool = True) -> GGUFTensorSource:
     """The tensors under HF names (`unpermute=False` keeps llama.cpp's q/k row order: wrong,
