@@ -2,6 +2,7 @@
 
 python launch/convert.py --input=hf_dir --output=ckpt_dir --to=orbax
 python launch/convert.py --input=ckpt_dir --output=hf_dir --to=hf [--dtype=bfloat16]
+python launch/convert.py --input=model.gguf --output=hf_dir --to=hf   # dequantized
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from launch import cli  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
-  "input", None, "Source directory (HF or jaxspec orbax checkpoint).", required=True
+  "input",
+  None,
+  "Source: a HF or jaxspec orbax checkpoint directory, or a GGUF file.",
+  required=True,
 )
 flags.DEFINE_string("output", None, "Destination directory.", required=True)
 flags.DEFINE_enum("to", None, ["hf", "orbax"], "Destination format.", required=True)

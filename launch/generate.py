@@ -5,6 +5,8 @@ weights it falls back to a tiny random model (configs/tiny_random.py) so the com
 
   python launch/generate.py --prompt "def fib(n):"
   python launch/generate.py --model=/path/to/hf_dir --method=ngram --temperature=0.8
+  python launch/generate.py --model=model.gguf --chat --prompt="What is the capital of France?"
+  python launch/generate.py --model=org/name   # a hub id: the huggingface_hub cache
   python launch/generate.py --model=/path/to/hf_dir_without_tokenizer --prompt_ids=1,2,3
   python launch/generate.py --mesh=data=1,expert=2,tensor=1   # needs 2 devices
   python launch/generate.py --quant_policy=default            # MXFP4 experts, FP8 attention
@@ -40,6 +42,12 @@ flags.DEFINE_list(
   "prompt_ids",
   None,
   "The prompt as comma-separated token ids (instead of --prompt; works without a tokenizer).",
+)
+flags.DEFINE_bool(
+  "chat",
+  False,
+  "Send --prompt as a user message through the model's chat template (its own, e.g. a GGUF "
+  "file's or tokenizer_config.json's) and generate the assistant's reply.",
 )
 flags.DEFINE_bool(
   "parse_special",
@@ -83,6 +91,12 @@ def _prompt(target: jaxspec.TargetModel, source: str) -> tuple[list[int], str]:
       f"the model ({source}) has no tokenizer (tokenizer.json) to encode --prompt: "
       "pass the prompt as token ids, e.g. --prompt_ids=1,2,3"
     )
+  if FLAGS.chat:  # the template's special tokens are control tokens; the message is plain text
+    from jaxspec.serve import text  # pylint: disable=import-outside-toplevel
+
+    template = text.chat_template_of(target.tokenizer)
+    prompt = template.render([{"role": "user", "content": FLAGS.prompt}])
+    return target.tokenizer.encode(prompt), prompt
   # Text is plain text unless --parse_special, as the engine itself encodes it.
   ids = target.tokenizer.encode(FLAGS.prompt, split_special_tokens=not FLAGS.parse_special)
   if not ids:

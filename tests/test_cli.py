@@ -86,6 +86,23 @@ def test_text_prompt_with_special_tokens_parsed(models):
   assert proc.stdout.count(RULE) == 2, proc.stdout
 
 
+def test_chat_on_a_gguf_file_renders_its_template(tmp_path):
+  """--model=file.gguf --chat: the file's tokenizer and chat template, the reply after it."""
+  gguf_files = pytest.importorskip("tests.gguf_files")  # needs the gguf package's writer
+  from jaxspec.io import architectures, hf as hf_io  # pylint: disable=import-outside-toplevel
+
+  vocab = gguf_files.tiny_vocab()
+  model = engine_models.random_draft(len(vocab["tokens"])).with_scan_layers(False)
+  config = architectures.config_to_hf(model.config)
+  path = str(tmp_path / "chat.gguf")
+  tensors = hf_io.export_tensors(model.config, model.params)
+  gguf_files.write_gguf(path, "qwen3", config, tensors, tokenizer=vocab)
+  proc = _generate(path, "--chat", "--prompt=hello world")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  shown = proc.stdout.split(RULE)[1]
+  assert shown.startswith("\n<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_engine_input_error_is_one_line(models):
   proc = _generate(models["plain"], "--prompt_ids=1,2", "--max_new_tokens=0")
   _assert_one_line_error(proc, "max_new_tokens")

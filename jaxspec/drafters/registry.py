@@ -12,7 +12,7 @@ from jaxspec.errors import ConfigError
 from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.mtp import MTPDrafter
 from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.io import drafter_ckpt
+from jaxspec.io import drafter_ckpt, gguf, hub
 from jaxspec.io import hf as hf_io, tree_acceptance
 from jaxspec.models.target import InputError, TargetModel
 
@@ -22,6 +22,8 @@ DEFAULT_GAMMA = 4
 METHODS = ("plain", "draft_model", "ngram", "mtp", "dflash", "eagle3", "gemma4_assistant")
 # Methods whose drafter is read from a checkpoint directory, and take drafter options.
 CHECKPOINT_METHODS = ("draft_model", "dflash", "eagle3", "gemma4_assistant")
+# A drafter repository's files: a checkpoint's, and EAGLE-3 heads' pytorch_model.bin (yuhuili).
+DRAFTER_PATTERNS = (*hub.CHECKPOINT_PATTERNS, "*.bin")
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 
 
@@ -33,7 +35,10 @@ def bundled_dir(name: str) -> Optional[str]:
 
 def checkpoint_kind(path: str) -> str:
   """'dflash', 'eagle3', 'gemma4_assistant' or 'draft_model' for a drafter checkpoint
-  directory."""
+  directory, hub id or GGUF file (a draft model)."""
+  path = hub.resolve(path, DRAFTER_PATTERNS)
+  if gguf.is_gguf(path) and os.path.isfile(path):
+    return "draft_model"
   if not os.path.isdir(path):
     raise hf_io.CheckpointError(f"drafter directory {path!r} does not exist")
   kind = drafter_ckpt.detect_kind(hf_io.read_config(path))
@@ -50,8 +55,10 @@ def load_drafter(
   must be an HF causal LM (a draft model). `gamma` is the
   number of draft tokens per step (None: 4 for chains, block_size − 1 for DFlash, which
   refuses more); `kwargs` go to the drafter (e.g. sample_drafts, context_window). A measured
-  tree acceptance model beside the checkpoint (`tree_acceptance.json`) comes with it.
+  tree acceptance model beside the checkpoint (`tree_acceptance.json`) comes with it. `path`
+  may be a hub id (`org/name`: huggingface_hub's cache) or, for a draft model, a GGUF file.
   """
+  path = hub.resolve(path, DRAFTER_PATTERNS)
   drafter = _load(path, target, gamma, **kwargs)
   return dataclasses.replace(drafter, tree_acceptance=tree_acceptance.read(path))
 

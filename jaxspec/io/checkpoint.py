@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from jaxspec import sharding as sharding_lib
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, ConfigError
-from jaxspec.io import architectures
+from jaxspec.io import architectures, gguf
 from jaxspec.io.hf import load_config, load_model, save_hf
 from jaxspec.models import target as target_lib
 from jaxspec.options import RunOptions
@@ -119,26 +119,30 @@ def restore(
 def convert(src: str, dst: str, to: str, dtype: str | None = None) -> target_lib.TargetModel:
   """Loads src in whichever format it is and writes dst in format `to` ('hf' or 'orbax').
 
-  `to`, `dtype` and the paths are checked before anything is loaded: ConfigError for a format
-  or dtype name jaxspec does not know, CheckpointError for a src that is not a checkpoint
-  directory or a dst that is an existing file.
+  `src` is a HF or orbax checkpoint directory, or a GGUF file (`jaxspec.io.gguf`: written
+  out dequantized). `to`, `dtype` and the paths are checked before anything is loaded:
+  ConfigError for a format or dtype name jaxspec does not know, CheckpointError for a src that
+  is neither a checkpoint directory nor a GGUF file, or a dst that is an existing file.
   """
   if to not in FORMATS:
     raise ConfigError(f"unknown checkpoint format {to!r}; expected 'hf' or 'orbax'")
   if dtype is not None and dtype not in DTYPES:
     raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-  if not os.path.isdir(src):
+  from_gguf = gguf.is_gguf(src) and os.path.isfile(src)
+  if not from_gguf and not os.path.isdir(src):
     raise CheckpointError(f"checkpoint directory {src!r} does not exist")
   if os.path.exists(dst) and not os.path.isdir(dst):
     raise CheckpointError(f"output {dst!r} exists and is not a directory")
-  if not os.path.isdir(os.path.join(src, PARAMS_DIR)) and not os.path.exists(
+  if from_gguf:
+    model = load_model(src)
+  elif not os.path.isdir(os.path.join(src, PARAMS_DIR)) and not os.path.exists(
     os.path.join(src, "config.json")
   ):
     raise CheckpointError(
       f"{src} holds neither a HF checkpoint (config.json) nor a jaxspec orbax checkpoint "
       f"({PARAMS_DIR}/)"
     )
-  if os.path.isdir(os.path.join(src, PARAMS_DIR)):
+  elif os.path.isdir(os.path.join(src, PARAMS_DIR)):
     model = restore(src)
   else:
     model = load_model(src)

@@ -6,7 +6,8 @@ dense Qwen3 targets with float weights are written (F32 or F16); llama.cpp's own
 
 GGUF lists a tensor's dimensions innermost first, so a row-major numpy array of HF's shape
 ([out, in] for a linear layer, [vocab, hidden] for the embedding) is what llama.cpp expects:
-the tensors are `jaxspec.io.hf.export_tensors` under llama.cpp's names. The file carries no
+the tensors are `jaxspec.io.hf.export_tensors` under llama.cpp's names (the table the reader,
+`jaxspec.io.gguf`, maps back). The file carries no
 tokenizer (`tokenizer.ggml.model = "none"`, `qwen3.vocab_size` dummy tokens): the race feeds
 token ids, and no end-of-sequence token can cut a run short.
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
+from jaxspec.io import gguf as gguf_io
 from jaxspec.io import hf as hf_io
 from jaxspec.quant.formats import QTensor
 
@@ -30,36 +32,17 @@ ARCH = "qwen3"
 # Weight types written directly; llama.cpp's quantizer makes the others.
 FILE_TYPES = ("f32", "f16")
 
-# HF name (a layer's suffix, or the whole name) → llama.cpp's qwen3 tensor name.
-_GLOBAL_NAMES = {
-  "model.embed_tokens.weight": "token_embd.weight",
-  "model.norm.weight": "output_norm.weight",
-  "lm_head.weight": "output.weight",
-}
-_LAYER_NAMES = {
-  "input_layernorm.weight": "attn_norm.weight",
-  "self_attn.q_proj.weight": "attn_q.weight",
-  "self_attn.k_proj.weight": "attn_k.weight",
-  "self_attn.v_proj.weight": "attn_v.weight",
-  "self_attn.o_proj.weight": "attn_output.weight",
-  "self_attn.q_norm.weight": "attn_q_norm.weight",
-  "self_attn.k_norm.weight": "attn_k_norm.weight",
-  "post_attention_layernorm.weight": "ffn_norm.weight",
-  "mlp.gate_proj.weight": "ffn_gate.weight",
-  "mlp.up_proj.weight": "ffn_up.weight",
-  "mlp.down_proj.weight": "ffn_down.weight",
-}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def gguf_name(hf_name: str) -> str:
-  """llama.cpp's name of the HF tensor `hf_name` (qwen3 architecture)."""
-  if hf_name in _GLOBAL_NAMES:
-    return _GLOBAL_NAMES[hf_name]
+  """llama.cpp's name of the HF tensor `hf_name` (the reader's table, `jaxspec.io.gguf`)."""
+  if hf_name in gguf_io.GLOBAL_NAMES:
+    return gguf_io.GLOBAL_NAMES[hf_name]
   m = _LAYER.fullmatch(hf_name)
-  if m is None or m.group(2) not in _LAYER_NAMES:
+  if m is None or m.group(2) not in gguf_io.LAYER_NAMES:
     raise ConfigError(f"{hf_name}: no llama.cpp qwen3 tensor holds it")
-  return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+  return f"blk.{m.group(1)}.{gguf_io.LAYER_NAMES[m.group(2)]}"
 
 
 def check_exportable(config: ModelConfig) -> None:

@@ -125,8 +125,11 @@ class Tokenizer:
   Attributes:
     backend: the wrapped `tokenizers.Tokenizer`.
     source: where it was loaded from (used in messages), or None.
-    chat_template: the model's chat template (Jinja source) when its directory has one;
-      written back by `save_hf`.
+    chat_template: the model's chat template (Jinja source): its directory's
+      (`read_chat_template`) or a GGUF file's `tokenizer.chat_template`; written back by
+      `save_hf`.
+    special_tokens: the template's token strings (`bos_token`, `eos_token`, ...) when the
+      tokenizer states them itself (a GGUF file's); a directory's are read with its template.
   """
 
   def __init__(
@@ -134,22 +137,31 @@ class Tokenizer:
     backend: tokenizers.Tokenizer,
     source: str | None = None,
     chat_template: str | None = None,
+    special_tokens: dict[str, str] | None = None,
   ):
     if not isinstance(backend, tokenizers.Tokenizer):
       raise TypeError(f"expected a tokenizers.Tokenizer, got {type(backend).__name__}")
     self.backend = backend
     self.source = source
     self.chat_template = chat_template
+    self.special_tokens = dict(special_tokens or {})
     self._fingerprint: str | None = None
 
   # ---- construction ---------------------------------------------------------
 
   @classmethod
   def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
-    """Loads a `tokenizer.json` file (or a directory containing one)."""
+    """Loads a `tokenizer.json` file (or a directory containing one, or a GGUF file's)."""
     path = os.fspath(path)
     if os.path.isdir(path):
       return cls.from_dir(path)
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+      from jaxspec.io import gguf  # pylint: disable=import-outside-toplevel
+
+      tokenizer = gguf.GGUFCheckpoint(path).tokenizer()
+      if tokenizer is None:
+        raise ValueError(f"GGUF file {path!r} carries no tokenizer jaxspec can build")
+      return tokenizer
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file not found: {path!r}")
     try:
@@ -330,6 +342,7 @@ class Tokenizer:
     ):
       if self.token_to_id(tok) is not None:
         cfg[key] = tok
+    cfg.update(self.special_tokens)  # the model's own, when it states them (a GGUF file)
     return cfg
 
   def save_hf(self, model_dir: str | os.PathLike[str]) -> None:

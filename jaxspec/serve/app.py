@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import hmac
 import json
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -159,8 +158,7 @@ class _Server:
     self.api_key = api_key
     self.max_body_bytes = max_body_bytes
     if chat_template is None:
-      source = getattr(tokenizer, "source", None)
-      chat_template = text.load_chat_template(os.path.dirname(source) if source else None)
+      chat_template = text.chat_template_of(tokenizer)
     self.chat_template = chat_template
     self.started = protocol.now()
 
@@ -489,9 +487,10 @@ def create_app(
 ) -> fastapi.FastAPI:
   """The FastAPI app serving `scheduler` (already started) as the model `model_name`.
 
-  `chat_template`: None = the one in the tokenizer's directory (chat_template.jinja, else
-  tokenizer_config.json), else text.DEFAULT_CHAT_TEMPLATE. The caller owns the scheduler: it
-  starts it before serving and shuts it down (draining) after the HTTP server stops.
+  `chat_template`: None = the tokenizer's own (its directory's chat_template.jinja, else
+  tokenizer_config.json's; a GGUF file's), else text.DEFAULT_CHAT_TEMPLATE. The caller owns the
+  scheduler: it starts it before serving and shuts it down (draining) after the HTTP server
+  stops.
   """
   server = _Server(scheduler, model_name, api_key, max_body_bytes, chat_template)
   counts: collections.Counter = collections.Counter()

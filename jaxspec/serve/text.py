@@ -19,6 +19,7 @@ offset in the returned text, so the log-probs a response reports belong to the t
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -278,6 +279,18 @@ class ChatTemplate:
 
 def _raise_template_error(message: str) -> None:
   raise InputError(f"the chat template refused the messages: {message}")
+
+
+def chat_template_of(tokenizer: Any) -> ChatTemplate:
+  """The chat template of a loaded model's tokenizer: the one it carries (its directory's, or
+  a GGUF file's with the token strings the file states), else the one in its directory
+  (`load_chat_template`), else the default."""
+  own = getattr(tokenizer, "chat_template", None)
+  tokens = getattr(tokenizer, "special_tokens", None)
+  if isinstance(own, str) and tokens:
+    return ChatTemplate(own, tokens)
+  source = getattr(tokenizer, "source", None)
+  return load_chat_template(os.path.dirname(source) if source else None)
 
 
 def load_chat_template(model_dir: str | None) -> ChatTemplate:

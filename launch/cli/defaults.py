@@ -37,7 +37,12 @@ def define_model_flags() -> None:
   `mesh_from_flags` read them."""
   if "method" in FLAGS:
     return
-  flags.DEFINE_string("model", None, "HF model directory (default: the bundled target).")
+  flags.DEFINE_string(
+    "model",
+    None,
+    "HF model directory, GGUF file or hub id (org/name; org/name/file.gguf) (default: the "
+    "bundled target).",
+  )
   flags.DEFINE_enum(
     "method",
     "auto",
