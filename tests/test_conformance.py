@@ -381,7 +381,10 @@ ROWS = (
       ("sliding_window", 0),
     ),
     # tests/test_gpt_oss.py runs chain and DDTree over its MXFP4 checkpoint by default.
-    slow=("speculation", "quantize"),
+    slow=("speculation",),
+    # MXFP4 on 32-wide experts moves this tiny model's logits past (g)'s bound (routing
+    # flips); tests/test_gpt_oss.py matches them to transformers' own MXFP4 reading instead.
+    omit=("quantize",),
   ),
 )
 BY_NAME = {row.name: row for row in ROWS}
