@@ -260,8 +260,8 @@ HYBRID_CONFIGS = {
 
 
 def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-  """A float32 HF model of configuration `name` (CONFIGS, HYBRID_CONFIGS or MLA_CONFIGS) with
-  perturbed random weights, in eval mode."""
+  """A float32 HF model of configuration `name` (CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS or
+  MINIMAX_CONFIGS) with perturbed random weights, in eval mode."""
   return build_any(name, seed)
 
 
@@ -408,9 +408,49 @@ DSA_CONFIGS = {
 MLA_CONFIGS.update(DSA_CONFIGS)
 
 
+# MiniMax-M2 targets (the conformance table's rows; tests/test_minimax_m2.py has the rest).
+_MINIMAX = dict(vocab_size=96, num_hidden_layers=2, tie_word_embeddings=False)
+MINIMAX_CONFIGS = {
+  # 4 of 8 features per head rotated (MiniMax's `rotary_dim`), 2 query heads per KV head.
+  "minimax_m2_partial": (
+    "MiniMaxM2Config",
+    "MiniMaxM2ForCausalLM",
+    dict(
+      _MINIMAX,
+      hidden_size=32,
+      intermediate_size=16,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=8,
+      rotary_dim=4,
+      num_local_experts=4,
+      num_experts_per_tok=2,
+      rope_theta=10000.0,
+    ),
+  ),
+  # Whole heads of 16 rotated, 3 KV heads of 6 query heads; wide enough for MXFP4 blocks.
+  "minimax_m2_full": (
+    "MiniMaxM2Config",
+    "MiniMaxM2ForCausalLM",
+    dict(
+      _MINIMAX,
+      hidden_size=64,
+      intermediate_size=32,
+      num_attention_heads=6,
+      num_key_value_heads=3,
+      head_dim=16,
+      num_local_experts=6,
+      num_experts_per_tok=3,
+      rms_norm_eps=1e-5,
+      rope_theta=1000.0,
+    ),
+  ),
+}
+
+
 def build_any(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-  """build_hf_model for a name in CONFIGS, HYBRID_CONFIGS or MLA_CONFIGS."""
-  for table in (CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS):
+  """build_hf_model for a name in CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS or MINIMAX_CONFIGS."""
+  for table in (CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS, MINIMAX_CONFIGS):
     if name in table:
       return build_hf_model_from(*table[name], seed=seed)
   raise KeyError(name)

@@ -1,11 +1,14 @@
-"""MiniMax-M2 targets (MiniMaxM2ForCausalLM) against transformers on small random configurations.
+"""MiniMax-M2 targets (MiniMaxM2ForCausalLM): what is particular to the family.
 
-Two configurations, saved once by transformers (the published Mixtral-style tensor names,
-`block_sparse_moe.experts.{e}.w1/w2/w3`): "partial" rotates 4 of 8 features per head (stated
-as `rotary_dim`, MiniMax's key) with 2 query heads per KV head; "full" rotates whole heads of
-16 with 3 KV heads of 6 query heads, and is wide enough (64, experts 32) for MXFP4 blocks.
-Norms (the per-layer q/k norms included) and the routing correction bias are perturbed, so
-every piece moves the logits.
+tests/test_conformance.py's rows "minimax_m2_partial" and "minimax_m2_full" (tests/hf_models.py
+MINIMAX_CONFIGS) run the checks every family gets: logits, config round trip and refused keys,
+save_hf → transformers in the published Mixtral-style tensor names
+(`block_sparse_moe.experts.{e}.w1/w2/w3`), greedy and speculative decoding, the default
+quantization policy (MXFP4 experts, router and norms float32) and the planner. Here, on the
+same two configurations (saved once by transformers): "partial" rotates 4 of 8 features per
+head (MiniMax's `rotary_dim`) with 2 query heads per KV head; "full" rotates whole heads of 16
+with 3 KV heads of 6 query heads. Norms (the per-layer q/k norms included) and the routing
+correction bias are perturbed, so every piece moves the logits.
 """
 
 from __future__ import annotations
@@ -20,58 +23,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
-from safetensors import safe_open
 
 import jaxspec
-from jaxspec.errors import ConfigError
 from jaxspec.io.architectures import config_from_hf, config_to_hf
 from jaxspec.models import moe
 from jaxspec.plan import arch as plan_arch
 from jaxspec.quant.formats import QTensor
-from jaxspec.speculative.engine import SpecEngine
-from jaxspec.speculative.engine_config import EngineConfig
 
-from tests import drafter_models, hf_models, near_ties, virtual_devices
+from tests import drafter_models, hf_models, virtual_devices
 
-CONFIGS = {
-  "partial": dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rotary_dim=4,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-  ),
-  "full": dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=3,
-    head_dim=16,
-    num_local_experts=6,
-    num_experts_per_tok=3,
-    rms_norm_eps=1e-5,
-    rope_theta=1000.0,
-    tie_word_embeddings=False,
-  ),
-}
+NAMES = {"partial": "minimax_m2_partial", "full": "minimax_m2_full"}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-  """name → (HF model, checkpoint dir saved by transformers)."""
+  """name → (HF model, checkpoint dir saved by transformers), as the conformance table's rows
+  (tests/hf_models.py MINIMAX_CONFIGS, seed 3)."""
   out = {}
-  for name, kwargs in CONFIGS.items():
-    hf = hf_models.build_hf_model_from("MiniMaxM2Config", "MiniMaxM2ForCausalLM", kwargs, seed=3)
+  for name, config in NAMES.items():
+    hf = hf_models.build_hf_model_from(*hf_models.MINIMAX_CONFIGS[config], seed=3)
     d = str(tmp_path_factory.mktemp(f"minimax_{name}"))
     hf.save_pretrained(d)
     out[name] = (hf, d)
@@ -85,19 +55,6 @@ def _ids(vocab: int, shape=(2, 11), seed=0) -> np.ndarray:
 def _hf_config(d: str) -> dict:
   with open(os.path.join(d, "config.json")) as f:
     return json.load(f)
-
-
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_match_transformers(saved, name):
-  hf, d = saved[name]
-  model = jaxspec.load_model(d)
-  c = model.config
-  assert c.qk_norm_type == "per_layer" and c.router == "sigmoid" and c.norm_topk_prob
-  assert c.partial_rotary_factor == (0.5 if name == "partial" else 1.0)
-  ids = _ids(c.vocab_size)
-  near_ties.assert_logits_match(
-    model, ids, np.asarray(model.logits(ids)), hf_models.hf_logits(hf, ids), atol=1e-4
-  )
 
 
 def test_routing_equals_transformers_router(saved):
@@ -137,11 +94,16 @@ def test_per_head_qk_norm_is_wrong_for_minimax(saved):
   assert np.abs(np.asarray(broken.logits(ids)) - hf_models.hf_logits(hf, ids)).max() > 1e-3
 
 
-def test_config_round_trip_and_published_keys(saved):
+def test_config_reads_minimax_and_its_published_keys(saved):
+  """Per-layer q/k norms, normalised sigmoid routing, MiniMax's `rotary_dim` (read and
+  written); the published config.json's keys accepted; absent keys MiniMaxM2Config's."""
+  for name, factor in (("partial", 0.5), ("full", 1.0)):
+    c = config_from_hf(_hf_config(saved[name][1]))
+    assert c.qk_norm_type == "per_layer" and c.router == "sigmoid" and c.norm_topk_prob
+    assert c.partial_rotary_factor == factor
   _, d = saved["partial"]
   hf = _hf_config(d)
   c = config_from_hf(hf)
-  assert config_from_hf(config_to_hf(c)) == c
   assert config_to_hf(c)["rotary_dim"] == 4
   # The published config.json's legacy keys, at their published values, are accepted.
   published = {
@@ -174,118 +136,16 @@ def test_config_round_trip_and_published_keys(saved):
   )
 
 
-@pytest.mark.parametrize(
-  "key,value",
-  [
-    ("attn_type_list", [0, 1]),
-    ("sliding_window", 128),
-    ("scoring_func", "softmax"),
-    ("use_routing_bias", False),
-    ("use_qk_norm", False),
-    ("qk_norm_type", "per_head"),
-    ("shared_intermediate_size", 64),
-    ("layernorm_mlp_alpha", 3.5),
-    ("postnorm", True),
-    ("routed_scaling_factor", 2.0),
-    ("rotary_dim", 6),  # disagrees with the saved partial_rotary_factor 0.5
-  ],
-)
-def test_unsupported_keys_are_refused_by_name(saved, key, value):
-  _, d = saved["partial"]
-  with pytest.raises(ConfigError, match=key):
-    config_from_hf({**_hf_config(d), key: value})
-
-
-def test_checkpoint_round_trip_through_transformers(saved, tmp_path):
-  hf, d = saved["full"]
-  model = jaxspec.load_model(d)
-  jaxspec.save_hf(model, str(tmp_path))
-  names = json.dumps(sorted(_safetensors_names(str(tmp_path))))
-  assert "block_sparse_moe.experts.5.w3.weight" in names and "mlp." not in names
-  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-  ids = _ids(model.config.vocab_size, seed=1)
-  np.testing.assert_allclose(
-    hf_models.hf_logits(back.eval(), ids), hf_models.hf_logits(hf, ids), atol=1e-5
-  )
-
-
-def _safetensors_names(d: str) -> list[str]:
-  with safe_open(os.path.join(d, "model.safetensors"), "np") as f:
-    return list(f.keys())
-
-
-def test_greedy_generation_matches_transformers(saved):
-  hf, d = saved["partial"]
-  model = jaxspec.load_model(d)
-  prompt = _ids(model.config.vocab_size, (1, 6), seed=2)
-  new = 12
-  with torch.no_grad():
-    ref = hf.generate(
-      torch.as_tensor(prompt),
-      max_new_tokens=new,
-      min_new_tokens=new,
-      do_sample=False,
-      pad_token_id=0,
-      eos_token_id=None,
-    )
-  cfg = EngineConfig(max_len=32, batch_size=1, use_eos=False)
-  res = SpecEngine(model, None, cfg).generate([prompt[0]], max_new_tokens=new, temperature=0.0)
-  near_ties.assert_greedy_match(model, prompt, [ref[0, 6:].tolist()], [list(res.tokens[0])])
-
-
-# CI runs DDTree (the chain over the same target and drafter is slow-marked).
-@pytest.mark.parametrize("verify", ["tree", pytest.param("chain", marks=pytest.mark.slow)])
-def test_speculative_decoding_is_lossless(saved, verify):
-  """DFlash chain and DDTree outputs equal plain greedy decoding, batch 1 and 4 (engines of 4
+@pytest.mark.slow  # DDTree over this target runs by default in tests/test_conformance.py
+def test_chain_speculation_is_lossless_in_partly_filled_engines(saved):
+  """DFlash chain verification equals plain greedy decoding, batch 1 and 4 (engines of 4
   slots: compiled once)."""
   _, d = saved["partial"]
   target = jaxspec.load_model(d)
   drafter = drafter_models.small_dflash(target, target_layer_ids=(0, 1))
   check = drafter_models.GreedyCheck(target, drafter, max_len=32, batch_size=4)
-  engine = check.spec
-  if verify == "tree":
-    engine = SpecEngine(
-      target, drafter, dataclasses.replace(check.cfg, verify="tree", tree_budget=6)
-    )
   for batch in (1, 4):
-    ps = drafter_models.prompts(batch, target.config.vocab_size)
-    plain = check.plain.generate(ps, max_new_tokens=12)
-    spec = engine.generate(ps, max_new_tokens=12)
-    near_ties.assert_greedy_match(target, ps, plain.tokens, spec.tokens)
-    assert all(len(t) == 12 for t in spec.tokens)
-
-
-def test_default_quantize_policy_runs(saved, tmp_path):
-  """The default policy: MXFP4 experts, FP8 attention, and (as the FP8 release keeps them)
-  the router, its correction bias and the q/k norms float32; the logits stay finite and near
-  the float model's, and the quantized checkpoint jaxspec writes reads back to the same
-  logits. DEFAULT_POLICY itself (the router FP8) applies when asked for."""
-  hf, d = saved["full"]
-  q = jaxspec.quantize(jaxspec.load_model(d, scan_layers=True))
-  layer = q.params["layers_0"]
-  mlp, attn = layer["mlp"], layer["self_attn"]
-  weights = (mlp["gate_proj"], mlp["router"], attn["q_proj"]["kernel"])
-  formats = [getattr(w, "format", "none") for w in weights]
-  assert formats[0::2] == ["mxfp4", "fp8"]
-  assert not isinstance(mlp["router"], QTensor)
-  asked = jaxspec.quantize(jaxspec.load_model(d, scan_layers=True), jaxspec.quant.DEFAULT_POLICY)
-  assert asked.params["layers_0"]["mlp"]["router"].format == "fp8"
-  for w in (
-    layer["mlp"]["e_score_correction_bias"],
-    layer["self_attn"]["q_norm"]["scale"],
-    mlp["router"],
-  ):
-    assert not isinstance(w, QTensor) and w.dtype == np.float32
-  ids = _ids(q.config.vocab_size, seed=4)
-  logits = np.asarray(q.logits(ids))
-  ref = hf_models.hf_logits(hf, ids)
-  assert np.isfinite(logits).all()
-  err = np.abs(logits - ref).max()
-  assert 1e-4 < err < 0.25 * np.abs(ref).max(), err
-  jaxspec.save_hf(q, str(tmp_path))
-  assert "model.layers.1.block_sparse_moe.experts.w2_blocks" in _safetensors_names(str(tmp_path))
-  again = jaxspec.load_model(str(tmp_path), scan_layers=True)
-  np.testing.assert_array_equal(np.asarray(again.logits(ids)), logits)
+    check.check(batch, new=12)
 
 
 def test_block_fp8_checkpoint_in_the_published_layout(saved, tmp_path):
