@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.config_checks import ROPE_TYPES
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.options import RunOptions
@@ -169,7 +170,8 @@ def sized_like(target: TargetModel, **sizes: Optional[int]) -> dict[str, Any]:
     target_hidden_size=tc.hidden_size,
     rms_norm_eps=tc.rms_norm_eps,
     rope_theta=tc.rope_theta,
-    rope_scaling=tc.rope_scaling,
+    # A family's own RoPE kind (Gemma 4's "proportional") is not a drafter's: keep the default.
+    rope_scaling=tc.rope_scaling if dict(tc.rope_scaling).get("rope_type") in ROPE_TYPES else (),
     dtype=tc.dtype,
   )
   fields.update({k: v for k, v in sizes.items() if v})
