@@ -66,15 +66,7 @@ def _per_type_rope(r: HFConfigReader) -> dict[str, dict[str, Any]]:
   """Each layer type's RoPE settings, from `rope_parameters` nested per type and the legacy
   `rope_scaling` (the full layers') / `rope_theta` / `rope_local_base_freq`; a setting stated
   in both places must agree."""
-  params = r.mapping("rope_parameters")
-  nested = {k: v for k, v in params.items() if isinstance(v, Mapping)}
-  if params and len(nested) != len(params):
-    raise r.error(
-      "rope_parameters must be nested per layer type (sliding_attention, full_attention)"
-    )
-  extra = sorted(set(nested) - {SLIDING, FULL})
-  if extra:
-    raise r.error(f"rope_parameters names unknown layer types {extra}")
+  nested = r.rope_per_layer_type()
   rope = {kind: dict(nested.get(kind) or {}) for kind in (SLIDING, FULL)}
   legacy = {k: v for k, v in r.mapping("rope_scaling").items() if v is not None}
   for key, value in legacy.items():

@@ -69,15 +69,7 @@ def _prepare(hf: Mapping[str, Any]) -> dict[str, Any]:
   for `_read`."""
   r = HFConfigReader(hf, "Gemma4ForCausalLM")
   out = dict(hf)
-  per_type = r.mapping("rope_parameters")
-  nested = {k: v for k, v in per_type.items() if isinstance(v, Mapping)}
-  if per_type and len(nested) != len(per_type):
-    raise r.error(
-      "rope_parameters must be nested per layer type (sliding_attention, full_attention)"
-    )
-  extra = sorted(set(nested) - {SLIDING, FULL})
-  if extra:
-    raise r.error(f"rope_parameters names unknown layer types {extra}")
+  nested = r.rope_per_layer_type()
   if r.mapping("rope_scaling"):
     raise r.error("rope_scaling is not supported (Gemma 4 states RoPE in rope_parameters)")
   defaults = {

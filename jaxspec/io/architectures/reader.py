@@ -126,6 +126,20 @@ class HFConfigReader:
       raise self.error(f"{key} must be a JSON object, got {show(v)}")
     return dict(v)
 
+  def rope_per_layer_type(self) -> dict[str, Mapping[str, Any]]:
+    """transformers 5's `rope_parameters` nested per layer type ({} when absent): refused when
+    flat or naming a layer type other than sliding_attention and full_attention."""
+    params = self.mapping("rope_parameters")
+    nested = {k: v for k, v in params.items() if isinstance(v, Mapping)}
+    if params and len(nested) != len(params):
+      raise self.error(
+        "rope_parameters must be nested per layer type (sliding_attention, full_attention)"
+      )
+    extra = sorted(set(nested) - {"sliding_attention", "full_attention"})
+    if extra:
+      raise self.error(f"rope_parameters names unknown layer types {extra}")
+    return nested
+
   def rope(
     self,
     default_theta: float = 10000.0,
