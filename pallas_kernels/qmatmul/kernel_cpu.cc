@@ -34,7 +34,7 @@
 #include <memory>
 #include <mutex>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -45,6 +45,14 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 16;
+// Without AVX-512 a v16f is two of the 16 AVX2 registers (or four of NEON's 32), so the register
+// tiles below are cut to what 16 such registers hold: spilled accumulators cost more than
+// everything they save.
+#if defined(__AVX512F__)
+constexpr bool kNarrow = false;
+#else
+constexpr bool kNarrow = true;
+#endif
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef int16_t v16s __attribute__((vector_size(32)));
@@ -60,9 +68,7 @@ inline v16f splat(float s) {
 #if defined(__AVX512F__)
   return reinterpret_cast<v16f>(_mm512_set1_ps(s));
 #else
-  v16f v;
-  for (int i = 0; i < kLanes; ++i) v[i] = s;
-  return v;
+  return v16f{} + s;  // a scalar operand is broadcast: one vbroadcastss / dup per register
 #endif
 }
 inline float hsum(v16f v) {
@@ -70,6 +76,19 @@ inline float hsum(v16f v) {
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
+
+// Half vectors: the narrow targets' register width (one AVX2 register, two NEON ones). GCC keeps
+// arrays of 64-byte vectors in memory on AVX2 (every FMA of a register tile went through the
+// stack, ~5 GFLOP/s a core), so the narrow paths below tile with these.
+constexpr int kHalf = 8;
+typedef float v8f __attribute__((vector_size(32)));
+inline v8f load_f8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_f8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+inline v8f splat8(float s) { return v8f{} + s; }
 
 // ---------------------------------------------------------------------------------------------
 // Element decoders: 16 stored elements → 16 floats.
@@ -85,6 +104,15 @@ inline v16f fp8_decode_scaled(const uint8_t* p) {
   __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
   return reinterpret_cast<v16f>(_mm512_cvtph_ps(h));
+#elif defined(__AVX2__) && defined(__F16C__)
+  // The same halves on AVX2 + F16C (no AVX-512): two 8-wide half → float conversions.
+  __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  __m256 parts[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+                     _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+  v16f v;
+  std::memcpy(&v, parts, sizeof(v));
+  return v;
 #else
   // Portable: build the float's bits (normal numbers) or scale the mantissa (subnormals).
   v16i b;
@@ -96,6 +124,19 @@ inline v16f fp8_decode_scaled(const uint8_t* p) {
   v16i is_normal = mag >= 8;
   v16i bits = (normal_bits & is_normal) | (reinterpret_cast<v16i>(sub) & ~is_normal) | sign;
   return reinterpret_cast<v16f>(bits);
+#endif
+}
+// 8 E4M3 bytes → 8 floats times 2^-8, as fp8_decode_scaled.
+inline v8f fp8_decode8_scaled(const uint8_t* p) {
+#if defined(__AVX2__) && defined(__F16C__)
+  __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  return reinterpret_cast<v8f>(_mm256_cvtph_ps(h));
+#else
+  uint8_t padded[kLanes] = {};
+  std::memcpy(padded, p, kHalf);
+  const v16f v = fp8_decode_scaled(padded);
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
 #endif
 }
 constexpr float kFp8Unscale = 256.0f;  // undoes fp8_decode_scaled's 2^-8
@@ -133,6 +174,9 @@ struct F32Rows {
   static float scalar(const uint8_t* row, int64_t n) {
     return reinterpret_cast<const float*>(row)[n];
   }
+  static v8f load8(const uint8_t* row, int64_t n) {
+    return load_f8(reinterpret_cast<const float*>(row) + n);
+  }
 };
 
 struct Fp8Rows {
@@ -142,6 +186,7 @@ struct Fp8Rows {
     uint8_t padded[16] = {row[n]};
     return fp8_decode_scaled(padded)[0];
   }
+  static v8f load8(const uint8_t* row, int64_t n) { return fp8_decode8_scaled(row + n); }
 };
 
 // Decode and small verify blocks stream W: each row is read once, in long sequential runs, into
@@ -156,6 +201,8 @@ constexpr int64_t kStreamBytes = 8192;
 template <class Rows, int TG>
 void kn_stream4(const float* x, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t c0,
                 int64_t c1) {
+  // Rows of W per step: four with 32 registers, two with 16 (x's splats and W's vectors fit).
+  constexpr int KR = kNarrow ? 2 : 4;
   // A lone float32 row streams fastest on the hardware prefetcher alone (15 vs 12 GB/s on one
   // thread); byte formats and several rows (more work per line) gain from the software one.
   constexpr bool kPrefetch = Rows::kBytes == 1 || TG > 1;
@@ -166,20 +213,20 @@ void kn_stream4(const float* x, int64_t K, const uint8_t* w, int64_t N, float* y
     const int64_t b1 = std::min(c1, b0 + block);
     for (int t = 0; t < TG; ++t) std::fill(y + t * N + b0, y + t * N + b1, 0.f);
     int64_t k = 0;
-    for (; k + 4 <= K; k += 4) {
+    for (; k + KR <= K; k += KR) {
       const uint8_t* row = w + k * row_bytes;
-      v16f xb[TG][4];
+      v16f xb[TG][KR];
       for (int t = 0; t < TG; ++t)
-        for (int r = 0; r < 4; ++r) xb[t][r] = splat(x[t * K + k + r]);
+        for (int r = 0; r < KR; ++r) xb[t][r] = splat(x[t * K + k + r]);
       for (int64_t n = b0; n < b1; n += kLanes) {
         if (kPrefetch && (n * Rows::kBytes & 63) == 0)
-          for (int r = 0; r < 4; ++r)
+          for (int r = 0; r < KR; ++r)
             __builtin_prefetch(row + (4 + r) * row_bytes + n * Rows::kBytes);
-        v16f wv[4];
-        for (int r = 0; r < 4; ++r) wv[r] = Rows::load(row + r * row_bytes, n);
+        v16f wv[KR];
+        for (int r = 0; r < KR; ++r) wv[r] = Rows::load(row + r * row_bytes, n);
         for (int t = 0; t < TG; ++t) {
           v16f acc = load_f(y + t * N + n);
-          for (int r = 0; r < 4; ++r) acc += xb[t][r] * wv[r];
+          for (int r = 0; r < KR; ++r) acc += xb[t][r] * wv[r];
           store_f(y + t * N + n, acc);
         }
       }
@@ -238,6 +285,9 @@ void packed_rows(const float* pack, const float* x, int64_t M, int64_t K, int64_
   }
 }
 
+void packed_rows_narrow(const float* pack, const float* x, int64_t M, int64_t K, int64_t kc,
+                        float* y, int64_t N, bool first);
+
 template <class Rows>
 void kn_packed(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
                int64_t c0, int64_t c1) {
@@ -260,7 +310,13 @@ void kn_packed(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
         for (int64_t n = b0; n < b1; n += kLanes) {
           if (Rows::kBytes == 1 && (n & 63) == 0) __builtin_prefetch(row + row_bytes + n);
           const int64_t j = n - b0;
-          store_f(pack + (j / kTile) * kPackK * kTile + k * kTile + j % kTile, Rows::load(row, n));
+          float* to = pack + (j / kTile) * kPackK * kTile + k * kTile + j % kTile;
+          if (kNarrow) {
+            store_f8(to, Rows::load8(row, n));
+            store_f8(to + kHalf, Rows::load8(row, n + kHalf));
+          } else {
+            store_f(to, Rows::load(row, n));
+          }
         }
       }
       for (int64_t j = 0; j < b1 - b0; j += kTile) {
@@ -268,11 +324,17 @@ void kn_packed(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
         const float* xk = x + k0;
         float* yj = y + b0 + j;
         const bool first = k0 == 0;
-        switch (std::min<int64_t>(4, (b1 - b0 - j) / kLanes)) {
-          case 4: packed_rows<4>(tile, xk, M, K, kc, yj, N, first); break;
-          case 3: packed_rows<3>(tile, xk, M, K, kc, yj, N, first); break;
-          case 2: packed_rows<2>(tile, xk, M, K, kc, yj, N, first); break;
-          default: packed_rows<1>(tile, xk, M, K, kc, yj, N, first); break;
+        const int64_t groups = std::min<int64_t>(4, (b1 - b0 - j) / kLanes);
+        if (kNarrow) {  // 6 rows × 16 columns: 12 of the 16 registers accumulate
+          for (int64_t v = 0; v < groups; ++v)
+            packed_rows_narrow(tile + v * kLanes, xk, M, K, kc, yj + v * kLanes, N, first);
+        } else {
+          switch (groups) {
+            case 4: packed_rows<4>(tile, xk, M, K, kc, yj, N, first); break;
+            case 3: packed_rows<3>(tile, xk, M, K, kc, yj, N, first); break;
+            case 2: packed_rows<2>(tile, xk, M, K, kc, yj, N, first); break;
+            default: packed_rows<1>(tile, xk, M, K, kc, yj, N, first); break;
+          }
         }
         const int64_t ti = j / kTile;
         for (int64_t r = ti * nkc / tiles; r < (ti + 1) * nkc / tiles; ++r)
@@ -282,12 +344,100 @@ void kn_packed(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
   }
 }
 
+// The narrow targets' decode and two-row blocks: kn_stream4 with 8-column vectors, so that x's
+// splats (4 × TG), W's four vectors and the accumulator fit in 16 registers.
+template <class Rows, int TG>
+void kn_stream_narrow(const float* x, int64_t K, const uint8_t* w, int64_t N, float* y,
+                      int64_t c0, int64_t c1) {
+  const int64_t row_bytes = N * Rows::kBytes;
+  const int64_t block = std::max<int64_t>(256, std::min<int64_t>(kStreamBytes / Rows::kBytes,
+                                                                 4096 / TG / kLanes * kLanes));
+  for (int64_t b0 = c0; b0 < c1; b0 += block) {
+    const int64_t b1 = std::min(c1, b0 + block);
+    for (int t = 0; t < TG; ++t) std::fill(y + t * N + b0, y + t * N + b1, 0.f);
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+      const uint8_t* row = w + k * row_bytes;
+      for (int64_t n = b0; n < b1; n += kHalf) {
+        if ((n * Rows::kBytes & 63) == 0)
+          for (int r = 0; r < 4; ++r)
+            __builtin_prefetch(row + (4 + r) * row_bytes + n * Rows::kBytes);
+        v8f wv[4];
+        for (int r = 0; r < 4; ++r) wv[r] = Rows::load8(row + r * row_bytes, n);
+        for (int t = 0; t < TG; ++t) {
+          // x's splats are taken here, not hoisted out of the loop: 4 × TG of them would not
+          // fit in the registers, and a broadcast load costs a load port, not a register.
+          v8f acc = load_f8(y + t * N + n);
+          for (int r = 0; r < 4; ++r) acc += splat8(x[t * K + k + r]) * wv[r];
+          store_f8(y + t * N + n, acc);
+        }
+      }
+    }
+    for (; k < K; ++k) {
+      const uint8_t* row = w + k * row_bytes;
+      for (int64_t n = b0; n < b1; n += kHalf) {
+        const v8f wv = Rows::load8(row, n);
+        for (int t = 0; t < TG; ++t)
+          store_f8(y + t * N + n, load_f8(y + t * N + n) + splat8(x[t * K + k]) * wv);
+      }
+    }
+  }
+}
+
+// The narrow targets' register tile over a packed block: TG ≤ 6 rows × 16 columns (two 8-wide
+// accumulators a row: 12 registers, plus W's two and x's splat).
+template <int TG>
+void packed_tile_narrow(const float* pack, const float* x, int64_t K, int64_t kc, float* y,
+                        int64_t N, bool first) {
+  v8f acc[TG][2];
+  for (int t = 0; t < TG; ++t)
+    for (int v = 0; v < 2; ++v) acc[t][v] = first ? v8f{} : load_f8(y + t * N + v * kHalf);
+  for (int64_t k = 0; k < kc; ++k) {
+    const v8f w0 = load_f8(pack + k * kTile), w1 = load_f8(pack + k * kTile + kHalf);
+    for (int t = 0; t < TG; ++t) {
+      const v8f xb = splat8(x[t * K + k]);
+      acc[t][0] += xb * w0;
+      acc[t][1] += xb * w1;
+    }
+  }
+  for (int t = 0; t < TG; ++t)
+    for (int v = 0; v < 2; ++v) store_f8(y + t * N + v * kHalf, acc[t][v]);
+}
+
+void packed_rows_narrow(const float* pack, const float* x, int64_t M, int64_t K, int64_t kc,
+                        float* y, int64_t N, bool first) {
+  int64_t t = 0;
+  for (; t + 6 <= M; t += 6) packed_tile_narrow<6>(pack, x + t * K, K, kc, y + t * N, N, first);
+  const float* xt = x + t * K;
+  float* yt = y + t * N;
+  switch (M - t) {
+    case 5: packed_tile_narrow<5>(pack, xt, K, kc, yt, N, first); break;
+    case 4: packed_tile_narrow<4>(pack, xt, K, kc, yt, N, first); break;
+    case 3: packed_tile_narrow<3>(pack, xt, K, kc, yt, N, first); break;
+    case 2: packed_tile_narrow<2>(pack, xt, K, kc, yt, N, first); break;
+    case 1: packed_tile_narrow<1>(pack, xt, K, kc, yt, N, first); break;
+    default: break;
+  }
+}
+
 // Columns [c0, c1) of y = x @ W (KN layout); c0 is a multiple of 16.
 template <class Rows>
 void kn_columns(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
                 int64_t c0, int64_t c1) {
   const int64_t full = c0 + (c1 - c0) / kLanes * kLanes;
-  if (full > c0) {
+  if (full > c0 && kNarrow) {
+    switch (M) {
+      case 1: kn_stream_narrow<Rows, 1>(x, K, w, N, y, c0, full); break;
+      case 2: kn_stream_narrow<Rows, 2>(x, K, w, N, y, c0, full); break;
+      case 3: kn_stream_narrow<Rows, 3>(x, K, w, N, y, c0, full); break;
+      case 4: kn_stream_narrow<Rows, 4>(x, K, w, N, y, c0, full); break;
+      case 5: kn_stream_narrow<Rows, 5>(x, K, w, N, y, c0, full); break;
+      case 6: kn_stream_narrow<Rows, 6>(x, K, w, N, y, c0, full); break;
+      case 7: kn_stream_narrow<Rows, 7>(x, K, w, N, y, c0, full); break;
+      case 8: kn_stream_narrow<Rows, 8>(x, K, w, N, y, c0, full); break;
+      default: kn_packed<Rows>(x, M, K, w, N, y, c0, full); break;
+    }
+  } else if (full > c0) {
     switch (M) {
       case 1: kn_stream4<Rows, 1>(x, K, w, N, y, c0, full); break;
       case 2: kn_stream4<Rows, 2>(x, K, w, N, y, c0, full); break;
