@@ -313,6 +313,47 @@ def test_eagle3_ttt_loss_matches_a_manual_unroll():
   assert float(loss) == pytest.approx(total, rel=1e-4)
 
 
+def _top(logits, k):
+  """The (ids, log-probs) a target cache stores: the top k of log_softmax(logits)."""
+  logp, ids = jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1), k)
+  return ids, logp
+
+
+def test_losses_from_the_top_k_equal_the_full_distribution_when_k_is_the_vocabulary(dflash_setup):
+  """A cache's (ids, log-probs) with k = V is the whole distribution: every loss and metric of
+  the sparse path equals the dense one; truncated to k = 2 the soft terms must move."""
+  target, drafter, tokens, taps, mask, anchors = dflash_setup
+  tl = target_lib.forward(target.config, target.params, jnp.asarray(tokens)).logits
+  v = tl.shape[-1]
+  common = dict(anchors=anchors, soft_weight=0.5, with_overlap=True)
+  args = (drafter, drafter.params, jnp.asarray(tokens), taps, jnp.asarray(mask), None)
+  _, dense = dl.dflash_loss(*args, target_logits=tl, **common)
+  _, full = dl.dflash_loss(*args, target_top=_top(tl, v), **common)
+  _, cut = dl.dflash_loss(*args, target_top=_top(tl, 2), **common)
+  for key in ("loss", "kl", "overlap", "accuracy"):
+    assert float(full[key]) == pytest.approx(float(dense[key]), rel=2e-5, abs=1e-6), key
+  assert abs(float(cut["kl"]) - float(dense["kl"])) > 1e-3
+
+  e_target = small_target(num_layers=4)
+  rng = np.random.default_rng(5)
+  eagle = Eagle3Drafter.random(
+    e_target, draft_vocab=rng.choice(64, 40, replace=False), target_layer_ids=(0, 2, 3), stddev=0.2
+  )
+  e_tokens = jnp.asarray(rng.integers(3, 64, (2, 12)).astype(np.int32))
+  out = target_lib.forward(e_target.config, e_target.params, e_tokens, taps=eagle.taps)
+  e_mask = jnp.asarray(_loss_mask(rng, 2, 12))
+  e_args = (eagle, eagle.params, e_tokens, out.taps)
+  d_loss, d_m = dl.eagle3_ttt_loss(*e_args, out.logits, e_mask, steps=3)
+  s_loss, s_m = dl.eagle3_ttt_loss(
+    *e_args, None, e_mask, steps=3, target_top=_top(out.logits, out.logits.shape[-1])
+  )
+  assert float(s_loss) == pytest.approx(float(d_loss), rel=2e-5)
+  for j in range(3):
+    assert float(s_m[f"accuracy_{j}"]) == float(d_m[f"accuracy_{j}"])
+  c_loss, _ = dl.eagle3_ttt_loss(*e_args, None, e_mask, steps=3, target_top=_top(out.logits, 2))
+  assert abs(float(c_loss) - float(d_loss)) > 1e-3
+
+
 # ------------------------------------------------------------------------------------------------
 # MTP
 # ------------------------------------------------------------------------------------------------

@@ -66,6 +66,13 @@ def target_head(shared: dict, h: jax.Array, dtype: str) -> jax.Array:
   return unfused_logits(jnp.einsum(spec, h.astype(dt), head, preferred_element_type=jnp.float32))
 
 
+def head_rows_of(shared: dict, ids: jax.Array) -> jax.Array:
+  """The head's output rows W[:, ids] as float32 [..., H] (what `target_head` dots with h)."""
+  if "lm_head" in shared:  # [H, V]
+    return jnp.moveaxis(jnp.take(materialize(shared["lm_head"], jnp.float32), ids, axis=1), 0, -1)
+  return jnp.take(shared["embed"], ids, axis=0).astype(jnp.float32)
+
+
 def head_rows_expectation(shared: dict, probs: jax.Array) -> jax.Array:
   """Σ_v probs[..., v]·W[:, v] [..., H]: the head's output rows averaged under `probs`.
 

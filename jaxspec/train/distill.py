@@ -223,6 +223,19 @@ class DistillDataset:
     self.batches_per_epoch = len(self.tokens) // self.batch_size
     if self.batches_per_epoch == 0:
       raise ConfigError(f"{len(self.tokens)} sequences are too few for a batch of {batch_size}")
+    self.cache: Any = None  # a target_cache.TargetCache: its arrays join every batch
+    self.cache_rows = np.arange(len(self.tokens))  # each local row's row in the cache
+
+  def with_cache(self, cache: Any) -> "DistillDataset":
+    """This dataset whose batches also carry the target's stored outputs (`target_cache`)."""
+    if cache.meta["rows"] != len(self.tokens) or cache.meta["seq_len"] != self.seq_len:
+      raise ConfigError(
+        f"the target cache holds {cache.meta['rows']} × {cache.meta['seq_len']} positions, "
+        f"the dataset {len(self.tokens)} × {self.seq_len}: it was built for another set"
+      )
+    out = copy.copy(self)
+    out.cache = cache
+    return out
 
   @property
   def seq_len(self) -> int:
@@ -242,6 +255,7 @@ class DistillDataset:
       view = copy.copy(self)
       view.tokens, view.loss_mask = self.tokens[rows], self.loss_mask[rows]
       view.temperature, view.shuffle = self.temperature[rows], False
+      view.cache_rows = self.cache_rows[rows]
       view.batches_per_epoch = len(rows) // self.batch_size
       views[float(t)] = view
     return views
@@ -254,4 +268,7 @@ class DistillDataset:
       else np.arange(len(self.tokens))
     )
     rows = order[i * self.batch_size : (i + 1) * self.batch_size]
-    return {"tokens": self.tokens[rows], "loss_mask": self.loss_mask[rows]}
+    batch = {"tokens": self.tokens[rows], "loss_mask": self.loss_mask[rows]}
+    if self.cache is not None:
+      batch.update(self.cache.rows(self.cache_rows[rows]))
+    return batch

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.eagle3 import Eagle3Drafter
-from jaxspec.drafters.features import head_rows_expectation, target_head
+from jaxspec.drafters.features import head_rows_expectation, head_rows_of, target_head
 from jaxspec.models import target as target_lib
 
 
@@ -116,6 +116,7 @@ def dflash_loss(
   target_logits: Optional[jax.Array] = None,
   soft_weight: float = 0.0,
   with_overlap: bool = False,
+  target_top: Optional[tuple[jax.Array, jax.Array]] = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """DFlash's block objective on one batch: (weighted mean cross-entropy, metrics).
 
@@ -134,6 +135,8 @@ def dflash_loss(
   [B, N, bs, V] pass: evaluation), "overlap" (Σ min(p, q) per slot: the probability that a
   draft sampled from q survives verification against the target's p at T = 1 after a correct
   prefix).
+  `target_top` = (ids, log-probs) [B, S, k] stands in for target_logits: the target's
+  distribution truncated to its k most likely tokens and renormalised (`train.target_cache`).
   """
   bs = block_size or drafter.config.block_size
   b, s = tokens.shape
@@ -153,22 +156,30 @@ def dflash_loss(
   lse = jax.nn.logsumexp(logits, axis=-1)
   ce = lse - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
   metrics: dict[str, jax.Array] = {}
-  if target_logits is not None:
+  if target_logits is not None or target_top is not None:
     if not 0.0 <= soft_weight <= 1.0:
       raise ValueError(f"soft_weight must be in [0, 1], got {soft_weight}")
     # Slot k predicts x[a+k]: the target's distribution for it is its output at a+k−1.
     prev = (jnp.arange(b)[:, None, None], jnp.maximum(idx - 1, 0))
-    logp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)  # [B, S, V]
-    p = jnp.exp(logp)
-    # The head is linear (logits = h·W), so Σ_v p_v·logits_v = h·(W p): the soft term needs the
-    # target's expected head row per position [B, S, H], never a [B, N, bs, V] gather.
-    expected_row = head_rows_expectation(params, p)
+    if target_top is not None:  # p over k stored ids per position
+      top_ids, top_logp = target_top
+      logp = jax.nn.log_softmax(top_logp.astype(jnp.float32), axis=-1)  # [B, S, k]
+      p = jnp.exp(logp)
+      expected_row = jnp.einsum("bsk,bskh->bsh", p, head_rows_of(params, top_ids))
+    else:
+      logp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)  # [B, S, V]
+      p = jnp.exp(logp)
+      # The head is linear (logits = h·W), so Σ_v p_v·logits_v = h·(W p): the soft term needs
+      # the target's expected head row per position [B, S, H], never a [B, N, bs, V] gather.
+      expected_row = head_rows_expectation(params, p)
     soft_ce = lse - jnp.sum(hidden.astype(jnp.float32) * expected_row[prev], axis=-1)
     entropy = -jnp.sum(p * logp, axis=-1)  # [B, S]
     n_valid = jnp.maximum(jnp.sum(valid), 1)
     metrics["kl"] = jnp.sum((soft_ce - entropy[prev]) * valid) / n_valid
     if with_overlap:
       q = jax.nn.softmax(logits, axis=-1)
+      if target_top is not None:  # p is zero off its k ids: Σ_v min(p, q) runs over those
+        q = jnp.take_along_axis(q, top_ids[prev], axis=-1)
       overlap = jnp.sum(jnp.minimum(p[prev], q), axis=-1)
       metrics["overlap"] = jnp.sum(overlap * valid) / n_valid
     ce = (1.0 - soft_weight) * ce + soft_weight * soft_ce
@@ -204,11 +215,12 @@ def eagle3_ttt_loss(
   params: Any,
   tokens: jax.Array,
   taps: jax.Array,
-  target_logits: jax.Array,
+  target_logits: Optional[jax.Array],
   loss_mask: jax.Array,
   *,
   steps: int = 7,
   decay: float = 0.8,
+  target_top: Optional[tuple[jax.Array, jax.Array]] = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """EAGLE-3's training-time-test objective: Σ_j decay^j · soft-CE_j.
 
@@ -216,21 +228,26 @@ def eagle3_ttt_loss(
   Step j at position i is supervised iff i+j+2 < S and loss_mask[i+j+2]; its target is
   softmax of target_logits[i+j+1] over the draft vocabulary. Each step's loss is averaged over
   its supervised positions; those whose target argmax has no draft id contribute zero.
+  `target_top` = (ids, log-probs) [B, S, k] (sorted, most likely first) stands in for
+  target_logits: the target's top k, renormalised over those with a draft id.
   """
   c = drafter.config
   b, s = tokens.shape
   logits = drafter.ttt_logits(params, tokens, taps, steps)  # steps × [B, S, V_d]
-  tl = target_logits.astype(jnp.float32)
+  draft_ids = jnp.arange(c.draft_vocab_size) + params["d2t"] if c.reduced_vocab else None
   # The target's side once for all steps: argmax, membership, draft-vocabulary distribution.
-  top = jnp.argmax(tl, axis=-1)  # [B, S]
-  if c.reduced_vocab:
-    draft_ids = jnp.arange(c.draft_vocab_size) + params["d2t"]
-    in_draft = jnp.zeros((c.vocab_size,), bool).at[draft_ids].set(True)[top]
-    tl = jnp.take(tl, draft_ids, axis=-1)
+  if target_top is not None:
+    p_target, top = _draft_distribution_of_top(c, draft_ids, *target_top)
   else:
-    draft_ids = None
+    tl = target_logits.astype(jnp.float32)
+    top = jnp.argmax(tl, axis=-1)  # [B, S]
+    if draft_ids is not None:
+      tl = jnp.take(tl, draft_ids, axis=-1)
+    p_target = jax.nn.softmax(tl, axis=-1)  # [B, S, V_d]
+  if draft_ids is not None:
+    in_draft = jnp.zeros((c.vocab_size,), bool).at[draft_ids].set(True)[top]
+  else:
     in_draft = jnp.ones_like(top, bool)
-  p_target = jax.nn.softmax(tl, axis=-1)  # [B, S, V_d]
   mask = loss_mask.astype(bool)
   total = jnp.float32(0.0)
   metrics: dict[str, jax.Array] = {}
@@ -255,6 +272,28 @@ def eagle3_ttt_loss(
     total = total + decay**j * loss_j
   metrics["loss"] = total
   return total, metrics
+
+
+def _draft_distribution_of_top(
+  c: Any, draft_ids: Optional[jax.Array], top_ids: jax.Array, top_logp: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """(p over the draft vocabulary [B, S, V_d], the target's argmax [B, S]) from its top k."""
+  if draft_ids is None:
+    slot, has = top_ids, jnp.ones(top_ids.shape, bool)
+  else:  # target id → draft id (−1: none)
+    t2d = jnp.full((c.vocab_size,), -1, jnp.int32).at[draft_ids].set(
+      jnp.arange(c.draft_vocab_size, dtype=jnp.int32)
+    )
+    slot = t2d[top_ids]
+    has = slot >= 0
+  weight = jnp.where(has, jnp.exp(top_logp.astype(jnp.float32)), 0.0)
+  weight = weight / jnp.maximum(jnp.sum(weight, axis=-1, keepdims=True), 1e-30)
+  b, s, k = top_ids.shape
+  p = jnp.zeros((b, s, c.draft_vocab_size), jnp.float32)
+  p = p.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], jnp.maximum(slot, 0)].add(
+    weight
+  )
+  return p, top_ids[..., 0]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -203,12 +203,25 @@ def target_features(
 
 
 def make_loss_fn(
-  drafter: Drafter, target: TargetModel, tc: DrafterTrainConfig, evaluation: bool = False
+  drafter: Drafter,
+  target: TargetModel,
+  tc: DrafterTrainConfig,
+  evaluation: bool = False,
+  cache_taps: tuple[int, ...] | None = None,
 ) -> Callable:
   """(draft_params, frozen, batch, key) → (loss, metrics); frozen = {"target", "shared"}.
 
   `evaluation` adds the metrics too costly for every step (DFlash's draft/target overlap).
+  With `cache_taps` (the layers a `target_cache` stores) the batches carry the target's
+  outputs ("taps", "top_ids", "top_logp") and the target is not run: its soft labels are then
+  its top-k distribution.
   """
+  tap_index = None
+  if cache_taps is not None:
+    missing = [t for t in drafter.taps if t not in cache_taps]
+    if missing:
+      raise ConfigError(f"the target cache stores taps {tuple(cache_taps)}, not {missing}")
+    tap_index = jnp.asarray([list(cache_taps).index(t) for t in drafter.taps])
   method = method_of(drafter)
   # On CPU the dense expert oracle is the fastest full-sequence backend (same numbers).
   tconfig = (
@@ -220,9 +233,15 @@ def make_loss_fn(
   def loss_fn(draft_params, frozen, batch, key):
     params = dict(frozen["shared"], draft=draft_params)
     tokens, mask = batch["tokens"], batch["loss_mask"]
-    taps, logits = target_features(
-      tconfig, frozen["target"], tokens, drafter.taps, logits=method == "eagle3" or soft
-    )
+    top = None
+    if tap_index is not None:
+      taps = jnp.moveaxis(jnp.take(batch["taps"], tap_index, axis=1), 1, 0)  # [n, B, S, H]
+      taps = taps.astype(drafter.config.dtype)
+      logits, top = None, (batch["top_ids"], batch["top_logp"])
+    else:
+      taps, logits = target_features(
+        tconfig, frozen["target"], tokens, drafter.taps, logits=method == "eagle3" or soft
+      )
     if method == "dflash":
       return drafter_losses.dflash_loss(
         drafter,
@@ -233,12 +252,21 @@ def make_loss_fn(
         key,
         num_anchors=tc.num_anchors,
         gamma=tc.loss_decay,
-        target_logits=logits,
+        target_logits=logits if soft else None,
         soft_weight=tc.soft_label_weight,
         with_overlap=evaluation,
+        target_top=top if soft else None,
       )
     return drafter_losses.eagle3_ttt_loss(
-      drafter, params, tokens, taps, logits, mask, steps=tc.ttt_steps, decay=tc.ttt_decay
+      drafter,
+      params,
+      tokens,
+      taps,
+      logits,
+      mask,
+      steps=tc.ttt_steps,
+      decay=tc.ttt_decay,
+      target_top=top,
     )
 
   return loss_fn
@@ -357,11 +385,14 @@ def train(
     per_epoch,
     train_data.num_supervised,
   )
-  loss_fn = make_loss_fn(drafter, target, tc)
+  cache_taps = train_data.cache.taps if train_data.cache is not None else None
+  if val_data is not None and (val_data.cache is None) != (cache_taps is None):
+    raise ConfigError("the training and validation sets must both carry a target cache, or neither")
+  loss_fn = make_loss_fn(drafter, target, tc, cache_taps=cache_taps)
   frozen = frozen_inputs(drafter, target)
   step_fn = make_train_step(loss_fn, tc, opt, schedule)
   if val_data is not None:
-    eval_loss = make_loss_fn(drafter, target, tc, evaluation=True)
+    eval_loss = make_loss_fn(drafter, target, tc, evaluation=True, cache_taps=cache_taps)
     eval_fn = make_eval_fn(eval_loss, frozen, val_data, tc.eval_batches, tc.seed)
   else:
     eval_fn = lambda params: {"loss": math.nan}  # noqa: E731

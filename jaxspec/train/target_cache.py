@@ -1,0 +1,194 @@
+"""The frozen target's outputs over a self-distillation set, computed once and stored on disk.
+
+A drafter step needs the target's tapped features of every position (and, for EAGLE-3's loss
+and DFlash's soft labels, its next-token distribution). Computing them inside each step runs
+the whole target again for every epoch, every drafter and every evaluation; on a small machine
+that is most of the cost of training a drafter for a real model (SmolLM2-135M: ~0.27 GFLOP a
+token, most of a step). `build` runs the target once over a built distillation directory
+(`jaxspec.train.distill`) in batches and stores, beside it:
+
+- `taps.npy` [N, n_taps, S, H]: the outputs of the target layers `taps` (HF hidden_states[id +
+  1], the ids drafters name), bfloat16 bits in uint16 (the format's numpy has no bfloat16);
+- `top_ids.npy` int32 / `top_logp.npy` float16 [N, S, k]: the target's k most likely next
+  tokens at every position and their log-probabilities (at T = 1). The soft labels are this
+  distribution renormalised over its top k (with k = 16 the rest holds a few percent of the
+  mass on real text), a truncation a [N, S, V] store (V = 49,152 for SmolLM2: 98 KB a token)
+  cannot afford;
+- `meta.json`: what was computed (taps, k, the distillation set's fingerprint) and how many
+  rows are done, so an interrupted build resumes where it stopped and a changed setting builds
+  anew.
+
+`TargetCache.rows(idx)` gathers the arrays of some sequences; `DistillDataset.with_cache`
+attaches a cache so that its batches carry them, and the drafter trainer then reads the batch
+instead of running the target (`drafter_trainer.make_loss_fn`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from jaxspec.errors import ConfigError
+from jaxspec.models import target as target_lib
+from jaxspec.models.target import TargetModel
+
+FILES = ("taps", "top_ids", "top_logp")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetCacheConfig:
+  """What to store: the layers' outputs `taps` and the top `top_k` next tokens."""
+
+  taps: tuple[int, ...]
+  top_k: int = 16
+  batch_size: int = 4
+
+  def __post_init__(self):
+    object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+    if not self.taps or len(set(self.taps)) != len(self.taps) or min(self.taps) < 0:
+      raise ConfigError(f"taps must be distinct layer ids ≥ 0, got {self.taps}")
+    if self.top_k < 1 or self.batch_size < 1:
+      raise ConfigError(f"top_k and batch_size must be ≥ 1, got {self.top_k}, {self.batch_size}")
+
+
+def _fingerprint(distill_dir: str) -> str:
+  """The distillation set's identity: its meta.json (settings, target and tokenizer hashes)."""
+  with open(os.path.join(distill_dir, "meta.json"), "rb") as fh:
+    return hashlib.sha256(fh.read()).hexdigest()
+
+
+def _meta(distill_dir: str, cfg: TargetCacheConfig, shape: tuple[int, int]) -> dict:
+  return {
+    "taps": list(cfg.taps),
+    "top_k": cfg.top_k,
+    "distill": _fingerprint(distill_dir),
+    "rows": shape[0],
+    "seq_len": shape[1],
+  }
+
+
+def cache_dir_of(distill_dir: str, cfg: TargetCacheConfig) -> str:
+  """Where the cache of these settings lives: a folder of the distillation directory."""
+  taps = "-".join(str(t) for t in cfg.taps)
+  return os.path.join(distill_dir, f"target_cache_taps{taps}_top{cfg.top_k}")
+
+
+def _forward_fn(target: TargetModel, taps: tuple[int, ...], top_k: int):
+  config = target.config.with_options(moe_backend="dense") if target.config.num_experts else (
+    target.config
+  )
+
+  @jax.jit
+  def forward(params, tokens):
+    out = target_lib.apply_decoder(config, params, tokens, taps=taps, last_only=False)
+    feats = jnp.moveaxis(out.taps, 0, 1).astype(jnp.bfloat16)  # [B, n, S, H]
+    logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
+    top_logp, top_ids = jax.lax.top_k(logp, top_k)
+    return jax.lax.bitcast_convert_type(feats, jnp.uint16), top_ids, top_logp.astype(jnp.float16)
+
+  return forward
+
+
+def build(
+  target: TargetModel, distill_dir: str, cfg: TargetCacheConfig, out_dir: str | None = None
+) -> str:
+  """Computes (or resumes, or reuses) the cache of `distill_dir`; returns its directory."""
+  out_dir = out_dir or cache_dir_of(distill_dir, cfg)
+  tokens = np.load(os.path.join(distill_dir, "tokens.npy"), mmap_mode="r")
+  lengths = np.load(os.path.join(distill_dir, "lengths.npy"))
+  n, s = tokens.shape
+  if max(cfg.taps) >= target.config.num_layers:
+    raise ConfigError(f"taps {cfg.taps} name layers the {target.config.num_layers}-layer target lacks")
+  meta = _meta(distill_dir, cfg, (n, s))
+  meta_path = os.path.join(out_dir, "meta.json")
+  done = 0
+  if os.path.exists(meta_path):
+    with open(meta_path, encoding="utf-8") as fh:
+      old = json.load(fh)
+    if all(old.get(k) == v for k, v in meta.items()):
+      done = int(old.get("done", 0))
+  os.makedirs(out_dir, exist_ok=True)
+  shapes = {
+    "taps": ((n, len(cfg.taps), s, target.config.hidden_size), np.uint16),
+    "top_ids": ((n, s, cfg.top_k), np.int32),
+    "top_logp": ((n, s, cfg.top_k), np.float16),
+  }
+  mode = "r+" if done else "w+"
+  arrays = {
+    f: np.lib.format.open_memmap(os.path.join(out_dir, f + ".npy"), mode=mode, dtype=d, shape=sh)
+    for f, (sh, d) in shapes.items()
+  }
+  if done >= n:
+    logging.info("reusing the target cache in %s", out_dir)
+    return out_dir
+  forward = _forward_fn(target, cfg.taps, cfg.top_k)
+  bsz, t0 = cfg.batch_size, time.time()
+  for lo in range(done, n, bsz):
+    idx = np.arange(lo, lo + bsz) % n  # the last batch padded with copies: one compilation
+    # Only up to the longest sequence of the batch, rounded up to 64 (few compiled widths).
+    width = min(s, -(-int(lengths[idx].max()) // 64) * 64)
+    feats, ids, logp = forward(target.params, jnp.asarray(tokens[idx, :width]))
+    keep = min(bsz, n - lo)
+    arrays["taps"][lo : lo + keep, :, :width] = np.asarray(feats)[:keep]
+    arrays["top_ids"][lo : lo + keep, :width] = np.asarray(ids)[:keep]
+    arrays["top_logp"][lo : lo + keep, :width] = np.asarray(logp)[:keep]
+    if (lo // bsz) % 16 == 15 or lo + keep >= n:
+      for a in arrays.values():
+        a.flush()
+      _write_meta(meta_path, dict(meta, done=lo + keep))
+      rate = (lo + keep - done) / max(time.time() - t0, 1e-9)
+      logging.info("target cache: %d / %d sequences (%.2f per s)", lo + keep, n, rate)
+  return out_dir
+
+
+def _write_meta(path: str, meta: dict) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as fh:
+    json.dump(meta, fh, indent=2)
+  os.replace(tmp, path)
+
+
+class TargetCache:
+  """A built cache, memory-mapped: `rows(idx)` gathers its arrays for some sequences."""
+
+  def __init__(self, out_dir: str):
+    with open(os.path.join(out_dir, "meta.json"), encoding="utf-8") as fh:
+      self.meta = json.load(fh)
+    if self.meta.get("done", 0) < self.meta["rows"]:
+      raise ConfigError(
+        f"the target cache in {out_dir} is incomplete ({self.meta.get('done', 0)} of "
+        f"{self.meta['rows']} sequences): run target_cache.build to finish it"
+      )
+    self.taps = tuple(self.meta["taps"])
+    self.arrays = {f: np.load(os.path.join(out_dir, f + ".npy"), mmap_mode="r") for f in FILES}
+
+  def tap_index(self, taps: Sequence[int]) -> list[int]:
+    """Positions of a drafter's taps among the stored ones (ConfigError if one is missing)."""
+    missing = [t for t in taps if t not in self.taps]
+    if missing:
+      raise ConfigError(f"the target cache stores taps {self.taps}, not {missing}")
+    return [self.taps.index(t) for t in taps]
+
+  def rows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """{"taps" bfloat16 [B, n_taps, S, H], "top_ids" [B, S, k], "top_logp" float32 [B, S, k]}."""
+    order = np.argsort(idx)  # sorted reads from the memory map, then back to idx's order
+    back = np.argsort(order)
+    got = {f: np.asarray(a[np.asarray(idx)[order]])[back] for f, a in self.arrays.items()}
+    got["taps"] = got["taps"].view(jnp.bfloat16)
+    got["top_logp"] = got["top_logp"].astype(np.float32)
+    return got
+
+
+def sparse_probs(top_ids: jax.Array, top_logp: jax.Array) -> jax.Array:
+  """The stored top-k distribution renormalised over its k tokens: probabilities [..., k]."""
+  del top_ids  # the ids say where the mass sits, not how much
+  return jax.nn.softmax(top_logp.astype(jnp.float32), axis=-1)
