@@ -191,9 +191,10 @@ def excerpt(text: str, max_words: int) -> str:
   """The start of `text`, at most `max_words` words, ending at a sentence end when one lies in
   the second half of the cut; paragraph breaks and list lines are kept."""
   pieces = re.split(r"(\s+)", text.strip())
-  words = pieces[0::2]
-  if len(words) <= max_words:
+  if len(pieces[0::2]) <= max_words:
     return text.strip()
+  if max_words < 1:
+    return ""
   cut = "".join(pieces[: 2 * max_words - 1])
   ends = [m.end() for m in re.finditer(r"[.!?][)\"'`]*(?=\s|$)", cut)]
   if ends and ends[-1] >= len(cut) // 2:
@@ -210,12 +211,12 @@ class Instruction:
   other: str = ""
 
   def messages(self, max_words: int = DEFAULT_WORDS) -> list[dict[str, str]]:
-    """The request's messages, its excerpt cut to `max_words` words."""
+    """The request's messages, its excerpt and summary cut to `max_words` words."""
     p = self.passage
     fields = {
       "text": excerpt(p.text, max_words),
       "name": p.name,
-      "summary": p.summary,
+      "summary": excerpt(p.summary, max_words),
       "signature": p.signature,
       "other": self.other,
       "noun": _NOUN[p.kind],

@@ -348,7 +348,6 @@ def _man_files(root: str) -> list[tuple[str, str]]:
 
 
 def _man(root: str = MAN_ROOT) -> Iterator[Passage]:
-  seen = set()
   for section, fname in _man_files(root):
     try:
       with gzip.open(os.path.join(root, f"man{section}", fname), "rt", errors="replace") as fh:
@@ -359,8 +358,7 @@ def _man(root: str = MAN_ROOT) -> Iterator[Passage]:
     summary = name_line.split(" - ", 1)[-1] if " - " in name_line else ""
     kind = "command" if section in ("1", "8") else "manual"
     found = _passage("man", f"man:{section}/{page}", kind, page, paragraphs, summary=summary)
-    if found and found.text not in seen:
-      seen.add(found.text)
+    if found:
       yield found
 
 
@@ -373,6 +371,8 @@ def passages(
 
 @functools.lru_cache(maxsize=4)
 def _passages(sources: tuple[str, ...], stdlib_root: str | None) -> tuple[Passage, ...]:
+  """The passages of `sources`; a text met again (a copied docstring, a page installed twice)
+  is kept the first time only."""
   unknown = [s for s in sources if s not in SOURCES]
   if unknown:
     raise ConfigError(f"unknown text source(s) {unknown}; expected some of {SOURCES}")
@@ -382,4 +382,10 @@ def _passages(sources: tuple[str, ...], stdlib_root: str | None) -> tuple[Passag
     "packages": _packages,
     "man": _man,
   }
-  return tuple(p for s in sources for p in readers[s]())
+  seen: set[str] = set()
+  out = []
+  for p in (p for s in sources for p in readers[s]()):
+    if p.text not in seen:  # a text copied between files must not sit on both sides of the split
+      seen.add(p.text)
+      out.append(p)
+  return tuple(out)
