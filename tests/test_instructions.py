@@ -175,6 +175,37 @@ def test_excerpts_end_at_a_sentence_and_text_is_cleaned():
   ]
 
 
+def test_stdlib_docstrings_become_passages(tmp_path):
+  (tmp_path / "pkg").mkdir()
+  (tmp_path / "pkg" / "__init__.py").write_text(
+    '''"""Tools for measuring how long small pieces of code take to run."""
+
+
+class Timer:
+  """A stopwatch that you start and stop around the code you care about."""
+
+  def lap(self, name, /, *, reset=False):
+    """Record the time since the last lap under a name, and keep going."""
+
+  def _hidden(self):
+    """A private helper that should never become a prompt at all."""
+
+
+def _private():
+  """Another private helper that should never become a prompt either."""
+'''
+  )
+  (tmp_path / "_internal.py").write_text('"""A private module that should never be read here."""\n')
+  got = local_text.passages(("stdlib",), stdlib_root=str(tmp_path))
+  assert [(p.kind, p.name, p.signature) for p in got] == [
+    ("module", "pkg", ""),
+    ("class", "pkg.Timer", ""),
+    ("function", "pkg.Timer.lap", "lap(name, /, *, reset=False)"),
+  ]
+  assert {p.key for p in got} == {"stdlib:pkg/__init__.py"}
+  assert got[2].summary == "Record the time since the last lap under a name, and keep going."
+
+
 def test_man_pages_give_the_name_line_and_the_description():
   page = r""".TH LS 1
 .SH NAME

@@ -64,13 +64,9 @@ class Passage:
   summary: str = ""
   signature: str = ""
 
-  @property
-  def short_name(self) -> str:
-    return self.name.rsplit(".", 1)[-1]
-
 
 def split_key(key: str, val_fraction: float = data_lib.DEFAULT_VAL_FRACTION) -> str:
-  """ "train" or "validation" for a passage key; stdlib keys use the code corpus's own split
+  """Returns "train" or "validation" for a passage key; stdlib keys use the code corpus's own split
   (`data.split_of` of the file), so held-out docstrings come from files no model trained on."""
   source, _, rest = key.partition(":")
   return data_lib.split_of(rest if source == "stdlib" else key, val_fraction)
@@ -157,10 +153,10 @@ def clean(text: str) -> list[str]:
 def chunks(paragraphs: Sequence[str], max_words: int = CHUNK_WORDS) -> list[str]:
   """Consecutive paragraphs grouped into texts of at most ~max_words words."""
   out: list[list[str]] = []
-  size = max_words
+  size = 0
   for p in paragraphs:
     n = len(p.split())
-    if size + n > max_words and (out and out[-1]) or not out:
+    if not out or size + n > max_words:
       out.append([])
       size = 0
     out[-1].append(p)
@@ -175,7 +171,16 @@ def first_sentence(text: str) -> str:
   return (m.group(1) if m else line).strip()
 
 
-def _passage(source, key, kind, name, paragraphs, summary=None, signature="") -> Passage | None:
+def _passage(
+  source: str,
+  key: str,
+  kind: str,
+  name: str,
+  paragraphs: list[str],
+  summary: str = "",
+  signature: str = "",
+) -> Passage | None:
+  """The first chunk of `paragraphs` as a passage, or None when it is too short."""
   text = chunks(paragraphs)[0] if paragraphs else ""
   if len(text.split()) < MIN_WORDS:
     return None
@@ -186,12 +191,13 @@ def _passage(source, key, kind, name, paragraphs, summary=None, signature="") ->
 
 
 def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
-  """ "name(args)" without self / cls; "" when longer than a line's worth."""
+  """Returns "name(args)" without self / cls; "" when longer than a line's worth."""
   args = node.args
-  if args.args and args.args[0].arg in ("self", "cls"):  # never has a default
+  first = (args.posonlyargs or args.args or [None])[0]
+  if first is not None and first.arg in ("self", "cls"):  # never has a default
     args = ast.arguments(
-      posonlyargs=args.posonlyargs,
-      args=args.args[1:],
+      posonlyargs=args.posonlyargs[1:],
+      args=args.args[1:] if not args.posonlyargs else args.args,
       vararg=args.vararg,
       kwonlyargs=args.kwonlyargs,
       kw_defaults=args.kw_defaults,
