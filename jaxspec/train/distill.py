@@ -1,10 +1,13 @@
 """Self-distillation data for drafters: the target's own continuations, stored on disk.
 
 A drafter is judged by how often the *target* agrees with it, so it is trained on what the
-target writes (DFlash, EAGLE-3 and Medusa all train on target-generated responses). Prompts are
-function openings of one corpus split (`data.function_prompts`), cut to their last
-`max_prompt_tokens` tokens; each is continued by the target for `new_tokens` tokens once per
-entry of `temperatures` (0 = greedy) with jaxspec's on-device plain decoding, in padded batches.
+target writes (DFlash, EAGLE-3 and Medusa all train on target-generated responses). Prompts
+(`DistillConfig.prompts`) are either function openings of one corpus split
+(`data.function_prompts`, "functions": for code models), cut to their last `max_prompt_tokens`
+tokens, or chat requests of the instruction mix (`instructions`, "instructions": for chat
+models), rendered with the tokenizer's chat template and kept whole (the excerpt inside is cut to
+fit instead; replies also stop at the template's end-of-turn token). Each is continued by the
+target for `new_tokens` tokens once per entry of `temperatures` (0 = greedy) with jaxspec's on-device plain decoding, in padded batches.
 
 On disk (`out_dir`): `tokens.npy` [N, P + G] int32 (prompt, continuation, then pad), `lengths.npy`
 and `prompt_lens.npy` [N] int32, `temperature.npy` [N] float32 and `meta.json`, which records
@@ -33,8 +36,10 @@ from jaxspec.models.target import TargetModel
 from jaxspec.speculative.engine import SpecEngine
 from jaxspec.speculative.engine_config import EngineConfig
 from jaxspec.train import data as data_lib
+from jaxspec.train import instructions
 
 _FILES = ("tokens", "lengths", "prompt_lens", "temperature")
+PROMPT_KINDS = ("functions", "instructions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +54,11 @@ class DistillConfig:
   batch_size: int = 64
   seed: int = 0
   corpus_root: str = ""  # "": the standard library
+  prompts: str = "functions"  # or "instructions" (PROMPT_KINDS)
 
   def __post_init__(self):
+    if self.prompts not in PROMPT_KINDS:
+      raise ConfigError(f"prompts must be one of {PROMPT_KINDS}, got {self.prompts!r}")
     object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
     if not self.temperatures or any(t < 0 for t in self.temperatures):
       raise ConfigError(
@@ -89,13 +97,19 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> l
   return [ids[-max_tokens:] for ids in tokenizer.encode_batch(list(prompts))]
 
 
-def _meta(target: TargetModel, tokenizer: Any, cfg: DistillConfig, num_prompts: int) -> dict:
-  return {
-    "config": dataclasses.asdict(cfg),
+def _meta(target: TargetModel, tokenizer: Any, cfg: DistillConfig, ids: Sequence[Sequence[int]]):
+  config = dataclasses.asdict(cfg)
+  meta = {
+    "config": config,
     "target": params_fingerprint(target.params),
     "tokenizer": tokenizer.fingerprint,
-    "num_prompts": num_prompts,
+    "num_prompts": len(ids),
   }
+  if cfg.prompts == "functions":
+    del config["prompts"]  # the default leaves the meta of datasets built before it unchanged
+  else:  # the mix depends on the text installed here: fingerprint what it gave
+    meta["prompt_ids"] = hashlib.sha256(json.dumps([list(x) for x in ids]).encode()).hexdigest()
+  return meta
 
 
 def _matches(out_dir: str, meta: dict) -> bool:
@@ -104,8 +118,8 @@ def _matches(out_dir: str, meta: dict) -> bool:
     return False
   with open(path, encoding="utf-8") as fh:
     old = json.load(fh)
-  keys = ("config", "target", "tokenizer", "num_prompts")
-  return all(old.get(k) == json.loads(json.dumps(meta[k])) for k in keys) and all(
+  keys = ("config", "target", "tokenizer", "num_prompts", "prompt_ids")
+  return all(old.get(k) == json.loads(json.dumps(meta.get(k))) for k in keys) and all(
     os.path.exists(os.path.join(out_dir, f + ".npy")) for f in _FILES
   )
 
@@ -159,21 +173,34 @@ def generate(
   return tokens, lengths, plens
 
 
+def prompt_ids(
+  target: TargetModel, tokenizer: Any, cfg: DistillConfig
+) -> tuple[list[list[int]], list[int]]:
+  """(token ids of each prompt, ids that stop a continuation) for `cfg.prompts`."""
+  n = cfg.num_prompts or None
+  if cfg.prompts == "instructions":
+    ids = instructions.distill_prompt_ids(
+      tokenizer, cfg.split, n, cfg.seed, cfg.max_prompt_tokens, stdlib_root=cfg.corpus_root or None
+    )
+    stop = instructions.chat_stop_ids(tokenizer, target.config.eos_token_ids or ())
+  else:
+    texts = data_lib.function_prompts(cfg.split, n=n, seed=cfg.seed, root=cfg.corpus_root or None)
+    ids = encode_prompts(tokenizer, texts, cfg.max_prompt_tokens)
+    stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  if not ids:
+    raise ConfigError(f"split {cfg.split!r} gives no {cfg.prompts} prompts")
+  return ids, stop
+
+
 def build(
   target: TargetModel, tokenizer: Any, cfg: DistillConfig, out_dir: str, force: bool = False
 ) -> str:
   """Generates the dataset into out_dir (reusing a matching one); returns out_dir."""
-  prompts = data_lib.function_prompts(
-    cfg.split, n=cfg.num_prompts or None, seed=cfg.seed, root=cfg.corpus_root or None
-  )
-  if not prompts:
-    raise ConfigError(f"split {cfg.split!r} has no function openings to prompt with")
-  meta = _meta(target, tokenizer, cfg, len(prompts))
+  ids, stop = prompt_ids(target, tokenizer, cfg)
+  meta = _meta(target, tokenizer, cfg, ids)
   if not force and _matches(out_dir, meta):
     logging.info("reusing the distillation data in %s", out_dir)
     return out_dir
-  ids = encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens)
-  stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
   pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
   parts: dict[str, list[np.ndarray]] = {f: [] for f in _FILES}
   t0 = time.time()
