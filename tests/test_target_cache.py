@@ -114,3 +114,33 @@ def test_a_drafter_trains_from_the_cache_as_from_the_target(target, built):
     distill.DistillDataset(data_dir, 2).with_cache(
       type("Fake", (), {"meta": {"rows": 99, "seq_len": ds.seq_len}})()
     )
+
+
+def test_an_interrupted_distillation_resumes_to_the_same_rows(target, tmp_path, monkeypatch):
+  """Killed after its first batch, a build continues from the saved rows and writes what an
+  uninterrupted build writes (each batch's random stream is its own)."""
+  from jaxspec.speculative.engine import SpecEngine  # pylint: disable=import-outside-toplevel
+
+  cfg = distill.DistillConfig(
+    num_prompts=6, max_prompt_tokens=16, new_tokens=8, temperatures=(1.0,), batch_size=4
+  )
+  whole = distill.build(target, target.tokenizer, cfg, str(tmp_path / "whole"))
+  real, calls = SpecEngine.generate, []
+
+  def dies_on_the_second_batch(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(SpecEngine, "generate", dies_on_the_second_batch)
+  with pytest.raises(KeyboardInterrupt):
+    distill.build(target, target.tokenizer, cfg, str(tmp_path / "cut"))
+  assert os.path.exists(tmp_path / "cut" / "partial_0.npz")
+  resumed = distill.build(target, target.tokenizer, cfg, str(tmp_path / "cut"))
+  assert len(calls) == 3  # the first batch was not generated again
+  assert not os.path.exists(tmp_path / "cut" / "partial_0.npz")
+  for f in ("tokens", "lengths", "prompt_lens"):
+    np.testing.assert_array_equal(
+      np.load(os.path.join(resumed, f + ".npy")), np.load(os.path.join(whole, f + ".npy"))
+    )

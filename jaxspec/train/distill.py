@@ -131,11 +131,15 @@ def generate(
   temperature: float,
   seed: int,
   stop_ids: Sequence[int] = (),
+  progress: tuple[str, str] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Continues every prompt once: (tokens [N, P+G], lengths [N], prompt_lens [N]).
 
   Runs in padded batches of cfg.batch_size (the last batch is padded with copies, dropped),
-  so the decoding loop compiles once.
+  so the decoding loop compiles once. With `progress` = (path, key) the rows done so far are
+  saved to path after every batch and a run with the same key resumes from them: batch b's
+  random stream depends on (seed, b) alone, so a resumed run writes what an uninterrupted one
+  would.
   """
   p, seq = cfg.max_prompt_tokens, cfg.seq_len
   n = len(prompt_ids)
@@ -158,7 +162,14 @@ def generate(
       use_eos=False,
     ),
   )
-  for lo in range(0, n, bsz):
+  start = 0
+  if progress is not None and os.path.exists(progress[0]):
+    with np.load(progress[0]) as saved:
+      if str(saved["key"]) == progress[1] and saved["tokens"].shape == tokens.shape:
+        start = int(saved["done"])
+        tokens[:start], lengths[:start] = saved["tokens"][:start], saved["lengths"][:start]
+        logging.info("distill: resuming at T=%g from %d of %d rows", temperature, start, n)
+  for lo in range(start, n, bsz):
     idx = np.arange(lo, lo + bsz) % n
     out = engine.generate(
       [prompt_ids[i] for i in idx],
@@ -170,6 +181,10 @@ def generate(
       row = list(prompt_ids[idx[r]]) + out.tokens[r]
       tokens[lo + r, : len(row)] = row
       lengths[lo + r] = len(row)
+    if progress is not None:
+      _atomic_savez(
+        progress[0], key=progress[1], done=min(n, lo + bsz), tokens=tokens, lengths=lengths
+      )
   return tokens, lengths, plens
 
 
@@ -204,15 +219,19 @@ def build(
   pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
   parts: dict[str, list[np.ndarray]] = {f: [] for f in _FILES}
   t0 = time.time()
+  os.makedirs(out_dir, exist_ok=True)
+  key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+  partial = [os.path.join(out_dir, f"partial_{j}.npz") for j in range(len(cfg.temperatures))]
   for j, temp in enumerate(cfg.temperatures):
-    toks, lens, plens = generate(target, ids, cfg, temp, seed=cfg.seed * 1000 + j, stop_ids=stop)
+    toks, lens, plens = generate(
+      target, ids, cfg, temp, seed=cfg.seed * 1000 + j, stop_ids=stop, progress=(partial[j], key)
+    )
     toks = np.where(np.arange(cfg.seq_len)[None] < lens[:, None], toks, pad).astype(np.int32)
     for f, v in zip(_FILES, (toks, lens, plens, np.full(len(ids), temp, np.float32))):
       parts[f].append(v)
     logging.info(
       "distill: %d continuations at T=%g (%.0f s so far)", len(ids), temp, time.time() - t0
     )
-  os.makedirs(out_dir, exist_ok=True)
   for f in _FILES:
     _atomic_save(os.path.join(out_dir, f + ".npy"), np.concatenate(parts[f]))
   meta["generated_tokens"] = int(
@@ -221,7 +240,17 @@ def build(
   meta["seconds"] = time.time() - t0
   with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as fh:
     json.dump(meta, fh, indent=2)
+  for path in partial:
+    if os.path.exists(path):
+      os.remove(path)
   return out_dir
+
+
+def _atomic_savez(path: str, **arrays: Any) -> None:
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npz.tmp")
+  with os.fdopen(fd, "wb") as fh:
+    np.savez(fh, **arrays)
+  os.replace(tmp, path)
 
 
 def _atomic_save(path: str, arr: np.ndarray) -> None:
