@@ -68,7 +68,7 @@ inline v16f splat(float s) {
 #if defined(__AVX512F__)
   return reinterpret_cast<v16f>(_mm512_set1_ps(s));
 #else
-  return v16f{} + s;  // a scalar operand is broadcast: one vbroadcastss / dup per register
+  return v16f{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
 #endif
 }
 inline float hsum(v16f v) {
@@ -88,7 +88,8 @@ inline v8f load_f8(const float* p) {
   return v;
 }
 inline void store_f8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-inline v8f splat8(float s) { return v8f{} + s; }
+// (Not `v8f{} + s`: adding +0 is no identity for −0, so that costs an add before the broadcast.)
+inline v8f splat8(float s) { return v8f{s, s, s, s, s, s, s, s}; }
 
 // ---------------------------------------------------------------------------------------------
 // Element decoders: 16 stored elements → 16 floats.
