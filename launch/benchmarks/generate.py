@@ -31,6 +31,7 @@ import numpy as np
 import jaxspec
 from jaxspec.drafters import registry
 from jaxspec.errors import ConfigError
+from jaxspec.quant import policy as quant_policy
 from launch.cli import common_flags
 from launch.benchmarks import cost_curve
 from launch.benchmarks import runners as runners_lib
@@ -80,6 +81,20 @@ def define_flags() -> None:
     "Draw the prompts from the Python sources under this folder (its validation split) instead "
     "of the standard library's: e.g. an installed third-party package, text the target was "
     "not trained on.",
+  )
+  flags.DEFINE_enum(
+    "prompt_set",
+    "functions",
+    ["functions", "instructions"],
+    "functions: openings of Python functions (code models); instructions: held-out requests "
+    "of jaxspec.train.instructions' mix, rendered with the target's chat template (chat "
+    "models; their sources are never in a drafter's training split).",
+  )
+  flags.DEFINE_string(
+    "quant_policy",
+    None,
+    "Quantize the target first (a jaxspec.quant policy name: fp8, mxfp4, ... or a JSON file); "
+    "the drafters read its quantized embedding / head where they share them.",
   )
   flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS does not stop).")
   flags.DEFINE_integer("gamma", 4, "Draft tokens per step (jaxspec and transformers alike).")
@@ -147,6 +162,8 @@ class BenchConfig:
   tree_rules: Sequence[str] = ()
   prompt_root: Optional[str] = None
   kv_format: str = "float"
+  prompt_set: str = "functions"  # or "instructions" (chat requests, token ids)
+  quant_policy: Optional[str] = None
 
   def drafter_dir(self, method: str) -> Optional[str]:
     return {"draft_model": self.draft_model, "dflash": self.dflash, "eagle3": self.eagle3}.get(
@@ -170,6 +187,18 @@ def load_prompts(cfg: BenchConfig) -> list[str]:
   return cost_curve.data_prompts(cfg.num_prompts, cfg.seed, cfg.prompt_root)
 
 
+def prompt_ids(cfg: BenchConfig, target: Any) -> list[list[int]]:
+  """The prompts as token ids: `load_prompts` encoded, or the held-out chat requests."""
+  if cfg.prompt_set == "instructions" and cfg.prompts is None:
+    from jaxspec.train import instructions  # pylint: disable=import-outside-toplevel
+
+    return instructions.distill_prompt_ids(
+      target.tokenizer, "validation", cfg.num_prompts, cfg.seed, max_prompt_tokens=256
+    )
+  texts = load_prompts(cfg)
+  return [target.tokenizer.encode(t) for t in texts]
+
+
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   """Runs the whole benchmark; returns the results dict (also written to cfg.out if set)."""
   for m in cfg.methods:
@@ -187,11 +216,12 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
   target = jaxspec.load_model(cfg.model, scan_layers=False)  # decoding's layout
   if target.tokenizer is None and cfg.prompts is None:
     raise ConfigError(f"{cfg.model} has no tokenizer.json: text prompts cannot be encoded")
+  if cfg.quant_policy:
+    target = jaxspec.quantize(target, quant_policy.load_policy(cfg.quant_policy))
   draft = jaxspec.load_model(cfg.draft_model, scan_layers=False) if "draft_model" in bases else None
-  texts = load_prompts(cfg)
-  if not texts:
+  prompts = prompt_ids(cfg, target)
+  if not prompts:
     raise ConfigError("no prompts")
-  prompts = [target.tokenizer.encode(t) for t in texts]
   drafters: dict[str, Any] = {}
   for m in dict.fromkeys(methods + (list(cfg.tree_methods) if cfg.tree_budgets else [])):
     base, gamma = runners_lib.split_method(m)
@@ -322,7 +352,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
       "draft": cfg.draft_model if draft is not None else None,
       "draft_architecture": draft.config.architecture if draft is not None else None,
     },
-    "prompts": [{"text": t, "num_tokens": len(p)} for t, p in zip(texts, prompts)],
+    "prompts": [{"text": target.tokenizer.decode(p), "num_tokens": len(p)} for p in prompts],
     "recompiled_during_timing": recompiled,
     "results": results,
   }
@@ -543,6 +573,8 @@ def _main(model: Optional[str], draft: Optional[str]) -> None:
     torch_threads=FLAGS.torch_threads,
     profile=FLAGS.profile,
     kv_format=FLAGS.kv_format,
+    prompt_set=FLAGS.prompt_set,
+    quant_policy=FLAGS.quant_policy,
   )
   report = run_benchmark(cfg)
   print()
