@@ -185,6 +185,7 @@ def generate(
       _atomic_savez(
         progress[0], key=progress[1], done=min(n, lo + bsz), tokens=tokens, lengths=lengths
       )
+    logging.info("distill: %d / %d rows at T=%g", min(n, lo + bsz), n, temperature)
   return tokens, lengths, plens
 
 
