@@ -58,6 +58,7 @@ def get_config(arg: str = "dflash") -> ml_collections.ConfigDict:
     d.target_layer_ids = CACHE_TAPS
     d.num_layers = 2
     d.block_size = 8
+    d.mask_token_id = 16  # <empty_output>: SmolLM2 has no mask token; chats never use this one
   else:
     d.target_layer_ids = (1, 14, 26)
     d.draft_vocab_size = 8192

@@ -93,7 +93,8 @@ def init_drafter(
 ) -> Drafter:
   """A freshly initialised drafter for `target` from a config's `drafter` section `spec`
   (target_layer_ids, num_heads, num_kv_heads, head_dim, intermediate_size, seed; DFlash:
-  num_layers, block_size; EAGLE-3: draft_vocab_size).
+  num_layers, block_size and, for a tokenizer without a mask token, mask_token_id; EAGLE-3:
+  draft_vocab_size).
 
   Initialised from the target where shapes allow (as the reference recipes do): the output
   norm from the target's final norm; EAGLE-3's own LM head from the target's (tied) head rows
@@ -110,7 +111,11 @@ def init_drafter(
   )
   if method == "dflash":
     drafter = DFlashDrafter.random(
-      target, num_layers=d.num_layers, block_size=d.block_size, **common
+      target,
+      num_layers=d.num_layers,
+      block_size=d.block_size,
+      mask_token_id=d.get("mask_token_id"),
+      **common,
     )
   elif method == "eagle3":
     vocab = None
