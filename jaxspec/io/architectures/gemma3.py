@@ -24,10 +24,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import show
 from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
-from jaxspec.io.architectures.reader import HFConfigReader
+from jaxspec.io.architectures.reader import FULL, SLIDING, HFConfigReader
 from jaxspec.io.architectures.tensors import TensorLayout, norm_entries
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # transformers' Gemma3TextConfig defaults, for the keys published configs leave out.
 DEFAULTS = dict(

@@ -29,10 +29,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import show
 from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
-from jaxspec.io.architectures.reader import HFConfigReader
+from jaxspec.io.architectures.reader import FULL, SLIDING, HFConfigReader
 from jaxspec.io.architectures.tensors import TensorLayout, norm_entries
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' defaults (Gemma4TextConfig).
 DEFAULT_THETA = {SLIDING: 10_000.0, FULL: 1_000_000.0}
 DEFAULT_FULL_PARTIAL = 0.25
@@ -114,7 +113,7 @@ def _rope_scaling(r: HFConfigReader, full: Mapping[str, Any]) -> tuple:
       "('default', 'proportional')"
     )
   if not (0 < float(partial) <= 1 and float(factor) > 0):
-    raise r.error(f"proportional RoPE needs partial_rotary_factor in (0, 1] and factor > 0")
+    raise r.error("proportional RoPE needs partial_rotary_factor in (0, 1] and factor > 0")
   settings = {"rope_type": "proportional", "partial_rotary_factor": float(partial)}
   if factor != 1.0:
     settings["factor"] = float(factor)

@@ -28,10 +28,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError, show
 from jaxspec.family import Family
 from jaxspec.io.architectures.base import Architecture
-from jaxspec.io.architectures.reader import HFConfigReader
+from jaxspec.io.architectures.reader import FULL, SLIDING, HFConfigReader
 from jaxspec.io.architectures.tensors import TensorLayout
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' defaults (MiMoV2FlashConfig.__post_init__).
 DEFAULT_THETA = {FULL: 5_000_000.0, SLIDING: 10_000.0}
 DEFAULT_PARTIAL = 0.334

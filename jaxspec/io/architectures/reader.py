@@ -12,6 +12,9 @@ from typing import Any, Mapping, Sequence
 
 from jaxspec.errors import ConfigError, is_int, is_real, show
 
+# The layer types of HF configs' `layer_types` that mix windowed and full attention.
+SLIDING, FULL = "sliding_attention", "full_attention"
+
 # The default of a field that has none: reading it absent raises (`HFConfigReader.require`).
 REQUIRED = object()
 
@@ -132,10 +135,8 @@ class HFConfigReader:
     params = self.mapping("rope_parameters")
     nested = {k: v for k, v in params.items() if isinstance(v, Mapping)}
     if params and len(nested) != len(params):
-      raise self.error(
-        "rope_parameters must be nested per layer type (sliding_attention, full_attention)"
-      )
-    extra = sorted(set(nested) - {"sliding_attention", "full_attention"})
+      raise self.error(f"rope_parameters must be nested per layer type ({SLIDING}, {FULL})")
+    extra = sorted(set(nested) - {SLIDING, FULL})
     if extra:
       raise self.error(f"rope_parameters names unknown layer types {extra}")
     return nested
