@@ -446,33 +446,32 @@ void packed_rows_narrow(const float* pack, const float* x, int64_t M, int64_t K,
   }
 }
 
+// Up to 8 rows of x: the stream for this target's registers.
+template <class Rows, int TG>
+void kn_stream(const float* x, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t c0,
+               int64_t c1) {
+  if constexpr (kNarrow) {
+    kn_stream_narrow<Rows, TG>(x, K, w, N, y, c0, c1);
+  } else {
+    kn_stream4<Rows, TG>(x, K, w, N, y, c0, c1);
+  }
+}
+
 // Columns [c0, c1) of y = x @ W (KN layout); c0 is a multiple of 16.
 template <class Rows>
 void kn_columns(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
                 int64_t c0, int64_t c1) {
   const int64_t full = c0 + (c1 - c0) / kLanes * kLanes;
-  if (full > c0 && kNarrow) {
+  if (full > c0) {
     switch (M) {
-      case 1: kn_stream_narrow<Rows, 1>(x, K, w, N, y, c0, full); break;
-      case 2: kn_stream_narrow<Rows, 2>(x, K, w, N, y, c0, full); break;
-      case 3: kn_stream_narrow<Rows, 3>(x, K, w, N, y, c0, full); break;
-      case 4: kn_stream_narrow<Rows, 4>(x, K, w, N, y, c0, full); break;
-      case 5: kn_stream_narrow<Rows, 5>(x, K, w, N, y, c0, full); break;
-      case 6: kn_stream_narrow<Rows, 6>(x, K, w, N, y, c0, full); break;
-      case 7: kn_stream_narrow<Rows, 7>(x, K, w, N, y, c0, full); break;
-      case 8: kn_stream_narrow<Rows, 8>(x, K, w, N, y, c0, full); break;
-      default: kn_packed<Rows>(x, M, K, w, N, y, c0, full); break;
-    }
-  } else if (full > c0) {
-    switch (M) {
-      case 1: kn_stream4<Rows, 1>(x, K, w, N, y, c0, full); break;
-      case 2: kn_stream4<Rows, 2>(x, K, w, N, y, c0, full); break;
-      case 3: kn_stream4<Rows, 3>(x, K, w, N, y, c0, full); break;
-      case 4: kn_stream4<Rows, 4>(x, K, w, N, y, c0, full); break;
-      case 5: kn_stream4<Rows, 5>(x, K, w, N, y, c0, full); break;
-      case 6: kn_stream4<Rows, 6>(x, K, w, N, y, c0, full); break;
-      case 7: kn_stream4<Rows, 7>(x, K, w, N, y, c0, full); break;
-      case 8: kn_stream4<Rows, 8>(x, K, w, N, y, c0, full); break;
+      case 1: kn_stream<Rows, 1>(x, K, w, N, y, c0, full); break;
+      case 2: kn_stream<Rows, 2>(x, K, w, N, y, c0, full); break;
+      case 3: kn_stream<Rows, 3>(x, K, w, N, y, c0, full); break;
+      case 4: kn_stream<Rows, 4>(x, K, w, N, y, c0, full); break;
+      case 5: kn_stream<Rows, 5>(x, K, w, N, y, c0, full); break;
+      case 6: kn_stream<Rows, 6>(x, K, w, N, y, c0, full); break;
+      case 7: kn_stream<Rows, 7>(x, K, w, N, y, c0, full); break;
+      case 8: kn_stream<Rows, 8>(x, K, w, N, y, c0, full); break;
       default: kn_packed<Rows>(x, M, K, w, N, y, c0, full); break;
     }
   }
