@@ -63,22 +63,13 @@ def get_config(arg: str = "dflash") -> ml_collections.ConfigDict:
     d.target_layer_ids = (1, 14, 26)
     d.draft_vocab_size = 8192
   config.drafter = d
-  config.distill = tiny_code.distill_config(
-    prompts="instructions",
-    num_prompts=768,
-    max_prompt_tokens=160,
-    new_tokens=192,
-    temperatures=(0.0, 1.0),
-    batch_size=64,
+  # One greedy and one sampled reply (≤ 192 tokens, ending at <|im_end|>) to each request.
+  chat = dict(
+    prompts="instructions", max_prompt_tokens=160, new_tokens=192, temperatures=(0.0, 1.0)
   )
+  config.distill = tiny_code.distill_config(num_prompts=768, batch_size=64, **chat)
   config.val_distill = tiny_code.distill_config(
-    prompts="instructions",
-    split="validation",
-    num_prompts=64,
-    max_prompt_tokens=160,
-    new_tokens=192,
-    temperatures=(0.0, 1.0),
-    batch_size=64,
+    split="validation", num_prompts=64, batch_size=64, **chat
   )
   config.distill_dir = os.path.join(RUNS, "smollm2_distill")
   config.target_cache = ml_collections.ConfigDict({"taps": CACHE_TAPS, "top_k": 16, "batch_size": 4})
