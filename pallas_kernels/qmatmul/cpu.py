@@ -32,6 +32,8 @@ import jaxlib
 
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_cpu.cc")
+# What the source includes from beside it: part of what a built library is keyed by.
+INCLUDED = (os.path.join(os.path.dirname(SOURCE), "kernel_cpu_kn.inc"),)
 TARGETS = {
   "float": "JaxspecCpuMatmulF32",
   "fp8": "JaxspecCpuMatmulFp8",
@@ -78,8 +80,9 @@ def cache_dir() -> str:
 def library_path(compiler: str) -> str:
   """Where the library built from this source, compiler, jaxlib and processor lives."""
   h = hashlib.sha256()
-  with open(SOURCE, "rb") as f:
-    h.update(f.read())
+  for source in (SOURCE, *INCLUDED):
+    with open(source, "rb") as f:
+      h.update(f.read())
   for part in (compiler, " ".join(FLAGS), march(), jaxlib.__version__, _cpu_flags()):
     h.update(part.encode())
   return os.path.join(cache_dir(), f"libjaxspec_qmatmul_{h.hexdigest()[:16]}.so")
