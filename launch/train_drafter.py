@@ -7,8 +7,7 @@
 2. Training (`jaxspec.train.drafter_trainer`): the frozen target produces the drafter's
    features on the fly, or, when the config has a `target_cache` section, once over the data
    beforehand (`jaxspec.train.target_cache`, beside the distillation data); Muon for matrices,
-   AdamW for the rest; resumable orbax checkpoints in
-   --workdir; TensorBoard-format metrics.
+   AdamW for the rest; resumable orbax checkpoints in --workdir; TensorBoard-format metrics.
 3. Export in the drafter's published layout (DFlash: z-lab `DFlashDraftModel`; EAGLE-3:
    SpecForge `LlamaForCausalLMEagle3`) to --export_dir, loadable with `jaxspec.load_drafter`.
 
@@ -56,7 +55,11 @@ def main(argv):
   import jaxspec  # pylint: disable=import-outside-toplevel
   from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
   from jaxspec.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  from jaxspec.train import distill, drafter_trainer, target_cache  # pylint: disable=import-outside-toplevel
+  from jaxspec.train import (  # pylint: disable=import-outside-toplevel
+    distill,
+    drafter_trainer,
+    target_cache,
+  )
 
   config = cli.config_value(_CONFIG)
   required = ["method", "drafter", "distill", "val_distill", "distill_dir", "train"]
@@ -90,11 +93,9 @@ def main(argv):
   if config.get("target_cache"):  # the target's outputs stored once: steps never run it
     t0 = time.time()
     ccfg = target_cache.TargetCacheConfig(**config.target_cache.to_dict())
-    train_data = train_data.with_cache(
-      target_cache.TargetCache(target_cache.build(target, train_dir, ccfg))
-    )
-    val_data = val_data.with_cache(
-      target_cache.TargetCache(target_cache.build(target, val_dir, ccfg))
+    train_data, val_data = (
+      data.with_cache(target_cache.TargetCache(target_cache.build(target, folder, ccfg)))
+      for data, folder in ((train_data, train_dir), (val_data, val_dir))
     )
     logging.info("target cache ready in %.0f s", time.time() - t0)
   counts = np.bincount(train_data.tokens[train_data.loss_mask], minlength=target.config.vocab_size)

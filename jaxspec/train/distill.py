@@ -7,7 +7,8 @@ target writes (DFlash, EAGLE-3 and Medusa all train on target-generated response
 tokens, or chat requests of the instruction mix (`instructions`, "instructions": for chat
 models), rendered with the tokenizer's chat template and kept whole (the excerpt inside is cut to
 fit instead; replies also stop at the template's end-of-turn token). Each is continued by the
-target for `new_tokens` tokens once per entry of `temperatures` (0 = greedy) with jaxspec's on-device plain decoding, in padded batches.
+target for `new_tokens` tokens once per entry of `temperatures` (0 = greedy) with jaxspec's
+on-device plain decoding, in padded batches.
 
 On disk (`out_dir`): `tokens.npy` [N, P + G] int32 (prompt, continuation, then pad), `lengths.npy`
 and `prompt_lens.npy` [N] int32, `temperature.npy` [N] float32 and `meta.json`, which records
@@ -25,7 +26,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -182,8 +183,10 @@ def generate(
       tokens[lo + r, : len(row)] = row
       lengths[lo + r] = len(row)
     if progress is not None:
-      _atomic_savez(
-        progress[0], key=progress[1], done=min(n, lo + bsz), tokens=tokens, lengths=lengths
+      done = min(n, lo + bsz)
+      _atomic_write(
+        progress[0],
+        lambda fh: np.savez(fh, key=progress[1], done=done, tokens=tokens, lengths=lengths),
       )
     logging.info("distill: %d / %d rows at T=%g", min(n, lo + bsz), n, temperature)
   return tokens, lengths, plens
@@ -234,7 +237,8 @@ def build(
       "distill: %d continuations at T=%g (%.0f s so far)", len(ids), temp, time.time() - t0
     )
   for f in _FILES:
-    _atomic_save(os.path.join(out_dir, f + ".npy"), np.concatenate(parts[f]))
+    whole = np.concatenate(parts[f])
+    _atomic_write(os.path.join(out_dir, f + ".npy"), lambda fh: np.save(fh, whole))
   meta["generated_tokens"] = int(
     sum(int(np.sum(l - p)) for l, p in zip(parts["lengths"], parts["prompt_lens"]))
   )
@@ -247,17 +251,11 @@ def build(
   return out_dir
 
 
-def _atomic_savez(path: str, **arrays: Any) -> None:
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npz.tmp")
+def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
+  """write(file) into `path`, which readers see whole or not at all."""
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
   with os.fdopen(fd, "wb") as fh:
-    np.savez(fh, **arrays)
-  os.replace(tmp, path)
-
-
-def _atomic_save(path: str, arr: np.ndarray) -> None:
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npy.tmp")
-  with os.fdopen(fd, "wb") as fh:
-    np.save(fh, arr)
+    write(fh)
   os.replace(tmp, path)
 
 

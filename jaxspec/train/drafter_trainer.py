@@ -29,9 +29,8 @@ from jaxspec.drafters.base import Drafter
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.errors import ConfigError
-from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
-from jaxspec.train import distill, drafter_losses, optim, trainer
+from jaxspec.train import distill, drafter_losses, optim, target_cache, trainer
 
 METHODS = ("dflash", "eagle3")
 
@@ -192,21 +191,6 @@ def _leaves(tree: Any) -> list:
   return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-def target_features(
-  target_config: Any, target_params: Any, tokens: jax.Array, taps: tuple[int, ...], logits: bool
-) -> tuple[jax.Array, jax.Array | None]:
-  """The frozen target over full sequences: (taps [n, B, S, H], logits [B, S, V] or None)."""
-  out = target_lib.apply_decoder(
-    target_config,
-    target_params,
-    tokens,
-    taps=taps,
-    last_only=not logits,
-  )
-  feats = jax.lax.stop_gradient(out.taps)
-  return feats, (jax.lax.stop_gradient(out.logits) if logits else None)
-
-
 def make_loss_fn(
   drafter: Drafter,
   target: TargetModel,
@@ -223,15 +207,9 @@ def make_loss_fn(
   """
   tap_index = None
   if cache_taps is not None:
-    missing = [t for t in drafter.taps if t not in cache_taps]
-    if missing:
-      raise ConfigError(f"the target cache stores taps {tuple(cache_taps)}, not {missing}")
-    tap_index = jnp.asarray([list(cache_taps).index(t) for t in drafter.taps])
+    tap_index = jnp.asarray(target_cache.tap_positions(cache_taps, drafter.taps))
   method = method_of(drafter)
-  # On CPU the dense expert oracle is the fastest full-sequence backend (same numbers).
-  tconfig = (
-    target.config.with_options(moe_backend="dense") if target.config.num_experts else target.config
-  )
+  tconfig = target_cache.full_sequence_config(target.config)
 
   soft = method == "dflash" and (tc.soft_label_weight > 0 or evaluation)
 
@@ -244,7 +222,7 @@ def make_loss_fn(
       taps = taps.astype(drafter.config.dtype)
       logits, top = None, (batch["top_ids"], batch["top_logp"])
     else:
-      taps, logits = target_features(
+      taps, logits = target_cache.target_features(
         tconfig, frozen["target"], tokens, drafter.taps, logits=method == "eagle3" or soft
       )
     if method == "dflash":

@@ -30,13 +30,14 @@ import hashlib
 import json
 import os
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
@@ -82,16 +83,43 @@ def cache_dir_of(distill_dir: str, cfg: TargetCacheConfig) -> str:
   return os.path.join(distill_dir, f"target_cache_taps{taps}_top{cfg.top_k}")
 
 
-def _forward_fn(target: TargetModel, taps: tuple[int, ...], top_k: int):
-  config = target.config.with_options(moe_backend="dense") if target.config.num_experts else (
-    target.config
+def full_sequence_config(config: ModelConfig) -> ModelConfig:
+  """The target's config for full-sequence passes: on CPU the dense expert oracle is the
+  fastest MoE backend there (same numbers)."""
+  return config.with_options(moe_backend="dense") if config.num_experts else config
+
+
+def target_features(
+  target_config: ModelConfig,
+  target_params: Any,
+  tokens: jax.Array,
+  taps: tuple[int, ...],
+  logits: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+  """The frozen target over full sequences: (taps [n, B, S, H], logits [B, S, V] or None)."""
+  out = target_lib.apply_decoder(
+    target_config, target_params, tokens, taps=taps, last_only=not logits
   )
+  feats = jax.lax.stop_gradient(out.taps)
+  return feats, (jax.lax.stop_gradient(out.logits) if logits else None)
+
+
+def tap_positions(stored: Sequence[int], taps: Sequence[int]) -> list[int]:
+  """Where each of a drafter's `taps` sits among the `stored` ones (ConfigError if missing)."""
+  missing = [t for t in taps if t not in stored]
+  if missing:
+    raise ConfigError(f"the target cache stores taps {tuple(stored)}, not {missing}")
+  return [list(stored).index(t) for t in taps]
+
+
+def _forward_fn(target: TargetModel, taps: tuple[int, ...], top_k: int):
+  config = full_sequence_config(target.config)
 
   @jax.jit
   def forward(params, tokens):
-    out = target_lib.apply_decoder(config, params, tokens, taps=taps, last_only=False)
-    feats = jnp.moveaxis(out.taps, 0, 1).astype(jnp.bfloat16)  # [B, n, S, H]
-    logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
+    feats, logits = target_features(config, params, tokens, taps, logits=True)
+    feats = jnp.moveaxis(feats, 0, 1).astype(jnp.bfloat16)  # [B, n, S, H]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_logp, top_ids = jax.lax.top_k(logp, top_k)
     return jax.lax.bitcast_convert_type(feats, jnp.uint16), top_ids, top_logp.astype(jnp.float16)
 
@@ -107,7 +135,9 @@ def build(
   lengths = np.load(os.path.join(distill_dir, "lengths.npy"))
   n, s = tokens.shape
   if max(cfg.taps) >= target.config.num_layers:
-    raise ConfigError(f"taps {cfg.taps} name layers the {target.config.num_layers}-layer target lacks")
+    raise ConfigError(
+      f"taps {cfg.taps} name layers the {target.config.num_layers}-layer target lacks"
+    )
   meta = _meta(distill_dir, cfg, (n, s))
   meta_path = os.path.join(out_dir, "meta.json")
   done = 0
@@ -173,10 +203,7 @@ class TargetCache:
 
   def tap_index(self, taps: Sequence[int]) -> list[int]:
     """Positions of a drafter's taps among the stored ones (ConfigError if one is missing)."""
-    missing = [t for t in taps if t not in self.taps]
-    if missing:
-      raise ConfigError(f"the target cache stores taps {self.taps}, not {missing}")
-    return [self.taps.index(t) for t in taps]
+    return tap_positions(self.taps, taps)
 
   def rows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
     """{"taps" bfloat16 [B, n_taps, S, H], "top_ids" [B, S, k], "top_logp" float32 [B, S, k]}."""
