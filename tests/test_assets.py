@@ -162,7 +162,7 @@ def test_bundled_dflash_drafts_the_same_in_transformers():
   jaxspec's block logits on real prompts."""
   from jaxspec.drafters import registry  # pylint: disable=import-outside-toplevel
   from jaxspec.drafters.base import PrefillContext  # pylint: disable=import-outside-toplevel
-  from jaxspec.drafters.dflash import target_head  # pylint: disable=import-outside-toplevel
+  from jaxspec.drafters.features import target_head  # pylint: disable=import-outside-toplevel
   from tests.drafter_models import transformers_dflash  # pylint: disable=import-outside-toplevel
 
   target = jaxspec.load_model(TARGET)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.drafters.base import PrefillContext
-from jaxspec.drafters.dflash import target_head
+from jaxspec.drafters.features import target_head
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.models import target as target_lib
 from jaxspec.train import drafter_losses as dl

@@ -61,7 +61,6 @@ from jaxspec.drafters.features import (
   concat_taps,
   embed_tokens,
   shared_target_params,
-  target_head,
 )
 from jaxspec.io import drafter_ckpt
 from jaxspec.io.drafter_ckpt import build_target_layer_ids  # noqa: F401 (DFlash's default taps)
@@ -85,7 +84,9 @@ class DFlashConfig:
   """Architecture of a DFlash drafter.
 
   vocab_size / target_hidden_size / num_target_layers describe the target it was built for
-  (0 = unknown); `layer_windows[i]` is layer i's sliding window over the context (0 = full).
+  (0 = unknown); `layer_windows[i]` is layer i's sliding window over the context (0 = full);
+  draft_vocab_size < vocab_size: drafts come from that many of the target's ids only (the
+  drafter's `draft_vocab`), scored by their rows of the target's head (0 = all of them).
   """
 
   hidden_size: int
@@ -98,6 +99,7 @@ class DFlashConfig:
   mask_token_id: int
   block_size: int = 16
   vocab_size: int = 0
+  draft_vocab_size: int = 0
   target_hidden_size: int = 0
   num_target_layers: int = 0
   rms_norm_eps: float = 1e-6
@@ -133,10 +135,15 @@ class DFlashConfig:
       f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers",
     )
     need(all(w >= 0 for w in self.layer_windows), "sliding windows must be ≥ 0 (0 = full)")
+    need(self.draft_vocab_size >= 0, f"draft_vocab_size must be ≥ 0, got {self.draft_vocab_size}")
     if self.vocab_size:
       need(
         self.mask_token_id < self.vocab_size,
         f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})",
+      )
+      need(
+        self.draft_vocab_size <= self.vocab_size,
+        f"draft_vocab_size ({self.draft_vocab_size}) exceeds the vocabulary ({self.vocab_size})",
       )
     if self.num_target_layers:
       need(
@@ -148,6 +155,10 @@ class DFlashConfig:
   @property
   def num_taps(self) -> int:
     return len(self.target_layer_ids)
+
+  @property
+  def reduced_vocab(self) -> bool:
+    return 0 < self.draft_vocab_size < self.vocab_size
 
   def body(self) -> ModelConfig:
     """The Qwen3-shaped config the drafter layers are built from (for shared modules)."""
@@ -482,7 +493,8 @@ class DFlashDrafter(Drafter):
     context in the batch (at most the store's size), whatever max_len is. 0 = read every slot
     densely (the training path's block_attention).
   params: {"draft": DFlashModel parameters, "embed": target embedding, "lm_head": target LM
-    head kernel (absent for tied embeddings)}.
+    head kernel (absent for tied embeddings); with a draft vocabulary also "draft_vocab" (its
+    target ids) and "draft_head" (their head rows, `features.draft_head_params`)}.
   """
 
   config: DFlashConfig = None  # type: ignore[assignment]
@@ -515,9 +527,18 @@ class DFlashDrafter(Drafter):
 
   @classmethod
   def for_target(
-    cls, target: TargetModel, config: DFlashConfig, draft_params: Any, **kwargs: Any
+    cls,
+    target: TargetModel,
+    config: DFlashConfig,
+    draft_params: Any,
+    draft_vocab: Optional[Any] = None,
+    **kwargs: Any,
   ) -> "DFlashDrafter":
-    """Binds drafter weights to a target (shared embedding and LM head), checking sizes."""
+    """Binds drafter weights to a target (shared embedding and LM head), checking sizes.
+
+    `draft_vocab` (target ids) restricts drafting to those ids (their rows of the target's
+    head); a config with a reduced draft_vocab_size needs it.
+    """
     check_target(
       target,
       hidden_size=config.hidden_size,
@@ -526,18 +547,23 @@ class DFlashDrafter(Drafter):
       tap_ids=config.target_layer_ids,
       what="DFlash",
     )
-    if not 0 <= config.mask_token_id < target.config.vocab_size:
+    vocab = target.config.vocab_size
+    if not 0 <= config.mask_token_id < vocab:
       raise InputError(
-        f"DFlash mask_token_id {config.mask_token_id} is outside the target "
-        f"vocabulary ({target.config.vocab_size})"
+        f"DFlash mask_token_id {config.mask_token_id} is outside the target vocabulary ({vocab})"
       )
+    configured = config.draft_vocab_size if config.reduced_vocab else 0
+    ids = features.draft_vocab_ids(draft_vocab, vocab, configured, "DFlash")
     config = config.replace(
-      vocab_size=target.config.vocab_size,
+      vocab_size=vocab,
+      draft_vocab_size=0 if ids is None else int(ids.size),
       num_target_layers=target.config.num_layers,
       dtype=target.config.dtype,
       embed_scale=target.config.embedding_scale,
     )
     params = {"draft": draft_params, **shared_target_params(target)}
+    if config.reduced_vocab:
+      params.update(features.draft_head_params(params, ids, config.dtype))
     return cls(params=params, config=config, **kwargs)
 
   @classmethod
@@ -554,12 +580,13 @@ class DFlashDrafter(Drafter):
     head_dim: Optional[int] = None,
     intermediate_size: Optional[int] = None,
     layer_windows: tuple[int, ...] = (),
+    draft_vocab: Optional[Any] = None,
     seed: int = 0,
     stddev: float = 0.02,
     **kwargs: Any,
   ) -> "DFlashDrafter":
     """A freshly initialised drafter for `target` (sizes default to the target's; the mask id to
-    the target tokenizer's mask token)."""
+    the target tokenizer's mask token; `draft_vocab`: target ids that drafting is limited to)."""
     if mask_token_id is None:
       mask_token_id = getattr(target.tokenizer, "mask_id", None)
       if mask_token_id is None:
@@ -582,7 +609,9 @@ class DFlashDrafter(Drafter):
       num_target_layers=n,
       layer_windows=layer_windows,
     )
-    return cls.for_target(target, config, init_params(config, seed, stddev), **kwargs)
+    return cls.for_target(
+      target, config, init_params(config, seed, stddev), draft_vocab=draft_vocab, **kwargs
+    )
 
   # -- protocol ------------------------------------------------------------------------------------
 
@@ -598,6 +627,9 @@ class DFlashDrafter(Drafter):
     axes = {"draft": logical_axes(self.config), "embed": PartitionSpec("vocab", "embed")}
     if "lm_head" in self.params:
       axes["lm_head"] = PartitionSpec("embed", "vocab")
+    if "draft_vocab" in self.params:
+      axes["draft_vocab"] = PartitionSpec(None)
+      axes["draft_head"] = PartitionSpec("vocab", "embed")
     return axes
 
   @property
@@ -630,8 +662,9 @@ class DFlashDrafter(Drafter):
   def block_logits(
     self, params: Any, state: DFlashState, block: jax.Array, start: jax.Array
   ) -> jax.Array:
-    """Drafter logits [B, T, V] of a block [B, T] at positions start..start+T−1, attending to
-    the stored context before `start` (read in chunks of `context_chunk` live slots)."""
+    """Drafter logits [B, T, V_d] of a block [B, T] at positions start..start+T−1, attending to
+    the stored context before `start` (read in chunks of `context_chunk` live slots); V_d is
+    the draft vocabulary (the target's whole one without)."""
     c = self.config
     t = block.shape[1]
     x = embed_tokens(params, block, c.dtype, c.embed_scale)[:, None]
@@ -647,7 +680,7 @@ class DFlashDrafter(Drafter):
       self.context_window,
       self.context_chunk,
     )
-    return target_head(params, h[:, 0], c.dtype)
+    return features.draft_logits(params, h[:, 0], c.dtype)
 
   def propose(
     self, params: Any, state: DFlashState, ctx: ProposeContext
@@ -659,21 +692,27 @@ class DFlashDrafter(Drafter):
     block = jnp.concatenate(
       [root[:, None], jnp.full((b, self.gamma), self.config.mask_token_id, jnp.int32)], axis=1
     )
-    logits = self.block_logits(params, state, block, start)[:, 1:]  # [B, γ, V]
-    logprobs = tree_logprobs(logits, ctx.sampling)
+    logits = self.block_logits(params, state, block, start)[:, 1:]  # [B, γ, V_d]
+    vocab = self.config.vocab_size
+    # Drafts, q and log-probs in target ids (q zero and log-probs NEG_INF off a draft vocabulary).
+    logprobs = features.to_target_vocab(params, tree_logprobs(logits, ctx.sampling), vocab, NEG_INF)
     if self.sample_drafts:
 
       def sampled():
         q = sampling.warped_probs(logits, ctx.sampling)
-        return sampling.sample_from_probs(ctx.key, q), q
+        idx = sampling.sample_from_probs(ctx.key, q)
+        return features.draft_to_target_ids(params, idx), features.to_target_vocab(
+          params, q, vocab, 0.0
+        )
 
       def greedy():  # the same drafts and q, without the vocabulary-wide draw
-        ids = sampling.argmax(logits)
-        return ids, jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32)
+        ids = features.draft_to_target_ids(params, sampling.argmax(logits))
+        return ids, jax.nn.one_hot(ids, vocab, dtype=jnp.float32)
 
       drafts, q = jax.lax.cond(jnp.all(sampling.is_greedy(ctx.sampling)), greedy, sampled)
       return Proposal(drafts, q, logprobs), state
-    return Proposal(sampling.argmax(logits), None, logprobs), state
+    drafts = features.draft_to_target_ids(params, sampling.argmax(logits))
+    return Proposal(drafts, None, logprobs), state
 
   def commit(self, params: Any, state: DFlashState, ctx: CommitContext) -> DFlashState:
     # Features exist for every committed position before the new bonus token.
@@ -720,19 +759,41 @@ class DFlashDrafter(Drafter):
 # --------------------------------------------------------------------------------------------------
 
 
-def load_dflash(model_dir: str, target: TargetModel, **kwargs: Any) -> DFlashDrafter:
+def load_dflash(
+  model_dir: str, target: TargetModel, draft_vocab: Optional[Any] = None, **kwargs: Any
+) -> DFlashDrafter:
   """A published DFlash checkpoint (z-lab layout) bound to `target`; sizes, vocabulary and
-  tapped layers are checked. `kwargs` go to DFlashDrafter (gamma, sample_drafts, ...)."""
+  tapped layers are checked. `draft_vocab` (target ids) replaces the checkpoint's draft
+  vocabulary (none: the whole one), e.g. to draft a large-vocabulary target's frequent tokens
+  only. `kwargs` go to DFlashDrafter (gamma, sample_drafts, ...)."""
   ckpt = drafter_ckpt.load_dflash(model_dir, DFlashConfig, param_shapes)
   params = jax.tree_util.tree_map(jnp.asarray, ckpt.params)
-  return DFlashDrafter.for_target(target, ckpt.config, params, hf_config=ckpt.hf_config, **kwargs)
+  config = ckpt.config
+  if draft_vocab is None and ckpt.vocab_maps is not None:
+    d2t = ckpt.vocab_maps["d2t"]
+    draft_vocab = np.arange(d2t.shape[0]) + d2t
+  elif draft_vocab is not None:
+    config = config.replace(draft_vocab_size=0)
+  return DFlashDrafter.for_target(
+    target, config, params, draft_vocab=draft_vocab, hf_config=ckpt.hf_config, **kwargs
+  )
+
+
+def _d2t(drafter: DFlashDrafter) -> Optional[np.ndarray]:
+  """The draft vocabulary as EAGLE-3's d2t offsets (None without one)."""
+  if "draft_vocab" not in drafter.params:
+    return None
+  ids = np.asarray(drafter.params["draft_vocab"], np.int64)
+  return ids - np.arange(ids.size, dtype=np.int64)
 
 
 def dflash_tensors(drafter: DFlashDrafter) -> dict[str, np.ndarray]:
-  """The drafter's weights under their published names."""
-  return drafter_ckpt.dflash_tensors(drafter.config, drafter.params["draft"])
+  """The drafter's weights (and draft vocabulary maps) under their published names."""
+  return drafter_ckpt.dflash_tensors(drafter.config, drafter.params["draft"], _d2t(drafter))
 
 
 def save_dflash(drafter: DFlashDrafter, out_dir: str) -> None:
   """Writes config.json and model.safetensors in the published DFlash layout."""
-  drafter_ckpt.save_dflash(out_dir, drafter.config, drafter.params["draft"], drafter.hf_config)
+  drafter_ckpt.save_dflash(
+    out_dir, drafter.config, drafter.params["draft"], drafter.hf_config, _d2t(drafter)
+  )

@@ -85,6 +85,71 @@ def head_rows_expectation(shared: dict, probs: jax.Array) -> jax.Array:
   return jnp.einsum("...v,vh->...h", probs, shared["embed"].astype(jnp.float32))
 
 
+# A draft vocabulary over the target's head: the drafter scores only V_d of the target's rows
+# (the most frequent target ids), so a propose reads V_d/V of the head. Drafts outside it are
+# never proposed; verification stays lossless (q is zero there).
+
+
+def draft_vocab_ids(
+  draft_vocab: Optional[Any], vocab_size: int, configured: int, what: str
+) -> Optional[np.ndarray]:
+  """A drafter's draft vocabulary as sorted unique target ids (None: the whole vocabulary),
+  checked against the target's size and the configured draft_vocab_size (0: unset)."""
+  if draft_vocab is None:
+    if 0 < configured < vocab_size:
+      raise InputError(
+        f"a {what} drafter with a draft vocabulary ({configured} of {vocab_size} ids) needs "
+        "its ids (draft_vocab)"
+      )
+    return None
+  ids = np.unique(np.asarray(draft_vocab, np.int64))
+  if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
+    raise InputError(f"{what} draft vocabulary ids must lie in [0, {vocab_size})")
+  if configured and configured != ids.size:
+    raise InputError(f"{what} draft vocabulary has {ids.size} ids, its config says {configured}")
+  return ids
+
+
+def draft_head_params(shared: dict, ids: Any, dtype: str) -> dict:
+  """{"draft_vocab": sorted target ids [V_d] int32, "draft_head": their head rows [V_d, H]}:
+  the rows are the target's own (read once here), so a draft vocabulary adds no weights."""
+  ids = jnp.asarray(np.sort(np.asarray(ids)), jnp.int32)
+  return {"draft_vocab": ids, "draft_head": head_rows_of(shared, ids).astype(dtype_of(dtype))}
+
+
+def draft_logits(params: dict, h: jax.Array, dtype: str) -> jax.Array:
+  """float32 logits of drafter hidden states: over the draft vocabulary [..., V_d] when the
+  drafter has one (`draft_head_params`), else over the target's whole head [..., V]."""
+  if "draft_head" not in params:
+    return target_head(params, h, dtype)
+  dt = dtype_of(dtype)
+  rows = params["draft_head"].astype(dt)
+  return jnp.einsum("...h,vh->...v", h.astype(dt), rows, preferred_element_type=jnp.float32)
+
+
+def draft_to_target_ids(params: dict, idx: jax.Array) -> jax.Array:
+  """Target ids of draft-vocabulary indices (the identity without a draft vocabulary)."""
+  return jnp.take(params["draft_vocab"], idx) if "draft_vocab" in params else idx
+
+
+def target_to_draft_ids(params: dict, ids: jax.Array, vocab_size: int) -> jax.Array:
+  """Draft-vocabulary indices of target ids, −1 for those outside it (the identity without)."""
+  if "draft_vocab" not in params:
+    return ids
+  d = params["draft_vocab"]
+  t2d = jnp.full((vocab_size,), -1, jnp.int32).at[d].set(jnp.arange(d.shape[0], dtype=jnp.int32))
+  return t2d[ids]
+
+
+def to_target_vocab(params: dict, x: jax.Array, vocab_size: int, fill: float) -> jax.Array:
+  """Per-draft-id values [..., V_d] spread over the target vocabulary [..., V] (`fill` off the
+  draft vocabulary: 0 for probabilities, −inf for log-probabilities)."""
+  if "draft_vocab" not in params:
+    return x
+  out = jnp.full(x.shape[:-1] + (vocab_size,), fill, x.dtype)
+  return out.at[..., params["draft_vocab"]].set(x)
+
+
 def check_target(
   target: TargetModel,
   *,

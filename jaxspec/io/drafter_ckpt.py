@@ -7,6 +7,8 @@ DFlash (`DFlashDraftModel`): config.json is a Qwen3 config plus `block_size`,
 `layers.{i}.post_attention_layernorm.weight`, `layers.{i}.self_attn.{q,k,v,o}_proj.weight`
 (+ `.bias` with attention_bias), `layers.{i}.self_attn.{q,k}_norm.weight`,
 `layers.{i}.mlp.{gate,up,down}_proj.weight`. No embedding or LM head: the target's are shared.
+jaxspec adds an optional draft vocabulary (a subset of the target's head rows that drafting
+scores): `draft_vocab_size` in config.json and EAGLE-3's `d2t` / `t2d` tensors.
 
 EAGLE-3 (`LlamaForCausalLMEagle3`): a Llama config with `draft_vocab_size`, optional
 `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`; tensors `fc.weight`,
@@ -291,6 +293,7 @@ def dflash_config_from_hf(hf: dict, source: str = "config.json") -> dict[str, An
     mask_token_id=dcfg.integer("mask_token_id"),
     block_size=r.integer("block_size", 16),
     vocab_size=r.integer("vocab_size", 0),
+    draft_vocab_size=r.integer("draft_vocab_size", 0),
     num_target_layers=num_target,
     attention_bias=r.flag("attention_bias", False),
     layer_windows=tuple(windows),
@@ -379,6 +382,8 @@ def dflash_config_to_hf(config: Any, base: Optional[dict] = None) -> dict:
   _rope_to_hf(hf, config)
   if config.vocab_size:
     hf["vocab_size"] = config.vocab_size
+  if config.reduced_vocab:
+    hf["draft_vocab_size"] = config.draft_vocab_size
   if config.num_target_layers:
     hf["num_target_layers"] = config.num_target_layers
   hf.setdefault("max_window_layers", config.num_layers)
@@ -532,7 +537,8 @@ ParamShapes = Callable[[Any], Any]
 
 def load_dflash(model_dir: str, config_cls: type, param_shapes: ParamShapes) -> DrafterCheckpoint:
   """A DFlash checkpoint (z-lab layout): config_cls(**fields) with the default taps where
-  config.json names none, and the tensors checked against param_shapes(config)."""
+  config.json names none, the tensors checked against param_shapes(config), and jaxspec's
+  optional draft vocabulary (`draft_vocab_size` with d2t/t2d, as EAGLE-3 stores it) checked."""
   hf = read_config(model_dir)
   fields = dflash_config_from_hf(hf, source=os.path.join(model_dir, "config.json"))
   if fields["target_layer_ids"] is None:
@@ -540,20 +546,53 @@ def load_dflash(model_dir: str, config_cls: type, param_shapes: ParamShapes) -> 
       fields["num_target_layers"], fields["num_layers"]
     )
   config = config_cls(**fields)
-  params, _, dtype = read_checkpoint(
-    model_dir, list(dflash_tensor_map(config)), param_shapes(config)
+  params, raw, dtype = read_checkpoint(
+    model_dir, list(dflash_tensor_map(config)), param_shapes(config), extra=("d2t", "t2d")
   )
-  return DrafterCheckpoint(config.replace(param_dtype=dtype), params, hf)
+  maps = _vocab_maps(model_dir, raw, config)
+  return DrafterCheckpoint(config.replace(param_dtype=dtype), params, hf, maps)
 
 
-def dflash_tensors(config: Any, params: Any) -> dict[str, np.ndarray]:
-  """A DFlash drafter's weights (its "draft" parameters) under their published names."""
-  return export_tensors(dflash_tensor_map(config), params)
+def _vocab_maps(model_dir: str, raw: dict, config: Any) -> Optional[dict]:
+  """The checkpoint's d2t/t2d arrays, checked (required with a reduced draft vocabulary)."""
+  d2t, t2d = raw.get("d2t"), raw.get("t2d")
+  if config.reduced_vocab and (d2t is None or t2d is None):
+    raise CheckpointError(
+      f"checkpoint in {model_dir} has a reduced draft vocabulary "
+      f"({config.draft_vocab_size} < {config.vocab_size}) but lacks d2t/t2d"
+    )
+  if d2t is None and t2d is None:
+    return None
+  if d2t is None or t2d is None:
+    raise CheckpointError(f"checkpoint in {model_dir} has only one of d2t and t2d")
+  try:
+    check_vocab_maps(d2t, t2d, config.vocab_size, config.draft_vocab_size)
+  except ValueError as e:
+    raise CheckpointError(f"checkpoint in {model_dir}: {e}") from None
+  return {"d2t": np.asarray(d2t), "t2d": np.asarray(t2d)}
 
 
-def save_dflash(out_dir: str, config: Any, params: Any, hf_config: Optional[dict] = None) -> None:
+def vocab_map_tensors(config: Any, d2t: Any) -> dict[str, np.ndarray]:
+  """d2t (int64 offsets) and t2d (bool) of a reduced draft vocabulary; {} without one."""
+  if not config.reduced_vocab:
+    return {}
+  out = {"d2t": np.asarray(d2t).astype(np.int64), "t2d": np.zeros((config.vocab_size,), bool)}
+  out["t2d"][np.arange(out["d2t"].shape[0]) + out["d2t"]] = True
+  return out
+
+
+def dflash_tensors(config: Any, params: Any, d2t: Any = None) -> dict[str, np.ndarray]:
+  """A DFlash drafter's weights (its "draft" parameters) under their published names, and
+  d2t/t2d with a draft vocabulary."""
+  return {**export_tensors(dflash_tensor_map(config), params), **vocab_map_tensors(config, d2t)}
+
+
+def save_dflash(
+  out_dir: str, config: Any, params: Any, hf_config: Optional[dict] = None, d2t: Any = None
+) -> None:
   """Writes config.json (on top of `hf_config`, the loaded one) and model.safetensors."""
-  write_checkpoint(out_dir, dflash_config_to_hf(config, hf_config), dflash_tensors(config, params))
+  tensors = dflash_tensors(config, params, d2t)
+  write_checkpoint(out_dir, dflash_config_to_hf(config, hf_config), tensors)
 
 
 def load_eagle3(
@@ -575,21 +614,7 @@ def load_eagle3(
   params, raw, dtype = read_checkpoint(
     model_dir, list(eagle3_tensor_map(config)), param_shapes(config), extra=("d2t", "t2d")
   )
-  d2t, t2d = raw.get("d2t"), raw.get("t2d")
-  if config.draft_vocab_size != config.vocab_size and (d2t is None or t2d is None):
-    raise CheckpointError(
-      f"checkpoint in {model_dir} has a reduced draft vocabulary "
-      f"({config.draft_vocab_size} < {config.vocab_size}) but lacks d2t/t2d"
-    )
-  maps = None
-  if d2t is not None or t2d is not None:
-    if d2t is None or t2d is None:
-      raise CheckpointError(f"checkpoint in {model_dir} has only one of d2t and t2d")
-    try:
-      check_vocab_maps(d2t, t2d, config.vocab_size, config.draft_vocab_size)
-    except ValueError as e:
-      raise CheckpointError(f"checkpoint in {model_dir}: {e}") from None
-    maps = {"d2t": np.asarray(d2t), "t2d": np.asarray(t2d)}
+  maps = _vocab_maps(model_dir, raw, config)
   return DrafterCheckpoint(config.replace(param_dtype=dtype), params, hf, maps)
 
 
@@ -599,12 +624,7 @@ def eagle3_tensors(
   """An EAGLE-3 drafter's weights (its "draft" parameters) and d2t/t2d under their published
   names: the checkpoint's own maps when given, else built from the d2t offsets."""
   out = export_tensors(eagle3_tensor_map(config), params)
-  if vocab_maps:
-    out.update(vocab_maps)
-  elif config.draft_vocab_size != config.vocab_size:
-    out["d2t"] = np.asarray(d2t).astype(np.int64)
-    out["t2d"] = np.zeros((config.vocab_size,), bool)
-    out["t2d"][np.arange(out["d2t"].shape[0]) + out["d2t"]] = True
+  out.update(vocab_maps or vocab_map_tensors(config, d2t))
   return out
 
 

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.eagle3 import Eagle3Drafter
-from jaxspec.drafters.features import head_rows_expectation, head_rows_of, target_head
+from jaxspec.drafters import features
+from jaxspec.drafters.features import head_rows_expectation, head_rows_of
 from jaxspec.models import target as target_lib
 
 
@@ -137,24 +138,30 @@ def dflash_loss(
   prefix).
   `target_top` = (ids, log-probs) [B, S, k] stands in for target_logits: the target's
   distribution truncated to its k most likely tokens and renormalised (`train.target_cache`).
+  With a draft vocabulary (`DFlashConfig.draft_vocab_size`) the logits cover only its ids:
+  labels outside it add no loss but count as misses in the metrics, and the target's
+  distribution is renormalised over the ids inside it.
   """
   bs = block_size or drafter.config.block_size
+  vocab = drafter.config.vocab_size
   b, s = tokens.shape
   if anchors is None:
     anchors = sample_anchors(key, loss_mask, num_anchors)
   anchor, keep = anchors
   hidden = drafter.train_hidden(params, tokens, taps, anchor, bs)  # [B, N, bs, H]
-  logits = target_head(params, hidden, drafter.config.dtype)  # [B, N, bs, V]
+  logits = features.draft_logits(params, hidden, drafter.config.dtype)  # [B, N, bs, V_d]
   idx = anchor[..., None] + jnp.arange(bs)
   in_range = idx < s
   idx = jnp.minimum(idx, s - 1)
   labels = jnp.take_along_axis(tokens[:, None, :], idx, axis=2)
+  draft_labels = features.target_to_draft_ids(params, labels, vocab)  # −1: no draft id
   supervised = jnp.take_along_axis(loss_mask.astype(bool)[:, None, :], idx, axis=2)
   valid = keep[..., None] & in_range & supervised & (jnp.arange(bs) >= 1)
-  weights = valid * dflash_slot_weights(bs, gamma)
+  weights = valid * (draft_labels >= 0) * dflash_slot_weights(bs, gamma)
   logits = logits.astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
-  ce = lse - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  picked = jnp.take_along_axis(logits, jnp.maximum(draft_labels, 0)[..., None], axis=-1)[..., 0]
+  ce = lse - picked
   metrics: dict[str, jax.Array] = {}
   if target_logits is not None or target_top is not None:
     if not 0.0 <= soft_weight <= 1.0:
@@ -163,15 +170,24 @@ def dflash_loss(
     prev = (jnp.arange(b)[:, None, None], jnp.maximum(idx - 1, 0))
     if target_top is not None:  # p over k stored ids per position
       top_ids, top_logp = target_top
-      logp = jax.nn.log_softmax(top_logp.astype(jnp.float32), axis=-1)  # [B, S, k]
+      top_slots = features.target_to_draft_ids(params, top_ids, vocab)  # [B, S, k]
+      # Renormalised over the ids with a draft id (finite: a row with none stays defined).
+      top_logp = jnp.where(top_slots >= 0, top_logp.astype(jnp.float32), -1e30)
+      logp = jax.nn.log_softmax(top_logp, axis=-1)  # [B, S, k]
       p = jnp.exp(logp)
       expected_row = jnp.einsum("bsk,bskh->bsh", p, head_rows_of(params, top_ids))
     else:
-      logp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)  # [B, S, V]
+      target_logits = target_logits.astype(jnp.float32)
+      if "draft_vocab" in params:
+        target_logits = jnp.take(target_logits, params["draft_vocab"], axis=-1)
+      logp = jax.nn.log_softmax(target_logits, axis=-1)  # [B, S, V_d]
       p = jnp.exp(logp)
       # The head is linear (logits = h·W), so Σ_v p_v·logits_v = h·(W p): the soft term needs
       # the target's expected head row per position [B, S, H], never a [B, N, bs, V] gather.
-      expected_row = head_rows_expectation(params, p)
+      if "draft_head" in params:
+        expected_row = jnp.einsum("bsv,vh->bsh", p, params["draft_head"].astype(jnp.float32))
+      else:
+        expected_row = head_rows_expectation(params, p)
     soft_ce = lse - jnp.sum(hidden.astype(jnp.float32) * expected_row[prev], axis=-1)
     entropy = -jnp.sum(p * logp, axis=-1)  # [B, S]
     n_valid = jnp.maximum(jnp.sum(valid), 1)
@@ -179,14 +195,14 @@ def dflash_loss(
     if with_overlap:
       q = jax.nn.softmax(logits, axis=-1)
       if target_top is not None:  # p is zero off its k ids: Σ_v min(p, q) runs over those
-        q = jnp.take_along_axis(q, top_ids[prev], axis=-1)
+        q = jnp.take_along_axis(q, jnp.maximum(top_slots[prev], 0), axis=-1)
       overlap = jnp.sum(jnp.minimum(p[prev], q), axis=-1)
       metrics["overlap"] = jnp.sum(overlap * valid) / n_valid
     ce = (1.0 - soft_weight) * ce + soft_weight * soft_ce
   elif soft_weight:
     raise ValueError("a soft-label weight needs the target's logits")
   loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
-  correct = jnp.argmax(logits, axis=-1) == labels
+  correct = features.draft_to_target_ids(params, jnp.argmax(logits, axis=-1)) == labels
   accuracy = jnp.sum(correct * valid) / jnp.maximum(jnp.sum(valid), 1)
   prefix = jnp.cumprod(jnp.where(valid[..., 1:], correct[..., 1:], True), axis=-1) * valid[..., 1:]
   accepted = jnp.sum(prefix, -1)  # [B, N]

@@ -92,14 +92,20 @@ def init_drafter(
 ) -> Drafter:
   """A freshly initialised drafter for `target` from a config's `drafter` section `spec`
   (target_layer_ids, num_heads, num_kv_heads, head_dim, intermediate_size, seed; DFlash:
-  num_layers, block_size and, for a tokenizer without a mask token, mask_token_id; EAGLE-3:
-  draft_vocab_size).
+  num_layers, block_size and, for a tokenizer without a mask token, mask_token_id; both:
+  draft_vocab_size, the `draft_vocab_size` most frequent tokens of `vocab_counts`).
 
   Initialised from the target where shapes allow (as the reference recipes do): the output
   norm from the target's final norm; EAGLE-3's own LM head from the target's (tied) head rows
-  of its draft vocabulary, the `draft_vocab_size` most frequent tokens of `vocab_counts`.
+  of its draft vocabulary (DFlash scores its draft vocabulary with the target's own rows).
   """
   d = ml_collections.ConfigDict(dict(spec))
+  vocab = None
+  size = d.get("draft_vocab_size", 0)
+  if 0 < size < target.config.vocab_size:
+    if vocab_counts is None:
+      raise ConfigError(f"a reduced {method} draft vocabulary needs token counts")
+    vocab = np.sort(np.argsort(-np.asarray(vocab_counts), kind="stable")[:size])
   common = dict(
     target_layer_ids=tuple(d.target_layer_ids),
     num_heads=d.num_heads,
@@ -114,14 +120,10 @@ def init_drafter(
       num_layers=d.num_layers,
       block_size=d.block_size,
       mask_token_id=d.get("mask_token_id"),
+      draft_vocab=vocab,
       **common,
     )
   elif method == "eagle3":
-    vocab = None
-    if d.draft_vocab_size < target.config.vocab_size:
-      if vocab_counts is None:
-        raise ConfigError("a reduced EAGLE-3 vocabulary needs token counts")
-      vocab = np.sort(np.argsort(-vocab_counts, kind="stable")[: d.draft_vocab_size])
     drafter = Eagle3Drafter.random(target, draft_vocab=vocab, **common)
   else:
     raise ConfigError(f"unknown drafter method {method!r}; expected dflash or eagle3")
@@ -149,16 +151,30 @@ def warm_start(fresh: Drafter, init: Drafter) -> Drafter:
     raise ConfigError(f"cannot warm-start a {type(fresh).__name__} from a {type(init).__name__}")
   if isinstance(fresh, DFlashDrafter) and fresh.config.num_layers > init.config.num_layers:
     init = grow_dflash(init, fresh)
-  want = {jax.tree_util.keystr(k): v.shape for k, v in _leaves(fresh.params)}
-  have = {jax.tree_util.keystr(k): v.shape for k, v in _leaves(init.params)}
+  # A DFlash drafter's draft vocabulary is the target's head rows, not weights: fresh's is kept.
+  vocab_keys = ("draft_vocab", "draft_head") if isinstance(fresh, DFlashDrafter) else ()
+  want = {jax.tree_util.keystr(k): v.shape for k, v in _leaves(_without(fresh.params, vocab_keys))}
+  have = {jax.tree_util.keystr(k): v.shape for k, v in _leaves(_without(init.params, vocab_keys))}
   for name in sorted(set(want) | set(have)):
     if want.get(name) != have.get(name):
       raise ConfigError(
         f"warm start: parameter {name} is {have.get(name)} in the initial drafter, "
         f"{want.get(name)} in the configured one"
       )
-  taps = fresh.config.target_layer_ids
-  return dataclasses.replace(init, config=dataclasses.replace(init.config, target_layer_ids=taps))
+  changes: dict[str, Any] = {"target_layer_ids": fresh.config.target_layer_ids}
+  params = init.params
+  if vocab_keys:
+    changes["draft_vocab_size"] = fresh.config.draft_vocab_size
+    params = {**_without(init.params, vocab_keys), **{
+      k: fresh.params[k] for k in vocab_keys if k in fresh.params
+    }}
+  return dataclasses.replace(
+    init, params=params, config=dataclasses.replace(init.config, **changes)
+  )
+
+
+def _without(params: dict, keys: tuple[str, ...]) -> dict:
+  return {k: v for k, v in params.items() if k not in keys}
 
 
 def grow_dflash(init: DFlashDrafter, fresh: DFlashDrafter) -> DFlashDrafter:
