@@ -214,6 +214,25 @@ def test_a_dense_model_with_mlp_and_lm_head_rules():
     jaxspec.quantize(target, (("mlp", "mxfp4"),))
 
 
+def test_a_tied_head_is_quantized_apart_from_the_embedding():
+  """An lm_head rule on a tied target quantizes a copy of the head (llama.cpp quantizes a tied
+  output too); token lookups keep the float embedding. Without the rule nothing is untied."""
+  target = small_target(num_layers=2, vocab=64, tie=True)
+  ids = np.random.default_rng(1).integers(0, 64, (1, 9))
+  untied = quant.untie_head(target)
+  assert not untied.config.tie_word_embeddings
+  np.testing.assert_array_equal(np.asarray(untied.logits(ids)), np.asarray(target.logits(ids)))
+  q = jaxspec.quantize(target, (("lm_head", "fp8"),))
+  assert q.quant_report.formats == {"lm_head/kernel": "fp8"}
+  assert not formats.is_quantized(q.params["embed"]) and not q.config.tie_word_embeddings
+  np.testing.assert_allclose(
+    np.asarray(q.logits(ids)), np.asarray(_dequantized(q).logits(ids)), atol=1e-5, rtol=1e-5
+  )
+  assert np.abs(np.asarray(q.logits(ids)) - np.asarray(target.logits(ids))).max() > 1e-4
+  body = jaxspec.quantize(target, (("mlp", "fp8"),))
+  assert body.config.tie_word_embeddings and "lm_head" not in body.params
+
+
 def test_speculation_on_a_quantized_target_equals_plain_decoding_on_it():
   q = jaxspec.quantize(_bundled())
   drafter = registry.make_drafter("dflash", q, draft_dir=registry.bundled_dir("dflash"))

@@ -22,6 +22,7 @@ from jaxspec.quant.policy import (
   quantize,
   quantize_params,
   role_of,
+  untie_head,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
   "quantize_weight",
   "role_of",
   "take",
+  "untie_head",
 ]

@@ -11,7 +11,9 @@ it is. Roles, from the parameter tree:
   attention        q / k / v / o projections; MLA's q_a_proj, q_b_proj, kv_a_proj_with_mqa,
                    kv_b_proj (its latent norms are norms)
   router           MoE router weights (float32, as HF keeps them)
-  lm_head          an untied LM head
+  lm_head          the LM head (a tied one becomes its own weight, a copy of the embedding's
+                   transpose, so that the head is read in the rule's format while token
+                   lookups keep the float embedding: as llama.cpp quantizes a tied output)
   mtp              everything in the MTP layers
   embed, norm, bias   never quantized (bias includes gpt-oss's attention sinks)
 
@@ -279,9 +281,22 @@ def quantize(target: Any, policy: Optional[Iterable] = None) -> Any:
   dequantizes what it reads. Its `quant_report` says what was quantized and the bytes saved.
   """
   policy = default_policy(target.config) if policy is None else policy
+  if target.config.tie_word_embeddings and format_for(
+    "lm_head/kernel", check_policy(policy), target.config
+  ) != "none":
+    target = untie_head(target)
   axes = target.logical_axes()
   params, report = quantize_params(target.params, axes, policy, target.config)
   return dataclasses.replace(target, params=params, quant_report=report)
+
+
+def untie_head(target: Any) -> Any:
+  """A tied target with its LM head as a weight of its own (the embedding transposed, [H, V]):
+  the same logits, and a head a policy can quantize apart from the embedding."""
+  embed = target.params["embed"]
+  params = dict(target.params, lm_head={"kernel": np.asarray(embed).T.copy()})
+  config = target.config.replace(tie_word_embeddings=False)
+  return dataclasses.replace(target, config=config, params=params)
 
 
 def load_policy(spec: str) -> tuple[tuple[str, str], ...]:
