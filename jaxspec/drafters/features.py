@@ -18,6 +18,7 @@ import numpy as np
 from jaxspec.config_checks import ROPE_TYPES
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
+from jaxspec.io.drafter_ckpt import make_vocab_maps
 from jaxspec.options import RunOptions
 from jaxspec.models import matmul
 from jaxspec.models.layers import dtype_of, scaled_rows, unfused_logits
@@ -76,10 +77,13 @@ def head_rows_of(shared: dict, ids: jax.Array) -> jax.Array:
 def head_rows_expectation(shared: dict, probs: jax.Array) -> jax.Array:
   """Σ_v probs[..., v]·W[:, v] [..., H]: the head's output rows averaged under `probs`.
 
-  Since `target_head` is linear, h·head_rows_expectation(p) = Σ_v p_v·logits_v(h) (the soft
-  cross-entropy's cross term) at [..., H] cost instead of [..., V].
+  Since `draft_logits` is linear, h·head_rows_expectation(p) = Σ_v p_v·logits_v(h) (the soft
+  cross-entropy's cross term) at [..., H] cost instead of [..., V]. With a draft vocabulary
+  (`draft_head_params`) `probs` runs over it, [..., V_d], as its logits do.
   """
   probs = probs.astype(jnp.float32)
+  if "draft_head" in shared:
+    return jnp.einsum("...v,vh->...h", probs, shared["draft_head"].astype(jnp.float32))
   if "lm_head" in shared:
     return jnp.einsum("...v,hv->...h", probs, materialize(shared["lm_head"], jnp.float32))
   return jnp.einsum("...v,vh->...h", probs, shared["embed"].astype(jnp.float32))
@@ -102,9 +106,8 @@ def draft_vocab_ids(
         "its ids (draft_vocab)"
       )
     return None
-  ids = np.unique(np.asarray(draft_vocab, np.int64))
-  if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
-    raise InputError(f"{what} draft vocabulary ids must lie in [0, {vocab_size})")
+  d2t, _ = make_vocab_maps(draft_vocab, vocab_size)  # sorted, unique, in range (ConfigError)
+  ids = np.arange(d2t.size) + d2t
   if configured and configured != ids.size:
     raise InputError(f"{what} draft vocabulary has {ids.size} ids, its config says {configured}")
   return ids
@@ -143,7 +146,7 @@ def target_to_draft_ids(params: dict, ids: jax.Array, vocab_size: int) -> jax.Ar
 
 def to_target_vocab(params: dict, x: jax.Array, vocab_size: int, fill: float) -> jax.Array:
   """Per-draft-id values [..., V_d] spread over the target vocabulary [..., V] (`fill` off the
-  draft vocabulary: 0 for probabilities, −inf for log-probabilities)."""
+  draft vocabulary: 0 for probabilities, NEG_INF for log-probabilities)."""
   if "draft_vocab" not in params:
     return x
   out = jnp.full(x.shape[:-1] + (vocab_size,), fill, x.dtype)

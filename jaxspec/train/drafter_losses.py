@@ -184,10 +184,7 @@ def dflash_loss(
       p = jnp.exp(logp)
       # The head is linear (logits = h·W), so Σ_v p_v·logits_v = h·(W p): the soft term needs
       # the target's expected head row per position [B, S, H], never a [B, N, bs, V] gather.
-      if "draft_head" in params:
-        expected_row = jnp.einsum("bsv,vh->bsh", p, params["draft_head"].astype(jnp.float32))
-      else:
-        expected_row = head_rows_expectation(params, p)
+      expected_row = head_rows_expectation(params, p)
     soft_ce = lse - jnp.sum(hidden.astype(jnp.float32) * expected_row[prev], axis=-1)
     entropy = -jnp.sum(p * logp, axis=-1)  # [B, S]
     n_valid = jnp.maximum(jnp.sum(valid), 1)

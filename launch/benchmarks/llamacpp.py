@@ -202,14 +202,21 @@ def write_models(llama_cpp: Any, work_dir: str, formats: Sequence[str], threads:
     if fmt == "f16":
       gguf_export.write_gguf(config, target.params, path, "f16")
     else:
-      params = llama_cpp.llama_model_quantize_default_params()
-      params.ftype = LLAMA_FTYPES[fmt]
-      params.nthread = threads
-      params.pure = True  # every matrix in `fmt` (the head too), as jaxspec's policies do
-      if llama_cpp.llama_model_quantize(f32.encode(), path.encode(), params) != 0:
-        raise RuntimeError(f"llama_model_quantize failed for {fmt}")
+      llama_quantize(llama_cpp, f32, path, fmt, threads)
     paths[fmt] = path
   return paths
+
+
+def llama_quantize(llama_cpp: Any, src: str, dst: str, fmt: str, threads: int) -> None:
+  """llama.cpp's quantizer: `src` (any GGUF, requantized if it is quantized) → `dst` in `fmt`,
+  every matrix in `fmt` (`pure`: the head too, as jaxspec's policies do)."""
+  params = llama_cpp.llama_model_quantize_default_params()
+  params.ftype = LLAMA_FTYPES[fmt]
+  params.nthread = threads
+  params.allow_requantize = True
+  params.pure = True
+  if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params) != 0:
+    raise RuntimeError(f"llama_model_quantize failed for {fmt} from {src}")
 
 
 def shipped_models(llama_cpp: Any, model: str, work_dir: str, formats: Sequence[str], threads: int) -> dict:
@@ -225,13 +232,7 @@ def shipped_models(llama_cpp: Any, model: str, work_dir: str, formats: Sequence[
       continue
     path = os.path.join(work_dir, f"{stem}.{fmt}.gguf")
     if not os.path.exists(path):
-      params = llama_cpp.llama_model_quantize_default_params()
-      params.ftype = LLAMA_FTYPES[fmt]
-      params.nthread = threads
-      params.allow_requantize = True
-      params.pure = True
-      if llama_cpp.llama_model_quantize(model.encode(), path.encode(), params) != 0:
-        raise RuntimeError(f"llama_model_quantize failed for {fmt} from {model}")
+      llama_quantize(llama_cpp, model, path, fmt, threads)
     paths[fmt] = path
   return paths
 
