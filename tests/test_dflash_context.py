@@ -21,8 +21,8 @@ from jaxspec.drafters.dflash import (
   block_attention,
   context_attention,
   context_visibility,
-  target_head,
 )
+from jaxspec.drafters.features import target_head
 from jaxspec.models import target as target_lib
 from jaxspec.speculative.engine import SpecEngine
 from jaxspec.speculative.engine_config import EngineConfig
