@@ -18,7 +18,15 @@ class ConfigError(JaxspecError, ValueError):
 
 
 class InputError(JaxspecError, ValueError):
-  """Bad input to a model or engine call (ids outside the vocabulary, too long, ...)."""
+  """Bad input to a model or engine call (ids outside the vocabulary, too long, ...).
+
+  `param`, when known, names the argument at fault as the engine's calls name it ("prompt",
+  "max_new_tokens", "top_p", ...), so that a server's error body can name the field.
+  """
+
+  def __init__(self, message: str = "", param: str | None = None):
+    super().__init__(message)
+    self.param = param
 
 
 class CheckpointError(JaxspecError, ValueError):

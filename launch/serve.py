@@ -7,7 +7,10 @@ Defaults to the bundled target and its best drafter (as launch/generate.py), bou
   python launch/serve.py --method=dflash --verify=tree --batch_size=8 --max_len=2048
   JAXSPEC_API_KEY=sk-... python launch/serve.py --host=0.0.0.0 --port=8080
 
-Ctrl-C or SIGTERM stops admitting requests, lets the ones in flight finish, then exits.
+Ctrl-C or SIGTERM drains: new requests get 503 with Retry-After (and /health 503), the ones in
+flight finish (up to --drain_timeout, then they are cancelled), then the server exits 0; a
+second signal stops at once. K/V is paged with a prefix cache by default (--page_size=0 and
+--noprefix_cache turn them off).
 
 Several hosts: run it on each with --coordinator_address, --num_processes, --process_id (as
 launch/generate.py) and a --mesh over all their devices; process 0 serves HTTP, the others
@@ -31,6 +34,7 @@ from jaxspec import distributed  # pylint: disable=wrong-import-position
 from jaxspec.errors import ConfigError  # pylint: disable=wrong-import-position
 from jaxspec.serve import admission  # pylint: disable=wrong-import-position
 from jaxspec.serve import app as app_lib  # pylint: disable=wrong-import-position
+from jaxspec.serve import draining  # pylint: disable=wrong-import-position
 from jaxspec.serve import multihost  # pylint: disable=wrong-import-position
 from jaxspec.serve import scheduler as scheduler_lib  # pylint: disable=wrong-import-position
 from jaxspec.serve import speculation  # pylint: disable=wrong-import-position
@@ -47,9 +51,10 @@ common_flags.define_max_len(2048, "Per slot.")
 common_flags.define_kv_format()
 flags.DEFINE_integer(
   "page_size",
-  0,
+  None,
   "Paged K/V: positions per page of the pool that holds full-attention K/V (MLA: latents "
-  "and DSA indexer keys) (0: every slot reserves max_len positions); must divide --max_len.",
+  "and DSA indexer keys); must divide --max_len (default: 16, or the largest power of two "
+  "from 4 to 16 that divides --max_len; 0: off, every slot reserves max_len positions).",
   lower_bound=0,
 )
 flags.DEFINE_bool(
@@ -135,8 +140,21 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("max_body_bytes", 1 << 20, "Request body limit (413 above).", lower_bound=1)
 flags.DEFINE_float(
-  "drain_timeout", 300, "Seconds shutdown waits for in-flight requests to finish.", lower_bound=0
+  "drain_timeout",
+  300,
+  "Seconds the first SIGTERM / Ctrl-C waits for in-flight requests (new ones get 503 with "
+  "Retry-After meanwhile); those still running then are cancelled (503).",
+  lower_bound=0,
 )
+flags.DEFINE_float(
+  "request_timeout",
+  600,
+  "Seconds a generation request may run before it is cancelled and answered 504 (0: none).",
+  lower_bound=0,
+)
+
+
+CANCELLED_REPLY_S = 10  # after the drain: time for cancelled requests' 503s to be sent
 
 
 def _ignore(signum, frame) -> None:
@@ -158,9 +176,12 @@ def main(argv):
   row_buckets = tuple(int(r) for r in FLAGS.row_buckets or ())
   if FLAGS.row_buckets is None and FLAGS.speculation == "auto":
     row_buckets = speculation.default_row_buckets(FLAGS.batch_size)
-  prefix_cache = FLAGS.prefix_cache and FLAGS.page_size > 0
+  page_size, why = admission.default_page_size(FLAGS.max_len, FLAGS.page_size)
+  if not page_size:
+    print(f"paged K/V and prefix cache: off ({why})", flush=True)
+  prefix_cache = FLAGS.prefix_cache and page_size > 0
   why = prefix_cache and prefix_lib.why_uncacheable(
-    target.config, FLAGS.max_len, FLAGS.kv_format, FLAGS.page_size
+    target.config, FLAGS.max_len, FLAGS.kv_format, page_size
   )
   if why:
     print(f"prefix cache: off ({why})", flush=True)
@@ -172,7 +193,7 @@ def main(argv):
     batch_size=FLAGS.batch_size,
     kv_format=FLAGS.kv_format,
     max_stop_ids=FLAGS.max_stop_ids,
-    page_size=FLAGS.page_size,
+    page_size=page_size,
     kv_pages=FLAGS.kv_pages,
     penalties=FLAGS.penalties,
     top_logprobs=FLAGS.top_logprobs,
@@ -196,11 +217,15 @@ def main(argv):
   )
   name = FLAGS.model_name or FLAGS.model or "jaxspec"
   app = app_lib.create_app(
-    scheduler, name, api_key=FLAGS.api_key or None, max_body_bytes=FLAGS.max_body_bytes
+    scheduler,
+    name,
+    api_key=FLAGS.api_key or None,
+    max_body_bytes=FLAGS.max_body_bytes,
+    request_timeout_s=FLAGS.request_timeout or None,
   )
   kv = ""
-  if FLAGS.page_size:
-    kv = f"; K/V in {engine.config.num_pages} pages of {FLAGS.page_size}"
+  if page_size:
+    kv = f"; K/V in {engine.config.num_pages} pages of {page_size}"
     kv += ", prefix cache" if prefix_cache else ""
   if FLAGS.speculation == "auto":
     kv += f"; speculation budgets {engine.budgets} on row buckets {engine.row_buckets}"
@@ -213,23 +238,30 @@ def main(argv):
   scheduler.start()
   host = f"[{FLAGS.host}]" if ":" in FLAGS.host else FLAGS.host
   print(f"serving {name!r} on http://{host}:{FLAGS.port}/v1", flush=True)
-  server = uvicorn.Server(
+  server = draining.DrainingServer(
     uvicorn.Config(
       app,
       host=FLAGS.host,
       port=FLAGS.port,
       lifespan="off",
       log_level="info",
-      timeout_graceful_shutdown=FLAGS.drain_timeout,
-    )
+      # Drained already: this only lets the cancelled requests' 503s go out.
+      timeout_graceful_shutdown=CANCELLED_REPLY_S,
+    ),
+    app.state.drain,
+    FLAGS.drain_timeout,
+    on_timeout=lambda: scheduler.shutdown(drain=False, timeout=CANCELLED_REPLY_S),
   )
   previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
-    server.run()  # returns once a signal arrived and in-flight HTTP requests finished
+    server.run()  # returns once a signal arrived and the drain ended
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)
-    scheduler.shutdown(drain=True, timeout=FLAGS.drain_timeout)
+    scheduler.shutdown(drain=False, timeout=CANCELLED_REPLY_S)
+  if server.drain_seconds is not None:
+    left = "" if server.drained_idle else ", requests still running were cancelled"
+    print(f"drained in {server.drain_seconds:.1f} s{left}", flush=True)
   print("stopped", flush=True)
 
 

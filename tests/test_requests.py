@@ -89,6 +89,8 @@ BAD_REQUESTS = [
   (dict(prompts=["a"], top_k=-1), "top_k must be an integer ≥ 0"),
   (dict(prompts=["a"], top_p=0.0), "top_p must be a number in \\(0, 1\\]"),
   (dict(prompts=["a"], top_p=1.5), "top_p must be a number in \\(0, 1\\]"),
+  # Positive, but 0 in float32 (found by tests/test_serve_fuzz.py: it stopped the scheduler).
+  (dict(prompts=["a"], top_p=1e-320), "positive in float32"),
   (dict(prompts=["a"], seed=2**63), "seed must be an integer"),  # was OverflowError
   (dict(prompts=["a"], seed=1.5), "seed must be an integer"),
   (dict(prompts=["a"], seed=None), "seed must be an integer"),

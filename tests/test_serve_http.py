@@ -23,10 +23,12 @@ import time
 
 import openai
 import pytest
+import uvicorn
 
 from jaxspec.drafters import registry
 from jaxspec.serve import app as app_lib
 from jaxspec.serve import background
+from jaxspec.serve import draining
 from jaxspec.serve import handles
 from jaxspec.serve.handles import Delta, QueueFull, SamplingOptions, SchedulerClosed
 from jaxspec.serve.scheduler import Scheduler
@@ -589,13 +591,18 @@ def test_engine_failure_is_reported(scheduler, reason, status):
     assert got == 200 and '"error"' in events[-2] and events[-1] == "data: [DONE]", events
 
 
-@pytest.mark.parametrize("error,status", [(QueueFull("full"), 429), (SchedulerClosed("bye"), 503)])
-def test_queue_full_and_closed(scheduler, error, status):
+@pytest.mark.parametrize(
+  "error,status,retry", [(QueueFull("full"), 429, "1"), (SchedulerClosed("bye"), 503, "5")]
+)
+def test_queue_full_and_closed_say_when_to_retry(scheduler, error, status, retry):
   app = app_lib.create_app(_Refusing(error, scheduler.engine), MODEL)
   with background.BackgroundServer(app) as srv:
-    body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
-    got, out = raw(srv, "POST", "/v1/completions", body)
-    assert got == status and "error" in out
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "x"}))
+    resp = conn.getresponse()
+    out = json.loads(resp.read())
+    assert resp.status == status and resp.getheader("Retry-After") == retry, out
+    assert out["error"]["code"] in ("queue_full", "shutting_down")
 
 
 def test_metrics_are_prometheus_text(server, client):
@@ -622,14 +629,54 @@ def test_shutdown_drains_a_stream_in_flight(scheduler):
   chunks = iter(greedy(c, PROMPTS[2], max_tokens=60, stream=True))
   first = next(chunks)
   stopper = threading.Thread(target=srv.__exit__, args=(None, None, None))
-  stopper.start()  # the server stops listening, but lets the stream finish
-  wait_for(lambda: srv.server.should_exit)
+  stopper.start()  # draining: new requests are refused, the stream goes on
+  wait_for(lambda: app.state.drain.started)
+  conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+  conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "x"}))
+  refused = conn.getresponse()
+  body = json.loads(refused.read())
+  assert refused.status == 503 and refused.getheader("Retry-After") == "5", body
+  assert body["error"]["code"] == "shutting_down"
+  assert raw(srv, "GET", "/health") == (503, {"status": "draining"})
+  assert not srv.server.should_exit  # still listening while the stream runs
   rest = [ch.choices[0] for ch in chunks]
   stopper.join(timeout=60)
   assert first.choices[0].text + "".join(ch.text for ch in rest) == alone.text
   assert rest[-1].finish_reason == alone.finish_reason
+  assert srv.server.drained_idle and srv.server.drain_seconds < 30
   with pytest.raises(openai.APIConnectionError):
     c.models.list()
+
+
+def test_a_request_past_its_deadline_is_cancelled_with_504(scheduler):
+  app = app_lib.create_app(scheduler, MODEL, request_timeout_s=0.05)
+  before = scheduler.metrics()["requests_cancelled_total"]
+  with background.BackgroundServer(app) as srv:
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 100, "temperature": 0}
+    status, out = raw(srv, "POST", "/v1/completions", json.dumps(body).encode())
+    assert status == 504 and out["error"]["code"] == "request_timeout", out
+    status, out = raw(srv, "POST", "/v1/completions", json.dumps({**body, "stream": True}))
+    events = [e for e in out.split("\n\n") if e]
+    assert status == 200 and "request_timeout" in events[-2] and events[-1] == "data: [DONE]"
+  wait_for(lambda: scheduler.metrics()["requests_cancelled_total"] == before + 2)
+  wait_for(lambda: scheduler.metrics()["requests_running"] == 0)
+
+
+def test_drain_deadline_calls_on_timeout_then_stops():
+  """A drain whose requests outlive the deadline hands them to `on_timeout` (launch/serve.py
+  cancels them: their clients get 503) and stops the server anyway."""
+  drain = app_lib.Drain()
+  assert drain.enter()  # a request that never finishes
+  called = []
+  config = uvicorn.Config(lambda *a: None, lifespan="off")
+  server = draining.DrainingServer(config, drain, 0.2, on_timeout=lambda: called.append(1))
+  server.handle_exit(signal.SIGTERM, None)  # the first signal drains ...
+  assert drain.started and not drain.enter() and not server.should_exit
+  assert server.wait_drained(timeout=10)
+  assert called == [1] and server.should_exit and server.drained_idle is False
+  assert 0.2 <= server.drain_seconds < 5
+  drain.leave()
+  assert drain.wait(0) and drain.in_flight == 0
 
 
 def _free_port() -> int:
@@ -649,7 +696,8 @@ def _answers(port: int) -> bool:
 
 @pytest.mark.slow
 def test_serve_script_drains_on_sigterm():
-  """launch/serve.py end to end: it serves, and SIGTERM mid-stream lets the stream finish."""
+  """launch/serve.py end to end: it serves (paged K/V by default), and SIGTERM mid-stream
+  drains: new requests get 503, the stream finishes, the process exits 0."""
   port = _free_port()
   script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch", "serve.py")
   args = [
@@ -664,11 +712,15 @@ def test_serve_script_drains_on_sigterm():
   ]
   proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
+    started = []
     for line in proc.stdout:
+      started.append(line)
       if line.startswith("serving"):
         break
     else:
       pytest.fail(f"the server exited with {proc.wait()}")
+    # Paged K/V with the prefix cache unless told otherwise.
+    assert any("pages of 16, prefix cache" in line for line in started), started
     # "serving" is printed just before uvicorn binds: wait until it answers.
     wait_for(lambda: _answers(port), timeout=60)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
@@ -679,11 +731,17 @@ def test_serve_script_drains_on_sigterm():
     )
     next(chunks)
     proc.send_signal(signal.SIGTERM)
+    # Draining: a new request is refused with 503 and Retry-After while the stream goes on.
+    wait_for(lambda: not _answers(port), timeout=30)  # /health turns 503
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "x"}))
+    refused = conn.getresponse()
+    assert refused.status == 503 and refused.getheader("Retry-After"), refused.read()
     rest = [ch.choices[0] for ch in chunks]
     assert rest[-1].finish_reason in ("stop", "length")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    assert "stopped" in out
+    assert "drained in" in out and "stopped" in out
   finally:
     if proc.poll() is None:
       proc.kill()

@@ -41,6 +41,22 @@ def parse_admission_reserve(text: str) -> Optional[float]:
   return share
 
 
+DEFAULT_PAGE_SIZE = 16  # vLLM's block size: small pages share more of a prompt's prefix
+
+
+def default_page_size(max_len: int, page_size: Optional[int]) -> tuple[int, str]:
+  """A server's page size and, when paging is off, why: `page_size` if given (0 = off), else
+  16 or the largest power of two from 4 to 16 that divides `max_len` (a page must)."""
+  if page_size is not None:
+    return page_size, "--page_size=0" if page_size == 0 else ""
+  size = DEFAULT_PAGE_SIZE
+  while size >= 4 and max_len % size:
+    size //= 2
+  if size < 4:
+    return 0, f"max_len={max_len} is not a multiple of 4; set --page_size to a divisor of it"
+  return size, ""
+
+
 def make(
   engine: SpecEngine, steps_per_tick: int, reserve: Optional[float]
 ) -> "ContiguousAdmission":

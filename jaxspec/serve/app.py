@@ -1,10 +1,15 @@
 """The OpenAI-compatible HTTP API over a `Scheduler`: FastAPI routes, SSE streaming, errors.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the /v1 routes need
-the Bearer key when one is set), GET /health, GET /metrics (Prometheus text). Every error is
-OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`: bad JSON or parameters, a
-request over the engine's capacity or an unknown model → 400, a missing or wrong key → 401, a
-body over `max_body_bytes` → 413, a full queue → 429, shutting down → 503.
+the Bearer key when one is set), GET /health, GET /metrics (Prometheus text), GET
+/openapi.json (the request bodies' schemas, `openapi.document`). Every error is OpenAI's JSON
+`{"error": {"message", "type", "param", "code"}}`: bad JSON or parameters, a request over the
+engine's capacity or an unknown model → 400, a missing or wrong key → 401, a body over
+`max_body_bytes` → 413, a full queue → 429 and draining or shutting down → 503 (both with
+Retry-After), a request past `request_timeout_s` → 504.
+
+Shutting down drains (`Drain`): new generation requests get 503, /health answers 503
+"draining" so a balancer stops sending, and the requests in flight finish.
 
 A request's tokens come from its `RequestHandle`; `text.TextStream` turns them into text, and a
 stop string cancels the request in the scheduler. A client that goes away (mid-stream, or
@@ -18,6 +23,7 @@ import collections
 import dataclasses
 import hmac
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,11 +33,13 @@ from starlette import background
 from starlette import exceptions as starlette_exceptions
 
 from jaxspec.errors import InputError
-from jaxspec.serve import protocol, text
+from jaxspec.serve import openapi, protocol, text
 from jaxspec.serve.handles import QueueFull, SamplingOptions, SchedulerClosed
 
 SSE_DONE = b"data: [DONE]\n\n"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTES = GENERATION_ROUTES + ("/v1/models", "/health", "/metrics", "/openapi.json")
+RETRY_AFTER_S = {429: 1, 503: 5}  # a full queue clears quickly; a draining server goes away
 
 # scheduler.metrics() key → (Prometheus type, help). Keys not listed are exported as gauges.
 SCHEDULER_METRICS = {
@@ -87,12 +95,74 @@ class _EngineFailure(Exception):
 
 def _error_response(e: ApiError) -> responses.JSONResponse:
   body = protocol.error_body(e.message, e.type, e.param, e.code)
-  headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-  return responses.JSONResponse(body, status_code=e.status, headers=headers)
+  return responses.JSONResponse(body, status_code=e.status, headers=_error_headers(e.status))
 
 
-def _bad_request(e: InputError) -> ApiError:
-  return ApiError(400, str(e), "invalid_request_error", getattr(e, "param", None))
+def _error_headers(status: int) -> dict[str, str]:
+  """401 names the scheme; 429 and 503 say when to come back (clients such as openai's retry
+  after the time given)."""
+  if status == 401:
+    return {"WWW-Authenticate": "Bearer"}
+  if status in RETRY_AFTER_S:
+    return {"Retry-After": str(RETRY_AFTER_S[status])}
+  return {}
+
+
+def _draining_error() -> ApiError:
+  return ApiError(
+    503, "the server is draining for shutdown", "service_unavailable", code="shutting_down"
+  )
+
+
+class Drain:
+  """Shutdown's first phase: generation requests in flight are counted; once `begin` is called
+  new ones are refused (503) and `wait` returns when the last one has finished.
+
+  Thread-safe: the HTTP loop enters and leaves; a signal handler's thread begins and waits.
+  """
+
+  def __init__(self):
+    self._cv = threading.Condition()
+    self._in_flight = 0
+    self.started = False
+
+  def enter(self) -> bool:
+    """Counts a new request in; False (refuse it) once draining."""
+    with self._cv:
+      if self.started:
+        return False
+      self._in_flight += 1
+      return True
+
+  def leave(self) -> None:
+    with self._cv:
+      self._in_flight -= 1
+      self._cv.notify_all()
+
+  def begin(self) -> None:
+    with self._cv:
+      self.started = True
+      self._cv.notify_all()
+
+  def wait(self, timeout: float | None = None) -> bool:
+    """True once no request is in flight; False if `timeout` seconds passed first."""
+    with self._cv:
+      return self._cv.wait_for(lambda: self._in_flight == 0, timeout)
+
+  @property
+  def in_flight(self) -> int:
+    return self._in_flight
+
+
+# The engine's argument names (InputError.param) as the API names the fields.
+API_PARAMS = {"max_new_tokens": "max_tokens"}
+
+
+def _bad_request(e: InputError, prompt_field: str = "prompt") -> ApiError:
+  """400 naming the field at fault; the engine's "prompt" is chat's `messages`."""
+  param = getattr(e, "param", None)
+  param = prompt_field if param == "prompt" else API_PARAMS.get(param, param)
+  return ApiError(400, str(e), "invalid_request_error", param)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -100,14 +170,16 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 
 class _StatusCounter:
-  """Pure-ASGI middleware counting responses by route and status (for /metrics).
+  """Pure-ASGI middleware counting responses by route and status (for /metrics), and the
+  generation requests in flight (`Drain`: refused with 503 once draining).
 
   Pure ASGI rather than a BaseHTTPMiddleware so the app's own `receive` (which reports a client
-  disconnect) and streaming responses pass through untouched.
+  disconnect) and streaming responses pass through untouched; the app's call returns once the
+  response (a stream included) has been sent, so a request counts until its last byte.
   """
 
-  def __init__(self, app: Any, counts: collections.Counter):
-    self.app, self.counts = app, counts
+  def __init__(self, app: Any, counts: collections.Counter, drain: Drain):
+    self.app, self.counts, self.drain = app, counts, drain
 
   async def __call__(self, scope, receive, send):
     if scope["type"] != "http":
@@ -119,7 +191,14 @@ class _StatusCounter:
         self.counts[(route, message["status"])] += 1
       await send(message)
 
-    return await self.app(scope, receive, counting_send)
+    if route not in GENERATION_ROUTES:
+      return await self.app(scope, receive, counting_send)
+    if not self.drain.enter():
+      return await _error_response(_draining_error())(scope, receive, counting_send)
+    try:
+      return await self.app(scope, receive, counting_send)
+    finally:
+      self.drain.leave()
 
 
 @dataclasses.dataclass
@@ -148,7 +227,9 @@ class _Job:
 class _Server:
   """The state behind the routes: scheduler, tokenizer, template, limits."""
 
-  def __init__(self, scheduler, model_name, api_key, max_body_bytes, chat_template):
+  def __init__(
+    self, scheduler, model_name, api_key, max_body_bytes, chat_template, request_timeout_s
+  ):
     tokenizer = scheduler.engine.target.tokenizer
     if tokenizer is None:
       raise InputError("serving needs the model's tokenizer (tokenizer.json)")
@@ -157,6 +238,7 @@ class _Server:
     self.model_name = model_name
     self.api_key = api_key
     self.max_body_bytes = max_body_bytes
+    self.request_timeout_s = request_timeout_s
     if chat_template is None:
       chat_template = text.chat_template_of(tokenizer)
     self.chat_template = chat_template
@@ -229,7 +311,7 @@ class _Server:
         503, f"the server is shutting down: {e}", "service_unavailable", code="shutting_down"
       )
     except InputError as e:
-      raise _bad_request(e) from None
+      raise _bad_request(e, "messages" if job["chat"] else "prompt") from None
     created = protocol.now()
     return [
       _Job(
@@ -399,10 +481,19 @@ class _Server:
         await merged.put(None)
 
     tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+    loop = asyncio.get_running_loop()
+    deadline = None if self.request_timeout_s is None else loop.time() + self.request_timeout_s
     try:
       failed, running = False, len(tasks)
       while running:
-        chunk = await merged.get()
+        try:
+          left = None if deadline is None else max(0.0, deadline - loop.time())
+          chunk = await asyncio.wait_for(merged.get(), left)
+        except TimeoutError:  # the deadline: the choices still running are cancelled below
+          e = self.timed_out()
+          yield _sse(protocol.error_body(e.message, e.type, code=e.code))
+          failed = True
+          break
         if chunk is None:
           running -= 1
           continue
@@ -429,19 +520,31 @@ class _Server:
       made = protocol.completion(job.rid, job.created, self.model_name, content, finish, logprobs)
     return _indexed(made, job.index)
 
+  def timed_out(self) -> ApiError:
+    return ApiError(
+      504,
+      f"the request did not finish within {self.request_timeout_s} s",
+      "server_error",
+      code="request_timeout",
+    )
+
   async def respond(self, request: fastapi.Request, jobs: list[_Job]) -> fastapi.Response:
     collect = asyncio.ensure_future(self.collect_all(jobs))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-      await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+      done, _ = await asyncio.wait(
+        (collect, gone), timeout=self.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
+      )
     finally:
       gone.cancel()
-      if not collect.done():  # the client left (or this handler was cancelled)
+      if not collect.done():  # the client left, the deadline passed, or this handler was cancelled
         for job in jobs:
           job.release()
         collect.cancel()
-    if not collect.done() or collect.cancelled():
-      return fastapi.Response(status_code=499)  # nobody reads it
+    if collect not in done:
+      if gone in done:
+        return fastapi.Response(status_code=499)  # nobody reads it
+      raise self.timed_out()
     try:
       return responses.JSONResponse(collect.result())
     except _EngineFailure as e:
@@ -484,19 +587,26 @@ def create_app(
   api_key: str | None = None,
   max_body_bytes: int = 1 << 20,
   chat_template: text.ChatTemplate | None = None,
+  request_timeout_s: float | None = None,
 ) -> fastapi.FastAPI:
   """The FastAPI app serving `scheduler` (already started) as the model `model_name`.
 
   `chat_template`: None = the tokenizer's own (its directory's chat_template.jinja, else
-  tokenizer_config.json's; a GGUF file's), else text.DEFAULT_CHAT_TEMPLATE. The caller owns the
-  scheduler: it starts it before serving and shuts it down (draining) after the HTTP server
-  stops.
+  tokenizer_config.json's; a GGUF file's), else text.DEFAULT_CHAT_TEMPLATE.
+  `request_timeout_s`: a generation request still running after this long is cancelled and
+  answered 504 (a stream: an error event); None = no deadline. The caller owns the scheduler:
+  it starts it before serving and shuts it down after the HTTP server stops; `app.state.drain`
+  (a `Drain`) refuses new requests and waits for those in flight before that
+  (`lifecycle.DrainingServer`).
   """
-  server = _Server(scheduler, model_name, api_key, max_body_bytes, chat_template)
+  server = _Server(scheduler, model_name, api_key, max_body_bytes, chat_template, request_timeout_s)
   counts: collections.Counter = collections.Counter()
+  drain = Drain()
   app = fastapi.FastAPI(title="jaxspec", docs_url=None, redoc_url=None, openapi_url=None)
-  app.add_middleware(_StatusCounter, counts=counts)
+  app.state.drain = drain
+  app.add_middleware(_StatusCounter, counts=counts, drain=drain)
   auth = [fastapi.Depends(server.authorize)]
+  document = openapi.document(model_name, scheduler.slots, secured=api_key is not None)
 
   @app.exception_handler(ApiError)
   async def _api_error(_request, e: ApiError):
@@ -548,7 +658,13 @@ def create_app(
 
   @app.get("/health")
   async def health():
+    if drain.started:  # a balancer's health check takes the server out of rotation
+      return responses.JSONResponse({"status": "draining"}, status_code=503)
     return {"status": "ok"}
+
+  @app.get("/openapi.json")
+  async def openapi_document():
+    return document
 
   @app.get("/metrics")
   async def metrics():

@@ -15,13 +15,16 @@ from typing import Any
 import uvicorn
 
 from jaxspec.errors import ConfigError
+from jaxspec.serve.draining import DrainingServer
 
 
 class BackgroundServer:
   """Serves an ASGI app on `host` (loopback only; port 0 = a free one) in a thread.
 
   Use as a context manager: entering waits until the server accepts connections; leaving
-  stops it gracefully (in-flight requests finish first, up to `grace_s`).
+  stops it gracefully: an app of `app.create_app` drains (`draining.DrainingServer`: new
+  requests get 503, those in flight finish, up to `grace_s`), any other app stops listening and
+  lets its requests finish, up to `grace_s`.
   """
 
   def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, grace_s: float = 30):
@@ -35,7 +38,11 @@ class BackgroundServer:
     config = uvicorn.Config(
       app, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace_s
     )
-    self.server = uvicorn.Server(config)
+    drain = getattr(getattr(app, "state", None), "drain", None)  # create_app's apps have one
+    self.server = (
+      DrainingServer(config, drain, grace_s) if drain is not None else uvicorn.Server(config)
+    )
+    self._grace_s = grace_s
     self._thread = threading.Thread(
       target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
     )
@@ -50,6 +57,9 @@ class BackgroundServer:
     return self
 
   def __exit__(self, *exc: Any) -> None:
-    self.server.should_exit = True
-    self._thread.join(timeout=60)
+    if isinstance(self.server, DrainingServer):
+      self.server.drain()  # new requests get 503 while the ones in flight finish
+    else:
+      self.server.should_exit = True
+    self._thread.join(timeout=self._grace_s + 60)
     self._sock.close()

@@ -15,6 +15,7 @@ chunks, object "text_completion") for /v1/completions, `chat_completion` / `chat
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -30,6 +31,8 @@ UNLIKELY_LOGPROB = -9999.0
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default
 
 _Unit = Annotated[float, Field(gt=0, le=1)]
+# A logit_bias key: a token id in ASCII digits (str.isdigit also passes "²", which int() refuses).
+_TOKEN_ID = re.compile(r"[0-9]+")
 
 
 # Pydantic's strict mode: a JSON string is not a number and `true` not a token id, as OpenAI
@@ -94,7 +97,7 @@ class _Common(BaseModel):
       "stream_options is only allowed with stream=true",
     )
     for key in self.logit_bias or {}:
-      _need(key.strip().isdigit(), "logit_bias", f"logit_bias keys are token ids, got {key!r}")
+      _need(_TOKEN_ID.fullmatch(key), "logit_bias", f"logit_bias keys are token ids, got {key!r}")
     _need(
       len(self.logit_bias or {}) <= MAX_LOGIT_BIAS,
       "logit_bias",
@@ -253,14 +256,22 @@ class ChatRequest(_Common):
 class BadParameter(InputError):
   """A request parameter jaxspec refuses; `param` names it for the error body."""
 
-  def __init__(self, message: str, param: str | None = None):
-    super().__init__(message)
-    self.param = param
-
 
 def _need(ok: bool, param: str, message: str) -> None:
   if not ok:
     raise BadParameter(message, param)
+
+
+def _json_integers(value: Any) -> Any:
+  """`value` with its integral floats as ints: JSON (and its Schema) has one number type, in
+  which 2.0 is the integer 2; strict validation would refuse it for an integer field."""
+  if isinstance(value, float) and value.is_integer():
+    return int(value)
+  if isinstance(value, list):
+    return [_json_integers(v) for v in value]
+  if isinstance(value, dict):
+    return {k: _json_integers(v) for k, v in value.items()}
+  return value
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
@@ -268,7 +279,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
   if not isinstance(body, dict):
     raise BadParameter(f"the request body must be a JSON object, got {type(body).__name__}")
   try:
-    return model.model_validate(body)
+    return model.model_validate(_json_integers(body))
   except pydantic.ValidationError as e:
     err = e.errors(include_url=False)[0]
     ctx_error = err.get("ctx", {}).get("error")

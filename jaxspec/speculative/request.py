@@ -66,7 +66,8 @@ def _token_ids(prompt: Any, i: int) -> tuple[int, ...]:
     if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
       raise InputError(
         f"{where}: an array prompt must be 1-D integer token ids, got shape {prompt.shape} "
-        f"dtype {prompt.dtype}"
+        f"dtype {prompt.dtype}",
+        "prompt",
       )
     values = prompt.tolist()
   elif isinstance(prompt, (list, tuple)):
@@ -75,19 +76,21 @@ def _token_ids(prompt: Any, i: int) -> tuple[int, ...]:
       if not _is_int(t):
         hint = " (a text prompt is one str, not a list of str)" if isinstance(t, str) else ""
         raise InputError(
-          f"{where}: token ids must be integers, got {_describe(t)} at position {j}{hint}"
+          f"{where}: token ids must be integers, got {_describe(t)} at position {j}{hint}",
+          "prompt",
         )
   else:
     raise InputError(
       f"{where}: a prompt is a str or a 1-D sequence of token ids, got {type(prompt).__name__} "
-      f"{_describe(prompt)}"
+      f"{_describe(prompt)}",
+      "prompt",
     )
   ids = tuple(int(t) for t in values)
   if not ids:
-    raise InputError(f"{where} is empty: a prompt needs at least one token")
+    raise InputError(f"{where} is empty: a prompt needs at least one token", "prompt")
   bad = [t for t in ids if not 0 <= t <= _INT32_MAX]
   if bad:
-    raise InputError(f"{where}: token ids must be ≥ 0, got {bad[:4]}")
+    raise InputError(f"{where}: token ids must be ≥ 0, got {bad[:4]}", "prompt")
   return ids
 
 
@@ -95,10 +98,10 @@ def _per_prompt(name: str, value: Any, n: int, check, kind: str) -> tuple:
   """A scalar or one value per prompt, as an n-tuple; each value passes `check`."""
   if isinstance(value, np.ndarray):
     if value.ndim > 1:
-      raise InputError(f"{name}: expected {kind} or one per prompt, got shape {value.shape}")
+      raise InputError(f"{name}: expected {kind} or one per prompt, got shape {value.shape}", name)
     values = value.tolist() if value.ndim == 1 else [value.item()]
     if value.ndim == 1 and value.dtype.kind not in "iuf":
-      raise InputError(f"{name}: expected {kind} values, got dtype {value.dtype}")
+      raise InputError(f"{name}: expected {kind} values, got dtype {value.dtype}", name)
   elif isinstance(value, (list, tuple)):
     values = list(value)
   else:
@@ -108,13 +111,14 @@ def _per_prompt(name: str, value: Any, n: int, check, kind: str) -> tuple:
   elif len(values) != n:
     raise InputError(
       f"{name}: got {len(values)} values for {n} prompt{'s' if n != 1 else ''} "
-      "(give one value, or one per prompt)"
+      "(give one value, or one per prompt)",
+      name,
     )
   else:
     out = tuple(values)
   for v in out:
     if not check(v):
-      raise InputError(f"{name} must be {kind}, got {_describe(v)}")
+      raise InputError(f"{name} must be {kind}, got {_describe(v)}", name)
   return out
 
 
@@ -126,20 +130,23 @@ def _stop_token_ids(value: Any, n: int) -> tuple[tuple[int, ...], ...]:
     value = value.tolist()
   if not isinstance(value, (list, tuple)):
     raise InputError(
-      f"stop_token_ids must be a sequence of token ids (or one per prompt), got "
-      f"{_describe(value)}"
+      f"stop_token_ids must be a sequence of token ids (or one per prompt), got {_describe(value)}",
+      "stop_token_ids",
     )
   per_prompt = bool(value) and all(isinstance(v, (list, tuple, np.ndarray)) for v in value)
   if per_prompt:
     lists = [np.asarray(v).tolist() if isinstance(v, np.ndarray) else list(v) for v in value]
     if len(lists) != n:
-      raise InputError(f"stop_token_ids: got {len(lists)} lists for {n} prompts")
+      raise InputError(f"stop_token_ids: got {len(lists)} lists for {n} prompts", "stop_token_ids")
   else:
     lists = [list(value)] * n
   for ids in lists:
     for t in ids:
       if not (_is_int(t) and 0 <= t <= _INT32_MAX):
-        raise InputError(f"stop_token_ids must hold token ids (integers ≥ 0), got {_describe(t)}")
+        raise InputError(
+          f"stop_token_ids must hold token ids (integers ≥ 0), got {_describe(t)}",
+          "stop_token_ids",
+        )
   return tuple(tuple(int(t) for t in ids) for ids in lists)
 
 
@@ -151,15 +158,17 @@ _PER_PROMPT_CHECKS = {
     "a finite number ≥ 0 (0 = greedy)",
   ),
   "top_k": (lambda v: _is_int(v) and 0 <= v <= _INT32_MAX, "an integer ≥ 0 (0 = off)"),
+  # top_p and repetition_penalty are float32 on the device: a positive value that rounds to 0
+  # there (1e-320) would fail inside the compiled step's setup, or divide by zero.
   "top_p": (
-    lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 1,
-    "a number in (0, 1] (1 = off)",
+    lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 1 and np.float32(v) > 0,
+    "a number in (0, 1] (1 = off), positive in float32",
   ),
   "presence_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)"),
   "frequency_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)"),
   "repetition_penalty": (
-    lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 100,
-    "a number in (0, 100] (1 = off)",
+    lambda v: _is_real(v) and math.isfinite(v) and 0 < v <= 100 and np.float32(v) > 0,
+    "a number in (0, 100] (1 = off), positive in float32",
   ),
 }
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -175,25 +184,30 @@ def _logit_bias(value: Any, n: int) -> tuple[tuple[tuple[int, float], ...], ...]
     maps = [value] * n
   elif isinstance(value, (list, tuple)) and all(isinstance(v, dict) or v is None for v in value):
     if len(value) != n:
-      raise InputError(f"logit_bias: got {len(value)} mappings for {n} prompts")
+      raise InputError(f"logit_bias: got {len(value)} mappings for {n} prompts", "logit_bias")
     maps = [v or {} for v in value]
   else:
     raise InputError(
-      f"logit_bias must be a mapping {{token id: bias}} (or one per prompt), got {_describe(value)}"
+      "logit_bias must be a mapping {token id: bias} (or one per prompt), got "
+      f"{_describe(value)}",
+      "logit_bias",
     )
   out = []
   for m in maps:
     if len(m) > MAX_LOGIT_BIAS:
-      raise InputError(f"logit_bias holds {len(m)} entries; at most {MAX_LOGIT_BIAS}")
+      raise InputError(f"logit_bias holds {len(m)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
     pairs = []
     for key, bias in m.items():
-      token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+      digits = isinstance(key, str) and key.isascii() and key.strip().isdigit()  # not "²"
+      token = int(key) if digits else key
       if not (_is_int(token) and 0 <= token <= _INT32_MAX):
         raise InputError(
-          f"logit_bias keys must be token ids (integers ≥ 0), got {_describe(key)}"
+          f"logit_bias keys must be token ids (integers ≥ 0), got {_describe(key)}", "logit_bias"
         )
       if not (_is_real(bias) and -100 <= bias <= 100):
-        raise InputError(f"logit_bias values must be numbers in [-100, 100], got {_describe(bias)}")
+        raise InputError(
+          f"logit_bias values must be numbers in [-100, 100], got {_describe(bias)}", "logit_bias"
+        )
       pairs.append((int(token), float(bias)))
     out.append(tuple(sorted(pairs)))
   return tuple(out)
@@ -325,7 +339,7 @@ class Request:
       seeds = _per_prompt("seed", seed, n, seed_ok, "an integer in [-2**63, 2**63)")
       seed = tuple(int(v) for v in seeds)
     elif not seed_ok(seed):
-      raise InputError(f"seed must be an integer in [-2**63, 2**63), got {_describe(seed)}")
+      raise InputError(f"seed must be an integer in [-2**63, 2**63), got {_describe(seed)}", "seed")
     else:
       seed = int(seed)
     stops = _stop_token_ids(a.stop_token_ids, n)
@@ -354,9 +368,7 @@ class Request:
   @property
   def adjusts_logits(self) -> bool:
     """Whether any prompt asks for a penalty or a logit bias (jaxspec/penalties.py)."""
-    off = all(
-      all(v == PENALTY_OFF[name] for v in getattr(self, name)) for name in PENALTIES
-    )
+    off = all(all(v == PENALTY_OFF[name] for v in getattr(self, name)) for name in PENALTIES)
     return not off or any(self.logit_bias)
 
   @property

@@ -49,12 +49,15 @@ class RequestChecks:
       extra = request.stop_token_ids[i] if i < len(request) else ()
       bad = [t for t in extra if t >= vocab]
       if bad:
-        raise InputError(f"prompt {i}: stop_token_ids {bad} are outside the vocabulary ({vocab})")
+        raise InputError(
+          f"prompt {i}: stop_token_ids {bad} are outside the vocabulary ({vocab})", "stop_token_ids"
+        )
       ids = list(dict.fromkeys(self.stop_ids + tuple(extra)))
       if len(ids) > self.config.max_stop_ids:
         raise InputError(
           f"prompt {i}: {len(ids)} stop ids (the engine's {len(self.stop_ids)} and its own), "
-          f"more than EngineConfig.max_stop_ids={self.config.max_stop_ids}"
+          f"more than EngineConfig.max_stop_ids={self.config.max_stop_ids}",
+          "stop_token_ids",
         )
       out[i, : len(ids)] = ids
     return out
@@ -73,7 +76,10 @@ class RequestChecks:
           raise InputError(f"prompt {i} encodes to no tokens")
       else:
         ids = list(p)
-      self.target.check_tokens(np.asarray([ids]))
+      try:
+        self.target.check_tokens(np.asarray([ids]))
+      except InputError as e:
+        raise InputError(str(e), "prompt") from None
       out.append(ids)
     return out
 
@@ -91,14 +97,17 @@ class RequestChecks:
     for i, pairs in enumerate(request.logit_bias):
       outside = [t for t, _ in pairs if t >= vocab]
       if outside:
-        raise InputError(f"prompt {i}: logit_bias ids {outside[:4]} are outside the vocabulary")
+        raise InputError(
+          f"prompt {i}: logit_bias ids {outside[:4]} are outside the vocabulary", "logit_bias"
+        )
     for i, (p, m) in enumerate(zip(ids, request.max_new_tokens)):
       need = len(p) + m + self.lookahead + 1
       if m > self.max_new_tokens_for(len(p)):
         raise InputError(
           f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} and "
           f"{self.verifier.describe()} per step "
-          f"it needs {need} slots, more than max_len={cfg.max_len}"
+          f"it needs {need} slots, more than max_len={cfg.max_len}",
+          "max_new_tokens" if self.max_new_tokens_for(len(p)) > 0 else "prompt",
         )
     return ids, stop_ids
 
