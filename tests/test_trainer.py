@@ -1,7 +1,8 @@
 """Tests of the training stack: losses, optimizer, metrics files, and kill-and-resume.
 
 The runs use `configs/tiny_code.py:test_target` (a 2-layer GLM-MoE with one MTP layer,
-width 32) on the stdlib corpus: a dozen steps take seconds.
+width 32) on the stdlib corpus: a dozen steps take seconds. The drafter trainer's kill-and-resume
+test uses `test_dflash` on the bundled target.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing import event_accumulator, event_file_loader
 from tensorboard.compat.proto import event_pb2
@@ -25,7 +28,7 @@ from configs import tiny_code
 from jaxspec.io.tokenizer import Tokenizer
 from jaxspec.models import target as target_lib
 from jaxspec.train import data as data_lib
-from jaxspec.train import losses, metrics_writer, optim, trainer
+from jaxspec.train import distill, losses, metrics_writer, optim, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,7 +155,16 @@ def test_flush_puts_the_events_on_disk(tmp_path):
 # ---- training ------------------------------------------------------------------------------------
 
 
-def test_tiny_run_lowers_the_loss_and_writes_metrics(tmp_path):
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory) -> tuple[str, trainer.TrainResult]:
+  """(workdir, result) of an uninterrupted test_target run in this process: checked by the
+  next test, and the reference that the interrupted runs must reproduce bit for bit."""
+  config, tc = _test_setup()
+  workdir = str(tmp_path_factory.mktemp("straight"))
+  return workdir, trainer.train(config, tc, workdir, Tokenizer.bundled(), progress=False)
+
+
+def test_tiny_run_lowers_the_loss_and_writes_metrics(straight_run):
   config, tc = _test_setup()
   tok = Tokenizer.bundled()
   val = data_lib.PackedDataset.from_corpus(
@@ -164,28 +176,37 @@ def test_tiny_run_lowers_the_loss_and_writes_metrics(tmp_path):
     val,
     tc.eval_batches,
   )
-  result = trainer.train(config, tc, str(tmp_path), tok, progress=False)
+  workdir, result = straight_run
+  out = pathlib.Path(workdir)
   assert result.step == tc.num_steps
   after = result.history[-1]
   assert after["lm_loss"] < before["lm_loss"] - 0.5, (before, after)
   assert after["mtp_loss_0"] < before["mtp_loss_0"] - 0.5, (before, after)
   assert [h["step"] for h in result.history] == [6, 12]
-  lines = [json.loads(l) for l in open(tmp_path / "tb" / "metrics.jsonl")]
+  lines = [json.loads(l) for l in open(out / "tb" / "metrics.jsonl")]
   train_lines = [l for l in lines if "train/loss" in l]
   assert train_lines[-1]["train/loss"] < train_lines[0]["train/loss"]
   assert all(l["train/tokens_per_s"] > 0 for l in train_lines)
-  assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+  assert glob.glob(str(out / "tb" / "events.out.tfevents.*"))
   counts = trainer.count_params(config, result.params)
   assert counts["active"] < counts["main"] <= counts["total"]
 
 
-def _launch(workdir: str, *extra: str) -> subprocess.Popen:
-  """Starts launch/train_target.py; its log goes to <workdir>.log (a pipe could fill up)."""
+def _launch(
+  workdir: str,
+  *extra: str,
+  script: str = "launch.train_target",
+  config: str = "test_target",
+  driver: str | None = None,
+) -> subprocess.Popen:
+  """Starts `python -m <script>` on a tiny_code config, or `python <driver> <script>` (a driver
+  that runs the script, see `_kill_driver`); its log goes to <workdir>.log (a pipe could fill
+  up)."""
   cmd = [
     sys.executable,
-    "-m",
-    "launch.train_target",
-    "--config=configs/tiny_code.py:test_target",
+    *(["-m"] if driver is None else [driver]),
+    script,
+    f"--config=configs/tiny_code.py:{config}",
     f"--workdir={workdir}",
     "--progress=false",
     "--export_dir=",
@@ -407,3 +428,147 @@ def test_ctrl_c_stops_the_launch_script_in_one_line_and_resumes(tmp_path):
   acc = event_accumulator.EventAccumulator(os.path.join(workdir, "tb"))
   acc.Reload()
   assert [s.step for s in acc.Scalars("train/loss")] == list(range(1, tc.num_steps + 1))
+
+
+# ---- killed during a checkpoint save -------------------------------------------------------------
+
+# Written into a test's tmp_path (`_kill_driver`) and run as `python <driver> <module> <flags>`: it
+# runs `python -m <module> <flags>` and SIGKILLs itself in the middle of one checkpoint save. orbax
+# writes step S into `S.orbax-checkpoint-tmp/` (the state's item directory inside it under a tmp
+# name too) and commits it by renaming: first the item directory, then, as its last act, the step
+# directory to `S/`. The kill lands at one of those renames, with the files written but the step
+# not committed: "mid_save" at the first rename (the arrays on disk, the item and the step still
+# tmp directories), "before_commit" at the step directory's (every file written, commit_success
+# markers included; only the rename is missing). Patching os.rename keeps library code free of
+# test hooks; if orbax ever stops renaming, the run is not killed and the test says so.
+_KILL_DRIVER = """\
+import os
+import runpy
+import signal
+import sys
+
+STEP, AT = {step}, {at!r}
+TMP = f"{{STEP}}.orbax-checkpoint-tmp"
+_rename = os.rename
+
+
+def rename_or_die(src, dst, *args, **kwargs):
+  path = os.fspath(src)
+  if AT == "mid_save":  # the first rename in (or of) the step's tmp directory
+    die = os.sep + TMP in path
+  else:  # "before_commit": the rename of the step's tmp directory itself
+    die = os.path.basename(path).startswith(TMP)
+  if die:
+    os.kill(os.getpid(), signal.SIGKILL)
+  return _rename(src, dst, *args, **kwargs)
+
+
+os.rename = rename_or_die
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
+
+
+def _kill_driver(tmp_path: pathlib.Path, step: int, at: str) -> str:
+  """Writes the `_KILL_DRIVER` that kills a run inside step `step`'s save, at `at`."""
+  assert at in ("mid_save", "before_commit")
+  path = tmp_path / f"kill_{at}_{step}.py"
+  path.write_text(_KILL_DRIVER.format(step=step, at=at))
+  return str(path)
+
+
+def _assert_killed_in_save(proc: subprocess.Popen, workdir: str, step: int) -> list[int]:
+  """Checks that a `_kill_driver` run died by SIGKILL inside step's save, leaving the step
+  half-written as a tmp directory only; returns the complete steps on disk."""
+  log = _wait(proc, workdir, 600)
+  assert proc.returncode == -signal.SIGKILL, log[-3000:]
+  partial = glob.glob(os.path.join(workdir, "checkpoints", f"{step}.orbax-checkpoint-tmp*"))
+  assert len(partial) == 1, os.listdir(os.path.join(workdir, "checkpoints"))
+  assert any(files for _, _, files in os.walk(partial[0])), "the save wrote nothing"
+  complete = _steps(workdir)
+  assert complete and step not in complete and max(complete) < step, complete
+  return complete
+
+
+def _latest_state(workdir: str) -> tuple[int, list[tuple[str, np.ndarray]]]:
+  """(step, [(path, leaf)]) of the latest checkpoint: the whole saved state (parameters,
+  optimizer state, early-stopping counters), read as saved, without a template."""
+  with trainer.checkpoint_manager(workdir, remove_partial=False) as manager:
+    step = manager.latest_step()
+    state = manager.restore(step, args=ocp.args.StandardRestore())
+  leaves = jax.tree_util.tree_leaves_with_path(state)
+  return step, [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in leaves]
+
+
+def _metric_rows(workdir: str) -> list[dict]:
+  """The rows of metrics.jsonl without the wall-clock throughput."""
+  with open(os.path.join(workdir, "tb", "metrics.jsonl")) as f:
+    rows = [json.loads(l) for l in f]
+  return [{k: v for k, v in r.items() if k != "train/tokens_per_s"} for r in rows]
+
+
+def _assert_same_run(straight: str, resumed: str, total: int) -> None:
+  """The resumed run ends where the straight one does: the same final state bit for bit, the
+  same metrics rows (each step once, in TensorBoard too), and no partial checkpoint left."""
+  (s_ref, ref), (s_res, res) = _latest_state(straight), _latest_state(resumed)
+  assert s_ref == s_res == total
+  assert [p for p, _ in res] == [p for p, _ in ref]
+  assert any("opt_state" in p for p, _ in ref)
+  for (path, a), (_, b) in zip(ref, res):
+    np.testing.assert_array_equal(b, a, err_msg=path)
+  assert not glob.glob(os.path.join(resumed, "checkpoints", "*.orbax-checkpoint-tmp*"))
+  assert _metric_rows(resumed) == _metric_rows(straight)
+  steps = []
+  for workdir in (straight, resumed):
+    acc = event_accumulator.EventAccumulator(os.path.join(workdir, "tb"))
+    acc.Reload()
+    steps.append([s.step for s in acc.Scalars("train/loss")])
+  assert steps[1] == steps[0] and steps[0][-1] == total
+
+
+@pytest.mark.parametrize("at", ["mid_save", pytest.param("before_commit", marks=pytest.mark.slow)])
+def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(
+  at, straight_run, tmp_path
+):
+  """A target run SIGKILLed while writing step 8's checkpoint restarts from step 6's, the last
+  complete one, and ends bit-identical to an uninterrupted run."""
+  _, tc = _test_setup()
+  killed = str(tmp_path / "killed")
+  proc = _launch(killed, driver=_kill_driver(tmp_path, 8, at))
+  assert _assert_killed_in_save(proc, killed, 8) == [4, 6]
+  resumed = _launch(killed)
+  log = _wait(resumed, killed, 600)
+  assert resumed.returncode == 0, log[-3000:]
+  assert "resumed from checkpoint at step 6\n" in log, log[-3000:]
+  _assert_same_run(straight_run[0], killed, tc.num_steps)
+
+
+@pytest.mark.slow
+def test_drafter_run_sigkilled_during_a_save_resumes_from_the_last_complete_checkpoint(
+  target, tmp_path
+):
+  """The same for the drafter trainer (launch/train_drafter.py, DFlash), killed as it commits
+  step 8's checkpoint: every file is written but the step is not, and it is not restored."""
+  config = tiny_code.get_config("test_dflash")
+  data = str(tmp_path / "distill")  # built once here, read by every run
+  for section, out in (
+    (config.distill, data),
+    (config.val_distill, os.path.join(data, "validation")),
+  ):
+    distill.build(target, target.tokenizer, distill.DistillConfig.from_mapping(section), out)
+
+  def launch(workdir: str, **kwargs) -> subprocess.Popen:
+    flag = f"--config.distill_dir={data}"
+    return _launch(workdir, flag, script="launch.train_drafter", config="test_dflash", **kwargs)
+
+  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+  ref = launch(straight)
+  proc = launch(killed, driver=_kill_driver(tmp_path, 8, "before_commit"))
+  assert _assert_killed_in_save(proc, killed, 8) == [4, 6]
+  resumed = launch(killed)
+  log = _wait(resumed, killed, 600)
+  assert resumed.returncode == 0, log[-3000:]
+  assert "resumed from checkpoint at step 6\n" in log, log[-3000:]
+  ref_log = _wait(ref, straight, 600)
+  assert ref.returncode == 0, ref_log[-3000:]
+  assert "reusing the distillation data" in log and "reusing the distillation data" in ref_log
+  _assert_same_run(straight, killed, config.train.num_steps)
