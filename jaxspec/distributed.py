@@ -7,7 +7,8 @@ module holds what that needs at the edges of a program:
 
 * `define_flags` / `config_from_flags`: `--coordinator_address --num_processes --process_id`,
   each read from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID when unset;
-* `initialize`: `jax.distributed.initialize` exactly once, before any JAX computation;
+* `initialize`: `jax.distributed.initialize` exactly once, before any JAX computation, with
+  a bounded `--heartbeat_timeout` (`joined` answers the settings joined);
 * `is_leader`: process 0, the one that reads the inputs and prints;
 * `broadcast` / `on_leader`: the leader's inputs (token ids, request values), or the error
   reading them raised, to every process;
@@ -48,14 +49,22 @@ ENV = {
   "process_id": "JAX_PROCESS_ID",
 }
 
+# Seconds without a process's heartbeat after which JAX's coordination service declares it
+# dead and ends every process of the run (JAX's own default, 100 s, is long for a server that an
+# orchestrator should restart; the multi-host server's watchdog acts at half of it).
+HEARTBEAT_TIMEOUT_S = 20
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  """Where the coordinator listens, how many processes there are and which one this is."""
+  """Where the coordinator listens, how many processes there are, which one this is, and how
+  long a silent one is waited for."""
 
   coordinator_address: str
   num_processes: int
   process_id: int
+  # A process silent this long (dead, hung, cut off) ends the whole run (`initialize`).
+  heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S
 
   def __post_init__(self):
     host, sep, port = self.coordinator_address.rpartition(":")
@@ -74,6 +83,9 @@ class DistributedConfig:
       raise ConfigError(
         f"process_id {self.process_id} is outside [0, num_processes={self.num_processes})"
       )
+    timeout = self.heartbeat_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, np.integer)) or timeout < 2:
+      raise ConfigError(f"heartbeat_timeout_s must be an integer >= 2 seconds, got {timeout!r}")
 
 
 def define_flags() -> None:
@@ -95,7 +107,14 @@ def define_flags() -> None:
     None,
     f"This process's index in [0, num_processes), 0 = the leader (else ${ENV['process_id']}).",
   )
-  for name in ENV:  # listed by the script's --help, as its own flags are
+  flags.DEFINE_integer(
+    "heartbeat_timeout",
+    HEARTBEAT_TIMEOUT_S,
+    "Multi-host: seconds a process may go without a heartbeat before the run counts it as lost "
+    "and ends every process (a restart is the orchestrator's).",
+    lower_bound=2,
+  )
+  for name in [*ENV, "heartbeat_timeout"]:  # listed by the script's --help, as its own flags are
     FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
 
 
@@ -113,9 +132,12 @@ def resolve(
   coordinator_address: str | None = None,
   num_processes: int | None = None,
   process_id: int | None = None,
+  heartbeat_timeout_s: int | None = None,
 ) -> DistributedConfig | None:
   """The multi-process settings from these values, each unset one from its environment
   variable; None for a single process (none of the three anywhere, or num_processes == 1).
+  `heartbeat_timeout_s` (None: `HEARTBEAT_TIMEOUT_S`) bounds how long a lost process goes
+  unnoticed.
 
   Raises:
     ConfigError: for an incomplete set (say a process id without a coordinator address) or
@@ -141,12 +163,16 @@ def resolve(
       f"a multi-process run needs --coordinator_address, --num_processes and --process_id "
       f"together; got {have} but not {need}"
     )
+  if heartbeat_timeout_s is not None:
+    values["heartbeat_timeout_s"] = heartbeat_timeout_s
   return DistributedConfig(**values)
 
 
 def config_from_flags() -> DistributedConfig | None:
   """`resolve` of the flags `define_flags` defined (after absl parsed them)."""
-  return resolve(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  return resolve(
+    FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.heartbeat_timeout
+  )
 
 
 _initialized: DistributedConfig | None = None
@@ -159,6 +185,11 @@ def initialize(config: DistributedConfig | None = None) -> DistributedConfig | N
   settings does nothing, one with other settings is a ConfigError. A single process (None)
   initialises nothing. It must run before any JAX computation, since the backend learns the
   other processes' devices when it starts.
+
+  A process that dies, hangs or is cut off stops sending heartbeats to the coordinator (hosted
+  by process 0); after `config.heartbeat_timeout_s` the coordination service ends every
+  process of the run (JAX aborts them: a non-zero exit), so none is left waiting on it for
+  good. A process whose coordinator closes (process 0 died) is aborted at once.
 
   Returns:
     The settings joined, or None for a single process.
@@ -178,6 +209,7 @@ def initialize(config: DistributedConfig | None = None) -> DistributedConfig | N
       coordinator_address=config.coordinator_address,
       num_processes=config.num_processes,
       process_id=config.process_id,
+      heartbeat_timeout_seconds=int(config.heartbeat_timeout_s),
     )
   except RuntimeError as e:
     if "before any JAX computations" in str(e):
@@ -188,6 +220,11 @@ def initialize(config: DistributedConfig | None = None) -> DistributedConfig | N
     raise
   _initialized = config
   return config
+
+
+def joined() -> DistributedConfig | None:
+  """The settings `initialize` joined in this process; None before (or for one process)."""
+  return _initialized
 
 
 def is_leader() -> bool:
@@ -276,6 +313,7 @@ def kv_client() -> Any:
 
 __all__ = [
   "ENV",
+  "HEARTBEAT_TIMEOUT_S",
   "DistributedConfig",
   "broadcast",
   "config_from_flags",
@@ -283,6 +321,7 @@ __all__ = [
   "gather",
   "initialize",
   "is_leader",
+  "joined",
   "kv_client",
   "mesh_of",
   "on_leader",

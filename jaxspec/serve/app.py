@@ -397,7 +397,8 @@ class _Server:
       if delta.finish_reason == "error":
         raise _EngineFailure(delta.error or "the engine failed on this request")
       if delta.finish_reason == "cancelled":  # the client is still here: the server stopped it
-        raise _EngineFailure("the server cancelled the request (shutting down)", status=503)
+        reason = delta.error or "the server cancelled the request (shutting down)"
+        raise _EngineFailure(reason, status=503)
       yield piece, None
       yield job.stream.finish(), delta.finish_reason
       return

@@ -31,6 +31,7 @@ import itertools
 import secrets
 import threading
 import time
+import traceback
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -60,7 +61,10 @@ class Scheduler:
       max_tokens (+ the drafter's lookahead).
     channel: in a multi-host run, where each tick is published before it runs (a
       `multihost.TickChannel`: followers replay it, so every process makes the same engine
-      calls and collectives); None for one process.
+      calls and collectives); None for one process. A channel's `watch(scheduler)`, if it has
+      one, is called once the thread runs (TickChannel's watches the other processes'
+      heartbeats), and its `lost(reason)` on a failed tick: either ends every request
+      (`abort`) and the process, as the processes cannot go on together.
     max_queue: requests that may wait for a slot; `submit` raises QueueFull past it.
     steps_per_tick: engine steps per host round trip (default: the engine's stream_every);
       fewer means lower streaming latency and admission delay, more means fewer round trips.
@@ -99,7 +103,8 @@ class Scheduler:
     self._thread: Optional[threading.Thread] = None
     self._closing = False
     self._drain = True
-    self.failure: Optional[str] = None  # set if the scheduler thread died of a bug
+    self._aborted = False  # `abort`: every request ended, no stop tick for the followers
+    self.failure: Optional[str] = None  # set if the scheduler thread died of a bug, or `abort`
     self._counters = collections.Counter()
     self._step_seconds = 0.0
     # Paged K/V: rows hold pages, not max_len slots; admission and growth go by free pages
@@ -134,6 +139,9 @@ class Scheduler:
     self._deliver_tokens(host)
     self._thread = threading.Thread(target=self._run, name="jaxspec-scheduler", daemon=True)
     self._thread.start()
+    watch = getattr(self._channel, "watch", None)
+    if watch is not None:  # multi-host: a lost process fails every request and ends this one
+      watch(self)
 
   def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
     """Stops admitting new requests; with `drain` finishes the running and queued ones, else
@@ -144,6 +152,22 @@ class Scheduler:
       self._wake.notify_all()
     if self._thread is not None:
       self._thread.join(timeout)
+
+  def abort(self, reason: str) -> list[RequestHandle]:
+    """Ends every queued and running request now, from any thread, with finish_reason
+    "cancelled" and `reason` as its error (a client still waiting gets 503, a stream an error
+    event), and refuses new ones (SchedulerClosed). Waits for nothing: a multi-host leader
+    whose group is lost calls it while its scheduler thread may sit in a collective that never
+    returns (serve/multihost.py); it then ends the process. Returns the requests it ended."""
+    with self._lock:
+      self.failure = reason
+      self._aborted = True
+      self._closing, self._drain = True, False
+      victims = self._take_all()
+      self._counters["requests_cancelled_total"] += len(victims)
+    for h in victims:
+      h._deliver(Delta([], None, "cancelled", reason))  # pylint: disable=protected-access
+    return victims
 
   @property
   def running(self) -> bool:
@@ -263,18 +287,32 @@ class Scheduler:
         pass
       self._stop_followers()
     except Exception as e:  # pylint: disable=broad-except  # a bug: fail every request loudly
-      self.failure = f"scheduler stopped: {type(e).__name__}: {e}"
+      self.failure = self.failure or f"scheduler stopped: {type(e).__name__}: {e}"
+      lost = getattr(self._channel, "lost", None)
+      if lost is not None:
+        # Multi-host: the processes' engine calls no longer match (a peer died mid-collective,
+        # or a bug): the channel ends every request (`abort`) and the process.
+        traceback.print_exc()
+        lost(self.failure)
+        return
       with self._lock:
-        victims = list(self._waiting) + [s.handle for s in self._active if s is not None]
-        self._waiting.clear()
-        self._active = [None] * self.slots
+        victims = self._take_all()
       for h in victims:
         h._deliver(Delta([], None, "error", self.failure))  # pylint: disable=protected-access
       self._stop_followers()
       raise
 
+  def _take_all(self) -> list[RequestHandle]:
+    """Every queued (each choice of a queued group) and running request, taken out of the
+    queue and the rows. Call it holding the lock."""
+    victims = [m for h in self._waiting for m in (h.group or [h])]
+    victims += [s.handle for s in self._active if s is not None]
+    self._waiting.clear()
+    self._active = [None] * self.slots
+    return victims
+
   def _stop_followers(self) -> None:
-    if self._channel is not None:
+    if self._channel is not None and not self._aborted:
       self._channel.publish(Tick([], [], 0, stop=True))
 
   def _tick(self) -> bool:
