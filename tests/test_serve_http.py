@@ -160,8 +160,7 @@ def test_n_choices_each_equal_their_seeds_single_request(client, server, schedul
   assert scheduler.metrics()["prompt_tokens_prefilled_total"] == before + prompt_tokens
   assert [c.index for c in out.choices] == [0, 1, 2]
   singles = [
-    client.completions.create(seed=handles.choice_seed(5, i), **kw).choices[0]
-    for i in range(3)
+    client.completions.create(seed=handles.choice_seed(5, i), **kw).choices[0] for i in range(3)
   ]
   assert [c.text for c in out.choices] == [c.text for c in singles]
   assert len({c.text for c in out.choices}) > 1  # different draws
@@ -187,8 +186,7 @@ def test_best_of_returns_the_most_likely_candidates(client, scheduler):
   kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.9)
   out = client.completions.create(n=2, best_of=3, seed=5, **kw)
   singles = [
-    client.completions.create(seed=handles.choice_seed(5, i), logprobs=1, **kw)
-    for i in range(3)
+    client.completions.create(seed=handles.choice_seed(5, i), logprobs=1, **kw) for i in range(3)
   ]
   means = [math.fsum(s.choices[0].logprobs.token_logprobs) / len(s.choices[0].logprobs.tokens)
            for s in singles]  # fmt: skip
@@ -435,6 +433,10 @@ def test_malformed_and_oversized_requests_then_still_serving(server, client):
   chunks = (big[i : i + 1000] for i in range(0, len(big), 1000))
   status, out = raw(server, "POST", "/v1/completions", chunks, chunked=True)
   assert status == 413 and out["error"]["code"] == "request_too_large"
+  for depth in (900, 2000):  # past the parser's recursion, then past json.loads's
+    deep = b'{"model": "%s", "prompt": "x", "user": ' % MODEL.encode()
+    status, out = raw(server, "POST", "/v1/completions", deep + b"[" * depth + b"]" * depth + b"}")
+    assert status == 400 and "nests too deeply" in out["error"]["message"], (depth, out)
   status, out = raw(server, "GET", "/v1/nothing")
   assert status == 404 and "error" in out
   with pytest.raises(openai.BadRequestError):

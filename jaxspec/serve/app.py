@@ -277,6 +277,8 @@ class _Server:
       return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_request_error") from None
+    except RecursionError:  # [[[[…]]]] past the interpreter's recursion limit
+      raise ApiError(400, "the body nests too deeply", "invalid_request_error") from None
 
   def check_model(self, model: str) -> None:
     if model != self.model_name:

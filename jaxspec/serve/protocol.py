@@ -280,6 +280,8 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     raise BadParameter(f"the request body must be a JSON object, got {type(body).__name__}")
   try:
     return model.model_validate(_json_integers(body))
+  except RecursionError:  # a body nested nearly as deep as json.loads allows
+    raise BadParameter("the request body nests too deeply") from None
   except pydantic.ValidationError as e:
     err = e.errors(include_url=False)[0]
     ctx_error = err.get("ctx", {}).get("error")
