@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -89,8 +90,14 @@ def test_a_drafter_trains_from_the_cache_as_from_the_target(target, built):
   from jaxspec.drafters.dflash import DFlashDrafter  # pylint: disable=import-outside-toplevel
 
   drafter = DFlashDrafter.random(
-    target, num_layers=1, block_size=4, target_layer_ids=TAPS, num_heads=2, num_kv_heads=1,
-    head_dim=16, intermediate_size=64,
+    target,
+    num_layers=1,
+    block_size=4,
+    target_layer_ids=TAPS,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    intermediate_size=64,
   )
   tc = drafter_trainer.DrafterTrainConfig(num_anchors=4, soft_label_weight=0.5)
   frozen = drafter_trainer.frozen_inputs(drafter, target)
@@ -144,3 +151,59 @@ def test_an_interrupted_distillation_resumes_to_the_same_rows(target, tmp_path, 
     np.testing.assert_array_equal(
       np.load(os.path.join(resumed, f + ".npy")), np.load(os.path.join(whole, f + ".npy"))
     )
+
+
+@pytest.mark.slow  # ~30 s: five distillation and cache builds
+def test_a_grown_set_keeps_its_rows_and_extends_its_cache(target, tmp_path, monkeypatch):
+  """More prompts of the same selection: only the new ones are continued, the kept rows come
+  first unchanged, the set holds what a fresh build holds (greedy rows equal), and the cache
+  of the smaller set is extended (its rows kept, only the new ones computed)."""
+  tok = target.tokenizer
+  small = distill.DistillConfig(
+    num_prompts=2, max_prompt_tokens=16, new_tokens=6, temperatures=(0.0, 1.0), batch_size=2
+  )
+  big = dataclasses.replace(small, num_prompts=4)
+  data = str(tmp_path / "d")
+  distill.build(target, tok, small, data)
+  before = {f: np.load(os.path.join(data, f + ".npy")) for f in distill._FILES}
+  ccfg = target_cache.TargetCacheConfig(taps=TAPS, top_k=4, batch_size=2)
+  cache_dir = target_cache.build(target, data, ccfg)
+  old_cache = {f: np.array(a) for f, a in target_cache.TargetCache(cache_dir).arrays.items()}
+
+  real_generate, continued = distill.generate, []
+  monkeypatch.setattr(
+    distill,
+    "generate",
+    lambda t, ids, *a, **k: continued.append(len(ids)) or real_generate(t, ids, *a, **k),
+  )
+  distill.build(target, tok, big, data)
+  assert continued == [2, 2]  # the two new prompts, once per temperature
+  after = {f: np.load(os.path.join(data, f + ".npy")) for f in distill._FILES}
+  for f in distill._FILES:
+    np.testing.assert_array_equal(after[f][:4], before[f])
+  distill.build(target, tok, big, data)
+  assert continued == [2, 2]  # reused as it is
+
+  fresh = distill.build(
+    target, tok, dataclasses.replace(big, temperatures=(0.0,)), str(tmp_path / "fresh")
+  )
+  want = np.load(os.path.join(fresh, "tokens.npy"))
+  greedy = after["tokens"][after["temperature"] == 0]
+  assert sorted(map(tuple, greedy)) == sorted(map(tuple, want))
+  prompts = {tuple(r[:p]) for r, p in zip(after["tokens"], after["prompt_lens"])}
+  assert len(prompts) == 4 and len(after["tokens"]) == 8
+
+  real_forward, computed = target_cache._forward_fn, []
+
+  def counting(*args):
+    forward = real_forward(*args)
+    return lambda params, tokens: computed.append(len(tokens)) or forward(params, tokens)
+
+  monkeypatch.setattr(target_cache, "_forward_fn", counting)
+  grown = target_cache.TargetCache(target_cache.build(target, data, ccfg))
+  assert computed == [2, 2]  # rows 4-7 only
+  for f, kept in old_cache.items():
+    np.testing.assert_array_equal(grown.arrays[f][:4], kept)
+  rebuilt = target_cache.build(target, data, ccfg, str(tmp_path / "whole"))
+  for f, a in target_cache.TargetCache(rebuilt).arrays.items():
+    np.testing.assert_array_equal(grown.arrays[f][4:], a[4:])

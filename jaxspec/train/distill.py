@@ -13,7 +13,8 @@ on-device plain decoding, in padded batches.
 On disk (`out_dir`): `tokens.npy` [N, P + G] int32 (prompt, continuation, then pad), `lengths.npy`
 and `prompt_lens.npy` [N] int32, `temperature.npy` [N] float32 and `meta.json`, which records
 the settings and a fingerprint of the target weights and tokenizer; `build` reuses a directory
-whose meta matches and rebuilds otherwise. Supervised positions (`loss_mask`) are the generated
+whose meta matches, grows one that asks for fewer prompts of the same selection (only the new
+prompts are continued), and rebuilds otherwise. Supervised positions (`loss_mask`) are the generated
 tokens only: the drafter learns the target's continuations, never the corpus text of the prompt.
 """
 
@@ -133,14 +134,16 @@ def generate(
   seed: int,
   stop_ids: Sequence[int] = (),
   progress: tuple[str, str] | None = None,
+  first_row: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Continues every prompt once: (tokens [N, P+G], lengths [N], prompt_lens [N]).
 
   Runs in padded batches of cfg.batch_size (the last batch is padded with copies, dropped),
   so the decoding loop compiles once. With `progress` = (path, key) the rows done so far are
   saved to path after every batch and a run with the same key resumes from them: batch b's
-  random stream depends on (seed, b) alone, so a resumed run writes what an uninterrupted one
-  would.
+  random stream depends on (seed, first_row + its first row) alone, so a resumed run writes
+  what an uninterrupted one would (`first_row`: where these prompts start in a set they grow,
+  so that their streams are not those of the rows already there).
   """
   p, seq = cfg.max_prompt_tokens, cfg.seq_len
   n = len(prompt_ids)
@@ -164,6 +167,8 @@ def generate(
     ),
   )
   start = 0
+  if first_row < 0:
+    raise ConfigError(f"first_row must be ≥ 0, got {first_row}")
   if progress is not None and os.path.exists(progress[0]):
     with np.load(progress[0]) as saved:
       if str(saved["key"]) == progress[1] and saved["tokens"].shape == tokens.shape:
@@ -176,7 +181,7 @@ def generate(
       [prompt_ids[i] for i in idx],
       max_new_tokens=cfg.new_tokens,
       temperature=temperature,
-      seed=seed * 100_003 + lo,
+      seed=seed * 100_003 + first_row + lo,
     )
     for r in range(min(bsz, n - lo)):
       row = list(prompt_ids[idx[r]]) + out.tokens[r]
@@ -211,30 +216,90 @@ def prompt_ids(
   return ids, stop
 
 
+def _grown_set(out_dir: str, meta: dict, ids: Sequence[Sequence[int]]) -> dict | None:
+  """The built set in `out_dir`, if `meta` only asks for more prompts of the same selection:
+  {"arrays": its arrays, "meta": its meta, "sha": its meta.json's hash, "added": the prompts
+  of `ids` it lacks}; None when it must be built anew (other settings, target or tokenizer,
+  or a prompt it holds that the new selection does not)."""
+  path = os.path.join(out_dir, "meta.json")
+  if not os.path.exists(path) or not all(
+    os.path.exists(os.path.join(out_dir, f + ".npy")) for f in _FILES
+  ):
+    return None
+  with open(path, "rb") as fh:
+    raw = fh.read()
+  old = json.loads(raw)
+  new = json.loads(json.dumps(meta))
+  same = {k: v for k, v in new["config"].items() if k != "num_prompts"}
+  if old.get("target") != new["target"] or old.get("tokenizer") != new["tokenizer"]:
+    return None
+  if {k: v for k, v in old.get("config", {}).items() if k != "num_prompts"} != same:
+    return None
+  arrays = {f: np.load(os.path.join(out_dir, f + ".npy")) for f in _FILES}
+  held = {
+    tuple(int(t) for t in row[:plen]) for row, plen in zip(arrays["tokens"], arrays["prompt_lens"])
+  }
+  wanted = [tuple(int(t) for t in x) for x in ids]
+  if not held <= set(wanted):
+    return None
+  added = [list(x) for x in dict.fromkeys(wanted) if x not in held]
+  sha = hashlib.sha256(raw).hexdigest()
+  return {"arrays": arrays, "meta": old, "sha": sha, "added": added, "held": len(held)}
+
+
 def build(
   target: TargetModel, tokenizer: Any, cfg: DistillConfig, out_dir: str, force: bool = False
 ) -> str:
-  """Generates the dataset into out_dir (reusing a matching one); returns out_dir."""
+  """Generates the dataset into out_dir (reusing a matching one); returns out_dir.
+
+  A set built with fewer prompts of the same selection (only `num_prompts` differs, and the new
+  selection holds every prompt it has: the selections only add prompts as n grows) is grown:
+  only the prompts it lacks are continued, their rows appended after the ones kept, and
+  meta.json's `grown_from` lists the sets it grew from (their meta.json hashes and row counts),
+  so that `target_cache.build` extends a cache of one of them instead of starting over.
+  """
   ids, stop = prompt_ids(target, tokenizer, cfg)
   meta = _meta(target, tokenizer, cfg, ids)
   if not force and _matches(out_dir, meta):
     logging.info("reusing the distillation data in %s", out_dir)
     return out_dir
+  base = None if force else _grown_set(out_dir, meta, ids)
+  todo = ids if base is None else base["added"]
+  if base is not None:
+    logging.info(
+      "distill: growing %s: keeping its %d prompts, continuing %d more",
+      out_dir,
+      base["held"],
+      len(todo),
+    )
   pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
   parts: dict[str, list[np.ndarray]] = {f: [] for f in _FILES}
+  if base is not None:
+    for f in _FILES:
+      parts[f].append(base["arrays"][f])
   t0 = time.time()
   os.makedirs(out_dir, exist_ok=True)
-  key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+  key = hashlib.sha256(
+    json.dumps([meta, base and base["sha"]], sort_keys=True).encode()
+  ).hexdigest()
   partial = [os.path.join(out_dir, f"partial_{j}.npz") for j in range(len(cfg.temperatures))]
-  for j, temp in enumerate(cfg.temperatures):
+  first_row = 0 if base is None else base["held"]
+  for j, temp in enumerate(cfg.temperatures if todo else ()):
     toks, lens, plens = generate(
-      target, ids, cfg, temp, seed=cfg.seed * 1000 + j, stop_ids=stop, progress=(partial[j], key)
+      target,
+      todo,
+      cfg,
+      temp,
+      seed=cfg.seed * 1000 + j,
+      stop_ids=stop,
+      progress=(partial[j], key),
+      first_row=first_row,
     )
     toks = np.where(np.arange(cfg.seq_len)[None] < lens[:, None], toks, pad).astype(np.int32)
-    for f, v in zip(_FILES, (toks, lens, plens, np.full(len(ids), temp, np.float32))):
+    for f, v in zip(_FILES, (toks, lens, plens, np.full(len(todo), temp, np.float32))):
       parts[f].append(v)
     logging.info(
-      "distill: %d continuations at T=%g (%.0f s so far)", len(ids), temp, time.time() - t0
+      "distill: %d continuations at T=%g (%.0f s so far)", len(todo), temp, time.time() - t0
     )
   for f in _FILES:
     whole = np.concatenate(parts[f])
@@ -242,7 +307,12 @@ def build(
   meta["generated_tokens"] = int(
     sum(int(np.sum(l - p)) for l, p in zip(parts["lengths"], parts["prompt_lens"]))
   )
-  meta["seconds"] = time.time() - t0
+  meta["seconds"] = time.time() - t0 + (0 if base is None else base["meta"].get("seconds", 0))
+  if base is not None:
+    rows = len(base["arrays"]["lengths"])
+    meta["grown_from"] = base["meta"].get("grown_from", []) + [
+      {"meta_sha256": base["sha"], "rows": rows}
+    ]
   with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as fh:
     json.dump(meta, fh, indent=2)
   for path in partial:

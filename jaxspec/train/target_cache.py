@@ -15,8 +15,9 @@ token, most of a step). `build` runs the target once over a built distillation d
   mass on real text), a truncation a [N, S, V] store (V = 49,152 for SmolLM2: 98 KB a token)
   cannot afford;
 - `meta.json`: what was computed (taps, k, the distillation set's fingerprint) and how many
-  rows are done, so an interrupted build resumes where it stopped and a changed setting builds
-  anew.
+  rows are done, so an interrupted build resumes where it stopped, a set grown by
+  `distill.build` (more prompts, appended) keeps the rows computed for the set it grew from, and
+  a changed setting builds anew.
 
 `TargetCache.rows(idx)` gathers the arrays of some sequences; `DistillDataset.with_cache`
 attaches a cache so that its batches carry them, and the drafter trainer then reads the batch
@@ -140,18 +141,20 @@ def build(
     )
   meta = _meta(distill_dir, cfg, (n, s))
   meta_path = os.path.join(out_dir, "meta.json")
+  shapes = {
+    "taps": ((n, len(cfg.taps), s, target.config.hidden_size), np.uint16),
+    "top_ids": ((n, s, cfg.top_k), np.int32),
+    "top_logp": ((n, s, cfg.top_k), np.float16),
+  }
   done = 0
   if os.path.exists(meta_path):
     with open(meta_path, encoding="utf-8") as fh:
       old = json.load(fh)
     if all(old.get(k) == v for k, v in meta.items()):
       done = int(old.get("done", 0))
+    else:
+      done = _extend(out_dir, old, meta, distill_dir, shapes)
   os.makedirs(out_dir, exist_ok=True)
-  shapes = {
-    "taps": ((n, len(cfg.taps), s, target.config.hidden_size), np.uint16),
-    "top_ids": ((n, s, cfg.top_k), np.int32),
-    "top_logp": ((n, s, cfg.top_k), np.float16),
-  }
   mode = "r+" if done else "w+"
   arrays = {
     f: np.lib.format.open_memmap(os.path.join(out_dir, f + ".npy"), mode=mode, dtype=d, shape=sh)
@@ -178,6 +181,36 @@ def build(
       rate = (lo + keep - done) / max(time.time() - t0, 1e-9)
       logging.info("target cache: %d / %d sequences (%.2f per s)", lo + keep, n, rate)
   return out_dir
+
+
+def _extend(out_dir: str, old: dict, meta: dict, distill_dir: str, shapes: dict) -> int:
+  """Rows of the cache in `out_dir` (meta `old`) kept for `distill_dir`, which grew from the
+  set it was built for (`distill.build`: its rows come first, unchanged): its arrays are copied
+  into ones of the new size and its done rows kept; 0 (build anew) for any other set."""
+  with open(os.path.join(distill_dir, "meta.json"), encoding="utf-8") as fh:
+    lineage = json.load(fh).get("grown_from", [])
+  rows = next((g["rows"] for g in lineage if g["meta_sha256"] == old.get("distill")), None)
+  same = all(old.get(k) == meta[k] for k in ("taps", "top_k", "seq_len"))
+  if rows is None or not same or old.get("rows") != rows or rows > meta["rows"]:
+    return 0
+  if not all(os.path.exists(os.path.join(out_dir, f + ".npy")) for f in shapes):
+    return 0
+  done = min(int(old.get("done", 0)), rows)
+  for f, (shape, dtype) in shapes.items():
+    path = os.path.join(out_dir, f + ".npy")
+    kept = np.load(path, mmap_mode="r")
+    if kept.shape == shape:  # extended already (a run stopped between two arrays)
+      continue
+    tmp = path + ".grow.npy"
+    grown = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+    for lo in range(0, done, 256):
+      grown[lo : min(done, lo + 256)] = kept[lo : min(done, lo + 256)]
+    grown.flush()
+    del grown, kept
+    os.replace(tmp, path)
+  _write_meta(os.path.join(out_dir, "meta.json"), dict(meta, done=done))
+  logging.info("target cache: kept %d rows of the set this one grew from", done)
+  return done
 
 
 def _write_meta(path: str, meta: dict) -> None:
