@@ -24,6 +24,8 @@ TEMPLATE = (
   "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
   "{% if add_generation_prompt %}### assistant\n{% endif %}"
 )
+
+
 def _with_template() -> Tokenizer:
   plain = Tokenizer.bundled()
   return Tokenizer(plain.backend, "bundled+template", TEMPLATE, {"eos_token": "<|endoftext|>"})
@@ -63,9 +65,16 @@ def test_held_out_comes_from_other_sources_and_other_text(splits):
   validation_files = set(data_lib.corpus_files("validation"))
   stdlib = {k.split(":", 1)[1] for k in held_keys if k.startswith("stdlib:")}
   assert stdlib and stdlib <= validation_files
-  # A compared name comes from the same side as the passage.
-  held_names = {r.passage.name for r in held}
-  assert all(r.other in held_names for r in held if r.template == "compare")
+  # A compared name comes from the same side as the passage (its split's passages).
+  held_pool = [
+    p
+    for p in local_text.passages(local_text.SOURCES)
+    if local_text.split_key(p.key, data_lib.DEFAULT_VAL_FRACTION) == "validation"
+  ]
+  held_names = {p.name for p in held_pool}
+  train_only = {r.passage.name for r in train} - held_names
+  compared = [r.other for r in held if r.template == "compare"]
+  assert compared and all(o in held_names and o not in train_only for o in compared)
 
 
 def test_same_seed_same_mix_other_seed_other_mix():
@@ -75,6 +84,25 @@ def test_same_seed_same_mix_other_seed_other_mix():
   assert _ids(a) == _ids(b)
   assert len(set(_ids(a)) & set(_ids(c))) < len(a) // 4
   assert instructions.instruction_prompts("train", 230, seed=0) == [r.messages() for r in a]
+
+
+def test_a_larger_n_or_less_text_keeps_the_requests(monkeypatch):
+  """The selection is by hash rank: a larger n keeps a smaller n's requests (a distillation set
+  grows), and a machine with other text keeps most of them (the order of the pool's passages
+  does not reshuffle every pick)."""
+  small = instructions.instruction_requests("train", 230, seed=0)
+  assert set(_ids(small)) <= set(_ids(instructions.instruction_requests("train", 460, seed=0)))
+  pool = local_text.passages(local_text.SOURCES)
+  gone = {p.key for p in pool if p.source == "packages"}
+  gone = set(sorted(gone)[::10])  # every tenth installed package uninstalled
+  monkeypatch.setattr(
+    local_text, "passages", lambda *a, **k: [p for p in pool if p.key not in gone]
+  )
+  fewer = instructions.instruction_requests("train", 230, seed=0)
+  kept = set(_ids(small)) & set(_ids(fewer))
+  assert len(kept) >= 0.85 * len(small), (len(kept), len(small))
+  lost = {r.passage.key for r in small} & gone
+  assert all(r.passage.key not in gone for r in fewer) and lost  # the test removed some
 
 
 def test_templates_share_n_evenly_and_vary_in_shape():

@@ -24,6 +24,7 @@ system message and two are two-turn (user, assistant, user), so the mix is not o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -256,7 +257,8 @@ def instruction_requests(
   Args:
     split: "train" or "validation" (the held-out side).
     n: how many; fewer when the split's passages run out.
-    seed: which passages, which compared names and the order.
+    seed: which passages, which compared names and the order (hash ranks: a larger `n` keeps
+      the requests of a smaller one, and more text on the machine keeps most of them).
     sources: the `local_text` sources to draw from.
     stdlib_root: the standard library folder ("stdlib" source); None: the running one.
     val_fraction: share of source keys held out.
@@ -278,19 +280,25 @@ def instruction_requests(
   rng = np.random.default_rng([seed, 0])
   quotas = _quotas(n, [len(e) for e in eligible], rng.permutation(len(TEMPLATES)))
   out = []
-  for t_idx, (template, cands, quota) in enumerate(zip(TEMPLATES, eligible, quotas)):
-    t_rng = np.random.default_rng([seed, 1 + t_idx])
-    for k in t_rng.permutation(len(cands))[:quota]:
-      p = cands[k]
+  for template, cands, quota in zip(TEMPLATES, eligible, quotas):
+    # Each passage's rank is a hash of (seed, template, passage), not a draw over the pool: a
+    # machine with more text (another installed package) adds passages between the others
+    # instead of reshuffling all of them, and a larger n takes the same passages and more.
+    ranked = sorted(cands, key=lambda p: _rank(seed, template.kind, p.key, p.name, p.text))
+    for p in ranked[:quota]:
       other = ""
       if template.kind == "compare":
-        choices = names[p.kind]
-        k = int(t_rng.integers(len(choices)))
-        other = choices[k] if choices[k] != p.name else choices[(k + 1) % len(choices)]
-        if other == p.name:
+        choices = [c for c in names[p.kind] if c != p.name]
+        if not choices:
           continue  # the only one of its kind
+        other = min(choices, key=lambda c: _rank(seed, "other", p.key, p.name, c))
       out.append(Instruction(template.kind, p, other))
-  return [out[i] for i in rng.permutation(len(out))]
+  return sorted(out, key=lambda r: _rank(seed, "order", r.template, r.passage.key, r.passage.name))
+
+
+def _rank(*parts: Any) -> bytes:
+  """A stable pseudo-random sort key of `parts` (the same on every machine and run)."""
+  return hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
 
 
 def instruction_prompts(
