@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from jaxspec.profiling import near_ties
 
@@ -21,6 +22,7 @@ SECTIONS = ("environment", "pallas", "qmatmul", "lossless", "cost", "speedup")
 RESULTS = ("pass", "fail", "timeout", "skip")
 
 
+@pytest.mark.slow  # ~130 s on 2 shared cores: run it before spending device time
 def test_cpu_smoke_run_reports_every_section(tmp_path):
   out = tmp_path / "out"
   cmd = [
