@@ -83,6 +83,10 @@ class ApiError(Exception):
       code,
     )
 
+  def body(self) -> dict[str, Any]:
+    """OpenAI's error body: a response's, or a stream's last event."""
+    return protocol.error_body(self.message, self.type, self.param, self.code)
+
 
 class _EngineFailure(Exception):
   """The scheduler ended a request with "error", or with "cancelled" that no client asked for
@@ -94,8 +98,7 @@ class _EngineFailure(Exception):
 
 
 def _error_response(e: ApiError) -> responses.JSONResponse:
-  body = protocol.error_body(e.message, e.type, e.param, e.code)
-  return responses.JSONResponse(body, status_code=e.status, headers=_error_headers(e.status))
+  return responses.JSONResponse(e.body(), status_code=e.status, headers=_error_headers(e.status))
 
 
 def _error_headers(status: int) -> dict[str, str]:
@@ -493,8 +496,7 @@ class _Server:
           left = None if deadline is None else max(0.0, deadline - loop.time())
           chunk = await asyncio.wait_for(merged.get(), left)
         except TimeoutError:  # the deadline: the choices still running are cancelled below
-          e = self.timed_out()
-          yield _sse(protocol.error_body(e.message, e.type, code=e.code))
+          yield _sse(self.timed_out().body())
           failed = True
           break
         if chunk is None:
@@ -600,7 +602,7 @@ def create_app(
   answered 504 (a stream: an error event); None = no deadline. The caller owns the scheduler:
   it starts it before serving and shuts it down after the HTTP server stops; `app.state.drain`
   (a `Drain`) refuses new requests and waits for those in flight before that
-  (`lifecycle.DrainingServer`).
+  (`draining.DrainingServer`).
   """
   server = _Server(scheduler, model_name, api_key, max_body_bytes, chat_template, request_timeout_s)
   counts: collections.Counter = collections.Counter()

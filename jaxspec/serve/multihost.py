@@ -283,24 +283,26 @@ class TickChannel:
     error event), waits until their replies are taken (at most `grace_s`), then exits with
     `EXIT_LOST`. The scheduler thread may be stuck in a collective: nothing waits for it. Only
     the first call acts."""
+    self._end(reason, abort=True)
+
+  def die(self, reason: str) -> None:
+    """Follower: the group is lost (the leader is silent or gone, or a tick failed): exits
+    with `EXIT_LOST` at once."""
+    self._end(reason, abort=False)
+
+  def _end(self, reason: str, abort: bool) -> None:
+    """`lost` and `die`: the first call stops the heartbeat, says why, (`abort`) ends every
+    request and waits for the replies, then exits with `EXIT_LOST`."""
     if not self._lost.acquire(blocking=False):
       return
     if self.heartbeat is not None:
       self.heartbeat.stop()
     message = f"the multi-host group is lost: {reason}"
-    print(f"jaxspec: {message}; ending every request, exit {EXIT_LOST}", file=sys.stderr)
-    handles = self._scheduler.abort(message) if self._scheduler is not None else []
-    _await_replies(handles, self.grace_s)
-    self._exit(EXIT_LOST)
-
-  def die(self, reason: str) -> None:
-    """Follower: the group is lost (the leader is silent or gone, or a tick failed): exits
-    with `EXIT_LOST` at once."""
-    if not self._lost.acquire(blocking=False):
-      return
-    if self.heartbeat is not None:
-      self.heartbeat.stop()
-    print(f"jaxspec: the multi-host group is lost: {reason}; exit {EXIT_LOST}", file=sys.stderr)
+    doing = "ending every request, " if abort else ""
+    print(f"jaxspec: {message}; {doing}exit {EXIT_LOST}", file=sys.stderr)
+    if abort:
+      handles = self._scheduler.abort(message) if self._scheduler is not None else []
+      _await_replies(handles, self.grace_s)
     self._exit(EXIT_LOST)
 
 

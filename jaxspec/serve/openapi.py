@@ -98,6 +98,8 @@ _REPLY = {
   },
 }
 
+# A property's keys that describe it rather than constrain it (kept when it is restated).
+_ANNOTATIONS = ("default", "title", "description")
 # One server-sent event: its data is a JSON chunk (or an error), the last one "[DONE]".
 _EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 
@@ -107,7 +109,7 @@ def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
   options = prop.get("anyOf", [prop])
   if any(o.get("type") == "null" for o in options):
     return prop
-  rest = {k: v for k, v in prop.items() if k in ("default", "title", "description")}
+  rest = {k: v for k, v in prop.items() if k in _ANNOTATIONS}
   inner = {k: v for k, v in prop.items() if k not in rest}
   return {"anyOf": [*inner.get("anyOf", [inner]), {"type": "null"}], **rest}
 
@@ -122,7 +124,7 @@ def request_schemas(model_name: str, max_choices: int) -> dict[str, Any]:
   for name, refined in _REFINED.items():
     props = schemas[name]["properties"]
     for key, value in refined.items():
-      kept = {k: v for k, v in props[key].items() if k in ("default", "title", "description")}
+      kept = {k: v for k, v in props[key].items() if k in _ANNOTATIONS}
       props[key] = {**value, **kept}
     props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
     props["n"]["maximum"] = max_choices

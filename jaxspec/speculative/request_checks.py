@@ -102,12 +102,13 @@ class RequestChecks:
         )
     for i, (p, m) in enumerate(zip(ids, request.max_new_tokens)):
       need = len(p) + m + self.lookahead + 1
-      if m > self.max_new_tokens_for(len(p)):
+      room = self.max_new_tokens_for(len(p))
+      if m > room:
         raise InputError(
           f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} and "
           f"{self.verifier.describe()} per step "
           f"it needs {need} slots, more than max_len={cfg.max_len}",
-          "max_new_tokens" if self.max_new_tokens_for(len(p)) > 0 else "prompt",
+          "max_new_tokens" if room > 0 else "prompt",  # the prompt alone does not fit
         )
     return ids, stop_ids
 

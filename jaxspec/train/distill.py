@@ -114,16 +114,35 @@ def _meta(target: TargetModel, tokenizer: Any, cfg: DistillConfig, ids: Sequence
   return meta
 
 
-def _matches(out_dir: str, meta: dict) -> bool:
+def set_fingerprint(out_dir: str) -> str:
+  """A built set's identity: the sha256 of its meta.json (settings, target and tokenizer
+  hashes, the sets it grew from). `target_cache` keys a cache by it; `grown_from` names a set's
+  ancestors by it."""
+  with open(os.path.join(out_dir, "meta.json"), "rb") as fh:
+    return _sha256(fh.read())
+
+
+def _sha256(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def _stored(out_dir: str) -> tuple[dict, str] | None:
+  """The complete set in `out_dir`: (its meta, its `set_fingerprint`); None if there is none."""
   path = os.path.join(out_dir, "meta.json")
-  if not os.path.exists(path):
-    return False
-  with open(path, encoding="utf-8") as fh:
-    old = json.load(fh)
-  keys = ("config", "target", "tokenizer", "num_prompts", "prompt_ids")
-  return all(old.get(k) == json.loads(json.dumps(meta.get(k))) for k in keys) and all(
+  if not os.path.exists(path) or not all(
     os.path.exists(os.path.join(out_dir, f + ".npy")) for f in _FILES
-  )
+  ):
+    return None
+  with open(path, "rb") as fh:
+    raw = fh.read()
+  return json.loads(raw), _sha256(raw)
+
+
+def _matches(stored: tuple[dict, str] | None, meta: dict) -> bool:
+  if stored is None:
+    return False
+  keys = ("config", "target", "tokenizer", "num_prompts", "prompt_ids")
+  return all(stored[0].get(k) == json.loads(json.dumps(meta.get(k))) for k in keys)
 
 
 def generate(
@@ -216,19 +235,16 @@ def prompt_ids(
   return ids, stop
 
 
-def _grown_set(out_dir: str, meta: dict, ids: Sequence[Sequence[int]]) -> dict | None:
-  """The built set in `out_dir`, if `meta` only asks for more prompts of the same selection:
-  {"arrays": its arrays, "meta": its meta, "sha": its meta.json's hash, "added": the prompts
-  of `ids` it lacks}; None when it must be built anew (other settings, target or tokenizer,
-  or a prompt it holds that the new selection does not)."""
-  path = os.path.join(out_dir, "meta.json")
-  if not os.path.exists(path) or not all(
-    os.path.exists(os.path.join(out_dir, f + ".npy")) for f in _FILES
-  ):
+def _grown_set(
+  out_dir: str, stored: tuple[dict, str] | None, meta: dict, ids: Sequence[Sequence[int]]
+) -> dict | None:
+  """The set `stored` in `out_dir`, if `meta` only asks for more prompts of the same selection:
+  {"arrays": its arrays, "meta": its meta, "sha": its fingerprint, "added": the prompts of `ids`
+  it lacks}; None when it must be built anew (other settings, target or tokenizer, or a prompt
+  it holds that the new selection does not)."""
+  if stored is None:
     return None
-  with open(path, "rb") as fh:
-    raw = fh.read()
-  old = json.loads(raw)
+  old, sha = stored
   new = json.loads(json.dumps(meta))
   same = {k: v for k, v in new["config"].items() if k != "num_prompts"}
   if old.get("target") != new["target"] or old.get("tokenizer") != new["tokenizer"]:
@@ -243,7 +259,6 @@ def _grown_set(out_dir: str, meta: dict, ids: Sequence[Sequence[int]]) -> dict |
   if not held <= set(wanted):
     return None
   added = [list(x) for x in dict.fromkeys(wanted) if x not in held]
-  sha = hashlib.sha256(raw).hexdigest()
   return {"arrays": arrays, "meta": old, "sha": sha, "added": added, "held": len(held)}
 
 
@@ -260,11 +275,14 @@ def build(
   """
   ids, stop = prompt_ids(target, tokenizer, cfg)
   meta = _meta(target, tokenizer, cfg, ids)
-  if not force and _matches(out_dir, meta):
+  stored = None if force else _stored(out_dir)
+  if _matches(stored, meta):
     logging.info("reusing the distillation data in %s", out_dir)
     return out_dir
-  base = None if force else _grown_set(out_dir, meta, ids)
+  base = _grown_set(out_dir, stored, meta, ids)
   todo = ids if base is None else base["added"]
+  pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+  parts: dict[str, list[np.ndarray]] = {f: [] for f in _FILES}
   if base is not None:
     logging.info(
       "distill: growing %s: keeping its %d prompts, continuing %d more",
@@ -272,9 +290,6 @@ def build(
       base["held"],
       len(todo),
     )
-  pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-  parts: dict[str, list[np.ndarray]] = {f: [] for f in _FILES}
-  if base is not None:
     for f in _FILES:
       parts[f].append(base["arrays"][f])
   t0 = time.time()

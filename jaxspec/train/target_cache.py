@@ -27,7 +27,6 @@ instead of running the target (`drafter_trainer.make_loss_fn`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -42,6 +41,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import ConfigError
 from jaxspec.models import target as target_lib
 from jaxspec.models.target import TargetModel
+from jaxspec.train import distill
 
 FILES = ("taps", "top_ids", "top_logp")
 
@@ -62,17 +62,11 @@ class TargetCacheConfig:
       raise ConfigError(f"top_k and batch_size must be ≥ 1, got {self.top_k}, {self.batch_size}")
 
 
-def _fingerprint(distill_dir: str) -> str:
-  """The distillation set's identity: its meta.json (settings, target and tokenizer hashes)."""
-  with open(os.path.join(distill_dir, "meta.json"), "rb") as fh:
-    return hashlib.sha256(fh.read()).hexdigest()
-
-
 def _meta(distill_dir: str, cfg: TargetCacheConfig, shape: tuple[int, int]) -> dict:
   return {
     "taps": list(cfg.taps),
     "top_k": cfg.top_k,
-    "distill": _fingerprint(distill_dir),
+    "distill": distill.set_fingerprint(distill_dir),
     "rows": shape[0],
     "seq_len": shape[1],
   }
